@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# One entry point for a fresh machine: creates .venv, installs swarmtrain (torch pinned), then runs
+#   scripts/dev.sh demo [args]   the one-machine swarm demo
+#   scripts/dev.sh test [args]   the test suite (+ ruff)
+#   scripts/dev.sh sh CMD...     any command inside the venv
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+TORCH_VERSION=${SWARMTRAIN_TORCH:-2.13.0}
+
+setup() {
+  if [ ! -x .venv/bin/python ]; then
+    "$PY" -m venv .venv
+  fi
+  local stamp=.venv/.swarmtrain-installed want
+  want="$(cat pyproject.toml | sha256sum | cut -d' ' -f1) torch=$TORCH_VERSION"
+  if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+    .venv/bin/python -m pip install -q --upgrade pip
+    .venv/bin/python -m pip install -q "torch==$TORCH_VERSION" -e ".[dev]"
+    echo "$want" > "$stamp"
+  fi
+}
+
+cmd=${1:-}
+[ $# -gt 0 ] && shift
+case "$cmd" in
+  demo)
+    setup
+    exec .venv/bin/swarmtrain demo "$@"
+    ;;
+  test)
+    setup
+    .venv/bin/ruff check swarmtrain tests benchmarks
+    set +e
+    .venv/bin/python -m pytest "$@"
+    rc=$?
+    set -e
+    if [ "$rc" -eq 5 ]; then
+      echo "pytest collected no tests: treating as a failure" >&2
+      exit 1
+    fi
+    exit "$rc"
+    ;;
+  sh)
+    setup
+    PATH="$PWD/.venv/bin:$PATH" exec "$@"
+    ;;
+  *)
+    echo "usage: scripts/dev.sh {demo|test|sh} [args]" >&2
+    exit 2
+    ;;
+esac

@@ -1,0 +1,34 @@
+"""The Averager protocol: how the DiLoCo loop asks the swarm for the mean pseudo-gradient."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+__all__ = ["AverageResult", "Averager"]
+
+
+@dataclass(frozen=True)
+class AverageResult:
+    """The outcome of one round's averaging, identical on every member of the round's group.
+
+    `mean` is the fp32 mean of the members' pseudo-gradients (flat, like the input) when the
+    round committed, else None: a caller never applies an outer step on an aborted round.
+    """
+
+    round: int
+    committed: bool
+    mean: torch.Tensor | None
+    members: tuple[str, ...] = ()
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    reason: str = ""  # why the round aborted, or who failed and was worked around
+    failed: tuple[str, ...] = field(default=())
+
+
+class Averager(Protocol):
+    """Averages one flat fp32 pseudo-gradient per peer per round (blocking, with deadlines)."""
+
+    def average(self, round_index: int, delta: torch.Tensor) -> AverageResult: ...

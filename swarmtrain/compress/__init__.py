@@ -1,0 +1,1 @@
+"""tensors <-> bytes, no networking. codec.py: the Codec protocol."""

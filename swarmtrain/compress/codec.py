@@ -1,0 +1,31 @@
+"""The Codec protocol: tensors <-> self-describing bytes, plus the reducer's decode-accumulate."""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+__all__ = ["Codec", "CodecError"]
+
+
+class CodecError(ValueError):
+    """Encoded bytes are malformed (bad header, truncated, oversized, non-finite scales...)."""
+
+
+@runtime_checkable
+class Codec(Protocol):
+    """Encodes a tensor into the versioned wire format and back.
+
+    `decode` returns a new fp32 tensor of the encoded shape; `decode_accumulate` adds the decoded
+    values into `out` (fp32, same number of elements) without allocating the decoded tensor.
+    Both raise `CodecError` on any malformed input and never return a wrong tensor.
+    """
+
+    name: str
+
+    def encode(self, tensor: torch.Tensor) -> bytes: ...
+
+    def decode(self, data: bytes | bytearray | memoryview) -> torch.Tensor: ...
+
+    def decode_accumulate(self, data: bytes | bytearray | memoryview, out: torch.Tensor) -> None: ...

@@ -1,0 +1,1 @@
+"""fused CPU and CUDA kernels for the codecs (built at run time)."""

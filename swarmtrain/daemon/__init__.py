@@ -1,0 +1,1 @@
+"""the thin CLI: cli.py dispatches to one cmd_*.py module per subcommand."""

@@ -1,0 +1,48 @@
+"""The `swarmtrain` command: one subcommand per module, heavy imports deferred to `run()`."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+
+from swarmtrain.config import ConfigError
+
+__all__ = ["main"]
+
+# subcommand -> module exposing HELP, add_arguments(parser) and run(args) -> int.
+COMMANDS: dict[str, str] = {
+    "config": "swarmtrain.daemon.cmd_config",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="swarmtrain", description="Decentralized DiLoCo training over the internet.")
+    parser.add_argument("--log-level", default="WARNING", help="logging level for the library (default: WARNING)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, module_name in COMMANDS.items():
+        module = importlib.import_module(module_name)
+        p = sub.add_parser(name, help=module.HELP, description=module.HELP)
+        module.add_arguments(p)
+        p.set_defaults(_module=module)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args._module.run(args) or 0)
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"swarmtrain {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

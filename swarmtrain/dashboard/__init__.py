@@ -1,0 +1,1 @@
+"""HTTP dashboard: page, JSON API, /metrics."""

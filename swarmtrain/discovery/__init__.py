@@ -1,0 +1,1 @@
+"""the only importer of hivemind: typed signed records on the DHT, an in-memory twin for tests."""

@@ -1,0 +1,119 @@
+"""A small, readable GPT: pre-norm blocks, causal SDPA attention, tied embeddings."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from swarmtrain.config import ModelConfig
+from swarmtrain.models.presets import PRESETS, GPTShape
+
+__all__ = ["GPT", "build_model", "resolve_shape"]
+
+
+def resolve_shape(cfg: ModelConfig) -> GPTShape:
+    """The preset's shape with any explicit (> 0) fields of `cfg` taking precedence."""
+    base = PRESETS[cfg.preset]
+    shape = GPTShape(
+        n_layer=cfg.n_layer or base.n_layer,
+        n_head=cfg.n_head or base.n_head,
+        n_embd=cfg.n_embd or base.n_embd,
+        context_len=cfg.context_len or base.context_len,
+    )
+    if shape.n_embd % shape.n_head:
+        raise ValueError(f"model.n_embd ({shape.n_embd}) must be divisible by model.n_head ({shape.n_head})")
+    return shape
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, shape: GPTShape, dropout: float) -> None:
+        super().__init__()
+        self.n_head = shape.n_head
+        self.qkv = nn.Linear(shape.n_embd, 3 * shape.n_embd, bias=False)
+        self.proj = nn.Linear(shape.n_embd, shape.n_embd, bias=False)
+        self.dropout = dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, T, C)
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        return self.proj(y.transpose(1, 2).contiguous().view(b, t, c))
+
+
+class Block(nn.Module):
+    def __init__(self, shape: GPTShape, dropout: float) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(shape.n_embd)
+        self.attn = CausalSelfAttention(shape, dropout)
+        self.ln2 = nn.LayerNorm(shape.n_embd)
+        self.mlp = nn.Sequential(
+            nn.Linear(shape.n_embd, 4 * shape.n_embd, bias=False),
+            nn.GELU(),
+            nn.Linear(4 * shape.n_embd, shape.n_embd, bias=False),
+            nn.Dropout(dropout),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer over `vocab_size` tokens; `forward(idx, targets)` -> (logits, loss)."""
+
+    def __init__(self, shape: GPTShape, *, vocab_size: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.shape = shape
+        self.vocab_size = vocab_size
+        self.tok_emb = nn.Embedding(vocab_size, shape.n_embd)
+        self.pos_emb = nn.Embedding(shape.context_len, shape.n_embd)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(Block(shape, dropout) for _ in range(shape.n_layer))
+        self.ln_f = nn.LayerNorm(shape.n_embd)
+        self.head = nn.Linear(shape.n_embd, vocab_size, bias=False)
+        self.head.weight = self.tok_emb.weight  # tied embeddings
+        self.apply(self._init_weights)
+        # GPT-2's scaled init of residual projections keeps the residual stream's variance flat.
+        for name, p in self.named_parameters():
+            if name.endswith("proj.weight") or name.endswith("mlp.2.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * shape.n_layer))
+
+    @staticmethod
+    def _init_weights(m: nn.Module) -> None:
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # idx (B, T) -> logits (B, T, V)
+        _, t = idx.shape
+        if t > self.shape.context_len:
+            raise ValueError(f"sequence length {t} exceeds the model's context_len {self.shape.context_len}")
+        pos = torch.arange(t, device=idx.device)
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln_f(x))
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+        return logits, loss
+
+
+def build_model(cfg: ModelConfig, *, seed: int | None = None) -> GPT:
+    """Build a GPT from config; with `seed` the initial weights are reproducible."""
+    shape = resolve_shape(cfg)
+    if seed is None:
+        return GPT(shape, vocab_size=cfg.vocab_size, dropout=cfg.dropout)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return GPT(shape, vocab_size=cfg.vocab_size, dropout=cfg.dropout)

@@ -1,0 +1,1 @@
+"""SWARM pipeline parallelism: stage servers, router, rebalancer."""

@@ -1,0 +1,1 @@
+"""the only importer of grpc: servers, clients, deadlines, retries, chunked streams."""

@@ -1,0 +1,1 @@
+"""state transfer to joining peers, checkpoints."""

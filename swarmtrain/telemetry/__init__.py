@@ -1,0 +1,1 @@
+"""metrics and the StatusSnapshot the dashboard reads."""

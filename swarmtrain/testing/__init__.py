@@ -1,0 +1,5 @@
+"""Test helpers (wait_until, LocalSwarm, FaultPlan, fakes); imported by tests only, never by the library."""
+
+from swarmtrain.testing.wait import wait_until
+
+__all__ = ["wait_until"]
