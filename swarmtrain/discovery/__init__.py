@@ -1,1 +1,29 @@
-"""the only importer of hivemind: typed signed records on the DHT, an in-memory twin for tests."""
+"""The only importer of hivemind: typed signed records on the DHT, an in-memory twin for tests.
+
+records.py    RunRecord, PeerRecord, MatchEntry, GroupRecord: frozen, validated on decode
+protocol.py   the Discovery protocol and RecordDirectory (typed records over owner-signed slots)
+memory.py     InMemoryRegistry + InMemoryDiscovery (no sockets)
+hivemind_dht.py  HivemindDiscovery: one hivemind.DHT per peer, RSA owner-signed subkeys (import it
+              explicitly: importing hivemind is heavy, so this package does not)
+heartbeat.py  Heartbeat: keep this peer's record alive, withdraw on leave
+"""
+
+from swarmtrain.discovery.heartbeat import Heartbeat
+from swarmtrain.discovery.memory import InMemoryDiscovery, InMemoryRegistry
+from swarmtrain.discovery.protocol import Discovery, DiscoveryError, RecordDirectory, RunConflictError
+from swarmtrain.discovery.records import GroupRecord, MatchEntry, PeerRecord, RecordError, RunRecord
+
+__all__ = [
+    "Discovery",
+    "DiscoveryError",
+    "GroupRecord",
+    "Heartbeat",
+    "InMemoryDiscovery",
+    "InMemoryRegistry",
+    "MatchEntry",
+    "PeerRecord",
+    "RecordDirectory",
+    "RecordError",
+    "RunConflictError",
+    "RunRecord",
+]

@@ -1,0 +1,189 @@
+"""The Discovery protocol (async, a deadline on every call) and the typed layer both backends share.
+
+A backend stores opaque values under `(key, owner)`: only the owner may write its own slot (the
+hivemind backend enforces this with RSA signatures, the in-memory one by construction). Every key
+is namespaced by the run id. `RecordDirectory` turns those slots into validated typed records:
+a slot that fails to decode (garbage, wrong run, owned by someone else) is logged and skipped,
+never raised, so one hostile peer cannot stop the others from reading the swarm.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol, TypeVar, runtime_checkable
+
+from swarmtrain.discovery.records import (
+    GroupRecord,
+    MatchEntry,
+    PeerRecord,
+    Record,
+    RecordError,
+    RunRecord,
+    decode_record,
+)
+
+__all__ = ["Discovery", "DiscoveryError", "RawSlot", "RecordDirectory", "RunConflictError"]
+
+log = logging.getLogger(__name__)
+R = TypeVar("R", bound=Record)
+
+
+class DiscoveryError(RuntimeError):
+    """The control plane could not do what was asked (store refused, timeout, closed)."""
+
+
+class RunConflictError(ValueError):
+    """Several signers published a run record and no coordinator id was given to pick one."""
+
+
+@dataclass(frozen=True)
+class RawSlot:
+    """One owner's value under a key, as a backend returns it (`signer_id` proven by the backend)."""
+
+    signer_id: str | None  # None: the backend could not attribute the value to an owner
+    value: object
+    expires_at: float
+
+
+@runtime_checkable
+class Discovery(Protocol):
+    """Who is in the run, the run config, and each round's matchmaking records."""
+
+    @property
+    def peer_id(self) -> str: ...
+
+    @property
+    def run_id(self) -> str: ...
+
+    async def publish_run(self, record: RunRecord, *, timeout_s: float) -> None: ...
+
+    async def fetch_run(self, *, coordinator_id: str | None = None, timeout_s: float) -> RunRecord | None: ...
+
+    async def announce(self, record: PeerRecord, *, timeout_s: float) -> None: ...
+
+    async def live_peers(self, *, timeout_s: float) -> tuple[PeerRecord, ...]: ...
+
+    async def withdraw(self, *, timeout_s: float) -> None: ...
+
+    async def post_entry(self, entry: MatchEntry, *, timeout_s: float) -> None: ...
+
+    async def round_entries(self, round_index: int, *, timeout_s: float) -> tuple[MatchEntry, ...]: ...
+
+    async def post_group(self, record: GroupRecord, *, timeout_s: float) -> None: ...
+
+    async def round_groups(self, round_index: int, *, timeout_s: float) -> tuple[GroupRecord, ...]: ...
+
+    async def aclose(self) -> None: ...
+
+
+class RecordDirectory(abc.ABC):
+    """Implements `Discovery` over a backend's owner-slot `_put`/`_get`/`_delete`."""
+
+    def __init__(self, *, run_id: str, record_ttl_s: float, clock: Callable[[], float] = time.time) -> None:
+        if record_ttl_s <= 0:
+            raise ValueError(f"record_ttl_s must be > 0, got {record_ttl_s}")
+        self._run_id = run_id
+        self._ttl_s = record_ttl_s
+        self._clock = clock
+        self._prefix = f"swarmtrain/{run_id}/"
+
+    # ---------------------------------------------------------------- backend hooks
+
+    @property
+    @abc.abstractmethod
+    def peer_id(self) -> str: ...
+
+    @abc.abstractmethod
+    async def _put(self, key: str, value: bytes, *, expires_at: float, timeout_s: float) -> None: ...
+
+    @abc.abstractmethod
+    async def _get(self, key: str, *, timeout_s: float) -> Sequence[RawSlot]: ...
+
+    @abc.abstractmethod
+    async def _delete(self, key: str, *, timeout_s: float) -> None: ...
+
+    @abc.abstractmethod
+    async def aclose(self) -> None: ...
+
+    # ---------------------------------------------------------------- typed API
+
+    @property
+    def run_id(self) -> str:
+        return self._run_id
+
+    def now(self) -> float:
+        return float(self._clock())
+
+    def _key(self, name: str) -> str:
+        return self._prefix + name
+
+    def _check_own(self, record: Record) -> None:
+        if record.owner_id != self.peer_id:
+            raise RecordError(f"{record.KIND}: owned by {record.owner_id!r}; this peer is {self.peer_id!r}")
+        if getattr(record, "run_id") != self._run_id:  # noqa: B009
+            raise RecordError(f"{record.KIND}: run {getattr(record, 'run_id')!r} is not {self._run_id!r}")  # noqa: B009
+
+    async def _decoded(self, cls: type[R], key: str, *, timeout_s: float) -> list[R]:
+        out: list[R] = []
+        for slot in await self._get(key, timeout_s=timeout_s):
+            try:
+                if slot.signer_id is None:
+                    raise RecordError(f"{cls.KIND}: unsigned record")
+                out.append(decode_record(cls, slot.value, run_id=self._run_id, signer_id=slot.signer_id))
+            except RecordError as e:
+                log.warning("rejected a %s record under %s from %s: %s", cls.KIND, key, slot.signer_id, e)
+        return out
+
+    async def publish_run(self, record: RunRecord, *, timeout_s: float) -> None:
+        self._check_own(record)
+        # The run record outlives peers: it must survive a coordinator restart window.
+        await self._put(self._key("run"), record.encode(), expires_at=self.now() + max(self._ttl_s, 3600.0),
+                        timeout_s=timeout_s)
+
+    async def fetch_run(self, *, coordinator_id: str | None = None, timeout_s: float) -> RunRecord | None:
+        records = await self._decoded(RunRecord, self._key("run"), timeout_s=timeout_s)
+        if coordinator_id is not None:
+            records = [r for r in records if r.coordinator_id == coordinator_id]
+        if not records:
+            return None
+        signers = sorted({r.coordinator_id for r in records})
+        if len(signers) > 1:
+            raise RunConflictError(f"run {self._run_id!r} has run records signed by {signers}; "
+                                   "pass the coordinator's peer id to choose")
+        return max(records, key=lambda r: r.updated_at)
+
+    async def announce(self, record: PeerRecord, *, timeout_s: float) -> None:
+        self._check_own(record)
+        await self._put(self._key("peers"), record.encode(), expires_at=record.heartbeat_at + self._ttl_s,
+                        timeout_s=timeout_s)
+
+    async def live_peers(self, *, timeout_s: float) -> tuple[PeerRecord, ...]:
+        now = self.now()
+        records = await self._decoded(PeerRecord, self._key("peers"), timeout_s=timeout_s)
+        live = [r for r in records if r.heartbeat_at + self._ttl_s > now]
+        return tuple(sorted(live, key=lambda r: r.peer_id))
+
+    async def withdraw(self, *, timeout_s: float) -> None:
+        await self._delete(self._key("peers"), timeout_s=timeout_s)
+
+    async def post_entry(self, entry: MatchEntry, *, timeout_s: float) -> None:
+        self._check_own(entry)
+        await self._put(self._key(f"round/{entry.round}/entries"), entry.encode(),
+                        expires_at=entry.posted_at + self._ttl_s, timeout_s=timeout_s)
+
+    async def round_entries(self, round_index: int, *, timeout_s: float) -> tuple[MatchEntry, ...]:
+        records = await self._decoded(MatchEntry, self._key(f"round/{round_index}/entries"), timeout_s=timeout_s)
+        return tuple(sorted((r for r in records if r.round == round_index), key=lambda r: r.member.peer_id))
+
+    async def post_group(self, record: GroupRecord, *, timeout_s: float) -> None:
+        self._check_own(record)
+        await self._put(self._key(f"round/{record.round}/group"), record.encode(),
+                        expires_at=record.window_close_at + self._ttl_s, timeout_s=timeout_s)
+
+    async def round_groups(self, round_index: int, *, timeout_s: float) -> tuple[GroupRecord, ...]:
+        records = await self._decoded(GroupRecord, self._key(f"round/{round_index}/group"), timeout_s=timeout_s)
+        return tuple(sorted((r for r in records if r.round == round_index), key=lambda r: r.leader_id))

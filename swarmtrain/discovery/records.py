@@ -1,0 +1,308 @@
+"""Typed control-plane records (run, peer, matchmaking entry, group) and their validated JSON codec."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeVar
+
+from swarmtrain.averaging.group import Member
+from swarmtrain.config import ConfigError, RunConfig, from_dict
+
+__all__ = [
+    "ROLES",
+    "GroupRecord",
+    "MatchEntry",
+    "PeerRecord",
+    "Record",
+    "RecordError",
+    "RunRecord",
+    "check_endpoint",
+    "decode_record",
+]
+
+ROLES = ("coordinator", "worker", "stage_server", "trainer")
+MAX_RECORD_BYTES = 1 << 20  # a run config is a few KiB; anything near this is hostile
+MAX_GROUP_MEMBERS = 4096
+_PEER_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+_HEX_RE = re.compile(r"^[0-9a-f]{0,128}$")
+_ENDPOINT_RE = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]{1,253}):(\d{1,5})$")
+
+
+class RecordError(ValueError):
+    """A control-plane record failed validation; the message names the field and the record kind."""
+
+
+def _field(kind: str, name: str, msg: str) -> RecordError:
+    return RecordError(f"{kind}.{name}: {msg}")
+
+
+def _str(kind: str, d: Mapping[str, Any], name: str) -> str:
+    v = d.get(name)
+    if not isinstance(v, str):
+        raise _field(kind, name, f"expected a string, got {type(v).__name__}")
+    return v
+
+
+def _int(kind: str, d: Mapping[str, Any], name: str) -> int:
+    v = d.get(name)
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        raise _field(kind, name, f"expected an int >= 0, got {v!r}")
+    return v
+
+
+def _float(kind: str, d: Mapping[str, Any], name: str) -> float:
+    v = d.get(name)
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
+        raise _field(kind, name, f"expected a finite number >= 0, got {v!r}")
+    return float(v)
+
+
+def _bool(kind: str, d: Mapping[str, Any], name: str) -> bool:
+    v = d.get(name)
+    if not isinstance(v, bool):
+        raise _field(kind, name, f"expected a bool, got {v!r}")
+    return v
+
+
+def _peer_id(kind: str, d: Mapping[str, Any], name: str) -> str:
+    v = _str(kind, d, name)
+    if not _PEER_ID_RE.match(v):
+        raise _field(kind, name, f"{v[:40]!r} is not a peer id ([A-Za-z0-9._-], 1-128 chars)")
+    return v
+
+
+def check_endpoint(kind: str, endpoint: str, *, client_mode: bool) -> None:
+    """An endpoint is host:port with 1 <= port <= 65535; client-mode peers may leave it empty."""
+    if endpoint == "" and client_mode:
+        return
+    m = _ENDPOINT_RE.match(endpoint)
+    if not m or not 1 <= int(m.group(2)) <= 65535:
+        raise _field(kind, "endpoint", f"{endpoint[:80]!r} is not host:port")
+
+
+def _member(kind: str, d: Any) -> Member:
+    if not isinstance(d, Mapping):
+        raise _field(kind, "members", f"each member must be an object, got {type(d).__name__}")
+    client_mode = _bool(kind, d, "client_mode")
+    endpoint = _str(kind, d, "endpoint")
+    check_endpoint(kind, endpoint, client_mode=client_mode)
+    return Member(peer_id=_peer_id(kind, d, "peer_id"), endpoint=endpoint, client_mode=client_mode,
+                  bandwidth_bytes_per_s=_float(kind, d, "bandwidth_bytes_per_s"))
+
+
+def _member_dict(m: Member) -> dict[str, Any]:
+    return {"peer_id": m.peer_id, "endpoint": m.endpoint, "client_mode": m.client_mode,
+            "bandwidth_bytes_per_s": m.bandwidth_bytes_per_s}
+
+
+R = TypeVar("R", bound="Record")
+
+
+class Record:
+    """Shared JSON codec: `encode()` -> bytes, `decode(bytes)` validates every field or raises RecordError."""
+
+    KIND: ClassVar[str]
+
+    @property
+    def owner_id(self) -> str:
+        """The peer whose key must have signed this record."""
+        raise NotImplementedError
+
+    def to_json(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    @classmethod
+    def from_json(cls: type[R], d: Mapping[str, Any]) -> R:
+        raise NotImplementedError
+
+    def encode(self) -> bytes:
+        return json.dumps({"kind": self.KIND, **self.to_json()}, separators=(",", ":"), sort_keys=True).encode()
+
+
+def decode_record(cls: type[R], data: Any, *, run_id: str, signer_id: str | None) -> R:
+    """Parse and validate `data` as a `cls` of run `run_id`; `signer_id` (if known) must own it."""
+    kind = cls.KIND
+    if not isinstance(data, (bytes, bytearray)):
+        raise RecordError(f"{kind}: expected bytes, got {type(data).__name__}")
+    if len(data) > MAX_RECORD_BYTES:
+        raise RecordError(f"{kind}: {len(data)} bytes exceeds the {MAX_RECORD_BYTES}-byte limit")
+    try:
+        d = json.loads(bytes(data).decode("utf-8"), parse_constant=_reject_constant)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise RecordError(f"{kind}: not a JSON record ({e})") from e
+    if not isinstance(d, dict):
+        raise RecordError(f"{kind}: expected a JSON object, got {type(d).__name__}")
+    if d.get("kind") != kind:
+        raise _field(kind, "kind", f"expected {kind!r}, got {d.get('kind')!r}")
+    record = cls.from_json(d)
+    rec_run = getattr(record, "run_id")  # noqa: B009 - every record kind has run_id
+    if rec_run != run_id:
+        raise _field(kind, "run_id", f"record is for run {rec_run!r}, not {run_id!r}")
+    if signer_id is not None and record.owner_id != signer_id:
+        raise RecordError(f"{kind}: owned by {record.owner_id!r} but signed by {signer_id!r}")
+    return record
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not allowed in a record")
+
+
+@dataclass(frozen=True)
+class RunRecord(Record):
+    """The run as the coordinator published it: its config (`to_dict(RunConfig)`) and current round."""
+
+    KIND: ClassVar[str] = "run"
+    run_id: str
+    coordinator_id: str
+    config: Mapping[str, Any] = field(hash=False)
+    round: int = 0
+    updated_at: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.run_config()  # a record that cannot build a RunConfig is never constructed
+
+    @property
+    def owner_id(self) -> str:
+        return self.coordinator_id
+
+    def run_config(self) -> RunConfig:
+        try:
+            cfg = from_dict(self.config)
+        except (ConfigError, TypeError) as e:
+            raise _field(self.KIND, "config", str(e)) from e
+        if cfg.train.run_id != self.run_id:
+            raise _field(self.KIND, "config", f"train.run_id {cfg.train.run_id!r} != run_id {self.run_id!r}")
+        return cfg
+
+    def to_json(self) -> dict[str, Any]:
+        return {"run_id": self.run_id, "coordinator_id": self.coordinator_id, "config": dict(self.config),
+                "round": self.round, "updated_at": self.updated_at}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> RunRecord:
+        k = cls.KIND
+        config = d.get("config")
+        if not isinstance(config, dict):
+            raise _field(k, "config", f"expected an object, got {type(config).__name__}")
+        return cls(run_id=_str(k, d, "run_id"), coordinator_id=_peer_id(k, d, "coordinator_id"), config=config,
+                   round=_int(k, d, "round"), updated_at=_float(k, d, "updated_at"))
+
+
+@dataclass(frozen=True)
+class PeerRecord(Record):
+    """One live peer, refreshed by its heartbeat; gone once `heartbeat_at + record_ttl_s` passes."""
+
+    KIND: ClassVar[str] = "peer"
+    run_id: str
+    peer_id: str
+    endpoint: str  # host:port of its gRPC server; "" for a client-mode peer
+    role: str = "worker"
+    client_mode: bool = False
+    round: int = 0
+    state_hash: str = ""  # hex digest of θ_global at `round`
+    throughput_tokens_per_s: float = 0.0
+    bandwidth_bytes_per_s: float = 0.0
+    heartbeat_at: float = 0.0  # unix seconds
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise _field(self.KIND, "role", f"{self.role!r} is not one of {ROLES}")
+        if not _HEX_RE.match(self.state_hash):
+            raise _field(self.KIND, "state_hash", f"{self.state_hash[:40]!r} is not lowercase hex")
+        check_endpoint(self.KIND, self.endpoint, client_mode=self.client_mode)
+
+    @property
+    def owner_id(self) -> str:
+        return self.peer_id
+
+    def to_member(self) -> Member:
+        return Member(peer_id=self.peer_id, endpoint=self.endpoint, client_mode=self.client_mode,
+                      bandwidth_bytes_per_s=self.bandwidth_bytes_per_s)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"run_id": self.run_id, "peer_id": self.peer_id, "endpoint": self.endpoint, "role": self.role,
+                "client_mode": self.client_mode, "round": self.round, "state_hash": self.state_hash,
+                "throughput_tokens_per_s": self.throughput_tokens_per_s,
+                "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s, "heartbeat_at": self.heartbeat_at}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> PeerRecord:
+        k = cls.KIND
+        return cls(run_id=_str(k, d, "run_id"), peer_id=_peer_id(k, d, "peer_id"), endpoint=_str(k, d, "endpoint"),
+                   role=_str(k, d, "role"), client_mode=_bool(k, d, "client_mode"), round=_int(k, d, "round"),
+                   state_hash=_str(k, d, "state_hash"),
+                   throughput_tokens_per_s=_float(k, d, "throughput_tokens_per_s"),
+                   bandwidth_bytes_per_s=_float(k, d, "bandwidth_bytes_per_s"),
+                   heartbeat_at=_float(k, d, "heartbeat_at"))
+
+
+@dataclass(frozen=True)
+class MatchEntry(Record):
+    """A peer's request to join round `round`'s group, posted at `posted_at` (its unix clock)."""
+
+    KIND: ClassVar[str] = "entry"
+    run_id: str
+    round: int
+    member: Member
+    posted_at: float
+
+    def __post_init__(self) -> None:
+        check_endpoint(self.KIND, self.member.endpoint, client_mode=self.member.client_mode)
+
+    @property
+    def owner_id(self) -> str:
+        return self.member.peer_id
+
+    def to_json(self) -> dict[str, Any]:
+        return {"run_id": self.run_id, "round": self.round, "member": _member_dict(self.member),
+                "posted_at": self.posted_at}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> MatchEntry:
+        k = cls.KIND
+        return cls(run_id=_str(k, d, "run_id"), round=_int(k, d, "round"), member=_member(k, d.get("member")),
+                   posted_at=_float(k, d, "posted_at"))
+
+
+@dataclass(frozen=True)
+class GroupRecord(Record):
+    """The leader's final member list for a round (sorted by peer_id); every member adopts exactly this."""
+
+    KIND: ClassVar[str] = "group"
+    run_id: str
+    round: int
+    leader_id: str
+    members: tuple[Member, ...]
+    window_close_at: float
+
+    def __post_init__(self) -> None:
+        ids = [m.peer_id for m in self.members]
+        if ids != sorted(ids) or len(set(ids)) != len(ids):
+            raise _field(self.KIND, "members", "must be unique and sorted by peer_id")
+        if len(ids) > MAX_GROUP_MEMBERS:
+            raise _field(self.KIND, "members", f"{len(ids)} members exceeds {MAX_GROUP_MEMBERS}")
+        if self.leader_id not in ids or self.leader_id != ids[0]:
+            raise _field(self.KIND, "leader_id", f"{self.leader_id!r} must be the smallest member id")
+
+    @property
+    def owner_id(self) -> str:
+        return self.leader_id
+
+    def to_json(self) -> dict[str, Any]:
+        return {"run_id": self.run_id, "round": self.round, "leader_id": self.leader_id,
+                "members": [_member_dict(m) for m in self.members], "window_close_at": self.window_close_at}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> GroupRecord:
+        k = cls.KIND
+        raw = d.get("members")
+        if not isinstance(raw, list):
+            raise _field(k, "members", f"expected a list, got {type(raw).__name__}")
+        if len(raw) > MAX_GROUP_MEMBERS:
+            raise _field(k, "members", f"{len(raw)} members exceeds {MAX_GROUP_MEMBERS}")
+        return cls(run_id=_str(k, d, "run_id"), round=_int(k, d, "round"), leader_id=_peer_id(k, d, "leader_id"),
+                   members=tuple(_member(k, m) for m in raw), window_close_at=_float(k, d, "window_close_at"))
