@@ -30,7 +30,7 @@ case "$cmd" in
     ;;
   test)
     setup
-    .venv/bin/ruff check swarmtrain tests benchmarks
+    .venv/bin/ruff check .
     set +e
     .venv/bin/python -m pytest "$@"
     rc=$?
