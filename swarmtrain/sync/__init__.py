@@ -1,1 +1,4 @@
-"""state transfer to joining peers, checkpoints."""
+"""State transfer to joining peers, checkpoints.
+
+checkpoint.py: crash-safe save/resume of a peer's whole state (safetensors + self-checked manifest).
+"""
