@@ -1,1 +1,27 @@
-"""metrics and the StatusSnapshot the dashboard reads."""
+"""Metrics and status. events.py: the READY/JSON-line stdout protocol; counters.py: per-round costs, StatusSnapshot."""
+
+from swarmtrain.telemetry.counters import RoundCounters, RoundTotals, StatusSnapshot
+from swarmtrain.telemetry.events import (
+    EventError,
+    EventWriter,
+    HealEvent,
+    LeaveEvent,
+    ReadyLine,
+    RoundEvent,
+    format_ready,
+    parse_line,
+)
+
+__all__ = [
+    "EventError",
+    "EventWriter",
+    "HealEvent",
+    "LeaveEvent",
+    "ReadyLine",
+    "RoundCounters",
+    "RoundEvent",
+    "RoundTotals",
+    "StatusSnapshot",
+    "format_ready",
+    "parse_line",
+]

@@ -1,0 +1,185 @@
+"""`swarmtrain demo`: a coordinator and N peers as subprocesses on 127.0.0.1, a live view, a summary."""
+
+from __future__ import annotations
+
+import argparse
+import queue
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from swarmtrain.daemon.children import Child, swarmtrain_argv
+from swarmtrain.daemon.options import add_config_options, config_from_args
+from swarmtrain.telemetry.events import Line
+from swarmtrain.telemetry.progress import RoundSummary, SwarmProgress, format_bytes, format_round
+
+HELP = "run a whole swarm on this machine (coordinator + N peers on 127.0.0.1) with a live progress view"
+
+# The default tiny run: a ~0.1M-parameter model on 2 MB of the stdlib corpus, short timeouts for loopback.
+DEMO_OVERRIDES: tuple[str, ...] = (
+    "model.preset=tiny",
+    "data.max_corpus_bytes=2000000",
+    "data.seq_len=64",
+    "data.batch_size=8",
+    "inner.warmup_steps=5",
+    "diloco.inner_steps=25",
+    "diloco.eval_batches=4",
+    "averaging.matchmaking_timeout_s=3.0",
+    "averaging.allreduce_timeout_s=15.0",
+    "discovery.heartbeat_s=1.0",
+    "discovery.record_ttl_s=6.0",
+    "rpc.call_timeout_s=5.0",
+    "train.threads=1",
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--peers", type=int, default=3, help="number of peers (default: 3)")
+    parser.add_argument("--rounds", type=int, default=5, help="outer rounds to train (default: 5)")
+    parser.add_argument("--log-dir", help="where the children's logs go (default: a new temporary directory)")
+    parser.add_argument("--timeout-s", type=float, default=600.0, help="give up after this long (default: 600)")
+    parser.add_argument("--start-timeout-s", type=float, default=120.0,
+                        help="how long each process may take to print READY (default: 120)")
+    add_config_options(parser)
+
+
+@dataclass(frozen=True)
+class DemoOutcome:
+    rounds_committed: int
+    rounds_disagreeing: int
+    first_val_loss: float | None
+    last_val_loss: float | None
+    bytes_sent: int
+    peers_failed: tuple[str, ...]
+
+    @property
+    def ok(self) -> bool:
+        return self.rounds_committed > 0 and self.rounds_disagreeing == 0 and not self.peers_failed
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.peers < 1:
+        raise DemoError(f"--peers must be >= 1, got {args.peers}")
+    if args.rounds < 1:
+        raise DemoError(f"--rounds must be >= 1, got {args.rounds}")
+    overrides = [*DEMO_OVERRIDES, f"diloco.rounds={args.rounds}",
+                 f"averaging.min_peers={min(2, args.peers)}", *args.overrides]
+    config_args = ["--config", args.config] if args.config else []
+    config_from_args(argparse.Namespace(config=args.config, overrides=overrides))  # fail fast on bad --set
+    log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="swarmtrain-demo-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    lines: queue.Queue[tuple[str, Line]] = queue.Queue()
+    children: list[Child] = []
+    previous = _raise_on_sigterm()
+    started = time.monotonic()
+    try:
+        _say(f"swarmtrain demo: coordinator + {args.peers} peers on 127.0.0.1, {args.rounds} rounds; logs in {log_dir}")
+        sets = [x for o in overrides for x in ("--set", o)]
+        coord = Child("coordinator", swarmtrain_argv("coordinator", *config_args, *sets),
+                      log_path=log_dir / "coordinator.log")
+        children.append(coord)
+        join = _join_addr(coord.wait_ready(timeout_s=args.start_timeout_s))
+        _say(f"coordinator ready at {join}")
+        peers = [Child(f"peer{i}", swarmtrain_argv("peer", "--join", join), log_path=log_dir / f"peer{i}.log",
+                       on_line=lambda name, line: lines.put((name, line)))
+                 for i in range(args.peers)]
+        children.extend(peers)
+        for p in peers:
+            info = p.wait_ready(timeout_s=args.start_timeout_s)
+            _say(f"{p.name} ready: id {str(info.get('peer_id', '?'))[:16]}, grpc {info.get('endpoint', '?')}")
+        outcome = _follow(peers, lines, started=started, timeout_s=args.timeout_s)
+        _print_summary(outcome, started=started, log_dir=log_dir)
+        return 0 if outcome.ok else 1
+    except KeyboardInterrupt:
+        _say("interrupted: stopping all processes")
+        return 130
+    finally:
+        for child in reversed(children):
+            if child.alive:
+                child.terminate(timeout_s=10.0)
+            else:
+                child.close()
+        signal.signal(signal.SIGTERM, previous)
+
+
+class DemoError(ValueError):
+    """The demo's arguments are wrong or a child misbehaved in a way the demo cannot recover from."""
+
+
+def _join_addr(info: dict[str, object]) -> str:
+    maddrs = info.get("maddrs")
+    if not isinstance(maddrs, list) or not maddrs:
+        raise DemoError(f"coordinator READY line has no 'maddrs' list: {info}")
+    return str(maddrs[0])
+
+
+def _follow(peers: list[Child], lines: queue.Queue[tuple[str, Line]], *, started: float,
+            timeout_s: float) -> DemoOutcome:
+    """Print one line per completed round until every peer left; return what happened."""
+    progress = SwarmProgress([p.name for p in peers])
+    deadline = started + timeout_s
+    summaries: list[RoundSummary] = []
+    failed: list[str] = []
+    while not progress.done:
+        if time.monotonic() > deadline:
+            raise DemoError(f"the demo did not finish within {timeout_s:.0f}s (see the logs)")
+        try:
+            name, line = lines.get(timeout=0.5)
+        except queue.Empty:
+            for p in peers:
+                if not p.alive and p.name not in progress.left:
+                    failed.append(p.name)
+                    _say(f"{p.name} exited with code {p.proc.returncode}; {p.diagnostics(tail_lines=5)}")
+                    summaries += _show(progress.peer_exited(p.name), len(peers), started)
+            continue
+        summaries += _show(progress.add(name, line), len(peers), started)
+    summaries += _show(progress.finish(), len(peers), started)
+    for p in peers:
+        rc = p.proc.wait(timeout=30.0)
+        if rc != 0 and p.name not in failed:
+            failed.append(p.name)
+    committed = [s for s in summaries if s.committed]
+    vals = [s.val_loss for s in committed if s.val_loss is not None]
+    return DemoOutcome(
+        rounds_committed=len(committed),
+        rounds_disagreeing=sum(1 for s in committed if not s.agree),
+        first_val_loss=vals[0] if vals else None,
+        last_val_loss=vals[-1] if vals else None,
+        bytes_sent=sum(s.bytes_sent for s in summaries),
+        peers_failed=tuple(failed),
+    )
+
+
+def _show(summaries: list[RoundSummary], num_peers: int, started: float) -> list[RoundSummary]:
+    for s in summaries:
+        _say(format_round(s, num_peers=num_peers, elapsed_s=time.monotonic() - started))
+    return summaries
+
+
+def _print_summary(o: DemoOutcome, *, started: float, log_dir: Path) -> None:
+    val = (f"{o.first_val_loss:.3f} -> {o.last_val_loss:.3f}"
+           if o.first_val_loss is not None and o.last_val_loss is not None else "n/a")
+    _say("summary:")
+    _say(f"  rounds committed: {o.rounds_committed}; rounds where hashes differed: {o.rounds_disagreeing}")
+    _say(f"  val loss: {val}; bytes sent (all peers): {format_bytes(o.bytes_sent)}")
+    _say(f"  peers failed: {', '.join(o.peers_failed) or 'none'}; wall time {time.monotonic() - started:.1f}s")
+    _say(f"  result: {'OK' if o.ok else 'FAILED'} (logs in {log_dir})")
+
+
+def _say(text: str) -> None:
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
+def _raise_on_sigterm() -> Any:
+    """SIGTERM takes the same path as Ctrl-C, so the children are always stopped."""
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt
+
+    return signal.signal(signal.SIGTERM, handler)

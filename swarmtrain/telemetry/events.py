@@ -1,0 +1,168 @@
+"""The peer's stdout protocol: one `READY {json}` line, then one JSON object per line per event.
+
+Every daemon writes these lines and every reader (the demo's live view, the system tests, a log
+shipper) parses them with `parse_line`, so the schema lives in exactly one place.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from dataclasses import asdict, dataclass, field
+from typing import Any, TextIO
+
+__all__ = [
+    "EventError",
+    "EventWriter",
+    "HealEvent",
+    "LeaveEvent",
+    "Line",
+    "ReadyLine",
+    "RoundEvent",
+    "format_ready",
+    "parse_line",
+]
+
+READY_PREFIX = "READY "
+
+
+class EventError(ValueError):
+    """A line that claims to be an event is not valid JSON or misses/mistypes a field."""
+
+
+@dataclass(frozen=True)
+class RoundEvent:
+    """One outer round as one peer saw it; `hash` is the hex hash of θ_global after the round."""
+
+    round: int
+    committed: bool
+    members: tuple[str, ...]
+    loss: float | None  # mean inner training loss of this round's steps (None: no steps ran)
+    val_loss: float | None  # validation loss of θ_global after the round (None: not evaluated)
+    hash: str
+    bytes_sent: int
+    bytes_received: int
+    compute_s: float
+    comm_s: float
+    peer: str = ""
+    reason: str = ""  # why the round aborted, or who failed and was worked around
+
+    event: str = field(default="round", init=False)
+
+
+@dataclass(frozen=True)
+class HealEvent:
+    """A peer replaced its state with a live peer's (joined late, restarted, or fell behind)."""
+
+    from_round: int
+    to_round: int
+    source: str  # peer id of the donor
+    hash: str
+    peer: str = ""
+    transfer_s: float = 0.0
+
+    event: str = field(default="heal", init=False)
+
+
+@dataclass(frozen=True)
+class LeaveEvent:
+    """A peer stopped: `reason` is "done" (ran its rounds), "signal" (SIGTERM/SIGINT) or an error."""
+
+    round: int
+    reason: str
+    hash: str = ""
+    peer: str = ""
+    checkpoint: str = ""  # path of the checkpoint written on the way out, if any
+
+    event: str = field(default="leave", init=False)
+
+
+@dataclass(frozen=True)
+class ReadyLine:
+    """The `READY {json}` line a daemon prints once it is listening; `info` is its JSON payload."""
+
+    info: dict[str, Any]
+
+
+Event = RoundEvent | HealEvent | LeaveEvent
+Line = Event | ReadyLine
+
+_EVENT_TYPES: dict[str, type[RoundEvent] | type[HealEvent] | type[LeaveEvent]] = {
+    "round": RoundEvent,
+    "heal": HealEvent,
+    "leave": LeaveEvent,
+}
+
+
+def _jsonable(value: Any) -> Any:
+    # JSON has no NaN/Inf: a diverged loss is reported as null rather than as invalid JSON.
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, tuple):
+        return list(value)
+    return value
+
+
+def to_json(event: Event) -> str:
+    """One compact JSON object, `event` first."""
+    body = {k: _jsonable(v) for k, v in asdict(event).items() if k != "event"}
+    return json.dumps({"event": event.event, **body}, separators=(", ", ": "))
+
+
+def format_ready(info: dict[str, Any]) -> str:
+    return READY_PREFIX + json.dumps(info, separators=(", ", ": "))
+
+
+def _build(cls: type[RoundEvent] | type[HealEvent] | type[LeaveEvent], obj: dict[str, Any]) -> Event:
+    fields = {k: v for k, v in obj.items() if k != "event"}
+    if "members" in fields:
+        if not isinstance(fields["members"], list):
+            raise EventError(f"{obj.get('event')} event: 'members' must be a list, got {fields['members']!r}")
+        fields["members"] = tuple(fields["members"])
+    try:
+        return cls(**fields)
+    except TypeError as e:
+        raise EventError(f"{obj.get('event')} event has wrong fields: {e}") from e
+
+
+def parse_line(line: str) -> Line | None:
+    """Parse one stdout line: a ReadyLine, an event, or None for any other (free-form) line."""
+    text = line.strip()
+    if text.startswith(READY_PREFIX):
+        try:
+            info = json.loads(text[len(READY_PREFIX):])
+        except json.JSONDecodeError as e:
+            raise EventError(f"READY line is not followed by JSON: {text[:200]!r}") from e
+        if not isinstance(info, dict):
+            raise EventError(f"READY payload must be a JSON object: {text[:200]!r}")
+        return ReadyLine(info)
+    if not text.startswith("{"):
+        return None
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise EventError(f"event line is not valid JSON: {text[:200]!r}") from e
+    kind = obj.get("event") if isinstance(obj, dict) else None
+    if kind not in _EVENT_TYPES:
+        return None
+    return _build(_EVENT_TYPES[kind], obj)
+
+
+class EventWriter:
+    """Writes READY and event lines to a stream (stdout), one line each, flushed, thread-safe."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+        self._lock = threading.Lock()
+
+    def ready(self, info: dict[str, Any]) -> None:
+        self._write(format_ready(info))
+
+    def emit(self, event: Event) -> None:
+        self._write(to_json(event))
+
+    def _write(self, line: str) -> None:
+        with self._lock:
+            self._stream.write(line + "\n")
+            self._stream.flush()

@@ -1,0 +1,127 @@
+"""Real `swarmtrain` subprocesses for system tests: spawn, READY with deadlines, SIGKILL/SIGSTOP, cleanup."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from swarmtrain.daemon.children import Child, group_alive, swarmtrain_argv
+from swarmtrain.telemetry.events import Line, RoundEvent
+from swarmtrain.testing.wait import wait_until
+
+__all__ = ["ProcessSet", "round_events", "sigcont", "sigkill", "sigstop", "wait_round"]
+
+log = logging.getLogger(__name__)
+
+
+class ProcessSet:
+    """Every process a test starts; `close()` kills them all (their process groups included).
+
+    Use as a context manager or through a fixture, so nothing outlives the test even when it fails.
+    """
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.children: list[Child] = []
+        self._starts: dict[str, int] = {}
+
+    def __enter__(self) -> ProcessSet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def spawn(self, name: str, *args: str, env: dict[str, str] | None = None) -> Child:
+        """Start `swarmtrain ARGS`; a restarted name gets a fresh log file (name.1.log, ...)."""
+        n = self._starts.get(name, 0)
+        self._starts[name] = n + 1
+        log_path = self.log_dir / (f"{name}.log" if n == 0 else f"{name}.{n}.log")
+        child = Child(name, swarmtrain_argv(*args), log_path=log_path, env=env)
+        self.children.append(child)
+        return child
+
+    def coordinator(self, overrides: Sequence[str], *, timeout_s: float = 90.0) -> tuple[Child, str]:
+        """Start a coordinator with `--set` overrides; return it and the multiaddr peers join."""
+        sets = [x for o in overrides for x in ("--set", o)]
+        child = self.spawn("coordinator", "coordinator", *sets)
+        info = child.wait_ready(timeout_s=timeout_s)
+        maddrs = info.get("maddrs")
+        if not isinstance(maddrs, list) or not maddrs:
+            raise AssertionError(f"coordinator READY has no maddrs: {info}")
+        return child, str(maddrs[0])
+
+    def peer(self, name: str, join: str, *extra: str, checkpoint_dir: Path | None = None) -> Child:
+        """Start `swarmtrain peer --join JOIN` (not waiting for READY)."""
+        args = ["peer", "--join", join, *extra]
+        if checkpoint_dir is not None:
+            args += ["--checkpoint-dir", str(checkpoint_dir)]
+        return self.spawn(name, *args)
+
+    def close(self) -> None:
+        for child in reversed(self.children):
+            child.kill()
+        leftovers = [c.name for c in self.children if _group_has_live_process(c.pgid)]
+        if leftovers:
+            raise AssertionError(f"processes left behind by: {leftovers}")
+
+    def diagnostics(self) -> str:
+        return "\n\n".join(f"== {c.name} (rc={c.proc.poll()}) ==\n{c.diagnostics()}" for c in self.children)
+
+
+def sigkill(child: Child) -> None:
+    """A crash: SIGKILL the peer's whole process group and reap it."""
+    child.kill()
+
+
+def sigstop(child: Child) -> None:
+    """A hang: freeze the peer's whole process group (sockets stay open, nothing answers)."""
+    child.signal_group(signal.SIGSTOP)
+
+
+def sigcont(child: Child) -> None:
+    child.signal_group(signal.SIGCONT)
+
+
+def round_events(child: Child, *, start: int = 0) -> list[RoundEvent]:
+    return [x for x in child.snapshot()[start:] if isinstance(x, RoundEvent)]
+
+
+def wait_round(child: Child, predicate: Callable[[RoundEvent], bool], *, timeout_s: float, start: int = 0,
+               what: str = "a matching round") -> tuple[int, RoundEvent]:
+    """The first round event (from line index `start`) that satisfies `predicate`."""
+
+    def match(line: Line) -> bool:
+        return isinstance(line, RoundEvent) and predicate(line)
+
+    i, line = child.wait_for(match, timeout_s=timeout_s, start=start, what=what)
+    assert isinstance(line, RoundEvent)
+    return i, line
+
+
+def _group_has_live_process(pgid: int, *, timeout_s: float = 5.0) -> bool:
+    """Whether group `pgid` still has a non-zombie process after `timeout_s` of grace."""
+    try:
+        wait_until(lambda: not group_alive(pgid) or not _live_members(pgid), timeout_s=timeout_s,
+                   interval_s=0.05, what=f"process group {pgid} gone")
+    except TimeoutError:
+        return True
+    return False
+
+
+def _live_members(pgid: int) -> list[int]:
+    pids: list[int] = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            stat = (entry / "stat").read_text()
+            fields = stat[stat.rindex(")") + 2:].split()  # after "(comm)": state, ppid, pgrp, ...
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                pids.append(int(entry.name))
+    if pids:
+        log.debug("group %d still has %s (this process is %d)", pgid, pids, os.getpid())
+    return pids
