@@ -1,1 +1,15 @@
-"""pure torch, no I/O: snapshot, pseudo-gradient, outer Nesterov step, the DiLoCo worker loop."""
+"""DiLoCo, pure torch, no I/O or networking.
+
+flat.py        params <-> one flat fp32 vector, Δ = θ_global − θ_local, hash of θ
+outer.py       OuterOptimizer: SGD / Nesterov on θ_global with the averaged Δ
+inner.py       inner AdamW/SGD, warmup + cosine schedule, checkpointable optimizer state
+worker.py      DilocoWorker: inner steps, Δ, outer step, eval, hash, state_dict (talks to an Averager)
+traffic.py     bytes per peer of one all-reduce (what simulations report)
+simulation.py  K workers in one process: DiLoCo rounds or the data-parallel baseline
+island.py      (engineer A2) several local ranks with DDP behind one peer
+"""
+
+from swarmtrain.diloco.outer import OuterOptimizer
+from swarmtrain.diloco.worker import DilocoWorker, InnerStats, RoundReport, resolve_device
+
+__all__ = ["DilocoWorker", "InnerStats", "OuterOptimizer", "RoundReport", "resolve_device"]

@@ -1,0 +1,56 @@
+"""The outer optimizer: SGD (optionally Nesterov) on θ_global with the averaged Δ as gradient."""
+
+from __future__ import annotations
+
+import torch
+
+from swarmtrain.config import OuterConfig
+
+__all__ = ["OuterOptimizer"]
+
+
+class OuterOptimizer:
+    """`torch.optim.SGD(lr, momentum, nesterov, dampening=0, weight_decay=0)` on one flat fp32 vector.
+
+    Written out rather than wrapping `torch.optim.SGD` so that the only state is one explicit
+    momentum buffer (a flat tensor that checkpoints and state transfer can carry as-is). A zero
+    buffer reproduces torch's first step (which sets buf = grad).
+    """
+
+    def __init__(self, cfg: OuterConfig, *, numel: int) -> None:
+        if numel < 1:
+            raise ValueError(f"OuterOptimizer: numel must be >= 1, got {numel}")
+        self.cfg = cfg
+        self.numel = numel
+        self.momentum_buffer: torch.Tensor | None = torch.zeros(numel) if cfg.momentum > 0 else None
+
+    def step(self, theta: torch.Tensor, grad: torch.Tensor) -> None:
+        """θ ← θ − lr·(g + μ·buf) for Nesterov (buf ← μ·buf + g first), θ ← θ − lr·buf for heavy ball."""
+        if theta.shape != (self.numel,) or grad.shape != (self.numel,):
+            raise ValueError(
+                f"outer step: theta {tuple(theta.shape)} and grad {tuple(grad.shape)} must both be ({self.numel},)"
+            )
+        if not bool(torch.isfinite(grad).all()):
+            raise ValueError("outer step: the averaged pseudo-gradient contains NaN/Inf")
+        grad = grad.to(device=theta.device, dtype=torch.float32)
+        buf = self.momentum_buffer
+        if buf is None:
+            update = grad
+        else:
+            buf.mul_(self.cfg.momentum).add_(grad)
+            update = grad.add(buf, alpha=self.cfg.momentum) if self.cfg.nesterov else buf
+        theta.add_(update, alpha=-self.cfg.lr)
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return {} if self.momentum_buffer is None else {"momentum": self.momentum_buffer}
+
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        if self.momentum_buffer is None:
+            if tensors:
+                raise ValueError(f"outer state has {sorted(tensors)} but outer.momentum is 0")
+            return
+        buf = tensors.get("momentum")
+        if buf is None or buf.shape != (self.numel,):
+            got = None if buf is None else tuple(buf.shape)
+            raise ValueError(f"outer momentum buffer must have shape ({self.numel},), got {got}")
+        self.momentum_buffer = buf.detach().to(torch.float32).clone()

@@ -1,0 +1,159 @@
+"""K simulated workers in one process: DiLoCo rounds, or the data-parallel baseline on the same tokens."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from swarmtrain.averaging.protocol import AverageResult
+from swarmtrain.compress.codec import Codec
+from swarmtrain.config import RunConfig, to_dict
+from swarmtrain.data.sharding import ShardedBatches, eval_batches
+from swarmtrain.diloco.flat import flat_hash, flatten
+from swarmtrain.diloco.traffic import allreduce_bytes_per_peer
+from swarmtrain.diloco.worker import DilocoWorker, resolve_device
+from swarmtrain.models import build_model
+
+__all__ = ["AverageAll", "RoundRecord", "SimulationResult", "simulate_ddp", "simulate_diloco"]
+
+log = logging.getLogger(__name__)
+
+AverageAll = Callable[[int, Sequence[torch.Tensor]], Sequence[AverageResult]]
+OnRound = Callable[["RoundRecord"], None]
+
+
+@dataclass(frozen=True)
+class RoundRecord:
+    """One round (H steps of every worker); `tokens` and `bytes_sent` are cumulative."""
+
+    round: int
+    tokens: int  # all workers together, since the start
+    loss: float  # mean training loss of the round, over workers and steps
+    val_loss: float  # of θ_global after the round
+    bytes_sent: int  # per worker, since the start
+    compute_s: float  # this round, all workers
+
+
+@dataclass
+class SimulationResult:
+    mode: str
+    num_workers: int
+    num_params: int
+    initial_val_loss: float
+    rounds: list[RoundRecord] = field(default_factory=list)
+    hash: str = ""
+    wall_s: float = 0.0
+
+    @property
+    def final_val_loss(self) -> float:
+        return self.rounds[-1].val_loss if self.rounds else self.initial_val_loss
+
+    def to_json(self, cfg: RunConfig) -> dict[str, Any]:
+        last = self.rounds[-1] if self.rounds else None
+        return {
+            "mode": self.mode, "workers": self.num_workers, "num_params": self.num_params,
+            "inner_steps": cfg.diloco.inner_steps, "codec": cfg.compress.codec,
+            "initial_val_loss": self.initial_val_loss, "final_val_loss": self.final_val_loss,
+            "tokens": last.tokens if last else 0, "bytes_sent": last.bytes_sent if last else 0,
+            "hash": self.hash, "wall_s": self.wall_s,
+            "rounds": [asdict(r) for r in self.rounds], "config": to_dict(cfg),
+        }
+
+
+def _val_batches(cfg: RunConfig, val_tokens: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return eval_batches(val_tokens, batch_size=cfg.data.batch_size, seq_len=cfg.data.seq_len,
+                        num_batches=cfg.diloco.eval_batches)
+
+
+def _worker(cfg: RunConfig, tokens: torch.Tensor, *, index: int, num_workers: int, batch_size: int,
+            codec: Codec | None) -> DilocoWorker:
+    batches = ShardedBatches(tokens, worker_index=index, num_workers=num_workers, batch_size=batch_size,
+                             seq_len=cfg.data.seq_len, seed=cfg.train.seed)
+    model = build_model(cfg.model, seed=cfg.train.seed)  # every worker starts from the same θ
+    return DilocoWorker(cfg, model=model, batches=batches, device=resolve_device(cfg.train.device),
+                        codec=codec, rng_seed=cfg.train.seed * 1000 + index)
+
+
+def simulate_diloco(
+    cfg: RunConfig,
+    *,
+    train_tokens: torch.Tensor,
+    val_tokens: torch.Tensor,
+    num_workers: int,
+    average_all: AverageAll,
+    codec: Codec | None = None,
+    on_round: OnRound | None = None,
+) -> SimulationResult:
+    """`cfg.diloco.rounds` DiLoCo rounds of `num_workers` workers, one after another in this process.
+
+    `codec` is only needed for `compress.error_feedback` (it must be the one `average_all` uses).
+    """
+    start = time.perf_counter()
+    workers = [_worker(cfg, train_tokens, index=k, num_workers=num_workers, batch_size=cfg.data.batch_size,
+                       codec=codec) for k in range(num_workers)]
+    val = _val_batches(cfg, val_tokens)
+    result = SimulationResult(mode="diloco", num_workers=num_workers, num_params=workers[0].numel,
+                              initial_val_loss=workers[0].evaluate(val))
+    tokens = bytes_sent = 0
+    for r in range(cfg.diloco.rounds):
+        stats = [w.train_inner() for w in workers]
+        outcomes = average_all(r, [w.delta() for w in workers])
+        for w, outcome in zip(workers, outcomes, strict=True):
+            if not w.apply(outcome):
+                raise RuntimeError(f"round {r} did not commit in the simulation: {outcome.reason}")
+        hashes = {w.global_hash() for w in workers}
+        assert len(hashes) == 1, f"round {r}: workers disagree on θ_global"
+        tokens += sum(s.tokens for s in stats)
+        bytes_sent += outcomes[0].bytes_sent
+        record = RoundRecord(round=r, tokens=tokens, loss=sum(s.loss for s in stats) / num_workers,
+                             val_loss=workers[0].evaluate(val), bytes_sent=bytes_sent,
+                             compute_s=sum(s.compute_s for s in stats))
+        result.rounds.append(record)
+        if on_round is not None:
+            on_round(record)
+    result.hash = workers[0].global_hash()
+    result.wall_s = time.perf_counter() - start
+    return result
+
+
+def simulate_ddp(
+    cfg: RunConfig,
+    *,
+    train_tokens: torch.Tensor,
+    val_tokens: torch.Tensor,
+    num_workers: int,
+    on_round: OnRound | None = None,
+) -> SimulationResult:
+    """The data-parallel baseline: one optimizer step per step on the union of the K workers' batches.
+
+    Worker k's batch at step t under DiLoCo is slot k of the K×B-window batch that this single
+    stream reads at step t, so both modes see exactly the same tokens in the same steps. A round is
+    H steps here too (for comparable records); bytes are those of a ring all-reduce of fp32
+    gradients every step.
+    """
+    start = time.perf_counter()
+    worker = _worker(cfg, train_tokens, index=0, num_workers=1, batch_size=num_workers * cfg.data.batch_size,
+                     codec=None)
+    val = _val_batches(cfg, val_tokens)
+    result = SimulationResult(mode="ddp", num_workers=num_workers, num_params=worker.numel,
+                              initial_val_loss=worker.evaluate(val))
+    grad_bytes = 4 * worker.numel
+    per_step = allreduce_bytes_per_peer(contribution_bytes=grad_bytes, result_bytes=grad_bytes, num_peers=num_workers)
+    tokens = bytes_sent = 0
+    for r in range(cfg.diloco.rounds):
+        stats = worker.train_inner()
+        tokens += stats.tokens
+        bytes_sent += per_step * stats.steps
+        record = RoundRecord(round=r, tokens=tokens, loss=stats.loss, val_loss=worker.evaluate(val),
+                             bytes_sent=bytes_sent, compute_s=stats.compute_s)
+        result.rounds.append(record)
+        if on_round is not None:
+            on_round(record)
+    result.hash = flat_hash(flatten(worker.params))  # the trained weights: DDP has no θ_global
+    result.wall_s = time.perf_counter() - start
+    return result

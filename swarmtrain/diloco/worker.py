@@ -1,0 +1,282 @@
+"""DilocoWorker: one peer's model, inner optimizer, data stream and θ_global, round by round."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from swarmtrain.averaging.protocol import Averager, AverageResult
+from swarmtrain.compress.codec import Codec
+from swarmtrain.config import RunConfig
+from swarmtrain.diloco.flat import assign_flat, flat_hash, flatten, pseudo_gradient, snapshot
+from swarmtrain.diloco.inner import (
+    build_inner_optimizer,
+    load_optimizer_state,
+    lr_factor,
+    optimizer_state,
+    set_lr,
+)
+from swarmtrain.diloco.outer import OuterOptimizer
+
+__all__ = ["BatchStream", "DilocoWorker", "InnerStats", "RoundReport", "resolve_device"]
+
+log = logging.getLogger(__name__)
+STATE_FORMAT = 1
+
+
+class BatchStream(Protocol):
+    """An endless, resumable stream of (x, y) token batches (e.g. `swarmtrain.data.ShardedBatches`)."""
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@dataclass(frozen=True)
+class InnerStats:
+    steps: int
+    loss: float  # mean training loss over the steps
+    tokens: int
+    compute_s: float
+
+
+@dataclass(frozen=True)
+class RoundReport:
+    """What one `run_round` did; the peer daemon prints it as its per-round JSON line."""
+
+    round: int  # the round that was attempted
+    committed: bool
+    loss: float
+    tokens: int
+    compute_s: float
+    comm_s: float
+    bytes_sent: int
+    bytes_received: int
+    members: tuple[str, ...]
+    hash: str  # of θ_global after the round
+    reason: str = ""
+
+
+def resolve_device(name: str) -> torch.device:
+    """`train.device` -> a torch device ("auto" = cuda when available, else cpu)."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"train.device: {name!r} requested but CUDA is not available")
+    return device
+
+
+class DilocoWorker:
+    """Runs H inner steps, hands Δ = θ_global − θ_local to an Averager, applies the outer step.
+
+    On an aborted round (`committed=False`) θ_global is kept, θ_local is reset to θ_global (the
+    round's local progress is dropped, so the peer never drifts from the swarm's weights) and the
+    round number stays; the inner optimizer's moments, the lr schedule and the data position keep
+    going (data is not replayed). With `compress.error_feedback` the part of this peer's own Δ that
+    the codec lost is added to its next committed round's Δ.
+
+    For a local island, `forward_module` (e.g. `DistributedDataParallel(model)`) is what the inner
+    steps call, `model` the module whose parameters form θ; `after_round(worker)` runs after every
+    `apply` (e.g. to broadcast θ_global from local rank 0) and `adopt_global` installs a received θ.
+    """
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        *,
+        model: nn.Module,
+        batches: BatchStream | Iterator[tuple[torch.Tensor, torch.Tensor]],
+        device: torch.device | None = None,
+        codec: Codec | None = None,
+        rng_seed: int = 0,
+        forward_module: nn.Module | None = None,
+        after_round: Callable[[DilocoWorker], None] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.device = device if device is not None else resolve_device(cfg.train.device)
+        self.model = model.to(self.device)
+        self.forward_module = forward_module if forward_module is not None else self.model
+        self.params: list[nn.Parameter] = list(self.model.parameters())
+        self.batches = batches
+        self.after_round = after_round
+        self.total_inner_steps = cfg.diloco.rounds * cfg.diloco.inner_steps
+        self.theta_global = snapshot(self.params, pin=self.device.type == "cuda")
+        self.numel = self.theta_global.numel()
+        self.outer = OuterOptimizer(cfg.outer, numel=self.numel)
+        self.inner = build_inner_optimizer(self.model, cfg.inner)
+        self.round = 0
+        self.inner_step = 0
+        if cfg.compress.error_feedback and codec is None:
+            raise ValueError("compress.error_feedback needs the codec the averager uses (codec=None given)")
+        self.codec = codec
+        self.residual = torch.zeros(self.numel) if cfg.compress.error_feedback else None
+        self._pending_residual: torch.Tensor | None = None
+        self._rng_state = torch.Generator().manual_seed(rng_seed).get_state()
+
+    # ------------------------------------------------------------------ the round
+
+    def train_inner(self, num_steps: int | None = None) -> InnerStats:
+        """Run `num_steps` (default `diloco.inner_steps`) inner optimizer steps on θ_local."""
+        steps = self.cfg.diloco.inner_steps if num_steps is None else num_steps
+        if steps < 1:
+            raise ValueError(f"train_inner: num_steps must be >= 1, got {steps}")
+        self.forward_module.train()
+        loss_sum = torch.zeros((), device=self.device)
+        tokens = 0
+        start = time.perf_counter()
+        with torch.random.fork_rng(devices=[]):
+            torch.set_rng_state(self._rng_state)
+            for _ in range(steps):
+                tokens += self._inner_step(loss_sum)
+            self._rng_state = torch.get_rng_state()
+        loss = float(loss_sum.item()) / steps
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return InnerStats(steps=steps, loss=loss, tokens=tokens, compute_s=time.perf_counter() - start)
+
+    def _inner_step(self, loss_sum: torch.Tensor) -> int:
+        x, y = next(self.batches)
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        with torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
+            _, loss = self.forward_module(x, y)
+        loss.backward()
+        if self.cfg.inner.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.params, self.cfg.inner.grad_clip)
+        factor = lr_factor(self.inner_step, cfg=self.cfg.inner, total_steps=self.total_inner_steps)
+        set_lr(self.inner, self.cfg.inner.lr * factor)
+        self.inner.step()
+        self.inner.zero_grad(set_to_none=True)
+        self.inner_step += 1
+        loss_sum += loss.detach().float()
+        return y.numel()
+
+    def delta(self) -> torch.Tensor:
+        """This round's contribution: Δ = θ_global − θ_local (+ the error-feedback residual)."""
+        d = pseudo_gradient(self.theta_global, self.params)
+        if self.residual is not None:
+            assert self.codec is not None
+            d += self.residual
+            # What the wire loses of our own contribution; adopted only if the round commits.
+            self._pending_residual = d - self.codec.decode(self.codec.encode(d)).reshape(-1)
+        return d
+
+    def apply(self, result: AverageResult) -> bool:
+        """Apply a round's outcome; returns whether an outer step was taken."""
+        if result.round != self.round:
+            raise ValueError(f"averaging result is for round {result.round}, this worker is at round {self.round}")
+        if result.committed:
+            if result.mean is None:
+                raise ValueError(f"round {result.round} committed without a mean pseudo-gradient")
+            self.outer.step(self.theta_global, result.mean.reshape(-1))
+            if self._pending_residual is not None:
+                self.residual = self._pending_residual
+            self.round += 1
+        else:
+            log.warning("round %d aborted (%s): keeping θ_global, dropping local progress", result.round, result.reason)
+        self._pending_residual = None
+        assign_flat(self.theta_global, self.params)
+        if self.after_round is not None:
+            self.after_round(self)
+        return result.committed
+
+    def run_round(self, averager: Averager) -> RoundReport:
+        """Inner steps, then average Δ through `averager`, then apply the outcome."""
+        stats = self.train_inner()
+        attempted = self.round
+        start = time.perf_counter()
+        result = averager.average(attempted, self.delta())
+        comm_s = time.perf_counter() - start
+        self.apply(result)
+        return RoundReport(
+            round=attempted, committed=result.committed, loss=stats.loss, tokens=stats.tokens,
+            compute_s=stats.compute_s, comm_s=comm_s, bytes_sent=result.bytes_sent,
+            bytes_received=result.bytes_received, members=result.members, hash=self.global_hash(),
+            reason=result.reason,
+        )
+
+    # ------------------------------------------------------------------ evaluation and identity
+
+    @torch.no_grad()
+    def evaluate(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """Mean loss of the current weights (= θ_global right after `apply`) on fixed batches."""
+        if not batches:
+            raise ValueError("evaluate: no validation batches given")
+        self.model.eval()
+        total = torch.zeros((), device=self.device)
+        for x, y in batches:
+            with torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
+                _, loss = self.model(x.to(self.device), y.to(self.device))
+            total += loss.float()
+        return float(total.item()) / len(batches)
+
+    def global_hash(self) -> str:
+        """Hex sha256 of θ_global's fp32 bytes: committed peers must agree bit for bit."""
+        return flat_hash(self.theta_global)
+
+    def adopt_global(self, *, round_index: int, theta_global: torch.Tensor, outer_momentum: torch.Tensor | None) -> None:
+        """Install θ_global/outer momentum/round received from a peer (joining, healing, island broadcast)."""
+        if theta_global.shape != (self.numel,):
+            raise ValueError(f"adopt_global: θ_global has shape {tuple(theta_global.shape)}, need ({self.numel},)")
+        if round_index < 0:
+            raise ValueError(f"adopt_global: round must be >= 0, got {round_index}")
+        self.theta_global.copy_(theta_global.detach().to(torch.float32).reshape(-1))
+        self.outer.load_state_tensors({} if outer_momentum is None else {"momentum": outer_momentum})
+        self.round = round_index
+        self._pending_residual = None
+        assign_flat(self.theta_global, self.params)
+
+    # ------------------------------------------------------------------ resumable state
+
+    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Everything needed to resume exactly: (tensors for safetensors, JSON-able metadata)."""
+        tensors: dict[str, torch.Tensor] = {
+            "theta_global": self.theta_global.detach().cpu().clone(),
+            "theta_local": flatten(self.params),
+            "rng.cpu": self._rng_state.clone(),
+        }
+        tensors.update({f"outer.{k}": v.clone() for k, v in self.outer.state_tensors().items()})
+        if self.residual is not None:
+            tensors["ef.residual"] = self.residual.clone()
+        inner_tensors, inner_meta = optimizer_state(self.inner, prefix="inner.")
+        tensors.update(inner_tensors)
+        data_state = self.batches.state_dict() if hasattr(self.batches, "state_dict") else None
+        meta: dict[str, Any] = {
+            "format": STATE_FORMAT, "round": self.round, "inner_step": self.inner_step, "numel": self.numel,
+            "inner_optimizer": inner_meta, "data": data_state,
+        }
+        return tensors, meta
+
+    def load_state_dict(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        """Restore a `state_dict()`; raises ValueError naming what does not fit this worker."""
+        if meta.get("format") != STATE_FORMAT:
+            raise ValueError(f"worker state has format {meta.get('format')!r}, this code reads {STATE_FORMAT}")
+        if meta["numel"] != self.numel:
+            raise ValueError(f"worker state is for {meta['numel']} parameters, this model has {self.numel}")
+        for key in ("theta_global", "theta_local", "rng.cpu"):
+            if key not in tensors:
+                raise ValueError(f"worker state is missing tensor {key!r}")
+        self.theta_global.copy_(tensors["theta_global"])
+        assign_flat(tensors["theta_local"], self.params)
+        self.outer.load_state_tensors({k[len("outer."):]: v for k, v in tensors.items() if k.startswith("outer.")})
+        if self.residual is not None:
+            if "ef.residual" not in tensors:
+                raise ValueError("worker state has no error-feedback residual but compress.error_feedback is on")
+            self.residual = tensors["ef.residual"].clone()
+        load_optimizer_state(self.inner, tensors, meta["inner_optimizer"], prefix="inner.")
+        if meta["data"] is not None:
+            if not hasattr(self.batches, "load_state_dict"):
+                raise ValueError("worker state has a data position but this batch stream cannot be resumed")
+            self.batches.load_state_dict(meta["data"])
+        self._rng_state = tensors["rng.cpu"].clone()
+        self.round = int(meta["round"])
+        self.inner_step = int(meta["inner_step"])
+        self._pending_residual = None
