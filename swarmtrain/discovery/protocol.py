@@ -130,6 +130,8 @@ class RecordDirectory(abc.ABC):
     async def _decoded(self, cls: type[R], key: str, *, timeout_s: float) -> list[R]:
         out: list[R] = []
         for slot in await self._get(key, timeout_s=timeout_s):
+            if slot.value == b"":
+                continue  # a withdrawn record's tombstone
             try:
                 if slot.signer_id is None:
                     raise RecordError(f"{cls.KIND}: unsigned record")

@@ -1,0 +1,216 @@
+"""HivemindDiscovery: Discovery over one hivemind.DHT per peer, every record in an RSA owner-signed subkey.
+
+Identity: one RSA key is both the libp2p identity (so the peer id in a multiaddr is the hash of
+it) and the record-signing key. A record's signer id is therefore derived from the public key in
+its subkey, and a record claiming another peer's id is rejected on decode. The DHT nodes
+themselves refuse unsigned subkeys and signatures that do not match the subkey's key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import os
+import re
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch.multiprocessing as torch_mp
+
+_SHARING_STRATEGY = torch_mp.get_sharing_strategy()
+# `import hivemind` switches torch's sharing strategy to file_system process-wide; undo that.
+import base58  # noqa: E402 - a hivemind dependency, imported after the strategy is saved
+from cryptography.hazmat.primitives import serialization  # noqa: E402
+from hivemind import DHT  # noqa: E402
+from hivemind.dht.crypto import RSASignatureValidator  # noqa: E402
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase  # noqa: E402
+from hivemind.proto import crypto_pb2  # noqa: E402
+from hivemind.utils.crypto import RSAPrivateKey  # noqa: E402
+from hivemind.utils.timed_storage import get_dht_time  # noqa: E402
+
+torch_mp.set_sharing_strategy(_SHARING_STRATEGY)
+
+from swarmtrain.config import DiscoveryConfig  # noqa: E402
+from swarmtrain.discovery.protocol import DiscoveryError, RawSlot, RecordDirectory  # noqa: E402
+
+__all__ = ["HivemindDiscovery", "signer_id_of"]
+
+log = logging.getLogger(__name__)
+_OWNER_RE = re.compile(rb"\[owner:(.+?)\]")
+
+
+def _peer_id_of_public_key(ssh_public_key: bytes) -> str:
+    """libp2p's peer id of an RSA key: base58(multihash sha2-256 of the protobuf-wrapped DER key)."""
+    key = serialization.load_ssh_public_key(ssh_public_key)
+    der = key.public_bytes(encoding=serialization.Encoding.DER,
+                           format=serialization.PublicFormat.SubjectPublicKeyInfo)
+    wrapped = crypto_pb2.PublicKey(key_type=crypto_pb2.RSA, data=der).SerializeToString()
+    return base58.b58encode(b"\x12\x20" + hashlib.sha256(wrapped).digest()).decode()
+
+
+def signer_id_of(subkey: object) -> str | None:
+    """The peer id that owns a subkey (`[owner:<ssh-rsa key>]`), or None if it names no valid key."""
+    if not isinstance(subkey, bytes):
+        return None
+    keys = _OWNER_RE.findall(subkey)
+    if len(keys) != 1:
+        return None
+    try:
+        return _peer_id_of_public_key(keys[0])
+    except (ValueError, TypeError, serialization.UnsupportedAlgorithm):
+        return None
+
+
+class _OwnerRequiredValidator(RecordValidatorBase):
+    """Refuses any record whose key and subkey carry no owner key: a swarmtrain DHT holds signed records only."""
+
+    def validate(self, record: DHTRecord) -> bool:
+        if RSASignatureValidator.PUBLIC_KEY_FORMAT[:7] in record.key + record.subkey:  # b"[owner:"
+            return True
+        log.warning("DHT refused an unsigned record (subkey %r, %d value bytes)", record.subkey[:40], len(record.value))
+        return False
+
+    @property
+    def priority(self) -> int:
+        return 20  # before the signature check, which lets unprotected records through
+
+    def merge_with(self, other: RecordValidatorBase) -> bool:
+        return isinstance(other, _OwnerRequiredValidator)
+
+
+class _LoggingSignatureValidator(RSASignatureValidator):
+    """hivemind's RSA owner-signature check, with rejections logged at WARNING instead of DEBUG."""
+
+    def validate(self, record: DHTRecord) -> bool:
+        ok = super().validate(record)
+        if not ok:
+            log.warning("DHT refused a record with a missing or forged owner signature (subkey %r)",
+                        record.subkey[:60])
+        return ok
+
+
+def _load_or_create_identity(path: Path) -> RSAPrivateKey:
+    """Read (or create, mode 0400) a libp2p identity file: a protobuf PrivateKey holding RSA DER."""
+    if path.exists():
+        msg = crypto_pb2.PrivateKey.FromString(path.read_bytes())
+        if msg.key_type != crypto_pb2.RSA:
+            raise ValueError(f"discovery.identity_path: {path} holds a non-RSA key")
+        key = RSAPrivateKey.__new__(RSAPrivateKey)
+        key.__setstate__({"_private_key": msg.data})  # hivemind's own (pickle) way to load DER
+        return key
+    key = RSAPrivateKey()
+    msg = crypto_pb2.PrivateKey(key_type=crypto_pb2.RSA, data=key.to_bytes())
+    path.write_bytes(msg.SerializeToString())
+    path.chmod(0o400)
+    return key
+
+
+def dht_kwargs(cfg: DiscoveryConfig) -> dict[str, Any]:
+    """hivemind.DHT/P2P keyword arguments for a DiscoveryConfig (listening address, NAT options)."""
+    proto = "ip6" if ":" in cfg.host else "ip4"
+    kwargs: dict[str, Any] = {
+        "host_maddrs": [f"/{proto}/{cfg.host}/tcp/{cfg.port}"],
+        "client_mode": cfg.client_mode,
+        "nat_port_map": cfg.nat_port_map,
+        "use_auto_relay": cfg.use_auto_relay,
+        "use_ipfs": False,
+    }
+    if cfg.announce_maddrs:
+        kwargs["announce_maddrs"] = list(cfg.announce_maddrs)
+    return kwargs
+
+
+class HivemindDiscovery(RecordDirectory):
+    """One peer's DHT node. Build with `await HivemindDiscovery.create(cfg, run_id=...)`; `aclose()` stops it."""
+
+    def __init__(self, dht: DHT, key: RSAPrivateKey, *, run_id: str, record_ttl_s: float) -> None:
+        super().__init__(run_id=run_id, record_ttl_s=record_ttl_s, clock=get_dht_time)
+        self._dht = dht
+        self._owner = RSASignatureValidator.PUBLIC_KEY_FORMAT.replace(b"_key_", key.get_public_key().to_bytes())
+        self._peer_id = dht.peer_id.to_base58()
+        derived = signer_id_of(self._owner)
+        assert derived == self._peer_id, f"signing key ({derived}) is not the libp2p identity ({self._peer_id})"
+        self._expiry: dict[str, float] = {}
+
+    @classmethod
+    async def create(cls, cfg: DiscoveryConfig, *, run_id: str, start_timeout_s: float = 60.0) -> HivemindDiscovery:
+        """Start a DHT node (a forked process with Go p2pd, ~2 s) and join `cfg.initial_peers`."""
+        with tempfile.TemporaryDirectory(prefix="swarmtrain-id-") as tmp:
+            fresh = not cfg.identity_path
+            path = Path(tmp) / "identity.key" if fresh else Path(cfg.identity_path)
+            key = _load_or_create_identity(path)
+            validators = [_LoggingSignatureValidator(key), _OwnerRequiredValidator()]
+            dht = DHT(initial_peers=list(cfg.initial_peers) or None, start=False, record_validators=validators,
+                      identity_path=str(path), check_if_identity_free=not fresh, **dht_kwargs(cfg))
+            dht.run_in_background(await_ready=False)
+            try:
+                await asyncio.wait_for(asyncio.to_thread(dht.wait_until_ready, start_timeout_s),
+                                       timeout=start_timeout_s + 1)
+            except BaseException as e:
+                await asyncio.to_thread(dht.shutdown)
+                raise DiscoveryError(f"DHT did not start within {start_timeout_s:.0f}s: {e!r}") from e
+            peer_id = await asyncio.to_thread(lambda: dht.peer_id)
+        self = cls(dht, key, run_id=run_id, record_ttl_s=cfg.record_ttl_s)
+        log.info("DHT %s up at %s", peer_id, [str(a) for a in await self.visible_maddrs()])
+        return self
+
+    @property
+    def peer_id(self) -> str:
+        return self._peer_id
+
+    @property
+    def dht(self) -> DHT:
+        """The underlying node, for tests that play a hostile peer."""
+        return self._dht
+
+    @property
+    def owner_subkey(self) -> bytes:
+        return self._owner
+
+    async def visible_maddrs(self) -> list[str]:
+        """Multiaddrs (with /p2p/<peer id>) that others pass as `initial_peers`."""
+        maddrs = await asyncio.to_thread(self._dht.get_visible_maddrs)
+        return [str(m) for m in maddrs]
+
+    async def _wait(self, future: Any, what: str, timeout_s: float) -> Any:
+        try:
+            return await asyncio.wait_for(future, timeout=timeout_s)
+        except TimeoutError as e:
+            future.cancel()
+            raise DiscoveryError(f"DHT {what} did not finish within {timeout_s:.2f}s") from e
+
+    async def _put(self, key: str, value: bytes, *, expires_at: float, timeout_s: float) -> None:
+        if not self._dht.is_alive():
+            raise DiscoveryError(f"DHT of {self._peer_id} is not running")
+        # hivemind keeps the value with the later expiration: never let a refresh lose to an older one.
+        expires_at = max(expires_at, self._expiry.get(key, 0.0) + 1e-3)
+        future = self._dht.store(key, value, expiration_time=expires_at, subkey=self._owner, return_future=True)
+        ok = await self._wait(future, f"store of {key}", timeout_s)
+        if not ok:
+            raise DiscoveryError(f"DHT refused to store {key} (no reachable node accepted it)")
+        self._expiry[key] = expires_at
+
+    async def _get(self, key: str, *, timeout_s: float) -> Sequence[RawSlot]:
+        if not self._dht.is_alive():
+            raise DiscoveryError(f"DHT of {self._peer_id} is not running")
+        found = await self._wait(self._dht.get(key, latest=True, return_future=True), f"get of {key}", timeout_s)
+        if found is None or not isinstance(found.value, dict):
+            return []
+        return [RawSlot(signer_id=signer_id_of(subkey), value=item.value, expires_at=item.expiration_time)
+                for subkey, item in found.value.items()]
+
+    async def _delete(self, key: str, *, timeout_s: float) -> None:
+        # A DHT cannot delete: overwrite our slot with an empty tombstone that outlives the record.
+        if key in self._expiry:
+            await self._put(key, b"", expires_at=self._expiry[key] + 1e-3, timeout_s=timeout_s)
+
+    async def aclose(self) -> None:
+        if self._dht.is_alive():
+            await asyncio.to_thread(self._dht.shutdown)
+        with contextlib.suppress(ValueError):
+            self._dht.join(timeout=0)
+        log.info("DHT %s stopped (pid %s)", self._peer_id, os.getpid())
