@@ -6,11 +6,16 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["Codec", "CodecError"]
+__all__ = ["Codec", "CodecError", "CodecOptionError"]
 
 
 class CodecError(ValueError):
-    """Encoded bytes are malformed (bad header, truncated, oversized, non-finite scales...)."""
+    """Encoded bytes are malformed (bad header, truncated, oversized, non-finite scales...), or a
+    tensor cannot be encoded (NaN/Inf, fp16 overflow) or decoded into the given `out`."""
+
+
+class CodecOptionError(ValueError):
+    """A codec was asked for with an unknown name or an invalid option; the message names which."""
 
 
 @runtime_checkable

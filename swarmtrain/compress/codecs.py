@@ -1,0 +1,281 @@
+"""The concrete codecs: fp32/fp16/bf16 casts and blockwise int8/int4, each with an optional zstd stage."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import warnings
+from typing import ClassVar
+
+import torch
+
+from swarmtrain.compress import quant
+from swarmtrain.compress.codec import CodecError, CodecOptionError
+from swarmtrain.compress.wire import (
+    DTYPE_CODES,
+    MAX_BLOCK_SIZE,
+    CodecId,
+    DecodeLimits,
+    Flags,
+    Header,
+    frame,
+    parse,
+)
+from swarmtrain.compress.zstd_stage import zstd_compress, zstd_decompress
+
+__all__ = ["BlockQuantCodec", "CastCodec", "quant_backend"]
+
+log = logging.getLogger(__name__)
+
+_Buffer = bytes | bytearray | memoryview
+
+
+def quant_backend(device: torch.device) -> quant.QuantBackend:
+    """The one place codecs get their quantization functions from (a kernel backend plugs in here)."""
+    return quant
+
+
+_silenced = threading.Event()
+_silence_lock = threading.Lock()
+
+
+def _view(buf: _Buffer, dtype: torch.dtype, *, count: int, offset: int = 0) -> torch.Tensor:
+    """A read-only CPU tensor over received bytes, copied only when the data is misaligned for dtype."""
+    if count == 0:
+        return torch.empty(0, dtype=dtype)
+    if not _silenced.is_set():
+        # torch warns once per process that the buffer is read-only; we never write to it
+        with _silence_lock, warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            t = torch.frombuffer(buf, dtype=dtype, count=count, offset=offset)
+            _silenced.set()
+    else:
+        t = torch.frombuffer(buf, dtype=dtype, count=count, offset=offset)
+    return t.clone() if t.data_ptr() % t.element_size() else t
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    """Flat byte view of a tensor's memory on the host (one device-to-host copy when on a GPU)."""
+    t = t.detach().contiguous().cpu().view(-1)
+    return memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+
+
+class _Codec:
+    """Framing, validation and the zstd stage shared by every codec; subclasses own the payload."""
+
+    name: str
+    codec_id: CodecId
+
+    def __init__(self, *, zstd_level: int, device: torch.device | str, limits: DecodeLimits) -> None:
+        if not 0 <= zstd_level <= 22:
+            raise CodecOptionError(f"zstd_level {zstd_level} is not in [0, 22] (0 = off)")
+        self.zstd_level = zstd_level
+        self.device = torch.device(device)
+        self.limits = limits
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, zstd_level={self.zstd_level}, device={self.device})"
+
+    # -- encode ------------------------------------------------------------------------------
+    def encode(self, tensor: torch.Tensor) -> bytes:
+        if not isinstance(tensor, torch.Tensor) or tensor.dtype not in DTYPE_CODES:
+            what = tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            raise CodecError(f"{self.name}: cannot encode {what}; expected a float32/16, bfloat16 or float64 tensor")
+        x = tensor.detach().to(self.device, torch.float32).reshape(-1)
+        parts, flags, block_size = self._encode_payload(x)
+        if self.zstd_level:
+            parts = [memoryview(zstd_compress(b"".join(parts), level=self.zstd_level))]
+            flags |= Flags.ZSTD
+        header = Header(self.codec_id, flags, tensor.dtype, block_size, tuple(tensor.shape),
+                        sum(p.nbytes for p in parts))
+        return frame(header, parts)
+
+    def _encode_payload(self, x: torch.Tensor) -> tuple[list[memoryview], Flags, int]:
+        raise NotImplementedError
+
+    # -- decode ------------------------------------------------------------------------------
+    def _open(self, data: _Buffer) -> tuple[Header, _Buffer]:
+        """Parses and checks the header for this codec; returns it with the raw (decompressed) payload."""
+        header, payload = parse(data, limits=self.limits)
+        if header.codec_id != self.codec_id:
+            raise CodecError(f"codec mismatch: data was encoded by {header.codec_id.name.lower()}, "
+                             f"this codec is {self.name}")
+        self._check_header(header)
+        size = self._raw_size(header)
+        if Flags.ZSTD in header.flags:
+            return header, zstd_decompress(payload, size_bytes=size)
+        if payload.nbytes != size:
+            raise CodecError(f"shape mismatch: payload has {payload.nbytes} bytes, shape {header.shape} "
+                             f"needs {size}")
+        return header, payload
+
+    def _check_header(self, header: Header) -> None:
+        raise NotImplementedError
+
+    def _raw_size(self, header: Header) -> int:
+        raise NotImplementedError
+
+    def _check_out(self, out: torch.Tensor) -> None:
+        if not isinstance(out, torch.Tensor):
+            raise CodecError(f"decode_accumulate: out must be a tensor, got {type(out).__name__}")
+        if out.dtype != torch.float32:
+            raise CodecError(f"decode_accumulate: out must be float32, got {out.dtype}")
+        if out.device != self.device:
+            raise CodecError(f"decode_accumulate: out is on {out.device}, this codec decodes on {self.device}")
+        if not out.is_contiguous():
+            raise CodecError("decode_accumulate: out must be contiguous")
+
+    def decode(self, data: _Buffer) -> torch.Tensor:
+        header, raw = self._open(data)
+        return self._decode_flat(header, raw).view(header.shape)
+
+    def decode_accumulate(self, data: _Buffer, out: torch.Tensor) -> None:
+        self._check_out(out)
+        header, raw = self._open(data)
+        if out.numel() != header.numel:
+            raise CodecError(f"decode_accumulate: out has {out.numel()} elements, data has {header.numel} "
+                             f"(shape {header.shape})")
+        self._accumulate(header, raw, out)
+
+    def _decode_flat(self, header: Header, raw: _Buffer) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _accumulate(self, header: Header, raw: _Buffer, out: torch.Tensor) -> None:
+        raise NotImplementedError
+
+
+class CastCodec(_Codec):
+    """fp32 (bit exact), fp16 or bf16 (one rounding cast); non-finite values are rejected both ways."""
+
+    _WIRE: ClassVar[dict[str, tuple[CodecId, torch.dtype]]] = {
+        "fp32": (CodecId.FP32, torch.float32), "fp16": (CodecId.FP16, torch.float16),
+        "bf16": (CodecId.BF16, torch.bfloat16)}
+
+    def __init__(self, name: str, *, zstd_level: int = 0, device: torch.device | str = "cpu",
+                 limits: DecodeLimits | None = None) -> None:
+        if name not in self._WIRE:
+            raise CodecOptionError(f"CastCodec: unknown name {name!r}; one of {sorted(self._WIRE)}")
+        super().__init__(zstd_level=zstd_level, device=device, limits=limits or DecodeLimits())
+        self.name = name
+        self.codec_id, self.wire_dtype = self._WIRE[name]
+
+    def _encode_payload(self, x: torch.Tensor) -> tuple[list[memoryview], Flags, int]:
+        if not bool(torch.isfinite(x).all()):
+            raise CodecError(f"{self.name}: non-finite input: the tensor holds NaN or Inf")
+        y = x.to(self.wire_dtype)
+        if self.wire_dtype != torch.float32 and not bool(torch.isfinite(y).all()):
+            raise CodecError(f"{self.name}: a value overflows {self.name} (|x| > {torch.finfo(self.wire_dtype).max:g})")
+        return [_bytes_of(y)], Flags(0), 0
+
+    def _check_header(self, header: Header) -> None:
+        if header.block_size != 0:
+            raise CodecError(f"{self.name}: block size must be 0, header says {header.block_size}")
+        if header.flags & (Flags.SCALE_FP16 | Flags.STOCHASTIC):
+            raise CodecError(f"{self.name}: scale flags set on a codec without scales ({header.flags!r})")
+
+    def _raw_size(self, header: Header) -> int:
+        return header.numel * self.wire_dtype.itemsize
+
+    def _values(self, header: Header, raw: _Buffer) -> torch.Tensor:
+        vals = _view(raw, self.wire_dtype, count=header.numel)
+        if not bool(torch.isfinite(vals).all()):
+            raise CodecError(f"{self.name}: payload holds NaN or Inf")
+        return vals.to(self.device)
+
+    def _decode_flat(self, header: Header, raw: _Buffer) -> torch.Tensor:
+        return self._values(header, raw).to(torch.float32, copy=True)
+
+    def _accumulate(self, header: Header, raw: _Buffer, out: torch.Tensor) -> None:
+        out.view(-1).add_(self._values(header, raw))
+
+
+class BlockQuantCodec(_Codec):
+    """Blockwise absmax int8 or int4 (see quant.py for the exact math the kernels must match)."""
+
+    _IDS: ClassVar[dict[str, CodecId]] = {"int8": CodecId.INT8, "int4": CodecId.INT4}
+
+    def __init__(self, name: str, *, block_size: int = 64, scale_dtype: str = "fp32",
+                 stochastic_rounding: bool = False, seed: int | None = None, zstd_level: int = 0,
+                 device: torch.device | str = "cpu", limits: DecodeLimits | None = None) -> None:
+        if name not in self._IDS:
+            raise CodecOptionError(f"BlockQuantCodec: unknown name {name!r}; one of {sorted(self._IDS)}")
+        if not (2 <= block_size <= MAX_BLOCK_SIZE and block_size % 2 == 0):
+            raise CodecOptionError(f"block_size {block_size} must be even and in [2, {MAX_BLOCK_SIZE}]")
+        if scale_dtype not in ("fp32", "fp16"):
+            raise CodecOptionError(f"scale_dtype {scale_dtype!r} is not 'fp32' or 'fp16'")
+        super().__init__(zstd_level=zstd_level, device=device, limits=limits or DecodeLimits())
+        self.name = name
+        self.codec_id = self._IDS[name]
+        self.block_size = block_size
+        self.scale_fp16 = scale_dtype == "fp16"
+        self.stochastic = stochastic_rounding
+        self._generator: torch.Generator | None = None
+        if stochastic_rounding:
+            # no seed = fresh entropy: peers sharing one seed would round with correlated noise
+            self._generator = torch.Generator(device=self.device)
+            if seed is None:
+                self._generator.seed()
+            else:
+                self._generator.manual_seed(seed)
+        self._backend = quant_backend(self.device)
+
+    def _encode_payload(self, x: torch.Tensor) -> tuple[list[memoryview], Flags, int]:
+        fn = self._backend.int8_quantize if self.codec_id == CodecId.INT8 else self._backend.int4_quantize
+        q, scales = fn(x, block_size=self.block_size, scale_fp16=self.scale_fp16, stochastic=self.stochastic,
+                       generator=self._generator)
+        flags = (Flags.SCALE_FP16 if self.scale_fp16 else Flags(0)) | (
+            Flags.STOCHASTIC if self.stochastic else Flags(0))
+        return [_bytes_of(q), _bytes_of(scales)], flags, self.block_size
+
+    def _check_header(self, header: Header) -> None:
+        bs = header.block_size
+        if not (2 <= bs <= MAX_BLOCK_SIZE and bs % 2 == 0):
+            raise CodecError(f"{self.name}: block size {bs} is not even in [2, {MAX_BLOCK_SIZE}]")
+
+    @staticmethod
+    def _q_bytes(header: Header) -> int:
+        return header.numel if header.codec_id == CodecId.INT8 else -(-header.numel // 2)
+
+    def _raw_size(self, header: Header) -> int:
+        scale_bytes = 2 if Flags.SCALE_FP16 in header.flags else 4
+        return self._q_bytes(header) + quant.num_blocks(header.numel, block_size=header.block_size) * scale_bytes
+
+    def _parts(self, header: Header, raw: _Buffer) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q or packed nibbles, fp32 scales) on the codec's device, after checking both are well formed."""
+        nq = self._q_bytes(header)
+        nb = quant.num_blocks(header.numel, block_size=header.block_size)
+        q = _view(raw, torch.int8 if header.codec_id == CodecId.INT8 else torch.uint8, count=nq)
+        sdtype = torch.float16 if Flags.SCALE_FP16 in header.flags else torch.float32
+        scales = _view(raw, sdtype, count=nb, offset=nq).float()
+        if not bool(torch.isfinite(scales).all()):
+            raise CodecError(f"{self.name}: non-finite (NaN/Inf) block scale")
+        if bool((scales < 0).any()):
+            raise CodecError(f"{self.name}: negative block scale")
+        if header.codec_id == CodecId.INT8:
+            if nq and int(q.min()) < -quant.INT8_QMAX:
+                raise CodecError(f"int8: value -128 is outside [-{quant.INT8_QMAX}, {quant.INT8_QMAX}]")
+        else:
+            _check_nibbles(q, numel=header.numel)
+        return q.to(self.device), scales.to(self.device)
+
+    def _decode_flat(self, header: Header, raw: _Buffer) -> torch.Tensor:
+        q, scales = self._parts(header, raw)
+        if header.codec_id == CodecId.INT8:
+            return self._backend.int8_dequantize(q, scales, block_size=header.block_size)
+        return self._backend.int4_dequantize(q, scales, numel=header.numel, block_size=header.block_size)
+
+    def _accumulate(self, header: Header, raw: _Buffer, out: torch.Tensor) -> None:
+        q, scales = self._parts(header, raw)
+        fn = (self._backend.int8_dequantize_accumulate if header.codec_id == CodecId.INT8
+              else self._backend.int4_dequantize_accumulate)
+        fn(q, scales, block_size=header.block_size, out=out)
+
+
+def _check_nibbles(packed: torch.Tensor, *, numel: int) -> None:
+    """Nibble 0 would be q = -8 (outside [-7, 7]); the unused high nibble of an odd tail must be 8."""
+    if packed.numel() == 0:
+        return
+    if bool(((packed & 0x0F) == 0).any()) or bool(((packed >> 4) == 0).any()):
+        raise CodecError("int4: nibble 0 (q = -8) is outside [-7, 7]")
+    if numel % 2 and int(packed[-1]) >> 4 != 8:
+        raise CodecError("int4: the padding nibble after an odd element count must be 8")
