@@ -1,0 +1,105 @@
+"""`swarmtrain testbed up|run|status|down`: the network-namespace WAN twin from the command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+HELP = "a WAN twin on this Linux box: hosts as network namespaces on a shaped bridge (needs root)"
+
+_NAME_HELP = "testbed name; its namespaces are NAME-sw and NAME-h0.. (default: swt)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+
+    up = sub.add_parser("up", help="create N hosts on a bridge, each link shaped both ways")
+    up.add_argument("--name", default="swt", help=_NAME_HELP)
+    up.add_argument("--hosts", type=int, required=True, help="number of hosts (host I gets 10.77.0.(10+I))")
+    up.add_argument("--rate", default="100mbit", help="each host's link rate, each direction (default: 100mbit)")
+    up.add_argument("--delay-ms", type=float, default=0.0,
+                    help="netem delay on each end of each link (host-to-host one way = 2x); needs netem")
+    up.add_argument("--loss-pct", type=float, default=0.0, help="netem loss on each end of each link; needs netem")
+    up.add_argument("--mtu", type=int, default=1500, help="link MTU (default: 1500)")
+    up.add_argument("--data-port", type=int, default=7000,
+                    help="TCP port whose traffic is counted as data plane (bind peers' gRPC here; default: 7000)")
+
+    run = sub.add_parser("run", help="run a command inside one host (`{ip}` in it becomes the host's address)")
+    run.add_argument("--name", default="swt", help=_NAME_HELP)
+    run.add_argument("--host", type=int, required=True, help="host index")
+    run.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD...", help="the command and its arguments")
+
+    status = sub.add_parser("status", help="print the testbed's hosts, link rate and kernel byte counters (JSON)")
+    status.add_argument("--name", default="swt", help=_NAME_HELP)
+
+    down = sub.add_parser("down", help="kill everything inside the testbed and delete it (idempotent)")
+    group = down.add_mutually_exclusive_group()
+    group.add_argument("--name", default="swt", help=_NAME_HELP)
+    group.add_argument("--all", action="store_true", help="every testbed found (namespaces named like NAME-sw/NAME-hI)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from swarmtrain.testbed import TestbedError
+
+    try:
+        return _ACTIONS[args.action](args)
+    except TestbedError as e:
+        print(f"swarmtrain testbed {args.action}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _up(args: argparse.Namespace) -> int:
+    from swarmtrain.testbed import LinkSpec, Testbed, parse_rate
+
+    link = LinkSpec(rate_bit_s=parse_rate(args.rate), delay_ms=args.delay_ms, loss_pct=args.loss_pct, mtu=args.mtu)
+    testbed = Testbed(args.name, num_hosts=args.hosts, link=link, data_port=args.data_port)
+    testbed.up(persist=True)
+    print(json.dumps(testbed.describe()), flush=True)
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    from swarmtrain.testbed import TestbedError, find_testbeds, require_root
+    from swarmtrain.testbed.netns import SUBNET_PREFIX
+
+    require_root()
+    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if not cmd:
+        raise TestbedError("run: give the command after `--`, e.g. swarmtrain testbed run --host 0 -- swarmtrain coordinator")
+    netns = f"{args.name}-h{args.host}"
+    if netns not in find_testbeds().get(args.name, []):
+        raise TestbedError(f"no host {args.host} in testbed {args.name!r} (namespace {netns} not found; "
+                           f"is it up? `swarmtrain testbed up --name {args.name} --hosts N`)")
+    ip = f"{SUBNET_PREFIX}{10 + args.host}"
+    cmd = [part.replace("{ip}", ip) for part in cmd]
+    os.environ.update(SWARMTRAIN_TESTBED_HOST=str(args.host), SWARMTRAIN_TESTBED_IP=ip)
+    os.execvp("ip", ["ip", "netns", "exec", netns, *cmd])
+    return 0  # not reached: execvp replaces this process
+
+
+def _status(args: argparse.Namespace) -> int:
+    from swarmtrain.testbed import read_counters, require_root
+    from swarmtrain.testbed.counters import read_rate_bit_s
+    from swarmtrain.testbed.netns import SUBNET_PREFIX
+
+    require_root()
+    counters = read_counters(args.name)
+    hosts = [{"index": i, "netns": f"{args.name}-h{i}", "ip": f"{SUBNET_PREFIX}{10 + i}",
+              "rate_bit_s": read_rate_bit_s(args.name, i), "counters": c.as_dict()} for i, c in counters.items()]
+    print(json.dumps({"name": args.name, "hosts": hosts}, indent=2))
+    return 0
+
+
+def _down(args: argparse.Namespace) -> int:
+    from swarmtrain.testbed import find_testbeds, require_root, teardown
+
+    require_root()
+    names = sorted(find_testbeds()) if args.all else [args.name]
+    removed = [ns for name in names for ns in teardown(name)]
+    print(json.dumps({"removed": removed}))
+    return 0
+
+
+_ACTIONS = {"up": _up, "run": _run, "status": _status, "down": _down}

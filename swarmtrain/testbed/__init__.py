@@ -1,0 +1,25 @@
+"""A WAN twin on one Linux box: hosts as network namespaces on a shaped bridge (needs root).
+
+Map: shaping.py (rates, the htb tree, netem options) · netns.py (Testbed: namespaces, bridge,
+veths, processes inside hosts; teardown by name) · counters.py (kernel byte counters per host)
+· swarm.py (a coordinator and peers started inside the hosts, their JSON lines collected).
+"""
+
+from swarmtrain.testbed.counters import HostCounters, read_counters, total_wire_bytes
+from swarmtrain.testbed.netns import DEFAULT_DATA_PORT, Host, Testbed, find_testbeds, require_root, teardown
+from swarmtrain.testbed.shaping import LinkSpec, TestbedError, parse_rate
+
+__all__ = [
+    "DEFAULT_DATA_PORT",
+    "Host",
+    "HostCounters",
+    "LinkSpec",
+    "Testbed",
+    "TestbedError",
+    "find_testbeds",
+    "parse_rate",
+    "read_counters",
+    "require_root",
+    "teardown",
+    "total_wire_bytes",
+]
