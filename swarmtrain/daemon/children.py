@@ -23,6 +23,7 @@ from swarmtrain.telemetry.events import EventError, Line, ReadyLine, parse_line
 __all__ = ["Child", "ChildExitedError", "group_alive", "swarmtrain_argv"]
 
 log = logging.getLogger(__name__)
+RAW_TAIL_LINES = 200
 
 
 class ChildExitedError(RuntimeError):
@@ -44,7 +45,7 @@ class Child:
         self.argv = list(argv)
         self.log_path = log_path
         self.lines: list[Line] = []  # every parsed READY/event line, in order
-        self.raw_tail: list[str] = []  # the last unparsed stdout lines, for error messages
+        self.raw_tail: list[str] = []  # the last RAW_TAIL_LINES unparsed stdout lines
         self._cond = threading.Condition()
         self._eof = False
         child_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
@@ -69,7 +70,7 @@ class Child:
                 parsed = None
             with self._cond:
                 if parsed is None:
-                    self.raw_tail = [*self.raw_tail[-19:], raw.rstrip("\n")]
+                    self.raw_tail = [*self.raw_tail[-(RAW_TAIL_LINES - 1):], raw.rstrip("\n")]
                 else:
                     self.lines.append(parsed)
                 self._cond.notify_all()

@@ -6,6 +6,8 @@ import contextlib
 import logging
 import os
 import signal
+import subprocess
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -61,7 +63,16 @@ class ProcessSet:
             args += ["--checkpoint-dir", str(checkpoint_dir)]
         return self.spawn(name, *args)
 
-    def close(self) -> None:
+    def close(self, *, grace_s: float = 15.0) -> None:
+        """SIGTERM every live child at once (a stopped one is continued first), SIGKILL what outlives `grace_s`."""
+        live = [c for c in self.children if c.alive]
+        for child in live:
+            child.signal_group(signal.SIGCONT)
+            child.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for child in live:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
         for child in reversed(self.children):
             child.kill()
         leftovers = [c.name for c in self.children if _group_has_live_process(c.pgid)]
