@@ -1,0 +1,188 @@
+"""Discovery records and the in-memory twin: validation, run config round trip, heartbeat expiry, leave."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+
+import pytest
+
+from swarmtrain.averaging.group import Member
+from swarmtrain.config import RunConfig, load_config, to_dict
+from swarmtrain.discovery import (
+    GroupRecord,
+    Heartbeat,
+    InMemoryDiscovery,
+    InMemoryRegistry,
+    MatchEntry,
+    PeerRecord,
+    RecordError,
+    RunConflictError,
+    RunRecord,
+)
+from swarmtrain.discovery.records import decode_record
+
+pytestmark = pytest.mark.unit
+
+RUN = "swarmtrain"
+
+
+class FakeClock:
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _peer(peer_id: str, t: float, **kw: object) -> PeerRecord:
+    return PeerRecord(run_id=RUN, peer_id=peer_id, endpoint="127.0.0.1:5000", heartbeat_at=t, **kw)  # type: ignore[arg-type]
+
+
+def test_every_record_kind_round_trips_through_bytes() -> None:
+    m = Member(peer_id="a", endpoint="10.0.0.1:7", client_mode=False, bandwidth_bytes_per_s=1e6)
+    c = Member(peer_id="b", endpoint="", client_mode=True)
+    records = [
+        RunRecord(run_id=RUN, coordinator_id="a", config=to_dict(RunConfig()), round=3, updated_at=5.0),
+        _peer("a", 1.0, role="coordinator", state_hash="ab01", round=2, throughput_tokens_per_s=3.5),
+        MatchEntry(run_id=RUN, round=4, member=c, posted_at=2.5),
+        GroupRecord(run_id=RUN, round=4, leader_id="a", members=(m, c), window_close_at=3.0),
+    ]
+    for r in records:
+        assert decode_record(type(r), r.encode(), run_id=RUN, signer_id=r.owner_id) == r
+
+
+@pytest.mark.parametrize("mutate, match", [
+    (lambda d: d.update(run_id="other"), "run_id"),
+    (lambda d: d.update(round=-1), "peer.round"),
+    (lambda d: d.update(round=True), "peer.round"),
+    (lambda d: d.update(heartbeat_at=-1.0), "heartbeat_at"),
+    (lambda d: d.update(heartbeat_at=float("inf")), "Infinity"),
+    (lambda d: d.update(endpoint="no-port"), "endpoint"),
+    (lambda d: d.update(endpoint="h:70000"), "endpoint"),
+    (lambda d: d.update(role="king"), "role"),
+    (lambda d: d.update(state_hash="XYZ"), "state_hash"),
+    (lambda d: d.update(peer_id="bad id!"), "peer_id"),
+    (lambda d: d.pop("client_mode"), "client_mode"),
+    (lambda d: d.update(kind="run"), "kind"),
+])
+def test_malformed_peer_records_are_rejected_naming_the_field(mutate, match) -> None:
+    d = json.loads(_peer("a", 1.0).encode())
+    mutate(d)
+    with pytest.raises(RecordError, match=match):
+        decode_record(PeerRecord, json.dumps(d).encode(), run_id=RUN, signer_id="a")
+
+
+@pytest.mark.parametrize("data", [b"\xff\xfe garbage", b"[1,2]", b'{"kind": "peer"', b"x" * (2 << 20), "str", None,
+                                  b'{"kind":"peer","heartbeat_at":NaN}'])
+def test_garbage_is_a_record_error(data: object) -> None:
+    with pytest.raises(RecordError):
+        decode_record(PeerRecord, data, run_id=RUN, signer_id="a")
+
+
+def test_a_record_signed_by_someone_else_is_rejected() -> None:
+    with pytest.raises(RecordError, match="signed by 'mallory'"):
+        decode_record(PeerRecord, _peer("alice", 1.0).encode(), run_id=RUN, signer_id="mallory")
+
+
+def test_group_record_invariants() -> None:
+    a, b = Member("a", "h:1"), Member("b", "h:2")
+    with pytest.raises(RecordError, match="sorted"):
+        GroupRecord(run_id=RUN, round=0, leader_id="a", members=(b, a), window_close_at=0.0)
+    with pytest.raises(RecordError, match="leader_id"):
+        GroupRecord(run_id=RUN, round=0, leader_id="b", members=(a, b), window_close_at=0.0)
+
+
+def test_run_record_rejects_an_invalid_config() -> None:
+    bad = to_dict(RunConfig())
+    bad["averaging"]["min_peers"] = 0
+    with pytest.raises(RecordError, match=r"averaging\.min_peers"):
+        RunRecord(run_id=RUN, coordinator_id="c", config=bad)
+    with pytest.raises(RecordError, match=r"train\.run_id"):
+        RunRecord(run_id="other", coordinator_id="c", config=to_dict(RunConfig()))
+
+
+def test_run_config_round_trip_and_conflicts() -> None:
+    async def main() -> None:
+        reg = InMemoryRegistry()
+        coord = InMemoryDiscovery(reg, run_id=RUN, record_ttl_s=5)
+        peer = InMemoryDiscovery(reg, run_id=RUN, record_ttl_s=5)
+        assert await peer.fetch_run(timeout_s=1) is None
+        cfg = load_config(overrides=["averaging.min_peers=3", "compress.codec=int8", "data.paths=['a.txt']"])
+        await coord.publish_run(RunRecord(run_id=RUN, coordinator_id=coord.peer_id, config=to_dict(cfg), round=7),
+                                timeout_s=1)
+        got = await peer.fetch_run(timeout_s=1)
+        assert got is not None and got.round == 7 and got.run_config() == cfg
+        rogue = InMemoryDiscovery(reg, run_id=RUN, record_ttl_s=5)
+        await rogue.publish_run(RunRecord(run_id=RUN, coordinator_id=rogue.peer_id, config=to_dict(RunConfig())),
+                                timeout_s=1)
+        with pytest.raises(RunConflictError, match="coordinator"):
+            await peer.fetch_run(timeout_s=1)
+        pinned = await peer.fetch_run(coordinator_id=coord.peer_id, timeout_s=1)
+        assert pinned is not None and pinned.run_config() == cfg
+        with pytest.raises(RecordError, match="owned by"):
+            await peer.publish_run(RunRecord(run_id=RUN, coordinator_id=coord.peer_id, config=to_dict(cfg)),
+                                   timeout_s=1)
+
+    asyncio.run(main())
+
+
+def test_heartbeat_expiry_and_leave() -> None:
+    async def main() -> None:
+        clock = FakeClock()
+        reg = InMemoryRegistry(clock=clock)
+        a, b, c = (InMemoryDiscovery(reg, run_id=RUN, record_ttl_s=10) for _ in range(3))
+        for d in (a, b, c):
+            await d.announce(_peer(d.peer_id, clock.t), timeout_s=1)
+        assert [p.peer_id for p in await a.live_peers(timeout_s=1)] == sorted([a.peer_id, b.peer_id, c.peer_id])
+        clock.t += 6
+        await a.announce(_peer(a.peer_id, clock.t, round=1), timeout_s=1)  # a heartbeats, b and c do not
+        await b.withdraw(timeout_s=1)  # b leaves: gone at once
+        assert [p.peer_id for p in await a.live_peers(timeout_s=1)] == sorted([a.peer_id, c.peer_id])
+        clock.t += 4.5  # c's last beat is 10.5 s old: past record_ttl_s
+        live = await c.live_peers(timeout_s=1)
+        assert [p.peer_id for p in live] == [a.peer_id] and live[0].round == 1
+
+    asyncio.run(main())
+
+
+def test_garbage_and_unsigned_slots_are_skipped_and_logged(caplog: pytest.LogCaptureFixture) -> None:
+    async def main() -> None:
+        reg = InMemoryRegistry()
+        a = InMemoryDiscovery(reg, run_id=RUN, record_ttl_s=10)
+        await a.announce(_peer(a.peer_id, a.now()), timeout_s=1)
+        key = f"swarmtrain/{RUN}/peers"
+        reg.put(key, "mallory", b"\x00garbage", expires_at=a.now() + 10)
+        reg.put(key, None, _peer("eve", a.now()).encode(), expires_at=a.now() + 10)  # unsigned
+        reg.put(key, "eve", _peer(a.peer_id, a.now(), round=99).encode(), expires_at=a.now() + 10)  # impersonation
+        other_run = dataclasses.replace(_peer("zed", a.now()), run_id="other")
+        reg.put(key, "zed", other_run.encode(), expires_at=a.now() + 10)
+        live = await a.live_peers(timeout_s=1)
+        assert [(p.peer_id, p.round) for p in live] == [(a.peer_id, 0)]
+
+    with caplog.at_level(logging.WARNING, logger="swarmtrain.discovery.protocol"):
+        asyncio.run(main())
+    text = caplog.text
+    assert "not a JSON record" in text and "unsigned record" in text and "signed by 'eve'" in text
+    assert "'other'" in text
+
+
+def test_heartbeat_task_keeps_a_record_alive_and_withdraws_on_close(no_thread_leak: None) -> None:
+    async def main() -> None:
+        reg = InMemoryRegistry()
+        a = InMemoryDiscovery(reg, run_id=RUN, record_ttl_s=0.3)
+        state = {"round": 0}
+        hb = Heartbeat(a, current=lambda: _peer(a.peer_id, 0.0, round=state["round"]), heartbeat_s=0.05, now=a.now)
+        await hb.start()
+        state["round"] = 5
+        deadline = a.now() + 2.0
+        while hb.beats < 8 and a.now() < deadline:  # outlive the ttl several times over
+            await asyncio.sleep(0.02)
+        live = await a.live_peers(timeout_s=1)
+        assert hb.beats >= 8 and [p.round for p in live] == [5]
+        await hb.aclose()
+        assert await a.live_peers(timeout_s=1) == ()
+
+    asyncio.run(main())

@@ -1,0 +1,133 @@
+"""Matchmaking over the in-memory twin: identical groups, min_peers, late joiners, a silent leader."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from swarmtrain.averaging.group import Member
+from swarmtrain.averaging.matchmaking import Matchmaker, MatchOutcome
+from swarmtrain.discovery import GroupRecord, InMemoryDiscovery, InMemoryRegistry, MatchEntry
+
+pytestmark = pytest.mark.unit
+
+RUN = "swarmtrain"
+WINDOW_S = 0.15
+
+
+def _swarm(n: int, reg: InMemoryRegistry | None = None) -> tuple[InMemoryRegistry, list[InMemoryDiscovery]]:
+    reg = reg or InMemoryRegistry()
+    return reg, [InMemoryDiscovery(reg, run_id=RUN, record_ttl_s=30) for _ in range(n)]
+
+
+def _member(d: InMemoryDiscovery, i: int, *, client: bool = False) -> Member:
+    return Member(peer_id=d.peer_id, endpoint="" if client else f"127.0.0.1:{5000 + i}", client_mode=client,
+                  bandwidth_bytes_per_s=1e6 * (i + 1))
+
+
+def _mm(d: InMemoryDiscovery, *, min_peers: int = 2, **kw: float) -> Matchmaker:
+    return Matchmaker(d, min_peers=min_peers, window_s=WINDOW_S, **kw)
+
+
+async def _match_all(peers: list[InMemoryDiscovery], round_index: int, *, delays_s: list[float] | None = None,
+                     min_peers: int = 2) -> list[MatchOutcome]:
+    async def one(i: int, d: InMemoryDiscovery) -> MatchOutcome:
+        if delays_s:
+            await asyncio.sleep(delays_s[i])
+        return await _mm(d, min_peers=min_peers).form_group(round_index, _member(d, i, client=i == 2))
+
+    return list(await asyncio.gather(*(one(i, d) for i, d in enumerate(peers))))
+
+
+def test_all_members_get_the_identical_group() -> None:
+    _, peers = _swarm(4)
+    outcomes = asyncio.run(_match_all(peers, 0, delays_s=[0.0, 0.03, 0.06, 0.09]))
+    groups = [o.group for o in outcomes]
+    assert all(g is not None for g in groups)
+    assert len({g for g in groups}) == 1  # frozen dataclasses: equal members, order, bandwidths
+    g = groups[0]
+    assert g is not None and g.round == 0 and g.run_id == RUN
+    assert [m.peer_id for m in g.members] == sorted(d.peer_id for d in peers)
+    assert [m.peer_id for m in g.reducers] == sorted(d.peer_id for i, d in enumerate(peers) if i != 2)
+    assert {o.leader_id for o in outcomes} == {min(d.peer_id for d in peers)}
+
+
+def test_identical_under_control_plane_latency() -> None:
+    reg = InMemoryRegistry(latency_s=0.01)
+    _, peers = _swarm(3, reg)
+    outcomes = asyncio.run(_match_all(peers, 5, delays_s=[0.05, 0.0, 0.02]))
+    assert len({o.group for o in outcomes}) == 1 and outcomes[0].group is not None
+
+
+def test_fewer_than_min_peers_gives_no_group_on_everyone() -> None:
+    _, peers = _swarm(2)
+    outcomes = asyncio.run(_match_all(peers, 0, min_peers=3))
+    assert all(o.group is None and "too few peers" in o.reason for o in outcomes)
+    _, (alone,) = _swarm(1)
+    (out,) = asyncio.run(_match_all([alone], 0, min_peers=2))
+    assert out.group is None and "too few" in out.reason and not out.late
+
+
+def test_min_peers_one_lets_a_lone_peer_proceed() -> None:
+    _, (alone,) = _swarm(1)
+    (out,) = asyncio.run(_match_all([alone], 0, min_peers=1))
+    assert out.group is not None and [m.peer_id for m in out.group.members] == [alone.peer_id]
+
+
+def test_a_late_joiner_lands_in_the_next_round() -> None:
+    async def main() -> tuple[list[MatchOutcome], MatchOutcome, list[MatchOutcome]]:
+        _, peers = _swarm(3)
+        early, late = peers[:2], peers[2]
+
+        async def late_one() -> MatchOutcome:
+            await asyncio.sleep(WINDOW_S * 1.5)  # after the window of round 0 closed
+            return await _mm(late).form_group(0, _member(late, 2))
+
+        *first, late_out = await asyncio.gather(*(_mm(d).form_group(0, _member(d, i)) for i, d in enumerate(early)),
+                                                late_one())
+        second = await _match_all(peers, 1)
+        return list(first), late_out, second
+
+    first, late_out, second = asyncio.run(main())
+    assert len({o.group for o in first}) == 1 and first[0].group is not None
+    assert len(first[0].group.members) == 2
+    assert late_out.group is None and late_out.late and "join round 1" in late_out.reason
+    assert len({o.group for o in second}) == 1 and second[0].group is not None
+    assert len(second[0].group.members) == 3 and second[0].group.round == 1
+
+
+def test_a_silent_leader_aborts_the_round_for_followers() -> None:
+    async def main() -> MatchOutcome:
+        reg = InMemoryRegistry()
+        leader = InMemoryDiscovery(reg, run_id=RUN, record_ttl_s=30, peer_id="aaa")
+        follower = InMemoryDiscovery(reg, run_id=RUN, record_ttl_s=30, peer_id="bbb")
+        # The leader posts its entry, then dies before publishing the group.
+        await leader.post_entry(MatchEntry(run_id=RUN, round=0, member=_member(leader, 0), posted_at=leader.now()),
+                                timeout_s=1)
+        return await _mm(follower, decision_timeout_s=0.1).form_group(0, _member(follower, 1))
+
+    out = asyncio.run(main())
+    assert out.group is None and out.leader_id == "aaa" and "published no group" in out.reason
+
+
+def test_a_follower_ignores_a_group_from_a_peer_that_is_not_its_leader() -> None:
+    async def main() -> MatchOutcome:
+        reg = InMemoryRegistry()
+        a = InMemoryDiscovery(reg, run_id=RUN, record_ttl_s=30, peer_id="aaa")
+        z = InMemoryDiscovery(reg, run_id=RUN, record_ttl_s=30, peer_id="zzz")
+        m = InMemoryDiscovery(reg, run_id=RUN, record_ttl_s=30, peer_id="mmm")
+        await a.post_entry(MatchEntry(run_id=RUN, round=0, member=_member(a, 0), posted_at=a.now()), timeout_s=1)
+        # m pretends to lead (it is not the smallest id) and lists z; z must not adopt it.
+        await m.post_group(GroupRecord(run_id=RUN, round=0, leader_id="mmm",
+                                       members=(_member(m, 1), _member(z, 2)), window_close_at=m.now()), timeout_s=1)
+        return await _mm(z, decision_timeout_s=0.1).form_group(0, _member(z, 2))
+
+    out = asyncio.run(main())
+    assert out.group is None and out.leader_id == "aaa" and "['mmm'] ignored" in out.reason
+
+
+def test_member_must_be_this_peer() -> None:
+    _, (a, b) = _swarm(2)
+    with pytest.raises(ValueError, match="is not this peer"):
+        asyncio.run(_mm(a).form_group(0, _member(b, 1)))
