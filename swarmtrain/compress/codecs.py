@@ -28,6 +28,7 @@ __all__ = ["BlockQuantCodec", "CastCodec", "quant_backend"]
 log = logging.getLogger(__name__)
 
 _Buffer = bytes | bytearray | memoryview
+_CAST_CHUNK_ELEMENTS = 1 << 18
 
 
 def quant_backend(device: torch.device) -> quant.QuantBackend:
@@ -52,6 +53,14 @@ def _view(buf: _Buffer, dtype: torch.dtype, *, count: int, offset: int = 0) -> t
     else:
         t = torch.frombuffer(buf, dtype=dtype, count=count, offset=offset)
     return t.clone() if t.data_ptr() % t.element_size() else t
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    """No NaN/Inf in t. min/max propagate NaN, and one fused pass is ~50x faster than isfinite().all()."""
+    if t.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(t)
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
@@ -160,10 +169,10 @@ class CastCodec(_Codec):
         self.codec_id, self.wire_dtype = self._WIRE[name]
 
     def _encode_payload(self, x: torch.Tensor) -> tuple[list[memoryview], Flags, int]:
-        if not bool(torch.isfinite(x).all()):
+        if not _all_finite(x):
             raise CodecError(f"{self.name}: non-finite input: the tensor holds NaN or Inf")
         y = x.to(self.wire_dtype)
-        if self.wire_dtype != torch.float32 and not bool(torch.isfinite(y).all()):
+        if self.wire_dtype != torch.float32 and not _all_finite(y):
             raise CodecError(f"{self.name}: a value overflows {self.name} (|x| > {torch.finfo(self.wire_dtype).max:g})")
         return [_bytes_of(y)], Flags(0), 0
 
@@ -178,7 +187,7 @@ class CastCodec(_Codec):
 
     def _values(self, header: Header, raw: _Buffer) -> torch.Tensor:
         vals = _view(raw, self.wire_dtype, count=header.numel)
-        if not bool(torch.isfinite(vals).all()):
+        if not _all_finite(vals):
             raise CodecError(f"{self.name}: payload holds NaN or Inf")
         return vals.to(self.device)
 
@@ -186,7 +195,13 @@ class CastCodec(_Codec):
         return self._values(header, raw).to(torch.float32, copy=True)
 
     def _accumulate(self, header: Header, raw: _Buffer, out: torch.Tensor) -> None:
-        out.view(-1).add_(self._values(header, raw))
+        vals, flat = self._values(header, raw), out.view(-1)
+        if vals.dtype == torch.float32:
+            flat.add_(vals)
+            return
+        for start in range(0, vals.numel(), _CAST_CHUNK_ELEMENTS):  # mixed-dtype add_ is slow; widen by chunk
+            stop = start + _CAST_CHUNK_ELEMENTS
+            flat[start:stop].add_(vals[start:stop].float())
 
 
 class BlockQuantCodec(_Codec):
@@ -247,9 +262,9 @@ class BlockQuantCodec(_Codec):
         q = _view(raw, torch.int8 if header.codec_id == CodecId.INT8 else torch.uint8, count=nq)
         sdtype = torch.float16 if Flags.SCALE_FP16 in header.flags else torch.float32
         scales = _view(raw, sdtype, count=nb, offset=nq).float()
-        if not bool(torch.isfinite(scales).all()):
+        if not _all_finite(scales):
             raise CodecError(f"{self.name}: non-finite (NaN/Inf) block scale")
-        if bool((scales < 0).any()):
+        if nb and float(scales.amin()) < 0:
             raise CodecError(f"{self.name}: negative block scale")
         if header.codec_id == CodecId.INT8:
             if nq and int(q.min()) < -quant.INT8_QMAX:
@@ -275,7 +290,8 @@ def _check_nibbles(packed: torch.Tensor, *, numel: int) -> None:
     """Nibble 0 would be q = -8 (outside [-7, 7]); the unused high nibble of an odd tail must be 8."""
     if packed.numel() == 0:
         return
-    if bool(((packed & 0x0F) == 0).any()) or bool(((packed >> 4) == 0).any()):
+    # reductions, not .any() over a bool temporary: that is ~50x slower on CPU
+    if int(packed.amin()) < 0x10 or int((packed & 0x0F).amin()) == 0:
         raise CodecError("int4: nibble 0 (q = -8) is outside [-7, 7]")
     if numel % 2 and int(packed[-1]) >> 4 != 8:
         raise CodecError("int4: the padding nibble after an odd element count must be 8")
