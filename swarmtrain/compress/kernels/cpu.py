@@ -1,0 +1,144 @@
+"""The fused CPU backend: quant_cpu.cpp built at run time, called through ctypes (the GIL is released)."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from swarmtrain.compress.kernels._build import build_shared_library
+from swarmtrain.compress.kernels.common import check_status, stochastic_seed
+from swarmtrain.compress.quant import INT4_QMAX, INT8_QMAX, num_blocks
+
+__all__ = ["CPU_CFLAGS", "CpuKernels"]
+
+# Exact IEEE results: no FMA contraction, no fast-math. -fno-trapping-math/-fno-math-errno only let gcc
+# vectorize floorf/rintf (they change no value); -march=native is why the cache key holds the CPU flags.
+CPU_CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fopenmp")
+_LDFLAGS = ("-fopenmp",)  # libgomp.so.1: the loader reuses the copy torch already loaded
+
+
+_P = ctypes.c_void_p
+_I64 = ctypes.c_int64
+_INT = ctypes.c_int
+_SIGNATURES: dict[str, list[type]] = {
+    "st_int8_encode": [_P, _I64, _I64, _INT, _INT, ctypes.c_uint64, _P, _P, _INT],
+    "st_int4_encode": [_P, _I64, _I64, _INT, _INT, ctypes.c_uint64, _P, _P, _INT],
+    "st_int8_decode": [_P, _I64, _I64, _P, _INT, _P, _INT, _INT],
+    "st_int4_decode": [_P, _I64, _I64, _P, _INT, _P, _INT, _INT],
+    "st_fp16_encode": [_P, _I64, _P, _INT],
+    "st_bf16_encode": [_P, _I64, _P, _INT],
+    "st_fp16_decode": [_P, _I64, _P, _INT, _INT],
+    "st_bf16_decode": [_P, _I64, _P, _INT, _INT],
+}
+
+
+def _flat_f32(x: torch.Tensor) -> torch.Tensor:
+    assert x.dtype == torch.float32 and x.device.type == "cpu", (x.dtype, x.device)
+    return x.reshape(-1).contiguous()
+
+
+def _scale_args(scales: torch.Tensor) -> tuple[torch.Tensor, int]:
+    assert scales.dtype in (torch.float32, torch.float16), scales.dtype
+    return scales.contiguous(), int(scales.dtype == torch.float16)
+
+
+class CpuKernels:
+    """`quant.QuantBackend` on CPU tensors with fused, vectorized, OpenMP-threaded C++ kernels.
+
+    Uses torch.get_num_threads() threads. Results equal swarmtrain.compress.quant bit for bit, except
+    stochastic rounding, whose noise comes from a counter-based hash instead of torch.rand.
+    """
+
+    name = "cpu-fused"
+
+    def __init__(self) -> None:
+        self._lib = build_shared_library("swarmtrain_quant_cpu", sources=["quant_cpu.cpp"], cflags=CPU_CFLAGS,
+                                         ldflags=_LDFLAGS)
+        for fn, argtypes in _SIGNATURES.items():
+            getattr(self._lib, fn).argtypes = argtypes
+            getattr(self._lib, fn).restype = ctypes.c_int
+
+    # -- blockwise int8 / int4 ------------------------------------------------------------------
+    def _quantize(self, x: torch.Tensor, *, int4: bool, block_size: int, scale_fp16: bool, stochastic: bool,
+                  generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+        x = _flat_f32(x)
+        n = x.numel()
+        q = torch.empty(-(-n // 2) if int4 else n, dtype=torch.uint8 if int4 else torch.int8)
+        scales = torch.empty(num_blocks(n, block_size=block_size),
+                             dtype=torch.float16 if scale_fp16 else torch.float32)
+        seed = stochastic_seed(generator) if stochastic else 0
+        fn = self._lib.st_int4_encode if int4 else self._lib.st_int8_encode
+        status = fn(x.data_ptr(), n, block_size, int(scale_fp16), int(stochastic), seed, q.data_ptr(),
+                    scales.data_ptr(), torch.get_num_threads())
+        check_status(status, what="int4" if int4 else "int8", qmax=INT4_QMAX if int4 else INT8_QMAX)
+        return q, scales
+
+    def int8_quantize(self, x: torch.Tensor, *, block_size: int, scale_fp16: bool, stochastic: bool,
+                      generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._quantize(x, int4=False, block_size=block_size, scale_fp16=scale_fp16, stochastic=stochastic,
+                              generator=generator)
+
+    def int4_quantize(self, x: torch.Tensor, *, block_size: int, scale_fp16: bool, stochastic: bool,
+                      generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._quantize(x, int4=True, block_size=block_size, scale_fp16=scale_fp16, stochastic=stochastic,
+                              generator=generator)
+
+    def _dequantize(self, q: torch.Tensor, scales: torch.Tensor, *, int4: bool, numel: int, block_size: int,
+                    out: torch.Tensor, accumulate: bool) -> None:
+        assert q.device.type == "cpu" and q.dtype == (torch.uint8 if int4 else torch.int8), (q.device, q.dtype)
+        assert q.numel() == (-(-numel // 2) if int4 else numel), (q.numel(), numel)
+        assert scales.numel() == num_blocks(numel, block_size=block_size), (scales.numel(), numel, block_size)
+        assert out.dtype == torch.float32 and out.is_contiguous() and out.numel() == numel, (out.dtype, out.shape)
+        q = q.contiguous()
+        scales, fp16 = _scale_args(scales)
+        fn = self._lib.st_int4_decode if int4 else self._lib.st_int8_decode
+        status = fn(q.data_ptr(), numel, block_size, scales.data_ptr(), fp16, out.data_ptr(), int(accumulate),
+                    torch.get_num_threads())
+        check_status(status, what="int4" if int4 else "int8")
+
+    def int8_dequantize(self, q: torch.Tensor, scales: torch.Tensor, *, block_size: int) -> torch.Tensor:
+        out = torch.empty(q.numel(), dtype=torch.float32)
+        self._dequantize(q, scales, int4=False, numel=q.numel(), block_size=block_size, out=out, accumulate=False)
+        return out
+
+    def int8_dequantize_accumulate(self, q: torch.Tensor, scales: torch.Tensor, *, block_size: int,
+                                   out: torch.Tensor) -> None:
+        self._dequantize(q, scales, int4=False, numel=q.numel(), block_size=block_size, out=out, accumulate=True)
+
+    def int4_dequantize(self, packed: torch.Tensor, scales: torch.Tensor, *, numel: int,
+                        block_size: int) -> torch.Tensor:
+        out = torch.empty(numel, dtype=torch.float32)
+        self._dequantize(packed, scales, int4=True, numel=numel, block_size=block_size, out=out, accumulate=False)
+        return out
+
+    def int4_dequantize_accumulate(self, packed: torch.Tensor, scales: torch.Tensor, *, block_size: int,
+                                   out: torch.Tensor) -> None:
+        self._dequantize(packed, scales, int4=True, numel=out.numel(), block_size=block_size, out=out,
+                         accumulate=True)
+
+    # -- fp16 / bf16 casts ----------------------------------------------------------------------
+    def cast_encode(self, x: torch.Tensor, *, dtype: torch.dtype) -> torch.Tensor:
+        """fp32 -> fp16/bf16 (round to nearest even); CodecError on NaN/Inf input or on overflow."""
+        what = _cast_name(dtype)
+        x = _flat_f32(x)
+        y = torch.empty(x.numel(), dtype=dtype)
+        fn = self._lib.st_fp16_encode if what == "fp16" else self._lib.st_bf16_encode
+        check_status(fn(x.data_ptr(), x.numel(), y.data_ptr(), torch.get_num_threads()), what=what)
+        return y
+
+    def cast_decode_accumulate(self, y: torch.Tensor, *, out: torch.Tensor) -> None:
+        """out (fp32, contiguous) += float(y) for fp16/bf16 y."""
+        what = _cast_name(y.dtype)
+        assert out.dtype == torch.float32 and out.is_contiguous() and out.numel() == y.numel(), (out.dtype, out.shape)
+        y = y.contiguous()
+        fn = self._lib.st_fp16_decode if what == "fp16" else self._lib.st_bf16_decode
+        fn(y.data_ptr(), y.numel(), out.data_ptr(), 1, torch.get_num_threads())
+
+
+def _cast_name(dtype: torch.dtype) -> str:
+    names = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+    if dtype not in names:
+        raise ValueError(f"cast kernels take float16 or bfloat16, not {dtype}")
+    return names[dtype]
+
