@@ -15,6 +15,7 @@ __all__ = ["main"]
 # subcommand -> module exposing HELP, add_arguments(parser) and run(args) -> int.
 COMMANDS: dict[str, str] = {
     "config": "swarmtrain.daemon.cmd_config",
+    "coordinator": "swarmtrain.daemon.cmd_coordinator",
     "testbed": "swarmtrain.daemon.cmd_testbed",
 }
 
