@@ -109,6 +109,8 @@ def teardown(name: str) -> list[str]:
 class Testbed:
     """N hosts on a shaped private bridge; a context manager that always tears down what it built."""
 
+    __test__ = False  # not a pytest test class despite the name
+
     def __init__(self, name: str = "swt", *, num_hosts: int, link: LinkSpec,
                  data_port: int = DEFAULT_DATA_PORT) -> None:
         _check_name(name)
