@@ -1,0 +1,160 @@
+"""Real hivemind DHTs in one process: signed records, forged/unsigned/garbage rejected, expiry, matchmaking."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterator
+
+import pytest
+
+from swarmtrain.averaging.group import Member
+from swarmtrain.averaging.matchmaking import Matchmaker
+from swarmtrain.config import DiscoveryConfig, RunConfig, to_dict
+from swarmtrain.discovery import DiscoveryError, PeerRecord, RunRecord
+from swarmtrain.discovery.hivemind_dht import HivemindDiscovery, signer_id_of
+
+pytestmark = pytest.mark.integration
+
+RUN = "swarmtrain"
+TTL_S = 30.0
+IO_S = 10.0
+
+
+class Swarm:
+    def __init__(self, runner: asyncio.Runner, nodes: dict[str, HivemindDiscovery]) -> None:
+        self.runner = runner
+        self.nodes = nodes
+
+    def run(self, coro):  # type: ignore[no-untyped-def]
+        return self.runner.run(coro)
+
+    def __getitem__(self, name: str) -> HivemindDiscovery:
+        return self.nodes[name]
+
+
+@pytest.fixture(scope="module")
+def swarm() -> Iterator[Swarm]:
+    """coord, b, c honest; mallory hostile: 4 DHTs shared by the module's tests (each starts in ~1-2 s)."""
+    runner = asyncio.Runner()
+    nodes: dict[str, HivemindDiscovery] = {}
+
+    async def start() -> None:
+        nodes["coord"] = await HivemindDiscovery.create(DiscoveryConfig(record_ttl_s=TTL_S), run_id=RUN)
+        join = DiscoveryConfig(initial_peers=tuple(await nodes["coord"].visible_maddrs()), record_ttl_s=TTL_S)
+        for name, d in zip(("b", "c", "mallory"),
+                           await asyncio.gather(*(HivemindDiscovery.create(join, run_id=RUN) for _ in range(3))),
+                           strict=True):
+            nodes[name] = d
+
+    try:
+        runner.run(start())
+        yield Swarm(runner, nodes)
+    finally:
+        for d in nodes.values():
+            runner.run(d.aclose())
+        runner.close()
+    assert not any(d.dht.is_alive() for d in nodes.values()), "a DHT process outlived the test module"
+
+
+def _peer(d: HivemindDiscovery, *, round_index: int = 0, heartbeat_at: float | None = None, **kw) -> PeerRecord:  # type: ignore[no-untyped-def]
+    return PeerRecord(run_id=RUN, peer_id=d.peer_id, endpoint="127.0.0.1:7000", round=round_index,
+                      heartbeat_at=d.now() if heartbeat_at is None else heartbeat_at, **kw)
+
+
+def test_peer_id_is_the_libp2p_identity_of_the_signing_key(swarm: Swarm) -> None:
+    for d in swarm.nodes.values():
+        assert signer_id_of(d.owner_subkey) == d.peer_id
+        assert all(m.endswith("/p2p/" + d.peer_id) for m in swarm.run(d.visible_maddrs()))
+    assert len({d.peer_id for d in swarm.nodes.values()}) == 4
+
+
+def test_run_config_round_trip_over_the_dht(swarm: Swarm) -> None:
+    cfg = RunConfig().replace(averaging={"min_peers": 3}, compress={"codec": "int8"})
+    coord = swarm["coord"]
+    swarm.run(coord.publish_run(RunRecord(run_id=RUN, coordinator_id=coord.peer_id, config=to_dict(cfg), round=2,
+                                          updated_at=coord.now()), timeout_s=IO_S))
+    got = swarm.run(swarm["c"].fetch_run(coordinator_id=coord.peer_id, timeout_s=IO_S))
+    assert got is not None and got.round == 2 and got.run_config() == cfg
+
+
+def test_forged_unsigned_and_garbage_records_are_rejected_and_the_swarm_goes_on(
+        swarm: Swarm, caplog: pytest.LogCaptureFixture) -> None:
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    b, c, mallory = swarm["b"], swarm["c"], swarm["mallory"]
+    key = f"swarmtrain/{RUN}/peers"
+    swarm.run(b.announce(_peer(b, round_index=1), timeout_s=IO_S))
+    exp = b.now() + TTL_S
+    forged = _peer(b, round_index=99).encode()
+    dht = mallory.dht
+    # 1. another key's slot, unsigned: refused by the DHT nodes (signature required for an owner subkey)
+    assert dht.store(key, forged, exp, subkey=b.owner_subkey) is False
+    # 2. another key's slot with a signature made by a different key: refused
+    fake_sig = b"[signature:" + RSAPrivateKey().sign(forged) + b"]"
+    assert dht.store(key, forged + fake_sig, exp, subkey=b.owner_subkey) is False
+    # 3. a subkey with no owner key at all (an unsigned record): refused
+    assert dht.store(key, forged, exp, subkey=b"mallory") is False
+    # 4. mallory's own signed slot, but claiming to be b / garbage / another run: stored, rejected on read
+    assert dht.store(key, forged, exp, subkey=mallory.owner_subkey) is True
+    with caplog.at_level(logging.WARNING, logger="swarmtrain.discovery.protocol"):
+        live = swarm.run(c.live_peers(timeout_s=IO_S))
+        assert [(p.peer_id, p.round) for p in live if p.peer_id in (b.peer_id, mallory.peer_id)] == [(b.peer_id, 1)]
+        assert f"signed by {mallory.peer_id!r}" in caplog.text
+        for bad in (b"\x00\xffgarbage", _peer(mallory).encode().replace(b'"run_id":"swarmtrain"', b'"run_id":"x"')):
+            assert dht.store(key, bad, exp + 1, subkey=mallory.owner_subkey) is True
+            live = swarm.run(c.live_peers(timeout_s=IO_S))
+            assert [p.round for p in live if p.peer_id == b.peer_id] == [1]
+            assert mallory.peer_id not in {p.peer_id for p in live}
+            exp += 1
+    assert "not a JSON record" in caplog.text and "is for run 'x'" in caplog.text
+    # the honest peers still update their own records
+    swarm.run(b.announce(_peer(b, round_index=2), timeout_s=IO_S))
+    assert [p.round for p in swarm.run(c.live_peers(timeout_s=IO_S)) if p.peer_id == b.peer_id] == [2]
+
+
+def test_expiry_and_leave(swarm: Swarm) -> None:
+    c, coord = swarm["c"], swarm["coord"]
+    # c's last heartbeat was long enough ago that its record expires 1 s from now.
+    swarm.run(c.announce(_peer(c, heartbeat_at=c.now() - TTL_S + 1.0), timeout_s=IO_S))
+    assert c.peer_id in {p.peer_id for p in swarm.run(coord.live_peers(timeout_s=IO_S))}
+
+    async def gone(d: HivemindDiscovery, peer_id: str, timeout_s: float) -> None:
+        deadline = d.now() + timeout_s
+        while peer_id in {p.peer_id for p in await d.live_peers(timeout_s=IO_S)}:
+            assert d.now() < deadline, f"{peer_id} still live after {timeout_s}s"
+            await asyncio.sleep(0.1)
+
+    swarm.run(gone(coord, c.peer_id, 5.0))
+    b = swarm["b"]
+    swarm.run(b.announce(_peer(b, round_index=3), timeout_s=IO_S))
+    assert b.peer_id in {p.peer_id for p in swarm.run(coord.live_peers(timeout_s=IO_S))}
+    swarm.run(b.withdraw(timeout_s=IO_S))
+    assert b.peer_id not in {p.peer_id for p in swarm.run(coord.live_peers(timeout_s=IO_S))}
+
+
+def test_matchmaking_over_real_dhts_gives_one_identical_group(swarm: Swarm) -> None:
+    peers = [swarm["coord"], swarm["b"], swarm["c"]]
+
+    async def main() -> list:  # type: ignore[type-arg]
+        async def one(i: int, d: HivemindDiscovery):  # type: ignore[no-untyped-def]
+            await asyncio.sleep(0.1 * i)
+            member = Member(peer_id=d.peer_id, endpoint=f"127.0.0.1:{7000 + i}", bandwidth_bytes_per_s=1e6)
+            return await Matchmaker(d, min_peers=2, window_s=1.0).form_group(10, member)
+
+        return list(await asyncio.gather(*(one(i, d) for i, d in enumerate(peers))))
+
+    outcomes = swarm.run(main())
+    assert all(o.group is not None for o in outcomes), [o.reason for o in outcomes]
+    assert len({o.group for o in outcomes}) == 1
+    assert [m.peer_id for m in outcomes[0].group.members] == sorted(d.peer_id for d in peers)
+
+
+def test_a_stopped_dht_raises_a_discovery_error() -> None:
+    async def main() -> None:
+        d = await HivemindDiscovery.create(DiscoveryConfig(), run_id=RUN)
+        await d.aclose()
+        with pytest.raises(DiscoveryError, match="not running"):
+            await d.live_peers(timeout_s=1.0)
+
+    asyncio.run(main())
