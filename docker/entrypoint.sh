@@ -26,7 +26,9 @@ shape() {
   fi
   [ "$delay" != 0 ] && netem+=(delay "${delay}ms")
   [ "$loss" != 0 ] && netem+=(loss "${loss}%")
-  tc qdisc replace dev "$dev" root handle 1: htb default 10 \
+  # A restarted container keeps its network namespace: start from the device's default qdisc.
+  tc qdisc del dev "$dev" root 2>/dev/null || true
+  tc qdisc add dev "$dev" root handle 1: htb default 10 \
     || die "tc could not shape $dev: give the container cap_add: [NET_ADMIN]"
   tc class add dev "$dev" parent 1: classid 1:10 htb rate "$rate" ceil "$rate" \
     || die "tc rejected SHAPE_RATE=$rate (use e.g. 100mbit, 20mbit)"

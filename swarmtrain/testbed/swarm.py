@@ -1,0 +1,100 @@
+"""A coordinator and peers started inside testbed hosts, their READY and round lines collected."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from swarmtrain.daemon.children import Child
+from swarmtrain.telemetry.events import RoundEvent
+from swarmtrain.testbed.netns import Testbed
+from swarmtrain.testbed.shaping import TestbedError
+
+__all__ = ["COORDINATOR_DHT_PORT", "PEER_DHT_PORT", "TestbedSwarm"]
+
+log = logging.getLogger(__name__)
+
+PEER_DHT_PORT = 7001
+COORDINATOR_DHT_PORT = 7002  # distinct from a peer's, so a peer may share the coordinator's host
+
+
+class TestbedSwarm:
+    """`swarmtrain coordinator` and `swarmtrain peer` processes on the hosts of an up Testbed.
+
+    Every peer binds its gRPC server to the testbed's data port, so the kernel's data-plane
+    class counts exactly the traffic swarmtrain reports as bytes sent/received.
+    """
+
+    __test__ = False
+
+    def __init__(self, testbed: Testbed, *, log_dir: Path, run_overrides: Sequence[str] = (),
+                 env: dict[str, str] | None = None) -> None:
+        self.testbed = testbed
+        self.log_dir = log_dir
+        self.run_overrides = list(run_overrides)
+        self.env = {"OMP_NUM_THREADS": "1", **(env or {})}
+        self.coordinator: Child | None = None
+        self.join_maddr = ""
+        self.peers: dict[str, Child] = {}
+        self._starts: dict[str, int] = {}
+        self._children: list[Child] = []
+
+    def _spawn(self, name: str, host: int, args: Sequence[str]) -> Child:
+        n = self._starts.get(name, 0)
+        self._starts[name] = n + 1
+        log_path = self.log_dir / (f"{name}.log" if n == 0 else f"{name}.{n}.log")
+        h = self.testbed.host(host)
+        argv = ["ip", "netns", "exec", h.netns, sys.executable, "-m", "swarmtrain", *args]
+        env = {**self.env, "SWARMTRAIN_TESTBED_HOST": str(host), "SWARMTRAIN_TESTBED_IP": h.ip}
+        child = Child(name, argv, log_path=log_path, env=env)
+        self._children.append(child)
+        return child
+
+    def start_coordinator(self, *, host: int = 0, timeout_s: float = 60.0) -> str:
+        """Start the coordinator on `host`; return the multiaddr peers join (its testbed address)."""
+        ip = self.testbed.host(host).ip
+        sets = [x for o in self.run_overrides for x in ("--set", o)]
+        self.coordinator = self._spawn("coordinator", host,
+                                       ["coordinator", "--host", ip, "--port", str(COORDINATOR_DHT_PORT), *sets])
+        info = self.coordinator.wait_ready(timeout_s=timeout_s)
+        maddrs = [str(m) for m in info.get("maddrs", [])]  # type: ignore[union-attr]
+        on_bridge = [m for m in maddrs if f"/ip4/{ip}/" in m]
+        if not on_bridge:
+            raise TestbedError(f"the coordinator's READY line has no multiaddr on {ip}: {maddrs}")
+        self.join_maddr = on_bridge[0]
+        return self.join_maddr
+
+    def start_peer(self, name: str, *, host: int, checkpoint_dir: Path | None = None,
+                   extra: Sequence[str] = ()) -> Child:
+        """Start (or restart) peer `name` on `host`, joined to the coordinator."""
+        if not self.join_maddr:
+            raise TestbedError("start the coordinator before the peers")
+        ip = self.testbed.host(host).ip
+        args = ["peer", "--join", self.join_maddr, "--host", ip, "--port", str(self.testbed.data_port),
+                "--dht-port", str(PEER_DHT_PORT), *extra]
+        if checkpoint_dir is not None:
+            args += ["--checkpoint-dir", str(checkpoint_dir)]
+        child = self._spawn(name, host, args)
+        self.peers[name] = child
+        return child
+
+    def rounds(self, name: str) -> list[RoundEvent]:
+        """Every round line peer `name` printed (across restarts only the current process's)."""
+        return [x for x in self.peers[name].snapshot() if isinstance(x, RoundEvent)]
+
+    def close(self, *, timeout_s: float = 15.0) -> None:
+        """SIGTERM every process (peers first), SIGKILL what outlives `timeout_s`."""
+        for child in reversed(self._children):
+            if child.alive:
+                child.terminate(timeout_s=timeout_s)
+            else:
+                child.kill()  # reaps a leftover process group and closes the log
+        self._children.clear()
+
+    def __enter__(self) -> TestbedSwarm:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
