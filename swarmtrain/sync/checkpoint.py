@@ -118,7 +118,7 @@ def _prepare_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Ten
 
 
 def _check_json(meta: dict[str, Any]) -> dict[str, Any]:
-    """Only values that survive a JSON round trip unchanged (str keys, lists): nothing changes type on resume."""
+    """JSON values only, str keys only (int keys would come back as str); tuples come back as lists."""
 
     def walk(obj: Any, path: str) -> None:
         if isinstance(obj, dict):
@@ -126,12 +126,12 @@ def _check_json(meta: dict[str, Any]) -> dict[str, Any]:
                 if not isinstance(k, str):
                     raise CheckpointError(f"checkpoint meta {path}/{k!r}: keys must be str (use split_state)")
                 walk(v, f"{path}/{k}")
-        elif isinstance(obj, list):
+        elif isinstance(obj, (list, tuple)):
             for i, v in enumerate(obj):
                 walk(v, f"{path}/{i}")
         elif not (obj is None or isinstance(obj, (bool, int, float, str))):
             raise CheckpointError(f"checkpoint meta {path or '<root>'}: a {type(obj).__name__} is not JSON "
-                                  "(tensors go in `tensors`, tuples as lists; or use split_state)")
+                                  "(tensors go in `tensors`; or use split_state)")
 
     walk(meta, "")
     return meta

@@ -186,7 +186,7 @@ def test_a_crash_at_any_point_of_a_save_leaves_old_or_new_state(tmp_path: Path, 
 
 @pytest.mark.parametrize(("meta", "words"), [
     ({"t": torch.zeros(1)}, "Tensor is not JSON"),
-    ({"t": (1, 2)}, "tuple is not JSON"),
+    ({"t": {1, 2}}, "set is not JSON"),
     ({"d": {1: "a"}}, "keys must be str"),
 ])
 def test_non_json_meta_is_refused(tmp_path: Path, meta: dict, words: str) -> None:

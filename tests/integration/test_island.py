@@ -1,0 +1,208 @@
+"""A 2-rank gloo island: ranks stay bit-identical, only rank 0 averages, and it equals a 1-rank peer with 2× batch.
+
+The ranks are real processes (this file run as a script), rendezvousing on a port-0 TCPStore.
+What is checked against the 1-rank reference: both read the same windows per step (rank r of 2
+reads windows [(2t+r)B, (2t+r+1)B) of the permutation, the reference [2tB, 2(t+1)B)), the mean of
+two B-batch mean losses is the 2B-batch mean loss, and DDP averages gradients before clipping and
+the optimizer step; so θ_global agrees up to float summation order (not bit for bit), to a tolerance
+that is tight for inner SGD and looser for AdamW (whose g/√v amplifies rounding in tiny gradients).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from swarmtrain.averaging.protocol import AverageResult
+from swarmtrain.config import RunConfig, load_config
+from swarmtrain.data import ShardedBatches, load_corpus
+from swarmtrain.diloco import DilocoWorker
+from swarmtrain.diloco.flat import flatten
+from swarmtrain.diloco.island import (
+    Island,
+    IslandAverager,
+    IslandError,
+    build_island_worker,
+    island_state_dict,
+    load_island_state,
+    open_store,
+)
+from swarmtrain.models import build_model
+from swarmtrain.sync.checkpoint import load_latest_checkpoint, save_checkpoint
+
+pytestmark = pytest.mark.integration
+
+ROUNDS = 4
+RESUME_AFTER = 2  # the child checkpoints after this many rounds and replays the rest from the checkpoint
+ABORTED_ROUND = 1  # the averager aborts this round's first attempt, so the abort path is covered too
+TIMEOUT_S = 120.0
+
+
+def _config(optimizer: str, *, batch_size: int) -> RunConfig:
+    return load_config(overrides=[
+        "model.preset=tiny", "model.n_layer=1", "data.seq_len=32", f"data.batch_size={batch_size}",
+        "data.max_corpus_bytes=400000", f"inner.optimizer={optimizer}", "inner.lr=0.01" if optimizer == "sgd" else "inner.lr=0.003",
+        "inner.warmup_steps=2", "diloco.inner_steps=3", f"diloco.rounds={ROUNDS + 1}", "train.device=cpu",
+    ])
+
+
+class _SoloAverager:
+    """One peer alone in the swarm: the mean is its own Δ; the first attempt of ABORTED_ROUND aborts."""
+
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+
+    def average(self, round_index: int, delta: torch.Tensor) -> AverageResult:
+        self.calls.append(round_index)
+        if round_index == ABORTED_ROUND and self.calls.count(round_index) == 1:
+            return AverageResult(round=round_index, committed=False, mean=None, reason="test abort")
+        return AverageResult(round=round_index, committed=True, mean=delta.clone(), members=("solo",), bytes_sent=4)
+
+
+def _run_rounds(worker: DilocoWorker, averager, rounds: int, tag: str) -> None:
+    done = 0
+    while done < rounds:
+        report = worker.run_round(averager)
+        done += report.committed
+        print(f"{tag} {report.round} {int(report.committed)} {worker.global_hash()}", flush=True)
+
+
+# ---------------------------------------------------------------- the child (one local rank)
+
+
+def _child(argv: list[str]) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--optimizer", required=True)
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    cfg = _config(args.optimizer, batch_size=4)
+    store = open_store(host="127.0.0.1", port=args.port, rank=args.rank, world_size=2, timeout_s=TIMEOUT_S)
+    if args.rank == 0:
+        print(f"READY port={store.port}", flush=True)
+    with Island.start(rank=args.rank, world_size=2, store=store, backend="gloo", timeout_s=TIMEOUT_S) as island:
+        tokens = load_corpus(cfg.data).train
+        solo = _SoloAverager() if island.is_leader else None
+        averager = IslandAverager(island, solo)
+        # Different init seeds per rank: DDP must hand rank 0's weights to rank 1.
+        worker = build_island_worker(cfg, island, model=build_model(cfg.model, seed=island.rank), train_tokens=tokens)
+        _run_rounds(worker, averager, RESUME_AFTER, "ROUND")
+        tensors, meta = island_state_dict(island, worker)
+        if island.is_leader:
+            save_checkpoint(args.out / "ckpt", tensors=tensors, meta=meta)
+        _run_rounds(worker, averager, ROUNDS - RESUME_AFTER, "ROUND")
+        save_file({"theta": worker.theta_global}, str(args.out / f"theta{island.rank}.safetensors"))
+        if solo is not None:
+            print(f"CALLS {','.join(map(str, solo.calls))}", flush=True)
+
+        island.broadcast_object(None)  # rank 0's checkpoint is on disk before anyone reads it
+        loaded = load_latest_checkpoint(args.out / "ckpt")
+        assert loaded is not None
+        fresh = build_island_worker(cfg, island, model=build_model(cfg.model, seed=7), train_tokens=tokens)
+        load_island_state(island, fresh, loaded.tensors, loaded.meta)
+        _run_rounds(fresh, averager, ROUNDS - RESUME_AFTER, "RESUMED")
+
+
+# ---------------------------------------------------------------- the tests
+
+
+def _spawn(rank: int, port: int, optimizer: str, out: Path) -> subprocess.Popen[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    return subprocess.Popen(
+        [sys.executable, __file__, "--rank", str(rank), "--port", str(port), "--optimizer", optimizer, "--out", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def _run_island(optimizer: str, out: Path) -> list[list[str]]:
+    """Start both ranks (rank 1 dials the port rank 0 printed), return each rank's stdout lines."""
+    rank0 = _spawn(0, 0, optimizer, out)
+    procs = [rank0]
+    try:
+        assert rank0.stdout is not None
+        line = rank0.stdout.readline()  # bounded by the communicate() timeout below if rank 0 hangs
+        assert line.startswith("READY port="), (line, rank0.stderr.read() if rank0.poll() is not None else "")
+        procs.append(_spawn(1, int(line.split("=")[1]), optimizer, out))
+        outputs = []
+        for proc in procs:
+            stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
+            assert proc.returncode == 0, stderr[-3000:]
+            outputs.append(stdout.splitlines())
+        return outputs
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def _reference_theta(optimizer: str) -> torch.Tensor:
+    """One process, one rank, batch 2B: the data-parallel equivalent of the 2-rank island."""
+    cfg = _config(optimizer, batch_size=8)
+    batches = ShardedBatches(load_corpus(cfg.data).train, worker_index=0, num_workers=1, batch_size=8,
+                             seq_len=cfg.data.seq_len, seed=cfg.train.seed)
+    worker = DilocoWorker(cfg, model=build_model(cfg.model, seed=0), batches=batches, device=torch.device("cpu"))
+    averager = _SoloAverager()
+    done = 0
+    while done < ROUNDS:
+        done += worker.run_round(averager).committed
+    return worker.theta_global.clone()
+
+
+def _lines(lines: list[str], tag: str) -> list[str]:
+    return [line for line in lines if line.startswith(tag + " ")]
+
+
+# Measured max |Δθ|: 1.5e-8 (sgd), 3.6e-7 (adamw).
+@pytest.mark.parametrize(("optimizer", "atol"), [("sgd", 1e-7), ("adamw", 5e-6)])
+def test_two_rank_island(tmp_path: Path, optimizer: str, atol: float) -> None:
+    rank0, rank1 = _run_island(optimizer, tmp_path)
+
+    # Both ranks went through the same rounds (incl. the aborted attempt) with bit-identical θ_global.
+    rounds0 = _lines(rank0, "ROUND")
+    assert rounds0 == _lines(rank1, "ROUND")
+    assert [line.split()[1:3] for line in rounds0] == [["0", "1"], ["1", "0"], ["1", "1"], ["2", "1"], ["3", "1"]]
+    # Only rank 0 talked to the (stand-in) swarm, once per attempt.
+    assert _lines(rank0, "CALLS") == ["CALLS 0,1,1,2,3"]
+    # A fresh island resumed from rank 0's checkpoint replays the rest bit for bit, on both ranks.
+    resumed = [line.replace("RESUMED", "ROUND") for line in _lines(rank0, "RESUMED")]
+    assert resumed == rounds0[-(ROUNDS - RESUME_AFTER):]
+    assert _lines(rank1, "RESUMED") == _lines(rank0, "RESUMED")
+
+    theta0 = load_file(str(tmp_path / "theta0.safetensors"))["theta"]
+    theta1 = load_file(str(tmp_path / "theta1.safetensors"))["theta"]
+    assert torch.equal(theta0, theta1)
+    reference = _reference_theta(optimizer)
+    initial = flatten(build_model(_config(optimizer, batch_size=8).model, seed=0).parameters())
+    assert (reference - initial).abs().max().item() > 1000 * atol  # training moved θ far beyond the tolerance
+    max_diff = (theta0 - reference).abs().max().item()
+    assert max_diff <= atol, f"2-rank island vs 1-rank 2x batch: max |Δθ| = {max_diff:.3g} > {atol}"
+
+
+def test_roles_are_checked_without_a_process_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    leader = Island(rank=0, world_size=2, backend="gloo", device=torch.device("cpu"))
+    follower = Island(rank=1, world_size=2, backend="gloo", device=torch.device("cpu"))
+    with pytest.raises(IslandError, match="rank 0 needs"):
+        IslandAverager(leader, None)
+    with pytest.raises(IslandError, match="local rank 1 must not talk to the swarm"):
+        IslandAverager(follower, _SoloAverager())
+    assert follower.worker_slot(peer_index=2, num_peers=3) == (5, 6)
+    with pytest.raises(IslandError, match="peer_index 3"):
+        follower.worker_slot(peer_index=3, num_peers=3)
+    with pytest.raises(IslandError, match="local rank 2"):
+        Island.start(rank=2, world_size=2)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    with pytest.raises(IslandError, match="LOCAL_RANK"):
+        Island.from_env()
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1:])
