@@ -28,7 +28,7 @@ class OuterOptimizer:
         """θ ← θ − lr·(g + μ·buf) for Nesterov (buf ← μ·buf + g first), θ ← θ − lr·buf for heavy ball."""
         if theta.shape != (self.numel,) or grad.shape != (self.numel,):
             raise ValueError(
-                f"outer step: theta {tuple(theta.shape)} and grad {tuple(grad.shape)} must both be ({self.numel},)"
+                f"outer step: theta shape {tuple(theta.shape)} and grad shape {tuple(grad.shape)} must both be ({self.numel},)"
             )
         if not bool(torch.isfinite(grad).all()):
             raise ValueError("outer step: the averaged pseudo-gradient contains NaN/Inf")

@@ -1,0 +1,78 @@
+"""The outer step and the sign of Δ, pinned against torch.optim.SGD and a hand computation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from swarmtrain.config import OuterConfig
+from swarmtrain.diloco.flat import assign_flat, flat_hash, flatten, pseudo_gradient
+from swarmtrain.diloco.outer import OuterOptimizer
+
+pytestmark = pytest.mark.unit
+
+
+def _torch_sgd(theta0: torch.Tensor, grads: list[torch.Tensor], cfg: OuterConfig) -> torch.Tensor:
+    p = torch.nn.Parameter(theta0.clone())
+    opt = torch.optim.SGD([p], lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov, foreach=False)
+    for g in grads:
+        p.grad = g.clone()
+        opt.step()
+    return p.detach()
+
+
+@pytest.mark.parametrize("cfg", [OuterConfig(), OuterConfig(lr=0.5, momentum=0.0, nesterov=False),
+                                 OuterConfig(lr=0.3, momentum=0.8, nesterov=False)])
+def test_outer_steps_match_torch_sgd(cfg: OuterConfig) -> None:
+    gen = torch.Generator().manual_seed(0)
+    theta0 = torch.randn(37, generator=gen)
+    grads = [torch.randn(37, generator=gen) for _ in range(3)]
+    theta = theta0.clone()
+    opt = OuterOptimizer(cfg, numel=37)
+    for g in grads:
+        opt.step(theta, g)
+    torch.testing.assert_close(theta, _torch_sgd(theta0, grads, cfg), rtol=0, atol=1e-6)
+
+
+def test_one_nesterov_step_by_hand_and_sign_of_delta() -> None:
+    theta_global = torch.tensor([1.0, -2.0, 0.5])
+    theta_local = torch.tensor([0.8, -1.0, 0.5])  # where the inner steps took this worker
+    delta = pseudo_gradient(theta_global, [theta_local])
+    torch.testing.assert_close(delta, torch.tensor([0.2, -1.0, 0.0]))  # θ_global − θ_local, not the reverse
+    opt = OuterOptimizer(OuterConfig(lr=0.7, momentum=0.9, nesterov=True), numel=3)
+    theta = theta_global.clone()
+    opt.step(theta, delta)
+    # First step: buf = Δ; Nesterov update = Δ + 0.9·buf = 1.9·Δ; θ ← θ − 0.7·1.9·Δ (moves towards θ_local, past it).
+    expected = theta_global - 0.7 * 1.9 * delta
+    torch.testing.assert_close(theta, expected, rtol=0, atol=1e-7)
+    assert theta[0] < theta_global[0] and theta[1] > theta_global[1]
+    torch.testing.assert_close(theta, _torch_sgd(theta_global, [delta], opt.cfg), rtol=0, atol=1e-7)
+
+
+def test_plain_sgd_lr1_lands_on_the_mean_of_the_workers() -> None:
+    theta_global = torch.zeros(4)
+    locals_ = [torch.tensor([1.0, 2.0, 3.0, 4.0]), torch.tensor([3.0, 2.0, 1.0, 0.0])]
+    mean_delta = torch.stack([pseudo_gradient(theta_global, [t]) for t in locals_]).mean(0)
+    OuterOptimizer(OuterConfig(lr=1.0, momentum=0.0, nesterov=False), numel=4).step(theta_global, mean_delta)
+    torch.testing.assert_close(theta_global, torch.tensor([2.0, 2.0, 2.0, 2.0]))
+
+
+def test_outer_step_rejects_bad_input() -> None:
+    opt = OuterOptimizer(OuterConfig(), numel=3)
+    with pytest.raises(ValueError, match="shape"):
+        opt.step(torch.zeros(3), torch.zeros(4))
+    with pytest.raises(ValueError, match="NaN"):
+        opt.step(torch.zeros(3), torch.tensor([0.0, float("nan"), 0.0]))
+    with pytest.raises(ValueError, match="momentum buffer"):
+        opt.load_state_tensors({"momentum": torch.zeros(5)})
+
+
+def test_flat_roundtrip_and_hash() -> None:
+    params = [torch.nn.Parameter(torch.randn(2, 3)), torch.nn.Parameter(torch.randn(4))]
+    flat = flatten(params)
+    assert flat.shape == (10,) and flat.dtype == torch.float32
+    assign_flat(flat * 2, params)
+    torch.testing.assert_close(flatten(params), flat * 2)
+    assert flat_hash(flat) == flat_hash(flat.clone()) != flat_hash(flat * 2)
+    with pytest.raises(ValueError, match="need"):
+        assign_flat(torch.zeros(9), params)
