@@ -1,0 +1,124 @@
+"""The CUDA backend: quant_cuda.cu built at run time with nvcc, launched through ctypes on torch's stream."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from swarmtrain.compress.codec import CodecError
+from swarmtrain.compress.kernels._build import build_shared_library
+from swarmtrain.compress.kernels.common import check_status, stochastic_seed
+from swarmtrain.compress.quant import INT4_QMAX, INT8_QMAX, num_blocks
+
+__all__ = ["CUDA_CFLAGS", "CudaKernels"]
+
+# --fmad=false: q * scale + out must round twice, like the reference (the kernels also spell it with _rn).
+CUDA_CFLAGS = ("-O3", "--fmad=false")
+_SEGMENT = 1024  # kSegment in quant_cuda.cu: larger blocks need absmax scratch
+
+_P = ctypes.c_void_p
+_I64 = ctypes.c_int64
+_INT = ctypes.c_int
+_SIGNATURES: dict[str, list[type]] = {
+    "st_cuda_int8_encode": [_P, _I64, _I64, _INT, _INT, ctypes.c_uint64, _P, _P, _P, _P, _P],
+    "st_cuda_int4_encode": [_P, _I64, _I64, _INT, _INT, ctypes.c_uint64, _P, _P, _P, _P, _P],
+    "st_cuda_int8_decode": [_P, _I64, _I64, _P, _INT, _P, _INT, _P, _P],
+    "st_cuda_int4_decode": [_P, _I64, _I64, _P, _INT, _P, _INT, _P, _P],
+}
+
+
+def _check_launch(rc: int, *, what: str) -> None:
+    if rc == -8:
+        raise ValueError(f"{what}: bad argument (int4 needs an even block size)")
+    if rc != 0:
+        raise RuntimeError(f"{what}: CUDA launch failed with cudaError {rc}")
+
+
+class CudaKernels:
+    """`quant.QuantBackend` on CUDA tensors: fused encode / decode / decode-accumulate kernels.
+
+    Launches on the tensor's device and torch's current stream, then reads the kernel status back
+    (one sync), so errors surface as the same CodecError the reference raises.
+    """
+
+    name = "cuda-fused"
+
+    def __init__(self) -> None:
+        self._lib = build_shared_library("swarmtrain_quant_cuda", sources=["quant_cuda.cu"], cflags=("-O3",),
+                                         cuda_cflags=CUDA_CFLAGS)
+        for fn, argtypes in _SIGNATURES.items():
+            getattr(self._lib, fn).argtypes = argtypes
+            getattr(self._lib, fn).restype = ctypes.c_int
+
+    def _quantize(self, x: torch.Tensor, *, int4: bool, block_size: int, scale_fp16: bool, stochastic: bool,
+                  generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+        assert x.dtype == torch.float32 and x.device.type == "cuda", (x.dtype, x.device)
+        x = x.reshape(-1).contiguous()
+        n = x.numel()
+        nb = num_blocks(n, block_size=block_size)
+        dev = x.device
+        q = torch.empty(-(-n // 2) if int4 else n, dtype=torch.uint8 if int4 else torch.int8, device=dev)
+        scales = torch.empty(nb, dtype=torch.float16 if scale_fp16 else torch.float32, device=dev)
+        scratch = torch.empty(nb if block_size > _SEGMENT else 0, dtype=torch.int32, device=dev)
+        status = torch.zeros(1, dtype=torch.int32, device=dev)
+        seed = stochastic_seed(generator) if stochastic else 0
+        fn = self._lib.st_cuda_int4_encode if int4 else self._lib.st_cuda_int8_encode
+        what = "int4" if int4 else "int8"
+        with torch.cuda.device(dev):
+            rc = fn(x.data_ptr(), n, block_size, int(scale_fp16), int(stochastic), seed, q.data_ptr(),
+                    scales.data_ptr(), scratch.data_ptr() or None, status.data_ptr(),
+                    torch.cuda.current_stream(dev).cuda_stream)
+        _check_launch(rc, what=what)
+        check_status(int(status.item()), what=what, qmax=INT4_QMAX if int4 else INT8_QMAX)
+        return q, scales
+
+    def int8_quantize(self, x: torch.Tensor, *, block_size: int, scale_fp16: bool, stochastic: bool,
+                      generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._quantize(x, int4=False, block_size=block_size, scale_fp16=scale_fp16, stochastic=stochastic,
+                              generator=generator)
+
+    def int4_quantize(self, x: torch.Tensor, *, block_size: int, scale_fp16: bool, stochastic: bool,
+                      generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._quantize(x, int4=True, block_size=block_size, scale_fp16=scale_fp16, stochastic=stochastic,
+                              generator=generator)
+
+    def _dequantize(self, q: torch.Tensor, scales: torch.Tensor, *, int4: bool, numel: int, block_size: int,
+                    out: torch.Tensor, accumulate: bool) -> None:
+        assert q.dtype == (torch.uint8 if int4 else torch.int8), q.dtype
+        assert q.numel() == (-(-numel // 2) if int4 else numel), (q.numel(), numel)
+        assert scales.numel() == num_blocks(numel, block_size=block_size), (scales.numel(), numel, block_size)
+        assert scales.dtype in (torch.float32, torch.float16), scales.dtype
+        assert out.dtype == torch.float32 and out.is_contiguous() and out.numel() == numel, (out.dtype, out.shape)
+        dev = out.device
+        if q.device != dev or scales.device != dev:
+            raise CodecError(f"q on {q.device}, scales on {scales.device}, out on {dev}: all must share a device")
+        q, scales = q.contiguous(), scales.contiguous()
+        status = torch.zeros(1, dtype=torch.int32, device=dev)
+        fn = self._lib.st_cuda_int4_decode if int4 else self._lib.st_cuda_int8_decode
+        what = "int4" if int4 else "int8"
+        with torch.cuda.device(dev):
+            rc = fn(q.data_ptr(), numel, block_size, scales.data_ptr(), int(scales.dtype == torch.float16),
+                    out.data_ptr(), int(accumulate), status.data_ptr(), torch.cuda.current_stream(dev).cuda_stream)
+        _check_launch(rc, what=what)
+        check_status(int(status.item()), what=what)
+
+    def int8_dequantize(self, q: torch.Tensor, scales: torch.Tensor, *, block_size: int) -> torch.Tensor:
+        out = torch.empty(q.numel(), dtype=torch.float32, device=q.device)
+        self._dequantize(q, scales, int4=False, numel=q.numel(), block_size=block_size, out=out, accumulate=False)
+        return out
+
+    def int8_dequantize_accumulate(self, q: torch.Tensor, scales: torch.Tensor, *, block_size: int,
+                                   out: torch.Tensor) -> None:
+        self._dequantize(q, scales, int4=False, numel=q.numel(), block_size=block_size, out=out, accumulate=True)
+
+    def int4_dequantize(self, packed: torch.Tensor, scales: torch.Tensor, *, numel: int,
+                        block_size: int) -> torch.Tensor:
+        out = torch.empty(numel, dtype=torch.float32, device=packed.device)
+        self._dequantize(packed, scales, int4=True, numel=numel, block_size=block_size, out=out, accumulate=False)
+        return out
+
+    def int4_dequantize_accumulate(self, packed: torch.Tensor, scales: torch.Tensor, *, block_size: int,
+                                   out: torch.Tensor) -> None:
+        self._dequantize(packed, scales, int4=True, numel=out.numel(), block_size=block_size, out=out,
+                         accumulate=True)
