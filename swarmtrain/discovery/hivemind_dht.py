@@ -25,6 +25,7 @@ _SHARING_STRATEGY = torch_mp.get_sharing_strategy()
 # `import hivemind` switches torch's sharing strategy to file_system process-wide; undo that.
 import base58  # noqa: E402 - a hivemind dependency, imported after the strategy is saved
 from cryptography.hazmat.primitives import serialization  # noqa: E402
+from google.protobuf.message import DecodeError  # noqa: E402
 from hivemind import DHT  # noqa: E402
 from hivemind.dht.crypto import RSASignatureValidator  # noqa: E402
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase  # noqa: E402
@@ -34,7 +35,7 @@ from hivemind.utils.timed_storage import get_dht_time  # noqa: E402
 
 torch_mp.set_sharing_strategy(_SHARING_STRATEGY)
 
-from swarmtrain.config import DiscoveryConfig  # noqa: E402
+from swarmtrain.config import ConfigError, DiscoveryConfig  # noqa: E402
 from swarmtrain.discovery.protocol import DiscoveryError, RawSlot, RecordDirectory  # noqa: E402
 
 __all__ = ["HivemindDiscovery", "signer_id_of"]
@@ -96,12 +97,17 @@ class _LoggingSignatureValidator(RSASignatureValidator):
 def _load_or_create_identity(path: Path) -> RSAPrivateKey:
     """Read (or create, mode 0400) a libp2p identity file: a protobuf PrivateKey holding RSA DER."""
     if path.exists():
-        msg = crypto_pb2.PrivateKey.FromString(path.read_bytes())
+        try:
+            msg = crypto_pb2.PrivateKey.FromString(path.read_bytes())
+        except (OSError, DecodeError) as e:
+            raise ConfigError(f"discovery.identity_path: cannot read a libp2p identity from {path}: {e}") from e
         if msg.key_type != crypto_pb2.RSA:
-            raise ValueError(f"discovery.identity_path: {path} holds a non-RSA key")
+            raise ConfigError(f"discovery.identity_path: {path} holds a non-RSA key")
         key = RSAPrivateKey.__new__(RSAPrivateKey)
         key.__setstate__({"_private_key": msg.data})  # hivemind's own (pickle) way to load DER
         return key
+    if not path.parent.is_dir():
+        raise ConfigError(f"discovery.identity_path: directory {path.parent} does not exist")
     key = RSAPrivateKey()
     msg = crypto_pb2.PrivateKey(key_type=crypto_pb2.RSA, data=key.to_bytes())
     path.write_bytes(msg.SerializeToString())

@@ -10,7 +10,7 @@ import pytest
 
 from swarmtrain.averaging.group import Member
 from swarmtrain.averaging.matchmaking import Matchmaker
-from swarmtrain.config import DiscoveryConfig, RunConfig, to_dict
+from swarmtrain.config import ConfigError, DiscoveryConfig, RunConfig, to_dict
 from swarmtrain.discovery import DiscoveryError, PeerRecord, RunRecord
 from swarmtrain.discovery.hivemind_dht import HivemindDiscovery, signer_id_of
 
@@ -140,7 +140,7 @@ def test_matchmaking_over_real_dhts_gives_one_identical_group(swarm: Swarm) -> N
         async def one(i: int, d: HivemindDiscovery):  # type: ignore[no-untyped-def]
             await asyncio.sleep(0.1 * i)
             member = Member(peer_id=d.peer_id, endpoint=f"127.0.0.1:{7000 + i}", bandwidth_bytes_per_s=1e6)
-            return await Matchmaker(d, min_peers=2, window_s=1.0).form_group(10, member)
+            return await Matchmaker(d, min_peers=2, window_s=1.5).form_group(10, member)
 
         return list(await asyncio.gather(*(one(i, d) for i, d in enumerate(peers))))
 
@@ -150,11 +150,20 @@ def test_matchmaking_over_real_dhts_gives_one_identical_group(swarm: Swarm) -> N
     assert [m.peer_id for m in outcomes[0].group.members] == sorted(d.peer_id for d in peers)
 
 
-def test_a_stopped_dht_raises_a_discovery_error() -> None:
+def test_identity_path_gives_a_stable_peer_id_and_a_stopped_dht_raises(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    cfg = DiscoveryConfig(identity_path=str(tmp_path / "peer.key"))
+
     async def main() -> None:
-        d = await HivemindDiscovery.create(DiscoveryConfig(), run_id=RUN)
-        await d.aclose()
+        first = await HivemindDiscovery.create(cfg, run_id=RUN)
+        await first.aclose()
         with pytest.raises(DiscoveryError, match="not running"):
-            await d.live_peers(timeout_s=1.0)
+            await first.live_peers(timeout_s=1.0)
+        again = await HivemindDiscovery.create(cfg, run_id=RUN)  # a restarted peer keeps its id
+        try:
+            assert again.peer_id == first.peer_id and signer_id_of(again.owner_subkey) == first.peer_id
+        finally:
+            await again.aclose()
 
     asyncio.run(main())
+    with pytest.raises(ConfigError, match="identity_path"):
+        asyncio.run(HivemindDiscovery.create(DiscoveryConfig(identity_path=str(tmp_path / "no" / "k")), run_id=RUN))

@@ -13,7 +13,7 @@ from swarmtrain.discovery import GroupRecord, InMemoryDiscovery, InMemoryRegistr
 pytestmark = pytest.mark.unit
 
 RUN = "swarmtrain"
-WINDOW_S = 0.15
+WINDOW_S = 0.3  # wide against the 0.09 s arrival spread: a loaded CI box stalls the loop
 
 
 def _swarm(n: int, reg: InMemoryRegistry | None = None) -> tuple[InMemoryRegistry, list[InMemoryDiscovery]]:
