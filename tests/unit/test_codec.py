@@ -1,0 +1,192 @@
+"""Codecs through the registry: round-trip bounds, decode_accumulate, options, config, bad inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from swarmtrain.compress import (
+    CODEC_NAMES,
+    Codec,
+    CodecError,
+    CodecOptionError,
+    codec_from_config,
+    get_codec,
+    roundtrip,
+)
+from swarmtrain.compress.codecs import BlockQuantCodec
+from swarmtrain.config import CompressConfig
+
+pytestmark = pytest.mark.unit
+
+REL_SLACK = 2.0**-21  # derived in test_quant.py
+ABS_SLACK = 2.0**-142
+
+
+def _make(shape: tuple[int, ...], *, seed: int, dtype: torch.dtype, transpose: bool, magnitude: float) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(shape, generator=g) * magnitude).to(dtype)
+    if transpose and x.dim() >= 2:
+        x = x.transpose(0, -1)  # non-contiguous
+    return x
+
+
+_shapes = st.lists(st.integers(0, 9), min_size=0, max_size=3).map(tuple)
+
+
+@settings(max_examples=60, deadline=None)
+@given(name=st.sampled_from(["int8", "int4"]), shape=_shapes, seed=st.integers(0, 2**31),
+       block_size=st.sampled_from([2, 8, 64]), scale_dtype=st.sampled_from(["fp32", "fp16"]),
+       zstd_level=st.sampled_from([0, 1]), transpose=st.booleans(), magnitude=st.sampled_from([1e-3, 1.0, 1e4]),
+       dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.float64]))
+def test_quant_codec_roundtrip_bound(name: str, shape: tuple[int, ...], seed: int, block_size: int,
+                                     scale_dtype: str, zstd_level: int, transpose: bool, magnitude: float,
+                                     dtype: torch.dtype) -> None:
+    codec = get_codec(name, block_size=block_size, scale_dtype=scale_dtype, zstd_level=zstd_level)
+    x = _make(shape, seed=seed, dtype=dtype, transpose=transpose, magnitude=magnitude)
+    data, xhat = roundtrip(codec, x)
+    assert xhat.shape == x.shape and xhat.dtype == torch.float32
+    flat = x.float().reshape(-1)
+    n = flat.numel()
+    qmax = 127 if name == "int8" else 7
+    nb = -(-n // block_size)
+    padded = torch.cat([flat.abs(), flat.new_zeros(nb * block_size - n)]).view(nb, block_size)
+    absmax = padded.amax(1).repeat_interleave(block_size)[:n] if n else flat
+    step = absmax / qmax
+    if scale_dtype == "fp16":  # the fp16 scale is at most one fp16 ulp (2^-10 relative) above absmax / qmax
+        step = step * (1 + 2.0**-10) + 2.0**-24
+    assert torch.all((xhat.reshape(-1) - flat).abs() <= step / 2 + absmax * REL_SLACK + ABS_SLACK)
+    out = torch.ones(x.shape)
+    codec.decode_accumulate(data, out)
+    assert torch.equal(out, torch.ones(x.shape) + xhat)
+
+
+@pytest.mark.parametrize("block_size,limit", [(64, 0.0062)])
+def test_int8_relative_l2_on_gaussian(block_size: int, limit: float) -> None:
+    # absmax/127 scaling cannot reach the issue's 0.5% at block 64: rounding noise is s / sqrt(12) with
+    # s = absmax_64 / 127 and E[absmax of 64 N(0,1)] ~ 2.4, i.e. >= 0.55%; measured 0.59% (see the report)
+    x = torch.randn(1 << 18, generator=torch.Generator().manual_seed(0))
+    for scale_dtype in ("fp32", "fp16"):
+        codec = get_codec("int8", block_size=block_size, scale_dtype=scale_dtype)
+        _, xhat = roundtrip(codec, x)
+        rel = float((xhat - x).norm() / x.norm())
+        assert 0.0055 < rel < limit, rel
+
+
+def test_int8_relative_l2_below_half_percent_at_block_16() -> None:
+    x = torch.randn(1 << 18, generator=torch.Generator().manual_seed(1))
+    _, xhat = roundtrip(get_codec("int8", block_size=16), x)
+    assert float((xhat - x).norm() / x.norm()) <= 0.005
+
+
+@settings(max_examples=40, deadline=None)
+@given(shape=_shapes, seed=st.integers(0, 2**31), transpose=st.booleans(), zstd_level=st.sampled_from([0, 3]))
+def test_cast_codecs_exact_for_representable_values(shape: tuple[int, ...], seed: int, transpose: bool,
+                                                   zstd_level: int) -> None:
+    x = _make(shape, seed=seed, dtype=torch.float32, transpose=transpose, magnitude=3.0)
+    for name, wire in (("fp32", torch.float32), ("fp16", torch.float16), ("bf16", torch.bfloat16)):
+        codec = get_codec(name, zstd_level=zstd_level)
+        representable = x.to(wire).float()
+        _, y = roundtrip(codec, representable)
+        assert y.shape == x.shape
+        assert torch.equal(y.view(torch.int32), representable.contiguous().view(torch.int32))  # bit exact
+        _, y2 = roundtrip(codec, x)
+        assert torch.equal(y2, representable)  # one rounding cast
+
+
+def test_fp32_is_bit_exact_including_signed_zero_and_extremes() -> None:
+    x = torch.tensor([-0.0, 0.0, 3.4028235e38, -1.4e-45, 1.17549435e-38, 1 / 3])
+    _, y = roundtrip(get_codec("fp32"), x)
+    assert torch.equal(y.view(torch.int32), x.view(torch.int32))
+
+
+@pytest.mark.parametrize("name", CODEC_NAMES)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_encode_rejects_non_finite(name: str, bad: float) -> None:
+    x = torch.zeros(5)
+    x[3] = bad
+    with pytest.raises(CodecError, match="non-finite"):
+        get_codec(name).encode(x)
+
+
+def test_fp16_overflow_is_an_error_not_inf() -> None:
+    with pytest.raises(CodecError, match="overflows fp16"):
+        get_codec("fp16").encode(torch.tensor([1.0, 70000.0]))
+    with pytest.raises(CodecError, match="use fp32 scales"):
+        get_codec("int8", scale_dtype="fp16").encode(torch.tensor([1e8, 1.0]))
+
+
+def test_encode_rejects_non_float_input() -> None:
+    with pytest.raises(CodecError, match="cannot encode"):
+        get_codec("int8").encode(torch.arange(4))
+    with pytest.raises(CodecError, match="cannot encode"):
+        get_codec("fp32").encode([1.0, 2.0])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", CODEC_NAMES)
+def test_decode_accumulate_rejects_a_wrong_out(name: str) -> None:
+    codec = get_codec(name)
+    data = codec.encode(torch.randn(4, 6))
+    for out, what in ((torch.zeros(23), "elements"), (torch.zeros(24, dtype=torch.float64), "float32"),
+                      (torch.zeros(6, 4).t(), "contiguous"), (torch.zeros(24, device="meta"), "meta")):
+        with pytest.raises(CodecError, match=what):
+            codec.decode_accumulate(data, out)
+    out = torch.zeros(2, 12)  # any shape with the same element count is fine
+    codec.decode_accumulate(data, out)
+    assert torch.equal(out.view(4, 6), codec.decode(data))
+
+
+def test_decode_rejects_another_codecs_bytes() -> None:
+    data = get_codec("int8").encode(torch.randn(10))
+    with pytest.raises(CodecError, match="codec mismatch"):
+        get_codec("int4").decode(data)
+
+
+def test_header_describes_the_encoding_so_any_instance_of_the_codec_decodes_it() -> None:
+    x = torch.randn(300)
+    data = get_codec("int8", block_size=32, scale_dtype="fp16", zstd_level=5).encode(x)
+    assert torch.equal(get_codec("int8").decode(data), get_codec("int8", block_size=128).decode(data))
+
+
+def test_registry_options_and_errors() -> None:
+    for name in CODEC_NAMES:
+        assert isinstance(get_codec(name), Codec) and get_codec(name).name == name
+    with pytest.raises(CodecOptionError, match="unknown codec"):
+        get_codec("int2")
+    with pytest.raises(CodecOptionError, match="block_size"):
+        get_codec("fp16", block_size=64)
+    with pytest.raises(CodecOptionError, match="block_size"):
+        get_codec("int4", block_size=7)
+    with pytest.raises(CodecOptionError, match="scale_dtype"):
+        get_codec("int8", scale_dtype="bf16")
+    with pytest.raises(CodecOptionError, match="zstd_level"):
+        get_codec("int8", zstd_level=23)
+    with pytest.raises(CodecOptionError, match="frobnicate"):
+        get_codec("int8", frobnicate=True)
+
+
+def test_codec_from_config() -> None:
+    codec = codec_from_config(CompressConfig(codec="int4", block_size=32, scale_dtype="fp16", zstd_level=1))
+    assert isinstance(codec, BlockQuantCodec)
+    assert (codec.name, codec.block_size, codec.scale_fp16, codec.zstd_level) == ("int4", 32, True, 1)
+    assert codec_from_config(CompressConfig()).name == "fp32"
+    with pytest.raises(CodecOptionError, match="stochastic_rounding"):
+        codec_from_config(CompressConfig(codec="fp16", stochastic_rounding=True))
+
+
+def test_stochastic_seed_makes_encoding_reproducible() -> None:
+    x = torch.randn(1000)
+    a = get_codec("int8", stochastic_rounding=True, seed=7)
+    b = get_codec("int8", stochastic_rounding=True, seed=7)
+    assert a.encode(x) == b.encode(x)
+    assert a.encode(x) != get_codec("int8", stochastic_rounding=True, seed=8).encode(x)
+
+
+def test_zstd_stage_shrinks_compressible_data() -> None:
+    x = torch.zeros(10_000)
+    x[::100] = 1.0
+    plain, packed = get_codec("int8").encode(x), get_codec("int8", zstd_level=3).encode(x)
+    assert len(packed) < len(plain) // 10
+    assert torch.equal(get_codec("int8").decode(packed), get_codec("int8").decode(plain))
