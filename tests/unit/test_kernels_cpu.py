@@ -195,21 +195,6 @@ def test_stochastic_rounding_is_unbiased_and_seeded(cpu: CpuKernels) -> None:
     assert abs(frac_up - (y - y.floor()).mean().item()) < 0.01
 
 
-def test_cast_kernels_match_torch(cpu: CpuKernels) -> None:
-    x = _data(70001, seed=4).clamp(-6e4, 6e4)
-    for dtype in (torch.float16, torch.bfloat16):
-        _assert_same(cpu.cast_encode(x, dtype=dtype), x.to(dtype))
-        y = x.to(dtype)
-        base = torch.randn(x.numel())
-        expect = base + y.float()
-        cpu.cast_decode_accumulate(y, out=base)
-        _assert_same(base, expect)
-    with pytest.raises(CodecError, match="overflows fp16"):
-        cpu.cast_encode(torch.tensor([1e5]), dtype=torch.float16)
-    with pytest.raises(CodecError, match="non-finite"):
-        cpu.cast_encode(torch.tensor([0.0, float("nan")]), dtype=torch.bfloat16)
-
-
 @pytest.mark.parametrize("name", ["int8", "int4"])
 def test_codec_bytes_identical_with_either_backend(cpu: CpuKernels, monkeypatch: pytest.MonkeyPatch,
                                                    name: str) -> None:

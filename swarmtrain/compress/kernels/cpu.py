@@ -26,10 +26,6 @@ _SIGNATURES: dict[str, list[type]] = {
     "st_int4_encode": [_P, _I64, _I64, _INT, _INT, ctypes.c_uint64, _P, _P, _INT],
     "st_int8_decode": [_P, _I64, _I64, _P, _INT, _P, _INT, _INT],
     "st_int4_decode": [_P, _I64, _I64, _P, _INT, _P, _INT, _INT],
-    "st_fp16_encode": [_P, _I64, _P, _INT],
-    "st_bf16_encode": [_P, _I64, _P, _INT],
-    "st_fp16_decode": [_P, _I64, _P, _INT, _INT],
-    "st_bf16_decode": [_P, _I64, _P, _INT, _INT],
 }
 
 
@@ -59,7 +55,6 @@ class CpuKernels:
             getattr(self._lib, fn).argtypes = argtypes
             getattr(self._lib, fn).restype = ctypes.c_int
 
-    # -- blockwise int8 / int4 ------------------------------------------------------------------
     def _quantize(self, x: torch.Tensor, *, int4: bool, block_size: int, scale_fp16: bool, stochastic: bool,
                   generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
         x = _flat_f32(x)
@@ -116,29 +111,3 @@ class CpuKernels:
                                    out: torch.Tensor) -> None:
         self._dequantize(packed, scales, int4=True, numel=out.numel(), block_size=block_size, out=out,
                          accumulate=True)
-
-    # -- fp16 / bf16 casts ----------------------------------------------------------------------
-    def cast_encode(self, x: torch.Tensor, *, dtype: torch.dtype) -> torch.Tensor:
-        """fp32 -> fp16/bf16 (round to nearest even); CodecError on NaN/Inf input or on overflow."""
-        what = _cast_name(dtype)
-        x = _flat_f32(x)
-        y = torch.empty(x.numel(), dtype=dtype)
-        fn = self._lib.st_fp16_encode if what == "fp16" else self._lib.st_bf16_encode
-        check_status(fn(x.data_ptr(), x.numel(), y.data_ptr(), torch.get_num_threads()), what=what)
-        return y
-
-    def cast_decode_accumulate(self, y: torch.Tensor, *, out: torch.Tensor) -> None:
-        """out (fp32, contiguous) += float(y) for fp16/bf16 y."""
-        what = _cast_name(y.dtype)
-        assert out.dtype == torch.float32 and out.is_contiguous() and out.numel() == y.numel(), (out.dtype, out.shape)
-        y = y.contiguous()
-        fn = self._lib.st_fp16_decode if what == "fp16" else self._lib.st_bf16_decode
-        fn(y.data_ptr(), y.numel(), out.data_ptr(), 1, torch.get_num_threads())
-
-
-def _cast_name(dtype: torch.dtype) -> str:
-    names = {torch.float16: "fp16", torch.bfloat16: "bf16"}
-    if dtype not in names:
-        raise ValueError(f"cast kernels take float16 or bfloat16, not {dtype}")
-    return names[dtype]
-

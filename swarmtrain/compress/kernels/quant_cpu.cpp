@@ -1,4 +1,4 @@
-// Fused CPU codec kernels: blockwise absmax int8/int4 quantization, fp16/bf16 casts.
+// Fused CPU codec kernels: blockwise absmax int8/int4 encode, decode, decode-accumulate.
 //
 // Plain C++ with an extern "C" API (called through ctypes), no torch headers, so it builds in
 // seconds. Every result must equal swarmtrain/compress/quant.py bit for bit, hence:
@@ -13,16 +13,12 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__F16C__)
-#include <immintrin.h>
-#endif
-
 namespace {
 
 enum Status : int {
   kOk = 0,
   kNonFinite = 1,       // NaN or Inf in the input of an encode
-  kFp16Overflow = 2,    // a value (or a scale) does not fit fp16 / bf16
+  kFp16Overflow = 2,    // a block scale does not fit fp16
   kBadScale = 4,        // a decode got a NaN/Inf or negative scale
 };
 
@@ -290,95 +286,6 @@ int st_int4_decode(const uint8_t* packed, int64_t n, int64_t bs, const void* sca
       const float v = static_cast<float>(nib - 8) * s;
       ob[i] = accumulate ? ob[i] + v : v;
     }
-  }
-  return kOk;
-}
-
-// fp16 bits out; kNonFinite for NaN/Inf input, kFp16Overflow when a finite value rounds to Inf.
-int st_fp16_encode(const float* x, int64_t n, uint16_t* out, int threads) {
-  int st = kOk;
-  constexpr int64_t kChunk = 4096;
-  const int64_t nchunks = (n + kChunk - 1) / kChunk;
-#pragma omp parallel for schedule(static) num_threads(threads) if (go_parallel(threads, n)) reduction(| : st)
-  for (int64_t c = 0; c < nchunks; ++c) {
-    const int64_t start = c * kChunk;
-    const int64_t len = (start + kChunk <= n) ? kChunk : n - start;
-    if (absmax_bits(x + start, len) >= kInfBits) {
-      st |= kNonFinite;
-      continue;
-    }
-    int64_t i = 0;
-    uint32_t hmax = 0;
-#if defined(__F16C__)
-    for (; i + 8 <= len; i += 8) {
-      __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(x + start + i), _MM_FROUND_TO_NEAREST_INT);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + start + i), h);
-    }
-#endif
-    for (; i < len; ++i) out[start + i] = half_bits(static_cast<_Float16>(x[start + i]));
-    for (int64_t k = 0; k < len; ++k) {
-      const uint32_t v = out[start + k] & 0x7fffu;
-      hmax = v > hmax ? v : hmax;
-    }
-    if (hmax >= 0x7c00u) st |= kFp16Overflow;
-  }
-  return (st & kNonFinite) ? kNonFinite : st;
-}
-
-int st_fp16_decode(const uint16_t* h, int64_t n, float* out, int accumulate, int threads) {
-  constexpr int64_t kChunk = 4096;
-  const int64_t nchunks = (n + kChunk - 1) / kChunk;
-#pragma omp parallel for schedule(static) num_threads(threads) if (go_parallel(threads, n))
-  for (int64_t c = 0; c < nchunks; ++c) {
-    const int64_t start = c * kChunk;
-    const int64_t len = (start + kChunk <= n) ? kChunk : n - start;
-    int64_t i = 0;
-#if defined(__F16C__)
-    for (; i + 8 <= len; i += 8) {
-      __m256 v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + start + i)));
-      if (accumulate) v = _mm256_add_ps(_mm256_loadu_ps(out + start + i), v);
-      _mm256_storeu_ps(out + start + i, v);
-    }
-#endif
-    for (; i < len; ++i) {
-      const float v = static_cast<float>(half_of(h[start + i]));
-      out[start + i] = accumulate ? out[start + i] + v : v;
-    }
-  }
-  return kOk;
-}
-
-// bf16 bits out, round to nearest even (torch's rule); kFp16Overflow when a finite value rounds to Inf.
-int st_bf16_encode(const float* x, int64_t n, uint16_t* out, int threads) {
-  int st = kOk;
-  constexpr int64_t kChunk = 4096;
-  const int64_t nchunks = (n + kChunk - 1) / kChunk;
-#pragma omp parallel for schedule(static) num_threads(threads) if (go_parallel(threads, n)) reduction(| : st)
-  for (int64_t c = 0; c < nchunks; ++c) {
-    const int64_t start = c * kChunk;
-    const int64_t len = (start + kChunk <= n) ? kChunk : n - start;
-    if (absmax_bits(x + start, len) >= kInfBits) {
-      st |= kNonFinite;
-      continue;
-    }
-    uint32_t hmax = 0;
-    for (int64_t i = 0; i < len; ++i) {
-      const uint32_t u = bits_of(x[start + i]);
-      const uint16_t r = static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-      out[start + i] = r;
-      const uint32_t v = r & 0x7fffu;
-      hmax = v > hmax ? v : hmax;
-    }
-    if (hmax >= 0x7f80u) st |= kFp16Overflow;
-  }
-  return (st & kNonFinite) ? kNonFinite : st;
-}
-
-int st_bf16_decode(const uint16_t* h, int64_t n, float* out, int accumulate, int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads) if (go_parallel(threads, n))
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = float_of(static_cast<uint32_t>(h[i]) << 16);
-    out[i] = accumulate ? out[i] + v : v;
   }
   return kOk;
 }
