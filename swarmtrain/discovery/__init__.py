@@ -6,6 +6,7 @@ memory.py     InMemoryRegistry + InMemoryDiscovery (no sockets)
 hivemind_dht.py  HivemindDiscovery: one hivemind.DHT per peer, RSA owner-signed subkeys (import it
               explicitly: importing hivemind is heavy, so this package does not)
 heartbeat.py  Heartbeat: keep this peer's record alive, withdraw on leave
+coordinator.py  RunPublisher: the coordinator publishes the run record and keeps its round current
 """
 
 from swarmtrain.discovery.heartbeat import Heartbeat
