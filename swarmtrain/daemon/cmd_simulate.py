@@ -1,0 +1,90 @@
+"""`swarmtrain simulate`: K DiLoCo workers (or the data-parallel baseline) trained in this process."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from swarmtrain.daemon.options import add_config_options, config_from_args
+
+HELP = "train K simulated workers in one process with DiLoCo or data-parallel (ddp) and write results JSON"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--mode", choices=["diloco", "ddp"], default="diloco",
+                        help="diloco: H inner steps then an outer step; ddp: K×batch, one step per step")
+    parser.add_argument("--workers", type=int, default=4, metavar="K", help="simulated workers (default 4)")
+    parser.add_argument("--inner-steps", type=int, metavar="H", help="inner steps per round (diloco.inner_steps)")
+    parser.add_argument("--rounds", type=int, metavar="R", help="rounds (diloco.rounds); ddp runs R×H steps")
+    parser.add_argument("--model", metavar="PRESET", help="model preset (model.preset)")
+    parser.add_argument("--seed", type=int, metavar="S", help="seed of weights and data order (train.seed)")
+    parser.add_argument("--codec", metavar="NAME", help="pseudo-gradient codec (compress.codec); diloco only")
+    parser.add_argument("--data", nargs="+", metavar="PATH", help="text files to train on (default: Python stdlib)")
+    parser.add_argument("--out", metavar="JSON", help="write the results here")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    add_config_options(parser)
+
+
+def _flag_overrides(args: argparse.Namespace) -> list[str]:
+    pairs = [("diloco.inner_steps", args.inner_steps), ("diloco.rounds", args.rounds),
+             ("model.preset", args.model), ("train.seed", args.seed), ("compress.codec", args.codec)]
+    out = [f"{key}={json.dumps(value)}" for key, value in pairs if value is not None]
+    if args.data:
+        out.append(f"data.paths={json.dumps(args.data)}")
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    from tqdm import tqdm
+
+    from swarmtrain.averaging.inprocess import InProcessGroup
+    from swarmtrain.compress import codec_from_config
+    from swarmtrain.data import load_corpus
+    from swarmtrain.diloco.simulation import RoundRecord, simulate_ddp, simulate_diloco
+
+    if args.workers < 1:
+        print(f"swarmtrain simulate: error: --workers must be >= 1, got {args.workers}", file=sys.stderr)
+        return 2
+    if args.mode == "ddp" and args.codec:
+        print("swarmtrain simulate: error: --codec applies to --mode diloco (ddp sends fp32 gradients)", file=sys.stderr)
+        return 2
+    cfg = config_from_args(args, _flag_overrides(args))
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    try:
+        corpus = load_corpus(cfg.data)
+        codec = codec_from_config(cfg.compress, seed=cfg.train.seed)
+    except ValueError as e:  # CorpusError, CodecOptionError
+        print(f"swarmtrain simulate: error: {e}", file=sys.stderr)
+        return 2
+    bar = tqdm(total=cfg.diloco.rounds, desc=f"{args.mode} K={args.workers}", unit="round", file=sys.stderr,
+               disable=args.no_progress)
+
+    def on_round(record: RoundRecord) -> None:
+        bar.update(1)
+        bar.set_postfix(loss=f"{record.loss:.3f}", val=f"{record.val_loss:.3f}", MB=f"{record.bytes_sent / 1e6:.1f}")
+
+    try:
+        if args.mode == "ddp":
+            result = simulate_ddp(cfg, train_tokens=corpus.train, val_tokens=corpus.val, num_workers=args.workers,
+                                  on_round=on_round)
+        else:
+            group = InProcessGroup(codec, num_workers=args.workers)
+            result = simulate_diloco(cfg, train_tokens=corpus.train, val_tokens=corpus.val, num_workers=args.workers,
+                                     average_all=group.average_all, codec=codec, on_round=on_round)
+    except ValueError as e:  # e.g. a corpus too small for K×batch windows, seq_len > context_len
+        print(f"swarmtrain simulate: error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        bar.close()
+    summary = result.to_json(cfg)
+    summary["data"] = corpus.source
+    if args.out:
+        Path(args.out).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    print(f"{args.mode}: K={args.workers} final val loss {result.final_val_loss:.4f}, "
+          f"{summary['tokens']} tokens, {summary['bytes_sent']} bytes sent per worker"
+          + (f" -> {args.out}" if args.out else ""))
+    return 0
