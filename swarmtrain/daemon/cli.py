@@ -16,6 +16,7 @@ __all__ = ["main"]
 COMMANDS: dict[str, str] = {
     "config": "swarmtrain.daemon.cmd_config",
     "coordinator": "swarmtrain.daemon.cmd_coordinator",
+    "simulate": "swarmtrain.daemon.cmd_simulate",
     "testbed": "swarmtrain.daemon.cmd_testbed",
 }
 
