@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import warnings
 from typing import ClassVar
@@ -29,6 +30,7 @@ log = logging.getLogger(__name__)
 
 _Buffer = bytes | bytearray | memoryview
 _CAST_CHUNK_ELEMENTS = 1 << 18
+_FP32_MAX = torch.finfo(torch.float32).max
 
 
 def quant_backend(device: torch.device) -> quant.QuantBackend:
@@ -264,10 +266,8 @@ class BlockQuantCodec(_Codec):
         q = _view(raw, torch.int8 if header.codec_id == CodecId.INT8 else torch.uint8, count=nq)
         sdtype = torch.float16 if Flags.SCALE_FP16 in header.flags else torch.float32
         scales = _view(raw, sdtype, count=nb, offset=nq).float()
-        if not _all_finite(scales):
-            raise CodecError(f"{self.name}: non-finite (NaN/Inf) block scale")
-        if nb and float(scales.amin()) < 0:
-            raise CodecError(f"{self.name}: negative block scale")
+        qmax = quant.INT8_QMAX if header.codec_id == CodecId.INT8 else quant.INT4_QMAX
+        _check_scales(scales, name=self.name, qmax=qmax)
         if header.codec_id == CodecId.INT8:
             if nq and int(q.min()) < -quant.INT8_QMAX:
                 raise CodecError(f"int8: value -128 is outside [-{quant.INT8_QMAX}, {quant.INT8_QMAX}]")
@@ -286,6 +286,19 @@ class BlockQuantCodec(_Codec):
         fn = (self._backend.int8_dequantize_accumulate if header.codec_id == CodecId.INT8
               else self._backend.int4_dequantize_accumulate)
         fn(q, scales, block_size=header.block_size, out=out)
+
+
+def _check_scales(scales: torch.Tensor, *, name: str, qmax: int) -> None:
+    """Finite, >= 0, and small enough that qmax * scale stays finite (an encoder never sends more)."""
+    if scales.numel() == 0:
+        return
+    lo, hi = (float(v) for v in torch.aminmax(scales))
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        raise CodecError(f"{name}: non-finite (NaN/Inf) block scale")
+    if lo < 0:
+        raise CodecError(f"{name}: negative block scale {lo}")
+    if hi > _FP32_MAX / qmax:
+        raise CodecError(f"{name}: block scale {hi:g} is too large: {qmax} * scale overflows float32")
 
 
 def _check_nibbles(packed: torch.Tensor, *, numel: int) -> None:

@@ -151,6 +151,8 @@ def parse(data: bytes | bytearray | memoryview, *, limits: DecodeLimits) -> tupl
     if mv.nbytes < header_len:
         raise CodecError(f"truncated: {mv.nbytes} bytes cannot hold a header with {ndim} dims")
     shape = struct.unpack_from(f"<{ndim}Q", mv, HEADER_SIZE_BYTES)
+    if any(d >= 1 << 63 for d in shape):  # torch sizes are int64, even beside a 0 dim
+        raise CodecError(f"shape {shape} has a dimension >= 2^63")
     numel = 1
     for d in shape:
         numel *= d  # Python ints: no overflow; compared to the limit below
