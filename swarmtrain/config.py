@@ -209,9 +209,11 @@ class AveragingConfig:
     matchmaking_timeout_s: float = 5.0
     allreduce_timeout_s: float = 60.0
     max_retries: int = 1
+    contribution_window_s: float = 20.0  # a reducer waits this long for shards after its round opens
 
     def __post_init__(self) -> None:
         _check(self.min_peers >= 1, "averaging.min_peers", "must be >= 1")
+        _check(self.contribution_window_s > 0, "averaging.contribution_window_s", "must be > 0")
         _check(self.matchmaking_timeout_s > 0, "averaging.matchmaking_timeout_s", "must be > 0")
         _check(self.allreduce_timeout_s > 0, "averaging.allreduce_timeout_s", "must be > 0")
         _check(self.max_retries >= 0, "averaging.max_retries", "must be >= 0")
