@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from swarmtrain.daemon.children import Child
-from swarmtrain.telemetry.events import RoundEvent
+from swarmtrain.telemetry.events import Line, RoundEvent
 from swarmtrain.testbed.netns import Testbed
 from swarmtrain.testbed.shaping import TestbedError
 
@@ -40,6 +42,17 @@ class TestbedSwarm:
         self.peers: dict[str, Child] = {}
         self._starts: dict[str, int] = {}
         self._children: list[Child] = []
+        self._lock = threading.Lock()
+        self.timeline: list[tuple[float, str, Line]] = []  # (monotonic arrival time, process name, line)
+
+    def _on_line(self, name: str, line: Line) -> None:
+        with self._lock:
+            self.timeline.append((time.monotonic(), name, line))
+
+    def lines_of(self, name: str) -> list[tuple[float, Line]]:
+        """Every line process `name` printed (all its restarts), with the time it arrived here."""
+        with self._lock:
+            return [(t, line) for t, n, line in self.timeline if n == name]
 
     def _spawn(self, name: str, host: int, args: Sequence[str]) -> Child:
         n = self._starts.get(name, 0)
@@ -48,7 +61,7 @@ class TestbedSwarm:
         h = self.testbed.host(host)
         argv = ["ip", "netns", "exec", h.netns, sys.executable, "-m", "swarmtrain", *args]
         env = {**self.env, "SWARMTRAIN_TESTBED_HOST": str(host), "SWARMTRAIN_TESTBED_IP": h.ip}
-        child = Child(name, argv, log_path=log_path, env=env)
+        child = Child(name, argv, log_path=log_path, env=env, on_line=self._on_line)
         self._children.append(child)
         return child
 

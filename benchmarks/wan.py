@@ -1,0 +1,155 @@
+"""DiLoCo vs data-parallel training on shaped links: 4 namespace hosts at 100 and 20 Mbit/s (needs root).
+
+Arms, each on a fresh testbed, the same model, seed and number of tokens:
+  ddp   torch.distributed gloo, one rank per host, a fp32 gradient all-reduce every step
+  fp32  swarmtrain DiLoCo, H inner steps, fp32 pseudo-gradients
+  int8  swarmtrain DiLoCo, int8 pseudo-gradients
+Reported per arm: wall-clock, compute utilization (compute s / wall s per process), bytes on the wire
+(kernel htb counters: all traffic, the data-plane port's frames, their TCP payload) next to what
+swarmtrain counted, final validation loss of the trained weights. The machine has 2 cores for 4 hosts:
+every process runs 1 torch thread and compute is oversubscribed ~2x (it slows every arm alike).
+
+  sudo .venv/bin/python benchmarks/wan.py                      # the README figures
+  sudo .venv/bin/python benchmarks/wan.py --rates 100mbit --arms int8 --rounds 2   # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from wan_common import Workload, finish_diloco, run_ddp, start_diloco
+
+from swarmtrain.testbed import LinkSpec, Testbed, parse_rate, read_counters, require_root
+
+ARMS = ("ddp", "fp32", "int8")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rates", default="100mbit,20mbit", help="comma-separated link rates (default: 100mbit,20mbit)")
+    p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {','.join(ARMS)}")
+    p.add_argument("--preset", default="small", help="model preset (default: small, ~0.83M parameters)")
+    p.add_argument("--batch-size", type=int, default=4, help="per-peer batch (default: 4)")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=8, help="DiLoCo rounds; DDP runs rounds x H steps (default: 8)")
+    p.add_argument("--inner-steps", type=int, default=50, help="H (default: 50)")
+    p.add_argument("--hosts", type=int, default=4)
+    p.add_argument("--matchmaking-s", type=float, default=0.5, help="averaging.matchmaking_timeout_s")
+    p.add_argument("--name", default="wan", help="testbed name (namespaces NAME-*)")
+    p.add_argument("--timeout-s", type=float, default=1800.0, help="deadline of one arm")
+    p.add_argument("--out", default="benchmarks/results/wan.json", help="results JSON; the PNG goes next to it")
+    return p.parse_args(argv)
+
+
+def run_arm(arm: str, rate: str, workload: Workload, args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
+    link = LinkSpec(rate_bit_s=parse_rate(rate))
+    with Testbed(args.name, num_hosts=args.hosts, link=link) as tb:
+        if arm == "ddp":
+            return run_ddp(tb, workload, out_dir=out_dir, timeout_s=args.timeout_s)
+        before = read_counters(tb.name)
+        extra = [f"averaging.matchmaking_timeout_s={args.matchmaking_s}", "averaging.min_peers=2"]
+        run = start_diloco(tb, workload, codec=arm, out_dir=out_dir, extra_run=extra)
+        try:
+            return {"arm": arm, **finish_diloco(run, workload, timeout_s=args.timeout_s, before=before)}
+        finally:
+            run.swarm.close()
+
+
+def _fmt_mb(x: float | None) -> str:
+    return "-" if x is None else f"{x / 1e6:8.1f}"
+
+
+def print_table(results: list[dict[str, Any]]) -> None:
+    print(f"\n{'rate':>8} {'arm':>5} {'wall s':>8} {'util %':>7} {'val loss':>9} {'wire MB':>8} "
+          f"{'data MB':>8} {'payload MB':>10} {'counted MB':>10} {'wire/counted':>12}")
+    for r in results:
+        util = 100 * sum(r["utilization"]) / len(r["utilization"])
+        counted = r.get("swarmtrain_bytes_sent") or r.get("expected_bytes_sent")
+        ratio = r["wire_data_bytes"] / counted if r["arm"] != "ddp" and counted else r["wire_bytes"] / counted
+        print(f"{r['rate']:>8} {r['arm']:>5} {r['wall_s']:8.1f} {util:7.1f} {r['val_loss']:9.4f} "
+              f"{_fmt_mb(r['wire_bytes'])} {_fmt_mb(r['wire_data_bytes'])} {_fmt_mb(r['wire_data_payload_bytes']):>10} "
+              f"{_fmt_mb(counted):>10} {ratio:12.3f}")
+    for rate in sorted({r["rate"] for r in results}):
+        ddp = next((r for r in results if r["rate"] == rate and r["arm"] == "ddp"), None)
+        for r in results:
+            if ddp is None or r["rate"] != rate or r["arm"] == "ddp":
+                continue
+            print(f"{rate} {r['arm']}: wall {r['wall_s'] / ddp['wall_s']:.3f}x DDP's, "
+                  f"val loss {100 * (r['val_loss'] / ddp['val_loss'] - 1):+.2f}% vs DDP, "
+                  f"wire bytes {r['wire_bytes'] / ddp['wire_bytes']:.4f}x DDP's")
+
+
+def plot(results: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates = sorted({r["rate"] for r in results}, key=parse_rate, reverse=True)
+    arms = [a for a in ARMS if any(r["arm"] == a for r in results)]
+    panels = [("wall-clock (s)", lambda r: r["wall_s"]),
+              ("compute utilization (%)", lambda r: 100 * sum(r["utilization"]) / len(r["utilization"])),
+              ("bytes on the wire (MB, kernel)", lambda r: r["wire_bytes"] / 1e6),
+              ("final val loss", lambda r: r["val_loss"])]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6))
+    width = 0.8 / max(1, len(arms))
+    for ax, (title, value) in zip(axes, panels, strict=True):
+        for j, arm in enumerate(arms):
+            xs, ys = [], []
+            for i, rate in enumerate(rates):
+                r = next((x for x in results if x["rate"] == rate and x["arm"] == arm), None)
+                if r is not None:
+                    xs.append(i + j * width)
+                    ys.append(value(r))
+            ax.bar(xs, ys, width=width, label=arm)
+        ax.set_xticks([i + width * (len(arms) - 1) / 2 for i in range(len(rates))], rates)
+        ax.set_title(title, fontsize=10)
+        if "MB" in title:
+            ax.set_yscale("log")
+    axes[0].legend()
+    fig.suptitle("4 namespace hosts, shaped links: DDP (gloo) vs swarmtrain DiLoCo", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    require_root()
+    torch.set_num_threads(1)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: every testbed is torn down
+    arms = [a for a in args.arms.split(",") if a]
+    if set(arms) - set(ARMS):
+        raise SystemExit(f"--arms: unknown {sorted(set(arms) - set(ARMS))}; choose from {ARMS}")
+    workload = Workload(preset=args.preset, batch_size=args.batch_size, seq_len=args.seq_len, rounds=args.rounds,
+                        inner_steps=args.inner_steps, num_peers=args.hosts)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work_dir = out.parent / f"{out.stem}-runs"
+    results: list[dict[str, Any]] = []
+    doc: dict[str, Any] = {"workload": workload.__dict__, "tokens_per_arm": workload.tokens,
+                           "command": " ".join(sys.argv), "results": results,
+                           "note": "2 cores for 4 hosts: 1 torch thread per process, compute oversubscribed"}
+    for rate in args.rates.split(","):
+        for arm in arms:
+            t0 = time.perf_counter()
+            print(f"[{time.strftime('%H:%M:%S')}] {rate} {arm} ...", flush=True)
+            result = {"rate": rate, **run_arm(arm, rate, workload, args, work_dir / f"{rate}-{arm}")}
+            result["harness_s"] = time.perf_counter() - t0
+            results.append(result)
+            out.write_text(json.dumps(doc, indent=1))  # after every arm: partial results survive
+            print(f"  wall {result['wall_s']:.1f}s val {result['val_loss']:.4f}", flush=True)
+    print_table(results)
+    plot(results, out.with_suffix(".png"))
+    print(f"\nwrote {out} and {out.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,209 @@
+"""Shared by wan.py and churn.py: the workload, a DDP arm and a DiLoCo arm on a testbed, final evaluation.
+
+Every arm trains the same GPT from the same seed on the same corpus; final weights are evaluated
+here, by one function, on the same validation batches (a bigger set than the peers' per-round one).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from swarmtrain.config import RunConfig, load_config
+from swarmtrain.data import eval_batches, load_corpus
+from swarmtrain.diloco.flat import assign_flat, flat_hash
+from swarmtrain.models import build_model
+from swarmtrain.sync.checkpoint import load_latest_checkpoint
+from swarmtrain.telemetry.events import LeaveEvent, ReadyLine, RoundEvent
+from swarmtrain.testbed import Testbed, read_counters
+from swarmtrain.testbed.counters import HostCounters
+from swarmtrain.testbed.swarm import TestbedSwarm
+
+REPO = Path(__file__).resolve().parents[1]
+DDP_PORT = 29500
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What every arm trains: model, data, and how many tokens (rounds x H steps x peers x batch)."""
+
+    preset: str = "small"
+    batch_size: int = 4
+    seq_len: int = 128
+    rounds: int = 8
+    inner_steps: int = 50
+    num_peers: int = 4
+    corpus_bytes: int = 20_000_000
+    eval_batches: int = 64  # final evaluation, the same batches for every arm
+    seed: int = 0
+
+    def run_overrides(self, *, codec: str = "fp32") -> list[str]:
+        return [
+            f"model.preset={self.preset}", f"data.batch_size={self.batch_size}", f"data.seq_len={self.seq_len}",
+            f"data.max_corpus_bytes={self.corpus_bytes}", f"diloco.rounds={self.rounds}",
+            f"diloco.inner_steps={self.inner_steps}", "diloco.eval_batches=1", f"compress.codec={codec}",
+            f"train.seed={self.seed}", "train.threads=1",
+        ]
+
+    def config(self) -> RunConfig:
+        return load_config(overrides=self.run_overrides())
+
+    @property
+    def tokens(self) -> int:
+        return self.rounds * self.inner_steps * self.num_peers * self.batch_size * self.seq_len
+
+
+def evaluate(workload: Workload, load_weights: Callable[[torch.nn.Module], None]) -> float:
+    """Mean validation loss of the weights `load_weights` puts into a fresh model."""
+    cfg = workload.config().replace(diloco={"eval_batches": workload.eval_batches})
+    model = build_model(cfg.model, seed=cfg.train.seed)
+    load_weights(model)
+    model.eval()
+    batches = eval_batches(load_corpus(cfg.data).val, batch_size=cfg.data.batch_size, seq_len=cfg.data.seq_len,
+                           num_batches=workload.eval_batches)
+    with torch.no_grad():
+        return statistics.fmean(float(model(x, y)[1]) for x, y in batches)
+
+
+def _counters_summary(before: dict[int, HostCounters], after: dict[int, HostCounters]) -> dict[str, Any]:
+    delta = {i: after[i].minus(before[i]) for i in after}
+    return {
+        "wire_bytes": sum(c.upload.total_bytes for c in delta.values()),
+        "wire_data_bytes": sum(c.upload.data_bytes for c in delta.values()),
+        "wire_data_payload_bytes": sum(c.upload.data_payload_bytes for c in delta.values()),
+        "wire_dropped_packets": sum(c.upload.dropped + c.download.dropped for c in delta.values()),
+        "per_host": {str(i): c.as_dict() for i, c in delta.items()},
+    }
+
+
+# ---------------------------------------------------------------------------------------------- DDP
+
+
+def run_ddp(tb: Testbed, workload: Workload, *, out_dir: Path, timeout_s: float) -> dict[str, Any]:
+    """K gloo ranks, one per host, `rounds x H` steps each; returns wall, utilization, bytes, val loss."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    weights = out_dir / "ddp_final.pt"
+    steps = workload.rounds * workload.inner_steps
+    sets = [x for o in workload.run_overrides() for x in ("--set", o)]
+    env = {"GLOO_SOCKET_IFNAME": tb.host(0).dev, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    before = read_counters(tb.name)
+    start = time.perf_counter()
+    procs = []
+    for rank in range(workload.num_peers):
+        argv = [sys.executable, str(REPO / "benchmarks" / "ddp_worker.py"), "--rank", str(rank),
+                "--world-size", str(workload.num_peers), "--master", f"{tb.host(0).ip}:{DDP_PORT}",
+                "--steps", str(steps), "--out", str(weights), *sets]
+        log = (out_dir / f"ddp_rank{rank}.log").open("w")
+        procs.append(tb.spawn(rank, argv, env=env, stdout=subprocess.PIPE, stderr=log, text=True))
+    reports = []
+    for p in procs:
+        out, _ = p.communicate(timeout=max(1.0, timeout_s - (time.perf_counter() - start)))
+        if p.returncode != 0:
+            raise RuntimeError(f"ddp rank exited {p.returncode}; see {out_dir}/ddp_rank*.log")
+        reports.append(json.loads(out.strip().splitlines()[-1]))
+    counters = _counters_summary(before, read_counters(tb.name))
+    val_loss = evaluate(workload, lambda m: m.load_state_dict(torch.load(weights, weights_only=True)))
+    wall_s = max(r["wall_s"] for r in reports)
+    return {
+        "arm": "ddp", "wall_s": wall_s, "tokens": sum(r["tokens"] for r in reports),
+        "compute_s": [r["compute_s"] for r in reports], "comm_s": [r["comm_s"] for r in reports],
+        "utilization": [r["compute_s"] / r["wall_s"] for r in reports],
+        "comm_fraction": [r["comm_s"] / r["wall_s"] for r in reports],
+        # gloo does not count its bytes: a ring all-reduce sends 2(K-1)/K of the gradient per step and rank.
+        "swarmtrain_bytes_sent": None,
+        "expected_bytes_sent": int(2 * (workload.num_peers - 1) / workload.num_peers
+                                   * sum(r["allreduced_bytes"] for r in reports)),
+        "val_loss": val_loss, **counters,
+    }
+
+
+# ------------------------------------------------------------------------------------------- DiLoCo
+
+
+@dataclass
+class DilocoRun:
+    """A live DiLoCo arm: the swarm and its peers' names -> hosts; `chaos` hooks act on it."""
+
+    swarm: TestbedSwarm
+    hosts: dict[str, int]
+    checkpoint_dirs: dict[str, Path]
+    peer_args: list[str] = field(default_factory=list)
+
+    def restart(self, name: str) -> None:
+        self.swarm.start_peer(name, host=self.hosts[name], checkpoint_dir=self.checkpoint_dirs[name],
+                              extra=self.peer_args)
+
+
+def start_diloco(tb: Testbed, workload: Workload, *, codec: str, out_dir: Path,
+                 extra_run: list[str] | None = None, checkpoint_every: int = 1000) -> DilocoRun:
+    """Coordinator on host 0, peer i on host i; returns once every peer printed READY."""
+    run_cfg = [*workload.run_overrides(codec=codec), *(extra_run or [])]
+    swarm = TestbedSwarm(tb, log_dir=out_dir / "logs", run_overrides=run_cfg)
+    swarm.start_coordinator(host=0, timeout_s=120)
+    names = {f"p{i}": i for i in range(workload.num_peers)}
+    run = DilocoRun(swarm, names, {n: out_dir / f"ckpt-{n}" for n in names},
+                    peer_args=["--set", f"checkpoint.every_rounds={checkpoint_every}"])
+    for name in names:
+        run.restart(name)
+    for name in names:
+        swarm.peers[name].wait_ready(timeout_s=180)
+    return run
+
+
+def finish_diloco(run: DilocoRun, workload: Workload, *, timeout_s: float, before: dict[int, HostCounters]) -> dict[str, Any]:
+    """Wait for every peer to finish its rounds; summarize rounds, time, bytes, agreement, final loss."""
+    swarm = run.swarm
+    deadline = time.monotonic() + timeout_s
+    for name, child in swarm.peers.items():
+        child.wait_for(lambda x: isinstance(x, LeaveEvent), timeout_s=max(1.0, deadline - time.monotonic()),
+                       what=f"{name} finishing its rounds")
+    counters = _counters_summary(before, read_counters(swarm.testbed.name))
+    summary = summarize_rounds(swarm, list(run.hosts))
+    ckpt = load_latest_checkpoint(run.checkpoint_dirs["p0"])
+    if ckpt is None:
+        raise RuntimeError(f"p0 left no checkpoint in {run.checkpoint_dirs['p0']}")
+    theta = ckpt.tensors["theta_global"]
+    summary["final_hash_p0"] = flat_hash(theta)
+    summary["val_loss"] = evaluate(workload, lambda m: assign_flat(theta, list(m.parameters())))
+    return {**summary, **counters}
+
+
+def summarize_rounds(swarm: TestbedSwarm, names: list[str]) -> dict[str, Any]:
+    """Per-peer wall/compute from its lines; per-round hash agreement across every peer and restart."""
+    by_round: dict[int, set[str]] = {}
+    compute, wall, sent, received, rounds_done, attempted = [], [], 0, 0, [], 0
+    first_ready, last_round = float("inf"), 0.0
+    for name in names:
+        lines = swarm.lines_of(name)
+        ready_t = [t for t, x in lines if isinstance(x, ReadyLine)]
+        rounds = [(t, x) for t, x in lines if isinstance(x, RoundEvent)]
+        if not rounds:
+            raise RuntimeError(f"{name} printed no round lines; see {swarm.log_dir}")
+        for _, e in rounds:
+            if e.committed:
+                by_round.setdefault(e.round, set()).add(e.hash)
+        compute.append(sum(e.compute_s for _, e in rounds))
+        wall.append(rounds[-1][0] - ready_t[0])
+        first_ready, last_round = min(first_ready, ready_t[0]), max(last_round, rounds[-1][0])
+        attempted += len(rounds)
+        sent += sum(e.bytes_sent for _, e in rounds)
+        received += sum(e.bytes_received for _, e in rounds)
+        rounds_done.append(sum(e.committed for _, e in rounds))
+    disagree = {r: sorted(h) for r, h in by_round.items() if len(h) > 1}
+    return {
+        "wall_s": last_round - first_ready, "wall_s_per_peer": wall, "rounds_attempted": attempted, "compute_s": compute,
+        "utilization": [c / w for c, w in zip(compute, wall, strict=True)],
+        "committed_rounds_per_peer": rounds_done, "rounds_committed": len(by_round),
+        "rounds_with_disagreeing_hashes": disagree, "swarmtrain_bytes_sent": sent,
+        "swarmtrain_bytes_received": received,
+    }
+
