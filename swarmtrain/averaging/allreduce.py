@@ -1,0 +1,215 @@
+"""The member side of the fault-tolerant butterfly all-reduce and its commit rule.
+
+One round, attempt a, reducers R_a (the group's non-client members minus those this member saw die):
+  1. push: shard j of this member's encoded Δ streams to reducer j (shard sizes by bandwidth);
+  2. agree: ask every reducer for its contributors S_j (fixed when its window closed) and take
+     C = ∩ S_j in group order — every member that hears from all reducers computes the same C;
+  3. quorum: C must hold >= min_peers members and more than half of the group, else abort;
+  4. pull: fetch every shard's mean over C (computed once per C by its reducer) and commit.
+
+Why every committed member holds the same mean: shard j's mean over C is a deterministic function
+of (C, the members' encoded shards), computed by one reducer and fetched as bytes. Why a round
+cannot commit twice with different means: a reducer serves means for one attempt per round, a
+commit needs a mean from every reducer of its attempt, and a member's later attempts use subsets of
+its earlier reducers, so any two committing attempts would share a reducer. A member that misses
+a mean aborts (and heals by state transfer); it never keeps its local values as if averaged.
+Unreachable reducers (refused, reset, deadline) trigger a new attempt without them; a refusal
+(bad request, quorum lost) ends the round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from swarmtrain.averaging.group import Group, Member
+from swarmtrain.averaging.protocol import AverageResult
+from swarmtrain.averaging.reducer import ReducerRegistry, max_encoded_bytes, shard_bounds
+from swarmtrain.compress import Codec, CodecError
+from swarmtrain.config import AveragingConfig
+from swarmtrain.rpc.averaging_wire import AveragingClient, PushHeader, SessionKey
+from swarmtrain.rpc.faults import Fault, FaultHook, FaultSite, corrupt, truncate
+from swarmtrain.rpc.node import Rejected, RpcError, RpcNode, RpcRejected, RpcTimeout, RpcUnavailable
+
+__all__ = ["AllReduce", "has_quorum"]
+
+log = logging.getLogger(__name__)
+
+
+def has_quorum(num_contributors: int, *, group_size: int, min_peers: int) -> bool:
+    """DESIGN.md's commit rule: at least `min_peers` and more than half of the group delivered."""
+    return num_contributors >= min_peers and 2 * num_contributors > group_size
+
+
+class Killed(Exception):
+    """Fault injection killed this peer during the round."""
+
+
+@dataclass
+class _Attempt:
+    committed: bool = False
+    mean: torch.Tensor | None = None
+    contributors: tuple[str, ...] = ()
+    dead: set[str] = field(default_factory=set)  # reducers that could not be reached
+    final: bool = False  # no point retrying
+    reason: str = ""
+
+
+class AllReduce:
+    """Runs one member's side of a round on the RpcNode's loop (see the module docstring)."""
+
+    def __init__(self, node: RpcNode, registry: ReducerRegistry, *, codec: Codec, cfg: AveragingConfig,
+                 fault_hook: FaultHook | None = None) -> None:
+        self.node = node
+        self.registry = registry
+        self.client = AveragingClient(node)
+        self.codec = codec
+        self.cfg = cfg
+        self.fault_hook = fault_hook
+        self.peer_id = node.peer_id
+
+    async def run(self, group: Group, delta: torch.Tensor, *, deadline: float) -> AverageResult:
+        """All attempts of one round until a commit, a final abort, or `deadline` (time.monotonic())."""
+        me = group.members[group.index_of(self.peer_id)]
+        await self.registry.open_round(group, numel=delta.numel())
+        dead: set[str] = set()
+        outcome = _Attempt(reason="no attempt ran")
+        for attempt in range(self.cfg.max_retries + 1):
+            reducers = tuple(m for m in group.reducers if m.peer_id not in dead)
+            if not reducers:
+                outcome = _Attempt(dead=dead, reason="no live reducer left")
+                break
+            try:
+                outcome = await self._attempt(group, me, attempt, reducers, delta, deadline)
+            except Killed:
+                return _result(group, _Attempt(final=True, reason="killed by fault injection"), ())
+            dead |= outcome.dead
+            if outcome.committed or outcome.final or time.monotonic() >= deadline:
+                break
+            log.warning("%s: round %d attempt %d failed (%s); retrying without %s", self.peer_id, group.round,
+                        attempt, outcome.reason, sorted(outcome.dead))
+        return _result(group, outcome, tuple(sorted(dead)))
+
+    async def _attempt(self, group: Group, me: Member, attempt: int, reducers: tuple[Member, ...],
+                       delta: torch.Tensor, deadline: float) -> _Attempt:
+        key = SessionKey(group.run_id, group.round, group.group_id, attempt, tuple(m.peer_id for m in reducers))
+        bounds = shard_bounds(delta.numel(), tuple(m.bandwidth_bytes_per_s for m in reducers))
+        if not me.client_mode:
+            await self.registry.open_session(key)
+        encoded = await asyncio.to_thread(lambda: [self.codec.encode(delta[lo:hi]) for lo, hi in bounds])
+        push_deadline = min(deadline, time.monotonic() + self.cfg.contribution_window_s)
+        pushes = await asyncio.gather(*(self._push(key, j, m, encoded[j], hi - lo, push_deadline)
+                                        for j, (m, (lo, hi)) in enumerate(zip(reducers, bounds, strict=True))),
+                                      return_exceptions=True)
+        dead = _unreachable(reducers, pushes)
+        if dead:
+            return _Attempt(dead=dead, reason=f"could not push to {sorted(dead)}")
+        sets = await asyncio.gather(*(self._contributors(key, j, m, deadline) for j, m in enumerate(reducers)),
+                                    return_exceptions=True)
+        failed = _failures(reducers, sets)
+        if failed:
+            return _Attempt(dead=_unreachable(reducers, sets), final=not _unreachable(reducers, sets),
+                            reason=f"contributors unavailable from {failed}")
+        agreed = tuple(m.peer_id for m in group.members if all(m.peer_id in s for s in sets))  # type: ignore[operator]
+        if not has_quorum(len(agreed), group_size=len(group.members), min_peers=self.cfg.min_peers):
+            return _Attempt(final=True, contributors=agreed,
+                            reason=f"only {len(agreed)} of {len(group.members)} delivered (min_peers "
+                                   f"{self.cfg.min_peers}, need a majority)")
+        means = await asyncio.gather(*(self._fetch(key, j, m, agreed, hi - lo, deadline)
+                                       for j, (m, (lo, hi)) in enumerate(zip(reducers, bounds, strict=True))),
+                                     return_exceptions=True)
+        failed = _failures(reducers, means)
+        if failed:
+            unreachable = _unreachable(reducers, means)
+            return _Attempt(dead=unreachable, final=not unreachable, reason=f"mean unavailable from {failed}")
+        try:
+            mean = await asyncio.to_thread(self._assemble, means, bounds, delta.numel())  # type: ignore[arg-type]
+        except CodecError as e:
+            return _Attempt(final=True, reason=f"a reducer sent an invalid mean: {e}")
+        return _Attempt(committed=True, mean=mean, contributors=agreed)
+
+    def _assemble(self, means: list[bytes | bytearray], bounds: list[tuple[int, int]], numel: int) -> torch.Tensor:
+        out = torch.zeros(numel, dtype=torch.float32)
+        for data, (lo, hi) in zip(means, bounds, strict=True):
+            self.codec.decode_accumulate(data, out[lo:hi])
+        lo_v, hi_v = torch.aminmax(out) if numel else (torch.tensor(0.0), torch.tensor(0.0))
+        if not bool(torch.isfinite(lo_v) & torch.isfinite(hi_v)):
+            raise CodecError("the assembled mean holds NaN or Inf")
+        return out
+
+    # -- the three calls, local when the reducer is this peer ------------------------------
+    def _fault(self, round_index: int, call: str, target: str) -> Fault | None:
+        return self.fault_hook(FaultSite(self.peer_id, round_index, call, target)) if self.fault_hook else None
+
+    async def _push(self, key: SessionKey, shard: int, reducer: Member, payload: bytes, numel: int,
+                    deadline: float) -> None:
+        header = PushHeader(key, self.peer_id, shard, numel, len(payload), self.codec.name)
+        fault = self._fault(key.round, "push", reducer.peer_id)
+        if fault is not None:
+            log.warning("%s: fault %s on push of shard %d to %s", self.peer_id, fault.action, shard, reducer.peer_id)
+            if fault.action == "drop":
+                return
+            if fault.action == "kill":
+                await self.node.kill_server()
+                raise Killed
+            if fault.action == "delay":
+                await asyncio.sleep(fault.delay_s)
+            payload = corrupt(payload) if fault.action == "corrupt" else payload
+            payload = truncate(payload) if fault.action == "truncate" else payload
+        try:
+            if reducer.peer_id == self.peer_id:
+                await self.registry.check_push(header, peer=self.peer_id)
+                if len(payload) != header.total_bytes:
+                    raise Rejected(f"truncated push: got {len(payload)} of {header.total_bytes} bytes")
+                await self.registry.accept_push(header, payload, peer=self.peer_id)
+            else:
+                await self.client.push(reducer.endpoint, reducer.peer_id, header, payload, deadline=deadline)
+        except (Rejected, RpcRejected) as e:
+            log.warning("%s: reducer %s refused shard %d of round %d: %s", self.peer_id, reducer.peer_id, shard,
+                        key.round, e)
+
+    async def _contributors(self, key: SessionKey, shard: int, reducer: Member, deadline: float) -> tuple[str, ...]:
+        if reducer.peer_id == self.peer_id:
+            return await asyncio.wait_for(self.registry.contributors(key, shard, peer=self.peer_id),
+                                          timeout=max(deadline - time.monotonic(), 1e-3))
+        return await self.client.contributors(reducer.endpoint, reducer.peer_id, key, shard, deadline=deadline)
+
+    async def _fetch(self, key: SessionKey, shard: int, reducer: Member, agreed: tuple[str, ...], numel: int,
+                     deadline: float) -> bytes | bytearray:
+        if reducer.peer_id == self.peer_id:
+            return await self.registry.mean(key, shard, agreed, peer=self.peer_id)
+        return await self.client.fetch(reducer.endpoint, reducer.peer_id, key, shard, agreed,
+                                       max_bytes=max_encoded_bytes(numel), deadline=deadline)
+
+
+def _failures(reducers: tuple[Member, ...], results: list[object]) -> list[str]:
+    return [f"{m.peer_id} ({r})" for m, r in zip(reducers, results, strict=True) if isinstance(r, BaseException)]
+
+
+def _unreachable(reducers: tuple[Member, ...], results: list[object]) -> set[str]:
+    """Reducers whose call failed for want of an answer (not a refusal): candidates to retry without."""
+    unexpected = [r for r in results if isinstance(r, BaseException)
+                  and not isinstance(r, (RpcError, Rejected, TimeoutError, Killed))]
+    if unexpected:
+        raise unexpected[0]  # a bug, not a network fault: surface it
+    for r in results:
+        if isinstance(r, Killed):
+            raise r
+    return {m.peer_id for m, r in zip(reducers, results, strict=True)
+            if isinstance(r, (RpcUnavailable, RpcTimeout, TimeoutError))}
+
+
+def _result(group: Group, outcome: _Attempt, dead: tuple[str, ...]) -> AverageResult:
+    members = tuple(m.peer_id for m in group.members)
+    failed = tuple(p for p in members if p not in outcome.contributors) if outcome.committed else tuple(dead)
+    if outcome.committed:
+        reason = f"worked around {list(failed)}" if failed else ""
+        log.info("round %d committed with %d/%d contributors%s", group.round, len(outcome.contributors),
+                 len(members), f"; failed: {list(failed)}" if failed else "")
+        return AverageResult(group.round, True, outcome.mean, outcome.contributors, reason=reason, failed=failed)
+    log.warning("round %d aborted: %s%s", group.round, outcome.reason, f"; unreachable: {list(dead)}" if dead else "")
+    return AverageResult(group.round, False, None, members, reason=outcome.reason, failed=failed)

@@ -1,0 +1,278 @@
+"""The reducer side of the all-reduce: per-attempt sessions that validate, hold and average one shard.
+
+A reducer accepts shard j of each member's encoded Δ until every member delivered or its
+contribution window closes; the set of members it accepted is then fixed (its *contributors*).
+Members ask every reducer for that set, intersect them, and fetch each shard's mean over the
+intersection, which the reducer computes once per set: decoded contributions summed in fp32 in
+group order (so the result never depends on arrival order), divided by their number, encoded once.
+
+A reducer serves means for one session per round only: a member can commit attempt a only after
+fetching a mean from *every* reducer of a, and later attempts use a subset of a's reducers, so two
+attempts of one round can never both commit (see allreduce.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from swarmtrain.averaging.group import Group
+from swarmtrain.compress import Codec, CodecError
+from swarmtrain.rpc.averaging_wire import PushHeader, SessionKey
+from swarmtrain.rpc.faults import FaultHook, FaultSite
+from swarmtrain.rpc.node import Rejected
+
+__all__ = ["ENCODED_SLACK_BYTES", "ReducerRegistry", "max_encoded_bytes", "shard_bounds"]
+
+log = logging.getLogger(__name__)
+
+ENCODED_SLACK_BYTES = 64 << 10  # codec header + shape + block scales beyond 4 bytes per value
+
+
+def max_encoded_bytes(numel: int) -> int:
+    """The most bytes any codec may use for `numel` values (fp32 is the widest)."""
+    return 4 * numel + ENCODED_SLACK_BYTES
+
+
+def shard_bounds(numel: int, weights: tuple[float, ...]) -> list[tuple[int, int]]:
+    """Contiguous [lo, hi) ranges of a flat tensor, one per reducer, sized by `weights`
+    (equal when any weight is unknown, i.e. <= 0). Identical on every member for the same input."""
+    if not weights:
+        raise ValueError("shard_bounds: no reducers")
+    if any(w <= 0 for w in weights):
+        weights = tuple(1.0 for _ in weights)
+    total, acc, edges = sum(weights), 0.0, [0]
+    for w in weights[:-1]:
+        acc += w
+        edges.append(min(numel, round(numel * acc / total)))
+    edges.append(numel)
+    return [(edges[i], edges[i + 1]) for i in range(len(weights))]
+
+
+def mean_of(parts: list[torch.Tensor]) -> torch.Tensor:
+    """fp32 sum in the given order, divided by the count: the reference every member can recompute."""
+    acc = torch.zeros_like(parts[0], dtype=torch.float32)
+    for p in parts:
+        acc.add_(p)
+    return acc.div_(len(parts))
+
+
+@dataclass
+class _Round:
+    group: Group
+    numel: int
+
+
+@dataclass
+class _Session:
+    key: SessionKey
+    group: Group
+    shard: int
+    numel: int
+    expected: frozenset[str]
+    received: dict[str, torch.Tensor] = field(default_factory=dict)
+    rejected: dict[str, str] = field(default_factory=dict)
+    closed: asyncio.Event = field(default_factory=asyncio.Event)
+    contributors: tuple[str, ...] = ()
+    means: dict[tuple[str, ...], bytes] = field(default_factory=dict)
+    mean_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    timer: asyncio.TimerHandle | None = None
+
+
+class ReducerRegistry:
+    """Implements `rpc.averaging_wire.ReducerSink` for one peer. Lives on the RpcNode's loop."""
+
+    def __init__(self, *, peer_id: str, run_id: str, codec: Codec, window_s: float, open_wait_s: float,
+                 fault_hook: FaultHook | None = None,
+                 on_kill: Callable[[], Awaitable[None]] | None = None) -> None:
+        self.peer_id = peer_id
+        self.run_id = run_id
+        self.codec = codec
+        self.window_s = window_s
+        self.open_wait_s = open_wait_s
+        self.fault_hook = fault_hook
+        self.on_kill = on_kill
+        self._rounds: dict[int, _Round] = {}
+        self._sessions: dict[str, _Session] = {}
+        self._served: dict[int, str] = {}
+        self._min_round = 0
+        self._changed: asyncio.Condition | None = None
+
+    @property
+    def changed(self) -> asyncio.Condition:
+        if self._changed is None:  # created lazily on the node's loop
+            self._changed = asyncio.Condition()
+        return self._changed
+
+    # -- opening ---------------------------------------------------------------------------
+    async def open_round(self, group: Group, *, numel: int) -> None:
+        """Called by the local member when it starts round `group.round`; forgets rounds < round - 1."""
+        self._rounds[group.round] = _Round(group, numel)
+        self._min_round = max(self._min_round, group.round - 1)
+        for sid in [sid for sid, s in self._sessions.items() if s.key.round < self._min_round]:
+            self._drop(sid)
+        for r in [r for r in self._rounds if r < self._min_round]:
+            del self._rounds[r]
+            self._served.pop(r, None)
+        async with self.changed:
+            self.changed.notify_all()
+
+    async def open_session(self, key: SessionKey) -> None:
+        """Open this peer's reducer session for `key` (its own member is about to push)."""
+        self._session_or_open(key)
+        async with self.changed:
+            self.changed.notify_all()
+
+    def _drop(self, sid: str) -> None:
+        s = self._sessions.pop(sid)
+        if s.timer is not None:
+            s.timer.cancel()
+
+    def _session_or_open(self, key: SessionKey) -> _Session | None:
+        """The session for `key`, opening it when this peer knows the round's group; None if unknown yet."""
+        if key.run_id != self.run_id:
+            raise Rejected(f"run {key.run_id!r} is not this peer's run {self.run_id!r}", kind="precondition")
+        if key.round < self._min_round:
+            raise Rejected(f"round {key.round} is stale (this peer is at round {self._min_round + 1})",
+                           kind="precondition")
+        if self.peer_id not in key.reducers:
+            raise Rejected(f"{self.peer_id} is not a reducer of this session", kind="invalid")
+        session = self._sessions.get(key.session_id)
+        if session is not None:
+            return session
+        rnd = self._rounds.get(key.round)
+        if rnd is None:
+            return None
+        if rnd.group.group_id != key.group_id:
+            raise Rejected(f"group {key.group_id} is not round {key.round}'s group {rnd.group.group_id}",
+                           kind="precondition")
+        reducer_ids = [m.peer_id for m in rnd.group.reducers]
+        if [r for r in reducer_ids if r in key.reducers] != list(key.reducers) or len(set(key.reducers)) != len(
+                key.reducers):
+            raise Rejected("the session's reducers are not reducers of the group, in group order", kind="invalid")
+        by_id = {m.peer_id: m for m in rnd.group.members}
+        weights = tuple(by_id[r].bandwidth_bytes_per_s for r in key.reducers)
+        shard = key.reducers.index(self.peer_id)
+        lo, hi = shard_bounds(rnd.numel, weights)[shard]
+        session = _Session(key, rnd.group, shard, hi - lo, frozenset(by_id))
+        session.timer = asyncio.get_running_loop().call_later(self.window_s, self._close, session)
+        self._sessions[key.session_id] = session
+        log.debug("%s opened reducer session %s (round %d attempt %d, shard %d, %d values)", self.peer_id,
+                  key.session_id, key.round, key.attempt, shard, hi - lo)
+        return session
+
+    async def _session(self, key: SessionKey) -> _Session:
+        """The session for `key`, waiting (bounded) for the local member to open its round."""
+        deadline = time.monotonic() + self.open_wait_s
+        async with self.changed:
+            while True:
+                session = self._session_or_open(key)
+                if session is not None:
+                    return session
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise Rejected(f"no session for round {key.round} attempt {key.attempt}", kind="not_found")
+                try:
+                    await asyncio.wait_for(self.changed.wait(), timeout=left)
+                except TimeoutError:
+                    continue
+
+    def _close(self, session: _Session) -> None:
+        if session.closed.is_set():
+            return
+        if session.timer is not None:
+            session.timer.cancel()
+        order = [m.peer_id for m in session.group.members]
+        session.contributors = tuple(p for p in order if p in session.received)
+        session.closed.set()
+        missing = sorted(session.expected - set(session.received))
+        log.info("%s closed shard %d of round %d attempt %d: %d/%d contributors%s", self.peer_id, session.shard,
+                 session.key.round, session.key.attempt, len(session.contributors), len(session.expected),
+                 f"; missing {missing}" if missing else "")
+
+    # -- ReducerSink -----------------------------------------------------------------------
+    async def check_push(self, header: PushHeader, *, peer: str) -> int:
+        s = await self._session(header.session)
+        if header.shard != s.shard:
+            raise Rejected(f"shard {header.shard} is not reduced here (this peer reduces shard {s.shard})")
+        if header.sender not in s.expected:
+            raise Rejected(f"sender {header.sender!r} is not a member of round {header.session.round}'s group")
+        if header.numel != s.numel:
+            raise Rejected(f"shard {s.shard} has {s.numel} values, the push claims {header.numel}")
+        if header.codec != self.codec.name:
+            raise Rejected(f"codec {header.codec!r} is not the run's codec {self.codec.name!r}")
+        if s.closed.is_set():
+            raise Rejected(f"shard {s.shard}'s contribution window has closed", kind="precondition")
+        return max_encoded_bytes(s.numel)
+
+    async def accept_push(self, header: PushHeader, payload: bytes | bytearray, *, peer: str) -> None:
+        s = await self._session(header.session)
+        if header.sender in s.received:
+            return  # a retried push whose first copy landed: idempotent
+        try:
+            values = await asyncio.to_thread(_decode_checked, self.codec, payload, s.numel)
+        except CodecError as e:
+            s.rejected[header.sender] = str(e)
+            raise Rejected(f"shard {s.shard} from {header.sender}: {e}") from None
+        if s.closed.is_set():
+            raise Rejected(f"shard {s.shard}'s contribution window closed while decoding", kind="precondition")
+        s.received[header.sender] = values
+        if s.expected <= set(s.received):
+            self._close(s)
+
+    async def contributors(self, key: SessionKey, shard: int, *, peer: str) -> tuple[str, ...]:
+        s = await self._session(key)
+        if shard != s.shard:
+            raise Rejected(f"shard {shard} is not reduced here (this peer reduces shard {s.shard})")
+        await s.closed.wait()
+        return s.contributors
+
+    async def mean(self, key: SessionKey, shard: int, contributors: tuple[str, ...], *, peer: str) -> bytes:
+        await self._fault(key.round, peer)
+        s = await self._session(key)
+        if shard != s.shard:
+            raise Rejected(f"shard {shard} is not reduced here (this peer reduces shard {s.shard})")
+        await s.closed.wait()
+        if not contributors or not set(contributors) <= set(s.contributors) or len(set(contributors)) != len(
+                contributors):
+            raise Rejected(f"contributors {list(contributors)} are not a subset of shard {s.shard}'s "
+                           f"{list(s.contributors)}", kind="precondition")
+        served = self._served.setdefault(key.round, key.session_id)
+        if served != key.session_id:
+            raise Rejected(f"round {key.round} was already served in another attempt", kind="precondition")
+        order = [p for p in s.contributors if p in contributors]
+        async with s.mean_lock:
+            data = s.means.get(tuple(order))
+            if data is None:
+                parts = [s.received[p] for p in order]
+                data = await asyncio.to_thread(lambda: self.codec.encode(mean_of(parts)))
+                s.means[tuple(order)] = data
+        return data
+
+    async def _fault(self, round_index: int, target: str) -> None:
+        fault = self.fault_hook(FaultSite(self.peer_id, round_index, "serve", target)) if self.fault_hook else None
+        if fault is None:
+            return
+        if fault.action == "delay":
+            await asyncio.sleep(fault.delay_s)
+        elif fault.action == "kill" and self.on_kill is not None:
+            await self.on_kill()
+            raise Rejected("this peer was killed", kind="precondition")
+        elif fault.action == "drop":
+            raise Rejected("dropped by fault injection", kind="precondition")
+
+
+def _decode_checked(codec: Codec, payload: bytes | bytearray, numel: int) -> torch.Tensor:
+    values = codec.decode(payload).reshape(-1)
+    if values.numel() != numel:
+        raise CodecError(f"decoded {values.numel()} values, the shard has {numel}")
+    if values.numel():
+        lo, hi = torch.aminmax(values)
+        if not bool(torch.isfinite(lo) & torch.isfinite(hi)):
+            raise CodecError("decoded values hold NaN or Inf")
+    return values

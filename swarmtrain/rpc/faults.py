@@ -1,0 +1,59 @@
+"""The fault-injection seam: sites the data plane reports, faults a hook may answer with (tests only use it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+__all__ = ["CORRUPT_BYTES", "Fault", "FaultAction", "FaultHook", "FaultSite", "corrupt", "truncate"]
+
+FaultAction = Literal["drop", "delay", "corrupt", "truncate", "kill"]
+CORRUPT_BYTES = 16
+
+
+@dataclass(frozen=True)
+class FaultSite:
+    """Where the data plane is about to act: `peer` does `call` in `round`, towards `target`.
+
+    Calls: "push" (a member sends its shard to reducer `target`), "serve" (a reducer is asked for
+    its contributors or mean by `target`), "state" (a peer serves its state to `target`).
+    """
+
+    peer: str
+    round: int
+    call: str
+    target: str = ""
+
+
+@dataclass(frozen=True)
+class Fault:
+    """What to do at a site: drop the message, delay it, corrupt or truncate its payload, or kill
+    the acting peer's server (it looks crashed to everyone else)."""
+
+    action: FaultAction
+    delay_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.action not in ("drop", "delay", "corrupt", "truncate", "kill"):
+            raise ValueError(f"Fault.action: unknown action {self.action!r}")
+        if self.delay_s < 0:
+            raise ValueError("Fault.delay_s: must be >= 0")
+
+
+class FaultHook(Protocol):
+    """Consulted at every site; None means act normally. Must be cheap and thread-safe."""
+
+    def __call__(self, site: FaultSite) -> Fault | None: ...
+
+
+def corrupt(payload: bytes) -> bytes:
+    """The payload with bytes in its middle overwritten (0xFF: a NaN in fp32, a bad checksum in any codec)."""
+    if not payload:
+        return payload
+    mid = len(payload) // 2
+    return payload[:mid] + b"\xff" * min(CORRUPT_BYTES, len(payload) - mid) + payload[mid + CORRUPT_BYTES:]
+
+
+def truncate(payload: bytes) -> bytes:
+    """The payload missing its last quarter (the header still declares the full size)."""
+    return payload[: len(payload) * 3 // 4]

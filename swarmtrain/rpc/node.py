@@ -1,0 +1,324 @@
+"""One peer's gRPC runtime: an event-loop thread, the grpc.aio server, channels, run-key auth, byte counters."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import hmac
+import logging
+import os
+import random
+import threading
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+import uvloop
+from grpc import aio
+
+from swarmtrain.config import RpcConfig
+
+__all__ = [
+    "RUN_KEY_ENV",
+    "ByteCounters",
+    "Rejected",
+    "RpcError",
+    "RpcNode",
+    "RpcRejected",
+    "RpcTimeout",
+    "RpcUnavailable",
+    "resolve_run_key",
+]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+RUN_KEY_ENV = "SWARMTRAIN_RUN_KEY"
+RUN_KEY_HEADER = "x-swarmtrain-run-key"
+PEER_HEADER = "x-swarmtrain-peer"
+
+
+class RpcError(Exception):
+    """A call to another peer failed; subclasses say whether retrying can help."""
+
+
+class RpcUnavailable(RpcError):
+    """The peer could not be reached (refused, reset, shut down): retry or treat it as dead."""
+
+
+class RpcTimeout(RpcError):
+    """The call's deadline passed."""
+
+
+class RpcRejected(RpcError):
+    """The peer answered and refused the request; `code` is the gRPC status name."""
+
+    def __init__(self, code: str, details: str) -> None:
+        super().__init__(f"{code}: {details}")
+        self.code = code
+        self.details = details
+
+
+class Rejected(ValueError):
+    """Raised by a service implementation to refuse a request; the servicer maps `kind` to a status."""
+
+    KINDS = ("invalid", "precondition", "not_found", "too_large")
+
+    def __init__(self, message: str, *, kind: str = "invalid") -> None:
+        assert kind in self.KINDS, kind
+        super().__init__(message)
+        self.kind = kind
+
+
+_KIND_CODES = {"invalid": grpc.StatusCode.INVALID_ARGUMENT, "precondition": grpc.StatusCode.FAILED_PRECONDITION,
+               "not_found": grpc.StatusCode.NOT_FOUND, "too_large": grpc.StatusCode.RESOURCE_EXHAUSTED}
+
+
+def status_of(rejected: Rejected) -> grpc.StatusCode:
+    return _KIND_CODES[rejected.kind]
+
+
+def translate(err: aio.AioRpcError) -> RpcError:
+    """A grpc error as one of our typed errors (callers never see grpc types)."""
+    code = err.code()
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN):
+        return RpcUnavailable(f"{code.name}: {err.details()}")
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return RpcTimeout(f"{code.name}: {err.details()}")
+    return RpcRejected(code.name, err.details() or "")
+
+
+def resolve_run_key(cfg: RpcConfig) -> str:
+    """The run's shared secret: env SWARMTRAIN_RUN_KEY when set, else `rpc.run_key`."""
+    return os.environ.get(RUN_KEY_ENV) or cfg.run_key
+
+
+class ByteCounters:
+    """Payload bytes sent to / received from each peer (thread-safe; read by telemetry)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sent: dict[str, int] = {}
+        self._received: dict[str, int] = {}
+
+    def add_sent(self, peer: str, size_bytes: int) -> None:
+        with self._lock:
+            self._sent[peer] = self._sent.get(peer, 0) + size_bytes
+
+    def add_received(self, peer: str, size_bytes: int) -> None:
+        with self._lock:
+            self._received[peer] = self._received.get(peer, 0) + size_bytes
+
+    def totals(self) -> tuple[int, int]:
+        """(bytes sent, bytes received) over all peers since start."""
+        with self._lock:
+            return sum(self._sent.values()), sum(self._received.values())
+
+    def per_peer(self) -> dict[str, tuple[int, int]]:
+        with self._lock:
+            peers = set(self._sent) | set(self._received)
+            return {p: (self._sent.get(p, 0), self._received.get(p, 0)) for p in sorted(peers)}
+
+
+class _RunKeyInterceptor(aio.ServerInterceptor):
+    """Refuses every call whose run-key metadata differs from ours (constant-time compare)."""
+
+    def __init__(self, run_key: str) -> None:
+        self._key = run_key.encode()
+
+    async def intercept_service(self, continuation: Callable[[Any], Awaitable[Any]],
+                                details: grpc.HandlerCallDetails) -> Any:
+        meta = dict(details.invocation_metadata or ())
+        given = meta.get(RUN_KEY_HEADER, "")
+        given_b = given.encode() if isinstance(given, str) else bytes(given)
+        handler = await continuation(details)
+        if hmac.compare_digest(given_b, self._key) or handler is None:
+            return handler
+        log.warning("rejected %s from peer %r: wrong or missing run key", details.method, meta.get(PEER_HEADER, "?"))
+        return _denying(handler)
+
+
+def _denying(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    async def deny(_request: Any, context: aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "wrong or missing run key")
+
+    async def deny_stream(_request: Any, context: aio.ServicerContext) -> Any:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "wrong or missing run key")
+        yield  # pragma: no cover - abort raises
+
+    kw = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(deny_stream, **kw)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(deny, **kw)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(deny_stream, **kw)
+    return grpc.unary_unary_rpc_method_handler(deny, **kw)
+
+
+@dataclass(frozen=True)
+class _Loop:
+    loop: asyncio.AbstractEventLoop
+    thread: threading.Thread
+    stop: asyncio.Event
+
+
+class RpcNode:
+    """A peer's data-plane runtime. Register services with `add_service` before `start()`.
+
+    The node runs its own uvloop event-loop thread; library code submits coroutines with `run()`
+    (a blocking facade with a deadline) or schedules them from that loop. `serve=False` is client
+    mode: no server, outbound calls only.
+    """
+
+    def __init__(self, cfg: RpcConfig, *, peer_id: str, serve: bool = True) -> None:
+        self.cfg = cfg
+        self.peer_id = peer_id
+        self.serve = serve
+        self.counters = ByteCounters()
+        self._run_key = resolve_run_key(cfg)
+        self._registrations: list[Callable[[aio.Server], None]] = []
+        self._channels: dict[str, aio.Channel] = {}
+        self._server: aio.Server | None = None
+        self._loop: _Loop | None = None
+        self._endpoint = ""
+        self.options = [("grpc.max_send_message_length", cfg.max_message_bytes),
+                        ("grpc.max_receive_message_length", cfg.max_message_bytes),
+                        ("grpc.so_reuseport", 0)]
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def add_service(self, register: Callable[[aio.Server], None]) -> None:
+        """`register(server)` adds a servicer (e.g. `add_AveragingServicer_to_server`) at start."""
+        if self._loop is not None:
+            raise RuntimeError("RpcNode.add_service: the node already started")
+        self._registrations.append(register)
+
+    def start(self, *, timeout_s: float = 10.0) -> str:
+        """Start the loop thread (and the server unless client mode); returns the endpoint or ''."""
+        if self._loop is not None:
+            raise RuntimeError("RpcNode.start: already started")
+        ready: concurrent.futures.Future[_Loop] = concurrent.futures.Future()
+        thread = threading.Thread(target=self._thread_main, args=(ready,), name=f"rpc-{self.peer_id}", daemon=True)
+        thread.start()
+        self._loop = ready.result(timeout=timeout_s)
+        if self.serve:
+            self._endpoint = self.run(self._start_server(), timeout_s=timeout_s)
+        return self._endpoint
+
+    def _thread_main(self, ready: concurrent.futures.Future[_Loop]) -> None:
+        async def main() -> None:
+            stop = asyncio.Event()
+            ready.set_result(_Loop(asyncio.get_running_loop(), threading.current_thread(), stop))
+            await stop.wait()
+            await self._shutdown()
+
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            runner.run(main())
+
+    async def _start_server(self) -> str:
+        server = aio.server(options=self.options, interceptors=[_RunKeyInterceptor(self._run_key)])
+        for register in self._registrations:
+            register(server)
+        port = server.add_insecure_port(f"{self.cfg.host}:{self.cfg.port}")
+        if port == 0:
+            raise OSError(f"rpc: could not bind {self.cfg.host}:{self.cfg.port}")
+        await server.start()
+        self._server = server
+        host = "127.0.0.1" if self.cfg.host in ("0.0.0.0", "::", "") else self.cfg.host
+        endpoint = self.cfg.announce or f"{host}:{port}"
+        log.info("rpc server of %s listening on %s:%d (announce %s)", self.peer_id, self.cfg.host, port, endpoint)
+        return endpoint
+
+    async def _shutdown(self) -> None:
+        if self._server is not None:
+            await self._server.stop(grace=0.2)
+        for ch in self._channels.values():
+            await ch.close()
+        self._channels.clear()
+
+    async def kill_server(self) -> None:
+        """Stop serving at once (in-flight calls are cancelled): how a crashed peer looks to others."""
+        if self._server is not None:
+            await self._server.stop(grace=None)
+            log.warning("rpc server of %s killed", self.peer_id)
+
+    def close(self, *, timeout_s: float = 10.0) -> None:
+        """Stop the server, close channels and join the loop thread."""
+        if self._loop is None:
+            return
+        lp, self._loop = self._loop, None
+        lp.loop.call_soon_threadsafe(lp.stop.set)
+        lp.thread.join(timeout=timeout_s)
+        if lp.thread.is_alive():
+            raise TimeoutError(f"rpc loop of {self.peer_id} did not stop within {timeout_s}s")
+
+    def __enter__(self) -> RpcNode:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- running work ----------------------------------------------------------------------
+    @property
+    def endpoint(self) -> str:
+        """host:port others dial ('' in client mode)."""
+        return self._endpoint
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            raise RuntimeError("RpcNode: not started")
+        return self._loop.loop
+
+    def run(self, coro: Coroutine[Any, Any, T], *, timeout_s: float) -> T:
+        """Run `coro` on the node's loop and block for its result (cancelled after `timeout_s`)."""
+        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return fut.result(timeout=timeout_s)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise TimeoutError(f"rpc: call on {self.peer_id}'s loop took longer than {timeout_s:.1f}s") from None
+
+    # -- client side -----------------------------------------------------------------------
+    def channel(self, endpoint: str) -> aio.Channel:
+        """A cached channel to `endpoint` (call from the node's loop)."""
+        ch = self._channels.get(endpoint)
+        if ch is None:
+            ch = aio.insecure_channel(endpoint, options=self.options)
+            self._channels[endpoint] = ch
+        return ch
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """Metadata every outgoing call carries: the run key and our peer id."""
+        return ((RUN_KEY_HEADER, self._run_key), (PEER_HEADER, self.peer_id))
+
+    async def retrying(self, call: Callable[[], Awaitable[T]], *, deadline: float, what: str) -> T:
+        """Await `call()`; on RpcUnavailable retry up to `rpc.retries` times with jittered exponential
+        backoff, never past `deadline` (time.monotonic()). Only for idempotent calls."""
+        attempt = 0
+        while True:
+            try:
+                return await call()
+            except RpcUnavailable as e:
+                delay_s = self.cfg.backoff_s * (2 ** attempt) * (0.5 + random.random())
+                if attempt >= self.cfg.retries or time.monotonic() + delay_s >= deadline:
+                    raise
+                attempt += 1
+                log.info("%s: %s; retry %d/%d in %.2fs", what, e, attempt, self.cfg.retries, delay_s)
+                await asyncio.sleep(delay_s)
+
+
+def peer_of(context: aio.ServicerContext) -> str:
+    """The calling peer's id from its metadata (authenticated by the run key, not by identity)."""
+    for key, value in context.invocation_metadata() or ():
+        if key == PEER_HEADER:
+            return str(value)
+    return "?"
+
+
+def remaining_s(deadline: float) -> float:
+    """Seconds left until `deadline` (time.monotonic()), at least a millisecond so grpc gets a deadline."""
+    return max(deadline - time.monotonic(), 1e-3)
