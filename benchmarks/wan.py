@@ -113,6 +113,9 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
         ax.set_title(title, fontsize=10)
         if "MB" in title:
             ax.set_yscale("log")
+        if "loss" in title:  # differences of a few percent must be visible
+            losses = [value(r) for r in results]
+            ax.set_ylim(min(losses) * 0.97, max(losses) * 1.02)
     axes[0].legend()
     fig.suptitle("4 namespace hosts, shaped links: DDP (gloo) vs swarmtrain DiLoCo", fontsize=11)
     fig.tight_layout()
