@@ -269,7 +269,7 @@ class BlockQuantCodec(_Codec):
         qmax = quant.INT8_QMAX if header.codec_id == CodecId.INT8 else quant.INT4_QMAX
         _check_scales(scales, name=self.name, qmax=qmax)
         if header.codec_id == CodecId.INT8:
-            if nq and int(q.min()) < -quant.INT8_QMAX:
+            if nq and int(torch.aminmax(q)[0]) < -quant.INT8_QMAX:  # aminmax: the fastest int8 reduction here
                 raise CodecError(f"int8: value -128 is outside [-{quant.INT8_QMAX}, {quant.INT8_QMAX}]")
         else:
             _check_nibbles(q, numel=header.numel)
