@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 _NAME = re.compile(r"^ckpt-(\d{10})\.json$")
 _TMP_PREFIX = ".tmp-"
+_FILE = re.compile(r"^(\.tmp-)?(ckpt-\d{10})\.(json|safetensors)$")  # every file a save may leave behind
 _HASH_CHUNK_BYTES = 8 << 20
 _TENSOR_TAG = "__tensor__"
 _INT_KEYS_TAG = "__int_keys__"
@@ -157,9 +158,10 @@ def _fsync_path(path: Path) -> None:
 
 def _remove_leftovers(root: Path) -> None:
     """Temp files and payloads whose manifest never landed are unfinished saves from a killed run."""
-    manifests = {p.stem for p in root.glob("ckpt-*.json")}
+    manifests = {p.stem for p in list_checkpoints(root)}
     for p in root.iterdir():
-        unfinished = p.name.startswith(_TMP_PREFIX) or (p.suffix == ".safetensors" and p.stem not in manifests)
+        m = _FILE.match(p.name)
+        unfinished = m is not None and (m.group(1) is not None or (m.group(3) == "safetensors" and m.group(2) not in manifests))
         if unfinished and p.is_file():
             log.info("removing unfinished checkpoint file %s", p)
             p.unlink()

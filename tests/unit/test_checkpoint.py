@@ -275,3 +275,14 @@ def test_split_state_refuses_what_json_cannot_hold() -> None:
         split_state({"a": {1, 2}})
     with pytest.raises(CheckpointError, match="keys must be all str or all int"):
         split_state({"a": {1: 0, "x": 1}})
+
+
+def test_unrelated_files_in_the_directory_are_left_alone(tmp_path: Path) -> None:
+    (tmp_path / "identity.key").write_bytes(b"key")
+    (tmp_path / "model.safetensors").write_bytes(b"not ours")
+    (tmp_path / ".tmp-ckpt-0000000009.safetensors").write_bytes(b"torn")  # ours: an unfinished save
+    (tmp_path / "ckpt-0000000008.safetensors").write_bytes(b"orphan")  # ours: payload whose manifest never landed
+    for i in range(3):
+        save_checkpoint(tmp_path, tensors=_tensors(i), meta={"i": i}, keep=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "ckpt-0000000002.json", "ckpt-0000000002.safetensors", "identity.key", "model.safetensors"]
