@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from swarmtrain.averaging.inprocess import InProcessGroup
-    from swarmtrain.compress import codec_from_config
+    from swarmtrain.compress import codec_from_config, get_codec
     from swarmtrain.data import load_corpus
     from swarmtrain.diloco.simulation import RoundRecord, simulate_ddp, simulate_diloco
 
@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.mode == "ddp":
             result = simulate_ddp(cfg, train_tokens=corpus.train, val_tokens=corpus.val, num_workers=args.workers,
-                                  on_round=on_round)
+                                  wire_codec=get_codec("fp32"), on_round=on_round)
         else:
             group = InProcessGroup(codec, num_workers=args.workers)
             result = simulate_diloco(cfg, train_tokens=corpus.train, val_tokens=corpus.val, num_workers=args.workers,

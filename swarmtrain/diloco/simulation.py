@@ -127,6 +127,7 @@ def simulate_ddp(
     train_tokens: torch.Tensor,
     val_tokens: torch.Tensor,
     num_workers: int,
+    wire_codec: Codec | None = None,
     on_round: OnRound | None = None,
 ) -> SimulationResult:
     """The data-parallel baseline: one optimizer step per step on the union of the K workers' batches.
@@ -134,7 +135,8 @@ def simulate_ddp(
     Worker k's batch at step t under DiLoCo is slot k of the K×B-window batch that this single
     stream reads at step t, so both modes see exactly the same tokens in the same steps. A round is
     H steps here too (for comparable records); bytes are those of a ring all-reduce of fp32
-    gradients every step.
+    gradients every step, each gradient framed by `wire_codec` (give the fp32 codec so that both
+    modes pay the same header) or counted as raw 4 bytes per element.
     """
     start = time.perf_counter()
     worker = _worker(cfg, train_tokens, index=0, num_workers=1, batch_size=num_workers * cfg.data.batch_size,
@@ -142,7 +144,7 @@ def simulate_ddp(
     val = _val_batches(cfg, val_tokens)
     result = SimulationResult(mode="ddp", num_workers=num_workers, num_params=worker.numel,
                               initial_val_loss=worker.evaluate(val))
-    grad_bytes = 4 * worker.numel
+    grad_bytes = 4 * worker.numel if wire_codec is None else len(wire_codec.encode(torch.zeros(worker.numel)))
     per_step = allreduce_bytes_per_peer(contribution_bytes=grad_bytes, result_bytes=grad_bytes, num_peers=num_workers)
     tokens = bytes_sent = 0
     for r in range(cfg.diloco.rounds):

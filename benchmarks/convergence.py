@@ -1,0 +1,199 @@
+"""Convergence: DiLoCo (K workers, H inner steps) vs data-parallel training on the same tokens.
+
+Every arm trains the same model from the same init on the same token stream (worker k's batch
+at step t under DiLoCo is slot k of the data-parallel K×B batch at step t), for the same number
+of optimizer steps per worker. Prints final val loss, its ratio to DDP and the bytes ratio, and
+saves JSON + a loss-vs-tokens PNG under benchmarks/results/.
+
+    python benchmarks/convergence.py                       # the README figures (2 processes)
+    python benchmarks/convergence.py --codecs int8 int4+ef # extra DiLoCo arms at H=50
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One training configuration; `codec` like "int8" or "int4+ef" (error feedback)."""
+
+    name: str
+    mode: str  # "ddp" | "diloco"
+    inner_steps: int
+    codec: str = "fp32"
+
+
+@dataclass(frozen=True)
+class Job:
+    corpus: str  # "stdlib" or a file path
+    seed: int
+    arm: Arm
+    workers: int
+    steps: int  # optimizer steps per worker
+    overrides: tuple[str, ...]
+
+
+def build_arms(args: argparse.Namespace) -> list[Arm]:
+    arms = [Arm("ddp", "ddp", args.ddp_round_steps)]
+    arms += [Arm(f"diloco H={h}", "diloco", h) for h in args.inner_steps]
+    arms += [Arm(f"diloco H=50 {c}", "diloco", 50, c) for c in args.codecs]
+    return arms
+
+
+def run_job(job: Job) -> dict[str, Any]:
+    import torch
+
+    torch.set_num_threads(1)
+    from swarmtrain.averaging.inprocess import InProcessGroup
+    from swarmtrain.compress import codec_from_config, get_codec
+    from swarmtrain.config import load_config
+    from swarmtrain.data import load_corpus
+    from swarmtrain.diloco.simulation import simulate_ddp, simulate_diloco
+
+    arm = job.arm
+    codec_name, _, ef = arm.codec.partition("+")
+    overrides = [*job.overrides, f"train.seed={job.seed}", f"diloco.inner_steps={arm.inner_steps}",
+                 f"diloco.rounds={job.steps // arm.inner_steps}", f"compress.codec={codec_name}",
+                 f"compress.error_feedback={'true' if ef == 'ef' else 'false'}"]
+    if job.corpus != "stdlib":
+        overrides.append(f"data.paths={json.dumps([job.corpus])}")
+    cfg = load_config(overrides=overrides)
+    corpus = load_corpus(cfg.data)
+    if arm.mode == "ddp":
+        result = simulate_ddp(cfg, train_tokens=corpus.train, val_tokens=corpus.val, num_workers=job.workers,
+                              wire_codec=get_codec("fp32"))
+    else:
+        codec = codec_from_config(cfg.compress, seed=job.seed)
+        group = InProcessGroup(codec, num_workers=job.workers)
+        result = simulate_diloco(cfg, train_tokens=corpus.train, val_tokens=corpus.val, num_workers=job.workers,
+                                 average_all=group.average_all, codec=codec)
+    out = result.to_json(cfg)
+    out.update(arm=arm.name, corpus=corpus_label(job.corpus), seed=job.seed)
+    sys.stderr.write(f"  done {out['corpus']:<8} seed={job.seed} {arm.name:<22} val {out['final_val_loss']:.4f} "
+                     f"({out['wall_s']:.0f}s)\n")
+    return out
+
+
+def corpus_label(corpus: str) -> str:
+    return "stdlib" if corpus == "stdlib" else Path(corpus).stem
+
+
+def summarize(results: list[dict[str, Any]], arms: list[Arm]) -> list[dict[str, Any]]:
+    rows = []
+    for corpus in dict.fromkeys(r["corpus"] for r in results):
+        ddp = {r["seed"]: r for r in results if r["corpus"] == corpus and r["arm"] == "ddp"}
+        for arm in arms:
+            runs = [r for r in results if r["corpus"] == corpus and r["arm"] == arm.name]
+            losses = [r["final_val_loss"] for r in runs]
+            ratios = [r["final_val_loss"] / ddp[r["seed"]]["final_val_loss"] for r in runs]
+            bytes_ratio = statistics.mean(ddp[r["seed"]]["bytes_sent"] / r["bytes_sent"] for r in runs)
+            rows.append({"corpus": corpus, "arm": arm.name, "seeds": len(runs),
+                         "val_loss": statistics.mean(losses), "val_loss_min": min(losses), "val_loss_max": max(losses),
+                         "loss_ratio_to_ddp": statistics.mean(ratios), "max_loss_ratio_to_ddp": max(ratios),
+                         "bytes_sent": statistics.mean(r["bytes_sent"] for r in runs),
+                         "ddp_bytes_over_arm": bytes_ratio, "tokens": runs[0]["tokens"]})
+    return rows
+
+
+def print_table(rows: list[dict[str, Any]]) -> str:
+    head = ("| corpus | arm | final val loss (mean, min–max over seeds) | loss / DDP (mean; worst seed) "
+            "| bytes sent per worker | DDP bytes / arm bytes |\n|---|---|---|---|---|---|\n")
+    body = "".join(
+        f"| {r['corpus']} | {r['arm']} | {r['val_loss']:.4f} ({r['val_loss_min']:.4f}–{r['val_loss_max']:.4f}) "
+        f"| {r['loss_ratio_to_ddp']:.4f}; {r['max_loss_ratio_to_ddp']:.4f} | {r['bytes_sent'] / 1e6:.1f} MB "
+        f"| {r['ddp_bytes_over_arm']:.1f}× |\n" for r in rows)
+    return head + body
+
+
+def plot(results: list[dict[str, Any]], arms: list[Arm], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    corpora = list(dict.fromkeys(r["corpus"] for r in results))
+    fig, axes = plt.subplots(1, len(corpora), figsize=(6 * len(corpora), 4.5), squeeze=False)
+    for ax, corpus in zip(axes[0], corpora, strict=True):
+        for arm in arms:
+            runs = [r for r in results if r["corpus"] == corpus and r["arm"] == arm.name]
+            tokens = [0] + [p["tokens"] for p in runs[0]["rounds"]]
+            curves = [[r["initial_val_loss"]] + [p["val_loss"] for p in r["rounds"]] for r in runs]
+            mean = [statistics.mean(c[i] for c in curves) for i in range(len(tokens))]
+            ax.plot([t / 1e6 for t in tokens], mean, label=arm.name, linestyle="--" if arm.mode == "ddp" else "-")
+        ax.set_title(f"{corpus}: val loss vs tokens (mean of {len(runs)} seeds)")
+        ax.set_xlabel("tokens (millions, all workers)")
+        ax.set_ylabel("validation loss (nats/byte)")
+        ax.set_ylim(top=min(4.0, ax.get_ylim()[1]))
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shakespeare", type=Path, default=DEFAULT_SHAKESPEARE, help="tinyshakespeare.txt path")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    p.add_argument("--workers", type=int, default=4, help="K")
+    p.add_argument("--inner-steps", type=int, nargs="+", default=[25, 50, 100], help="H values of the fp32 arms")
+    p.add_argument("--codecs", nargs="*", default=[], help="extra DiLoCo H=50 arms, e.g. int8 int4+ef")
+    p.add_argument("--steps", type=int, default=800, help="optimizer steps per worker (a multiple of every H)")
+    p.add_argument("--ddp-round-steps", type=int, default=50, help="DDP steps per logged round")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="config override for every arm")
+    p.add_argument("--processes", type=int, default=2, help="worker processes (1 torch thread each)")
+    p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results", help="output directory")
+    p.add_argument("--tag", default="convergence", help="file name stem of the JSON/PNG")
+    return p.parse_args()
+
+
+BASE_OVERRIDES = ("model.preset=tiny", "data.seq_len=128", "data.batch_size=8", "diloco.eval_batches=16")
+
+
+def main() -> int:
+    args = parse_args()
+    for h in [*args.inner_steps, args.ddp_round_steps, *([50] if args.codecs else [])]:
+        if args.steps % h:
+            raise SystemExit(f"--steps {args.steps} is not a multiple of H={h}")
+    if not args.shakespeare.is_file():
+        raise SystemExit(f"{args.shakespeare}: not found (pass --shakespeare PATH)")
+    arms = build_arms(args)
+    overrides = (*BASE_OVERRIDES, *args.overrides)
+    jobs = [Job(c, s, a, args.workers, args.steps, overrides)
+            for c in ("stdlib", str(args.shakespeare)) for s in args.seeds for a in arms]
+    sys.stderr.write(f"{len(jobs)} runs on {args.processes} processes: K={args.workers}, {args.steps} steps per "
+                     f"worker, overrides {list(overrides)}\n")
+    start = time.perf_counter()
+    with mp.get_context("fork").Pool(args.processes, maxtasksperchild=1) as pool:
+        results = pool.map(run_job, jobs, chunksize=1)
+    rows = summarize(results, arms)
+    table = print_table(rows)
+    sys.stdout.write(table)
+    args.out.mkdir(parents=True, exist_ok=True)
+    json_path, png_path = args.out / f"{args.tag}.json", args.out / f"{args.tag}.png"
+    meta = {"argv": sys.argv, "workers": args.workers, "steps_per_worker": args.steps, "overrides": list(overrides),
+            "wall_s": time.perf_counter() - start}
+    json_path.write_text(json.dumps({"meta": meta, "table": rows, "runs": results}, indent=1) + "\n")
+    plot(results, arms, png_path)
+    check = [r for r in rows if r["arm"] == "diloco H=50"]
+    for r in check:
+        ok = r["max_loss_ratio_to_ddp"] <= 1.02 and r["ddp_bytes_over_arm"] >= 50
+        sys.stdout.write(f"{r['corpus']}: DiLoCo H=50 within 2% of DDP and >= 50x fewer bytes: {'yes' if ok else 'NO'}\n")
+    sys.stdout.write(f"wrote {json_path} and {png_path} in {meta['wall_s']:.0f}s\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
