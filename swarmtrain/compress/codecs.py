@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import math
 import threading
 import warnings
@@ -25,8 +24,6 @@ from swarmtrain.compress.wire import (
 from swarmtrain.compress.zstd_stage import zstd_compress, zstd_decompress
 
 __all__ = ["BlockQuantCodec", "CastCodec", "quant_backend"]
-
-log = logging.getLogger(__name__)
 
 _Buffer = bytes | bytearray | memoryview
 _CAST_CHUNK_ELEMENTS = 1 << 18
