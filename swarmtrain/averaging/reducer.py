@@ -102,6 +102,8 @@ class ReducerRegistry:
         self._served: dict[int, str] = {}
         self._min_round = 0
         self._changed: asyncio.Condition | None = None
+        self._dead = False
+        self._kill_task: asyncio.Task[None] | None = None
 
     @property
     def changed(self) -> asyncio.Condition:
@@ -197,6 +199,8 @@ class ReducerRegistry:
 
     # -- ReducerSink -----------------------------------------------------------------------
     async def check_push(self, header: PushHeader, *, peer: str) -> int:
+        if self._dead:
+            await self.kill(peer)
         s = await self._session(header.session)
         if header.shard != s.shard:
             raise Rejected(f"shard {header.shard} is not reduced here (this peer reduces shard {s.shard})")
@@ -226,6 +230,7 @@ class ReducerRegistry:
             self._close(s)
 
     async def contributors(self, key: SessionKey, shard: int, *, peer: str) -> tuple[str, ...]:
+        await self._fault(key.round, "contributors", peer)
         s = await self._session(key)
         if shard != s.shard:
             raise Rejected(f"shard {shard} is not reduced here (this peer reduces shard {s.shard})")
@@ -233,7 +238,7 @@ class ReducerRegistry:
         return s.contributors
 
     async def mean(self, key: SessionKey, shard: int, contributors: tuple[str, ...], *, peer: str) -> bytes:
-        await self._fault(key.round, peer)
+        await self._fault(key.round, "mean", peer)
         s = await self._session(key)
         if shard != s.shard:
             raise Rejected(f"shard {shard} is not reduced here (this peer reduces shard {s.shard})")
@@ -254,15 +259,28 @@ class ReducerRegistry:
                 s.means[tuple(order)] = data
         return data
 
-    async def _fault(self, round_index: int, target: str) -> None:
-        fault = self.fault_hook(FaultSite(self.peer_id, round_index, "serve", target)) if self.fault_hook else None
+    async def kill(self, caller: str) -> None:
+        """Die like a crashed process: stop the server (in a task of its own, so cancelling this call
+        cannot interrupt it) and never answer again; the local member gets an error instead."""
+        if not self._dead:
+            self._dead = True
+            log.warning("%s: killed by fault injection", self.peer_id)
+            if self.on_kill is not None:
+                self._kill_task = asyncio.get_running_loop().create_task(self.on_kill())
+        if caller == self.peer_id:
+            raise Rejected("this peer was killed", kind="precondition")
+        await asyncio.Event().wait()  # cancelled when the server stops
+
+    async def _fault(self, round_index: int, call: str, target: str) -> None:
+        if self._dead:
+            await self.kill(target)
+        fault = self.fault_hook(FaultSite(self.peer_id, round_index, call, target)) if self.fault_hook else None
         if fault is None:
             return
         if fault.action == "delay":
             await asyncio.sleep(fault.delay_s)
-        elif fault.action == "kill" and self.on_kill is not None:
-            await self.on_kill()
-            raise Rejected("this peer was killed", kind="precondition")
+        elif fault.action == "kill":
+            await self.kill(target)
         elif fault.action == "drop":
             raise Rejected("dropped by fault injection", kind="precondition")
 

@@ -15,8 +15,9 @@ CORRUPT_BYTES = 16
 class FaultSite:
     """Where the data plane is about to act: `peer` does `call` in `round`, towards `target`.
 
-    Calls: "push" (a member sends its shard to reducer `target`), "serve" (a reducer is asked for
-    its contributors or mean by `target`), "state" (a peer serves its state to `target`).
+    Calls: "push" (a member sends its shard to reducer `target`), "contributors" and "mean" (a
+    reducer is asked for its contributor set / a mean by `target`), "state" (a peer serves its
+    state to `target`).
     """
 
     peer: str

@@ -233,7 +233,8 @@ class RpcNode:
 
     async def _shutdown(self) -> None:
         if self._server is not None:
-            await self._server.stop(grace=0.2)
+            server, self._server = self._server, None
+            await server.stop(grace=0.2)
         for ch in self._channels.values():
             await ch.close()
         self._channels.clear()
@@ -241,7 +242,8 @@ class RpcNode:
     async def kill_server(self) -> None:
         """Stop serving at once (in-flight calls are cancelled): how a crashed peer looks to others."""
         if self._server is not None:
-            await self._server.stop(grace=None)
+            server, self._server = self._server, None
+            await server.stop(grace=None)
             log.warning("rpc server of %s killed", self.peer_id)
 
     def close(self, *, timeout_s: float = 10.0) -> None:

@@ -1,0 +1,114 @@
+"""The all-reduce on 3-4 loopback peers under a deterministic FaultPlan: every member commits the same,
+reference-exact mean, or every member aborts."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from allreduce_swarm import Swarm, deltas_for, reference_mean
+
+from swarmtrain.averaging.protocol import AverageResult
+from swarmtrain.averaging.reducer import shard_bounds
+from swarmtrain.testing import FaultPlan
+
+pytestmark = pytest.mark.integration
+
+NAMES = ["a", "b", "c", "d"]
+NUMEL = 5000
+
+
+def _committed_same(results: dict[str, AverageResult], expected: torch.Tensor, contributors: list[str]) -> None:
+    for name, r in results.items():
+        assert r.committed, f"{name} aborted: {r.reason}"
+        assert list(r.members) == contributors, name
+        assert r.mean is not None and torch.equal(r.mean, expected), f"{name}'s mean differs from the reference"
+
+
+def _equal_bounds(num_reducers: int) -> list[tuple[int, int]]:
+    return shard_bounds(NUMEL, (0.0,) * num_reducers)
+
+
+def test_commit_is_bit_identical_to_reference_with_client_and_uneven_shards(no_thread_leak: None) -> None:
+    bandwidth = {"a": 1e9, "b": 3e9, "c": 2e9, "d": 1e9}
+    with Swarm(NAMES, client_mode=["d"], bandwidth=bandwidth) as swarm:
+        for round_index in range(2):
+            deltas = deltas_for(NAMES, NUMEL, seed=round_index)
+            results = swarm.average(round_index, deltas)
+            bounds = shard_bounds(NUMEL, (1e9, 3e9, 2e9))
+            assert bounds[1][1] - bounds[1][0] == 2500  # b reduces half: sized by bandwidth
+            _committed_same(results, reference_mean(deltas, NAMES, bounds), NAMES)
+            assert all(r.bytes_sent > 0 and r.bytes_received > 0 for r in results.values())
+        # the client-mode peer never served anything: all its received bytes are means it pulled
+        assert swarm.nodes["d"].endpoint == ""
+
+
+@pytest.mark.parametrize("action", ["drop", "corrupt", "truncate"])
+def test_a_bad_or_lost_shard_excludes_its_sender_everywhere(action: str, caplog: pytest.LogCaptureFixture) -> None:
+    plan = FaultPlan().add(peer="b", round=0, call="push", target="c", action=action)  # type: ignore[arg-type]
+    caplog.set_level(logging.INFO)
+    with Swarm(NAMES, fault_hook=plan) as swarm:
+        deltas = deltas_for(NAMES, NUMEL)
+        results = swarm.average(0, deltas)
+        contributors = ["a", "c", "d"]
+        _committed_same(results, reference_mean(deltas, contributors, _equal_bounds(4)), contributors)
+        assert all(r.failed == ("b",) for r in results.values())
+        assert plan.hits and plan.hits[0][0].target == "c"
+        if action != "drop":
+            assert any("refused shard" in rec.message for rec in caplog.records)
+        # the swarm goes on: the next round has every contribution again
+        deltas = deltas_for(NAMES, NUMEL, seed=1)
+        _committed_same(swarm.average(1, deltas), reference_mean(deltas, NAMES, _equal_bounds(4)), NAMES)
+
+
+@pytest.mark.parametrize(("delay_s", "included"), [(0.02, True), (0.6, False)])
+def test_a_delayed_shard_counts_only_inside_the_window(delay_s: float, included: bool) -> None:
+    plan = FaultPlan().add(peer="a", round=0, call="push", target="d", action="delay", delay_s=delay_s)
+    with Swarm(NAMES, fault_hook=plan) as swarm:
+        deltas = deltas_for(NAMES, NUMEL)
+        results = swarm.average(0, deltas)
+        contributors = NAMES if included else ["b", "c", "d"]
+        _committed_same(results, reference_mean(deltas, contributors, _equal_bounds(4)), contributors)
+
+
+def test_a_reducer_dying_mid_round_is_replaced_by_a_retry_without_it() -> None:
+    plan = FaultPlan().add(peer="c", round=0, call="contributors", action="kill")
+    with Swarm(NAMES, fault_hook=plan) as swarm:
+        deltas = deltas_for(NAMES, NUMEL)
+        results = swarm.average(0, deltas)
+        assert not results["c"].committed
+        survivors = {n: r for n, r in results.items() if n != "c"}
+        contributors = ["a", "b", "d"]
+        _committed_same(survivors, reference_mean(deltas, contributors, _equal_bounds(3)), contributors)
+        assert all("c" in r.failed for r in survivors.values())
+        # the next round goes on among the survivors (c is gone from the group's point of view only
+        # through its failures: it stays listed, is retried around, and never blocks a commit)
+        deltas = deltas_for(contributors, NUMEL, seed=1)
+        later = swarm.average(1, deltas)
+        _committed_same(later, reference_mean(deltas, contributors, _equal_bounds(3)), contributors)
+
+
+def test_a_reducer_dying_after_serving_some_means_aborts_the_round_everywhere() -> None:
+    plan = FaultPlan().add(peer="c", round=0, call="mean", action="kill")
+    with Swarm(NAMES, fault_hook=plan) as swarm:
+        results = swarm.average(0, deltas_for(NAMES, NUMEL))
+        assert not results["c"].committed
+        survivors = [r for n, r in results.items() if n != "c"]
+        # attempt 0 cannot commit (nobody holds c's mean); a retry commits only where no survivor served
+        # attempt 0 yet. Either way: one outcome, one mean, and no local values passed off as averaged.
+        assert len({r.committed for r in survivors}) == 1, [r.reason for r in survivors]
+        means = [r.mean for r in survivors if r.committed]
+        assert all(m is not None and torch.equal(m, means[0]) for m in means)
+        assert all(r.mean is None for r in survivors if not r.committed)
+
+
+def test_losing_the_majority_aborts_on_every_member() -> None:
+    plan = FaultPlan()
+    for sender in ("b", "c"):
+        plan.add(peer=sender, round=0, call="push", action="drop")
+    with Swarm(NAMES, fault_hook=plan) as swarm:
+        results = swarm.average(0, deltas_for(NAMES, NUMEL))
+        for name, r in results.items():
+            assert not r.committed and r.mean is None, name
+            assert "delivered" in r.reason, r.reason
