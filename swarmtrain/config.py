@@ -38,6 +38,9 @@ __all__ = [
 ]
 
 
+BYTE_VOCAB_SIZE = 256  # the data's tokens are bytes (swarmtrain.data.VOCAB_SIZE; no torch import here)
+
+
 class ConfigError(ValueError):
     """A config value, key or file is wrong; the message names which."""
 
@@ -67,6 +70,8 @@ class ModelConfig:
             _check(getattr(self, k) >= 0, f"model.{k}", "must be >= 0 (0 = the preset's value)")
         _check(self.vocab_size >= 2, "model.vocab_size", "must be >= 2")
         _check(0.0 <= self.dropout < 1.0, "model.dropout", "must be in [0, 1)")
+        n_embd, n_head = self.n_embd or PRESETS[self.preset].n_embd, self.n_head or PRESETS[self.preset].n_head
+        _check(n_embd % n_head == 0, "model.n_embd", f"{n_embd} must be divisible by model.n_head ({n_head})")
 
 
 @dataclass(frozen=True)
@@ -262,6 +267,16 @@ class RunConfig:
     rpc: RpcConfig = field(default_factory=RpcConfig)
     averaging: AveragingConfig = field(default_factory=AveragingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def __post_init__(self) -> None:
+        # Cross-section checks: each would otherwise fail only after start-up, deep inside training.
+        from swarmtrain.models.presets import PRESETS
+
+        context_len = self.model.context_len or PRESETS[self.model.preset].context_len
+        _check(self.data.seq_len <= context_len, "data.seq_len",
+               f"{self.data.seq_len} exceeds the model's context length {context_len} (model.preset/model.context_len)")
+        _check(self.model.vocab_size >= BYTE_VOCAB_SIZE, "model.vocab_size",
+               f"{self.model.vocab_size} is smaller than the data's {BYTE_VOCAB_SIZE} byte-level tokens")
 
     def replace(self, **sections: Any) -> RunConfig:
         """Return a copy with whole sections or `section={key: value}` dicts merged in."""

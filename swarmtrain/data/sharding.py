@@ -76,15 +76,22 @@ class ShardedBatches:
         self.position += 1
         return batch
 
+    # A position only means the same batches for the same stream and layout, so all of it is checked.
+    _IDENTITY = ("seed", "worker_index", "num_workers", "batch_size", "seq_len", "num_windows")
+
     def state_dict(self) -> dict[str, Any]:
-        return {"position": self.position, "seed": self.seed, "worker_index": self.worker_index,
-                "num_workers": self.num_workers}
+        return {"position": self.position, **{key: getattr(self, key) for key in self._IDENTITY}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        for key in ("seed", "worker_index", "num_workers"):
+        for key in (*self._IDENTITY, "position"):
+            if key not in state:
+                raise ValueError(f"data state has no {key!r} (saved by an older version?)")
+        for key in self._IDENTITY:
             if state[key] != getattr(self, key):
                 raise ValueError(f"data state was saved with {key}={state[key]}, this stream has {getattr(self, key)}")
-        self.position = int(state["position"])
+        if not isinstance(state["position"], int) or state["position"] < 0:
+            raise ValueError(f"data state position {state['position']!r} is not an int >= 0")
+        self.position = state["position"]
 
 
 def eval_batches(tokens: torch.Tensor, *, batch_size: int, seq_len: int, num_batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -59,3 +60,25 @@ def test_replace_merges_sections() -> None:
     assert (cfg.outer.lr, cfg.outer.momentum, cfg.outer.nesterov) == (1.0, 0.0, False)
     with pytest.raises(ConfigError, match=r"outer\.bogus"):
         RunConfig().replace(outer={"bogus": 1})
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        (["model.n_head=3"], "model.n_embd: 64 must be divisible by model.n_head (3)"),
+        (["data.seq_len=300"], "data.seq_len: 300 exceeds the model's context length 256"),
+        (["model.context_len=32", "data.seq_len=64"], "data.seq_len: 64 exceeds the model's context length 32"),
+        (["model.vocab_size=100"], "model.vocab_size: 100 is smaller than the data's 256"),
+    ],
+)
+def test_cross_field_errors_are_caught_at_load(overrides: list[str], field: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(field)):
+        load_config(overrides=["model.preset=tiny", *overrides])
+    assert load_config(overrides=["model.preset=tiny", "data.seq_len=256"]).data.seq_len == 256
+
+
+def test_config_knows_the_data_vocabulary() -> None:
+    from swarmtrain.config import BYTE_VOCAB_SIZE
+    from swarmtrain.data import VOCAB_SIZE
+
+    assert BYTE_VOCAB_SIZE == VOCAB_SIZE

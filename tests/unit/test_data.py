@@ -69,3 +69,16 @@ def test_eval_batches_fixed() -> None:
     tokens = (torch.arange(5_000) % 256).to(torch.uint8)
     a = eval_batches(tokens, batch_size=4, seq_len=31, num_batches=3)
     assert len(a) == 3 and a[0][0].shape == (4, 31)
+
+
+@pytest.mark.parametrize(("key", "value"), [("batch_size", 4), ("seq_len", 15), ("seed", 6), ("num_workers", 3)])
+def test_resume_refuses_a_different_stream_layout(key: str, value: int) -> None:
+    tokens = (torch.arange(20_000) % 251).to(torch.uint8)
+    kw = dict(worker_index=1, num_workers=2, batch_size=3, seq_len=31, seed=5)
+    state = ShardedBatches(tokens, **kw).state_dict()
+    with pytest.raises(ValueError, match=f"saved with {key}="):
+        ShardedBatches(tokens, **{**kw, key: value}).load_state_dict(state)
+    with pytest.raises(ValueError, match="num_windows"):
+        ShardedBatches(tokens[:10_000], **kw).load_state_dict(state)  # another corpus
+    with pytest.raises(ValueError, match="no 'seq_len'"):
+        ShardedBatches(tokens, **kw).load_state_dict({k: v for k, v in state.items() if k != "seq_len"})
