@@ -1,4 +1,5 @@
 """State transfer to joining peers, checkpoints.
 
 checkpoint.py: crash-safe save/resume of a peer's whole state (safetensors + self-checked manifest).
+transfer.py: StateServer / fetch_state, the streamed, sha256-checked download of the newest committed state.
 """

@@ -1,0 +1,111 @@
+"""State transfer over gRPC: the StateTransfer servicer (serves the newest published blob) and its client."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol
+
+import grpc
+from grpc import aio
+
+from swarmtrain.rpc.faults import FaultHook, FaultSite, corrupt, truncate
+from swarmtrain.rpc.node import RpcNode, RpcRejected, peer_of, remaining_s, translate
+from swarmtrain.wire import sync_pb2 as pb
+from swarmtrain.wire import sync_pb2_grpc as pb_grpc
+
+__all__ = ["StateBlob", "StateClient", "StateSource", "serve_state"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StateBlob:
+    """An immutable, serialized committed state: what one GetState call streams."""
+
+    run_id: str
+    round: int
+    config_json: str
+    blob: bytes
+    sha256: bytes
+
+
+class StateSource(Protocol):
+    def current(self) -> StateBlob | None:
+        """The newest committed state, or None before the first one."""
+        ...
+
+
+class _Servicer(pb_grpc.StateTransferServicer):
+    def __init__(self, node: RpcNode, source: StateSource, fault_hook: FaultHook | None) -> None:
+        self.node = node
+        self.source = source
+        self.fault_hook = fault_hook
+
+    async def GetState(self, request: pb.StateRequest, context: aio.ServicerContext) -> AsyncIterator[pb.StateChunk]:
+        peer = peer_of(context)
+        state = self.source.current()  # one immutable object: never a half-updated state
+        if state is None or state.run_id != request.run_id:
+            why = "no committed state yet" if state is None else f"this peer is in run {state.run_id!r}"
+            log.warning("%s refused GetState from %s: %s", self.node.peer_id, peer, why)
+            await context.abort(grpc.StatusCode.NOT_FOUND if state is None else grpc.StatusCode.FAILED_PRECONDITION,
+                                why)
+            return
+        blob = state.blob
+        fault = self.fault_hook(FaultSite(self.node.peer_id, state.round, "state", peer)) if self.fault_hook else None
+        if fault is not None:
+            blob = corrupt(blob) if fault.action == "corrupt" else truncate(blob) if fault.action == "truncate" else blob
+        header = pb.StateHeader(run_id=state.run_id, round=state.round, config_json=state.config_json,
+                                total_bytes=len(state.blob), sha256=state.sha256)
+        step, view = self.node.cfg.chunk_bytes, memoryview(blob)
+        yield pb.StateChunk(header=header, data=bytes(view[:step]))
+        for start in range(step, len(blob), step):
+            yield pb.StateChunk(data=bytes(view[start:start + step]))
+        self.node.counters.add_sent(peer, len(blob))
+        log.info("%s served round-%d state (%d B) to %s", self.node.peer_id, state.round, len(blob), peer)
+
+
+def serve_state(node: RpcNode, source: StateSource, *, fault_hook: FaultHook | None = None) -> None:
+    """Register the StateTransfer service backed by `source` on `node` (before `node.start()`)."""
+    servicer = _Servicer(node, source, fault_hook)
+    node.add_service(lambda server: pb_grpc.add_StateTransferServicer_to_server(servicer, server))
+
+
+class StateClient:
+    """Downloads a peer's state blob (run on the node's loop); checks sizes, not content."""
+
+    def __init__(self, node: RpcNode) -> None:
+        self.node = node
+
+    async def get_state(self, endpoint: str, *, run_id: str, max_bytes: int, deadline: float) -> StateBlob:
+        stub = pb_grpc.StateTransferStub(self.node.channel(endpoint))
+
+        async def once() -> StateBlob:
+            header: pb.StateHeader | None = None
+            buf, received = bytearray(), 0
+            try:
+                call = stub.GetState(pb.StateRequest(run_id=run_id), timeout=remaining_s(deadline),
+                                     metadata=self.node.metadata())
+                async for chunk in call:
+                    if header is None:
+                        header = chunk.header
+                        if not 0 <= header.total_bytes <= max_bytes:
+                            call.cancel()
+                            raise RpcRejected("INVALID_REPLY", f"state of {header.total_bytes} bytes exceeds the "
+                                                               f"{max_bytes}-byte limit")
+                        buf = bytearray(header.total_bytes)
+                    if received + len(chunk.data) > header.total_bytes:
+                        call.cancel()
+                        raise RpcRejected("INVALID_REPLY", f"state exceeds its declared {header.total_bytes} bytes")
+                    buf[received:received + len(chunk.data)] = chunk.data
+                    received += len(chunk.data)
+            except aio.AioRpcError as e:
+                raise translate(e) from None
+            if header is None or received != header.total_bytes:
+                raise RpcRejected("INVALID_REPLY", f"truncated state: {received} of "
+                                                   f"{header.total_bytes if header else '?'} bytes")
+            self.node.counters.add_received(endpoint, received)
+            return StateBlob(header.run_id, header.round, header.config_json, bytes(buf), bytes(header.sha256))
+
+        return await self.node.retrying(once, deadline=deadline, what=f"state from {endpoint}")

@@ -1,0 +1,142 @@
+"""State transfer: serve the newest committed (round, θ_global, outer momentum, run config); download,
+verify (sha256, names, shapes, finite) and hand it to a joining or lagging peer."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from swarmtrain.config import ConfigError, RunConfig, from_dict, to_dict
+from swarmtrain.rpc.faults import FaultHook
+from swarmtrain.rpc.node import RpcError, RpcNode
+from swarmtrain.rpc.state_wire import StateBlob, StateClient, serve_state
+
+__all__ = ["StateServer", "StateSnapshot", "StateTransferError", "fetch_state"]
+
+log = logging.getLogger(__name__)
+
+_PARAMS, _MOMENTUM = "params/", "momentum/"
+
+
+class StateTransferError(ValueError):
+    """A downloaded state is unusable (checksum, names, shapes, non-finite values, config); or no peer gave one."""
+
+
+@dataclass(frozen=True)
+class StateSnapshot:
+    """A peer's committed state after `round` committed rounds. `momentum` may be empty (no step yet)."""
+
+    round: int
+    params: Mapping[str, torch.Tensor]
+    momentum: Mapping[str, torch.Tensor]
+    config: RunConfig
+
+
+def encode_snapshot(snapshot: StateSnapshot) -> StateBlob:
+    """Serialize (safetensors) and checksum a snapshot; the blob is a copy, so later updates never leak in."""
+    tensors = {_PARAMS + k: v.detach().cpu().contiguous() for k, v in snapshot.params.items()}
+    tensors.update({_MOMENTUM + k: v.detach().cpu().contiguous() for k, v in snapshot.momentum.items()})
+    blob = st_save(tensors)
+    return StateBlob(snapshot.config.train.run_id, snapshot.round, json.dumps(to_dict(snapshot.config)), blob,
+                     hashlib.sha256(blob).digest())
+
+
+def decode_snapshot(state: StateBlob, *, expected_shapes: Mapping[str, Sequence[int]] | None = None) -> StateSnapshot:
+    """Verify and load a downloaded blob; StateTransferError names what is wrong."""
+    if hashlib.sha256(state.blob).digest() != state.sha256:
+        raise StateTransferError(f"round-{state.round} state: sha256 mismatch (corrupted in transit)")
+    try:
+        tensors = st_load(state.blob)
+    except (SafetensorError, ValueError) as e:
+        raise StateTransferError(f"round-{state.round} state: not a safetensors blob ({e})") from None
+    params = {k[len(_PARAMS):]: v for k, v in tensors.items() if k.startswith(_PARAMS)}
+    momentum = {k[len(_MOMENTUM):]: v for k, v in tensors.items() if k.startswith(_MOMENTUM)}
+    if len(params) + len(momentum) != len(tensors):
+        raise StateTransferError(f"round-{state.round} state: unexpected tensor names "
+                                 f"{sorted(k for k in tensors if not k.startswith((_PARAMS, _MOMENTUM)))}")
+    _check_tensors(params, momentum, expected_shapes)
+    try:
+        config = from_dict(json.loads(state.config_json))
+    except (ConfigError, json.JSONDecodeError) as e:
+        raise StateTransferError(f"round-{state.round} state: bad run config ({e})") from None
+    if state.round < 0:
+        raise StateTransferError(f"state round {state.round} is negative")
+    return StateSnapshot(state.round, params, momentum, config)
+
+
+def _check_tensors(params: Mapping[str, torch.Tensor], momentum: Mapping[str, torch.Tensor],
+                   expected: Mapping[str, Sequence[int]] | None) -> None:
+    if expected is not None:
+        if set(params) != set(expected):
+            missing, extra = sorted(set(expected) - set(params)), sorted(set(params) - set(expected))
+            raise StateTransferError(f"state parameters differ from the model: missing {missing}, unexpected {extra}")
+        for name, t in params.items():
+            if tuple(t.shape) != tuple(expected[name]):
+                raise StateTransferError(f"parameter {name}: shape {tuple(t.shape)}, the model has "
+                                         f"{tuple(expected[name])}")
+    for name, t in momentum.items():
+        if name not in params or t.shape != params[name].shape:
+            raise StateTransferError(f"momentum {name} has no parameter of the same shape")
+    for kind, group in (("parameter", params), ("momentum", momentum)):
+        for name, t in group.items():
+            if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()):
+                raise StateTransferError(f"{kind} {name} holds NaN or Inf")
+
+
+class StateServer:
+    """Serves the newest published snapshot. Construct before `node.start()`; `publish` after every commit."""
+
+    def __init__(self, node: RpcNode, *, fault_hook: FaultHook | None = None) -> None:
+        self._lock = threading.Lock()
+        self._current: StateBlob | None = None
+        serve_state(node, self, fault_hook=fault_hook)
+
+    def publish(self, snapshot: StateSnapshot) -> None:
+        """Serialize now (the caller may mutate its tensors afterwards) and swap in atomically."""
+        state = encode_snapshot(snapshot)
+        with self._lock:
+            if self._current is not None and state.round < self._current.round:
+                raise ValueError(f"publish: round {state.round} is older than the served {self._current.round}")
+            self._current = state
+
+    def current(self) -> StateBlob | None:
+        with self._lock:
+            return self._current
+
+
+def fetch_state(node: RpcNode, endpoints: Sequence[str], *, run_id: str, min_round: int = 0,
+                expected_shapes: Mapping[str, Sequence[int]] | None = None, max_bytes: int = 1 << 34,
+                timeout_s: float = 120.0) -> StateSnapshot:
+    """Download and verify the state from the first of `endpoints` (newest first, say) that serves a
+    valid one at round >= `min_round`; StateTransferError when none does within `timeout_s`."""
+    client = StateClient(node)
+    deadline = time.monotonic() + timeout_s
+    errors: list[str] = []
+    for endpoint in endpoints:
+        if time.monotonic() >= deadline:
+            errors.append(f"{endpoint}: no time left")
+            continue
+        try:
+            state = node.run(client.get_state(endpoint, run_id=run_id, max_bytes=max_bytes, deadline=deadline),
+                             timeout_s=max(deadline - time.monotonic(), 0.0) + 5.0)
+            snapshot = decode_snapshot(state, expected_shapes=expected_shapes)
+        except (RpcError, StateTransferError, TimeoutError) as e:
+            log.warning("state transfer from %s failed: %s", endpoint, e)
+            errors.append(f"{endpoint}: {e}")
+            continue
+        if snapshot.round < min_round:
+            errors.append(f"{endpoint}: at round {snapshot.round} < {min_round}")
+            continue
+        log.info("downloaded round-%d state (%d B) from %s", snapshot.round, len(state.blob), endpoint)
+        return snapshot
+    raise StateTransferError(f"no peer served a valid state: {'; '.join(errors) or 'no endpoints given'}")

@@ -1,0 +1,94 @@
+"""State transfer between loopback peers: exact download, checksum/shape/NaN/run-key rejections, fallback."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from swarmtrain.config import RpcConfig, RunConfig
+from swarmtrain.rpc.node import RpcNode
+from swarmtrain.sync.transfer import StateServer, StateSnapshot, StateTransferError, fetch_state
+from swarmtrain.testing import FaultPlan
+
+pytestmark = pytest.mark.integration
+
+RPC = RpcConfig(run_key="k", chunk_bytes=1024, max_message_bytes=1 << 20, retries=1, backoff_s=0.01)
+CONFIG = RunConfig().replace(train={"run_id": "sync-run"}, diloco={"inner_steps": 7})
+
+
+def _snapshot(round_index: int, *, nan: bool = False) -> StateSnapshot:
+    g = torch.Generator().manual_seed(round_index)
+    params = {"w": torch.randn(64, 33, generator=g), "b": torch.randn(33, generator=g)}
+    if nan:
+        params["b"][3] = float("nan")
+    return StateSnapshot(round_index, params, {"w": torch.randn(64, 33, generator=g)}, CONFIG)
+
+
+@pytest.fixture
+def peers(no_thread_leak: None):
+    plan = FaultPlan()
+    donor = RpcNode(RPC, peer_id="donor")
+    server = StateServer(donor, fault_hook=plan)
+    spare = RpcNode(RPC, peer_id="spare")
+    spare_server = StateServer(spare)
+    joiner = RpcNode(RPC, peer_id="joiner", serve=False)
+    for n in (donor, spare, joiner):
+        n.start()
+    yield donor, server, spare, spare_server, joiner, plan
+    for n in (donor, spare, joiner):
+        n.close()
+
+
+def test_a_joiner_downloads_the_exact_newest_state(peers) -> None:
+    donor, server, _, _, joiner, _ = peers
+    server.publish(_snapshot(2))
+    sent = _snapshot(3)
+    server.publish(sent)
+    sent.params["w"].add_(1.0)  # mutating after publish must not change what is served
+    got = fetch_state(joiner, [donor.endpoint], run_id="sync-run", expected_shapes={"w": (64, 33), "b": (33,)},
+                      timeout_s=10)
+    assert got.round == 3 and got.config == CONFIG
+    ref = _snapshot(3)
+    assert all(torch.equal(got.params[k], ref.params[k]) for k in ref.params)
+    assert torch.equal(got.momentum["w"], ref.momentum["w"])
+    assert joiner.counters.totals()[1] > 64 * 33 * 4 * 2  # streamed in many 1 KiB chunks
+
+
+def test_a_corrupted_download_is_rejected_and_the_next_peer_is_tried(peers, caplog) -> None:
+    donor, server, spare, spare_server, joiner, plan = peers
+    plan.add(peer="donor", round=4, call="state", action="corrupt")
+    server.publish(_snapshot(4))
+    spare_server.publish(_snapshot(4))
+    caplog.set_level(logging.WARNING)
+    got = fetch_state(joiner, [donor.endpoint, spare.endpoint], run_id="sync-run", timeout_s=10)
+    assert got.round == 4 and torch.equal(got.params["b"], _snapshot(4).params["b"])
+    assert any("sha256 mismatch" in r.message for r in caplog.records)
+
+
+@pytest.mark.parametrize("case", ["shape", "nan", "run_id", "none_yet", "stale"])
+def test_unusable_states_are_refused(peers, case: str) -> None:
+    donor, server, _, _, joiner, _ = peers
+    if case != "none_yet":
+        server.publish(_snapshot(5, nan=case == "nan"))
+    kwargs = {"expected_shapes": {"w": (64, 32), "b": (33,)}} if case == "shape" else {}
+    run_id = "other-run" if case == "run_id" else "sync-run"
+    min_round = 6 if case == "stale" else 0
+    with pytest.raises(StateTransferError):
+        fetch_state(joiner, [donor.endpoint], run_id=run_id, min_round=min_round, timeout_s=5, **kwargs)
+
+
+def test_a_wrong_run_key_gets_nothing(peers, caplog, monkeypatch) -> None:
+    donor, server, _, _, _, _ = peers
+    server.publish(_snapshot(1))
+    monkeypatch.setenv("SWARMTRAIN_RUN_KEY", "not-the-key")
+    intruder = RpcNode(RPC, peer_id="intruder", serve=False)
+    intruder.start()
+    try:
+        caplog.set_level(logging.WARNING)
+        with pytest.raises(StateTransferError, match="UNAUTHENTICATED"):
+            fetch_state(intruder, [donor.endpoint], run_id="sync-run", timeout_s=5)
+        assert any("wrong or missing run key" in r.message for r in caplog.records)
+    finally:
+        intruder.close()
