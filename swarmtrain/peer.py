@@ -1,0 +1,385 @@
+"""The peer daemon's composition root: discovery -> rpc -> averaging -> diloco, start/stop order, signals.
+
+Start: DHT node -> the run config from the coordinator's record -> worker (model, data, resume
+from checkpoint) -> gRPC server (all-reduce shards, state transfer) -> heartbeat -> READY.
+Each round: heal if the swarm is ahead, H inner steps (off the event loop), average Δ, apply,
+print one round line, checkpoint, refresh the peer record. Stop (SIGTERM/SIGINT, rounds done or
+an error): withdraw the peer record (departure), checkpoint, close the data plane, stop the DHT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hashlib
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from swarmtrain.averaging.protocol import AverageResult
+from swarmtrain.compress import Codec, codec_from_config
+from swarmtrain.config import ConfigError, DiscoveryConfig, RunConfig, to_dict
+from swarmtrain.data import ShardedBatches, eval_batches, load_corpus
+from swarmtrain.diloco import DilocoWorker, resolve_device
+from swarmtrain.discovery import Discovery, Heartbeat, PeerRecord
+from swarmtrain.models import build_model
+from swarmtrain.sync.checkpoint import load_latest_checkpoint, save_checkpoint
+from swarmtrain.telemetry import EventWriter, HealEvent, LeaveEvent, RoundEvent, StatusSnapshot
+
+__all__ = ["DataPlane", "Peer", "PeerError", "PeerServices", "PeerState", "merge_run_config"]
+
+log = logging.getLogger(__name__)
+
+# Sections a peer owns itself; every other section is the run's and comes from the coordinator.
+LOCAL_SECTIONS = ("discovery", "rpc", "checkpoint")
+LOCAL_TRAIN_KEYS = ("device", "threads")
+RUN_FETCH_TIMEOUT_S = 60.0
+_MODEL_INIT_LOCK = threading.Lock()
+
+
+class PeerError(RuntimeError):
+    """The peer cannot run: no run record found, a state it cannot use, a donor that never answered."""
+
+
+@dataclass(frozen=True)
+class PeerState:
+    """What a joiner downloads from a live peer: the round it is at, θ_global and the outer momentum."""
+
+    round: int
+    theta_global: torch.Tensor  # (numel,) fp32
+    outer_momentum: torch.Tensor | None  # (numel,) fp32; None when outer.momentum is 0
+
+
+class DataPlane(Protocol):
+    """This peer's gRPC side: its endpoint, the round all-reduce, serving and fetching state."""
+
+    @property
+    def endpoint(self) -> str: ...
+
+    async def average(self, round_index: int, delta: torch.Tensor) -> AverageResult: ...
+
+    async def fetch_state(self, endpoint: str) -> PeerState: ...
+
+    async def aclose(self) -> None: ...
+
+
+class PeerServices(Protocol):
+    """How a Peer opens its control and data planes (the network by default, in-memory twins in tests)."""
+
+    async def open_discovery(self, cfg: DiscoveryConfig, *, run_id: str) -> Discovery: ...
+
+    async def open_data_plane(self, cfg: RunConfig, *, discovery: Discovery, codec: Codec,
+                              state: Callable[[], PeerState]) -> DataPlane: ...
+
+    async def visible_maddrs(self, discovery: Discovery) -> list[str]:
+        """The control-plane addresses others can join through (for the READY line)."""
+        ...
+
+
+def merge_run_config(swarm: RunConfig, local: RunConfig, *, local_overrides: Sequence[str] = ()) -> RunConfig:
+    """The swarm's run config with this peer's local sections (discovery, rpc, checkpoint, device, threads).
+
+    A `--set` of a run-wide field (model, data, optimizers, ...) is an error: it would make this peer
+    train a different model than the swarm, so it must be set on the coordinator instead.
+    """
+    for text in local_overrides:
+        section, _, rest = text.partition(".")
+        key = rest.partition("=")[0].strip()
+        if section not in LOCAL_SECTIONS and not (section == "train" and key in LOCAL_TRAIN_KEYS):
+            raise ConfigError(f"{section}.{key}: comes from the swarm's run config; set it on the coordinator "
+                              f"(a peer may set {', '.join(LOCAL_SECTIONS)} and train.device/threads)")
+    local_dict = to_dict(local)
+    merged: dict[str, Any] = {s: local_dict[s] for s in LOCAL_SECTIONS}
+    merged["train"] = {k: local_dict["train"][k] for k in LOCAL_TRAIN_KEYS}
+    return swarm.replace(**merged)
+
+
+def _data_seed(run_seed: int, peer_id: str) -> int:
+    # Peers of an open swarm have no fixed index: each reads its own seeded permutation of the corpus.
+    digest = hashlib.sha256(f"{run_seed}|{peer_id}".encode()).digest()
+    return int.from_bytes(digest[:4], "big")  # ShardedBatches multiplies it by ~1e6 into an int64
+
+
+class Peer:
+    """One DiLoCo peer of a swarm. `await start()`, `await run(stop)`, `await aclose(reason)`."""
+
+    def __init__(self, local: RunConfig, *, writer: EventWriter, services: PeerServices,
+                 local_overrides: Sequence[str] = (), coordinator_id: str | None = None) -> None:
+        self.local = local
+        self.services = services
+        self.writer = writer
+        self.local_overrides = tuple(local_overrides)
+        self.coordinator_id = coordinator_id
+        self.cfg: RunConfig = local
+        self.discovery: Discovery | None = None
+        self.worker: DilocoWorker | None = None
+        self.heartbeat: Heartbeat | None = None
+        self.plane: DataPlane | None = None
+        self.val_batches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.endpoint = ""
+        self.phase = "starting"
+        self.last_loss: float | None = None
+        self.last_val_loss: float | None = None
+        self.rounds_committed = 0
+        self.rounds_aborted = 0
+
+    # ------------------------------------------------------------------ start
+
+    async def start(self) -> dict[str, Any]:
+        """Bring every service up in order; returns the READY payload (also printed)."""
+        dcfg = self.local.discovery
+        if not dcfg.identity_path and self.local.checkpoint.dir:
+            # A restarted peer keeps its peer id, so the swarm sees one peer come back, not a new one.
+            Path(self.local.checkpoint.dir).mkdir(parents=True, exist_ok=True)
+            dcfg = dataclasses.replace(dcfg, identity_path=str(Path(self.local.checkpoint.dir) / "identity.key"))
+        discovery = await self.services.open_discovery(dcfg, run_id=self.local.train.run_id)
+        self.discovery = discovery
+        self.cfg = merge_run_config(await self._fetch_run(), self.local, local_overrides=self.local_overrides)
+        if self.cfg.train.threads:
+            torch.set_num_threads(self.cfg.train.threads)
+        codec = codec_from_config(self.cfg.compress, seed=_data_seed(self.cfg.train.seed + 2, discovery.peer_id))
+        self.worker = await asyncio.to_thread(self._build_worker, discovery.peer_id, codec)
+        self._resume()
+        self.plane = await self.services.open_data_plane(self.cfg, discovery=discovery, codec=codec,
+                                                         state=self.current_state)
+        self.endpoint = self.plane.endpoint
+        self.heartbeat = Heartbeat(discovery, current=self._record, heartbeat_s=self.cfg.discovery.heartbeat_s,
+                                   now=discovery.now, timeout_s=self.cfg.rpc.call_timeout_s)
+        await self.heartbeat.start()
+        info = {"peer_id": discovery.peer_id, "endpoint": self.endpoint, "run_id": self.cfg.train.run_id,
+                "maddrs": await self.services.visible_maddrs(discovery), "round": self.worker.round,
+                "hash": self.worker.global_hash(), "num_params": self.worker.numel}
+        self.writer.ready(info)
+        self.phase = "training"
+        return info
+
+    async def _fetch_run(self) -> RunConfig:
+        assert self.discovery is not None
+        deadline = time.monotonic() + RUN_FETCH_TIMEOUT_S
+        while True:
+            record = await self.discovery.fetch_run(coordinator_id=self.coordinator_id,
+                                                    timeout_s=self.local.rpc.call_timeout_s)
+            if record is not None:
+                log.info("run %s from coordinator %s at round %d", record.run_id, record.coordinator_id, record.round)
+                return record.run_config()
+            if time.monotonic() > deadline:
+                raise PeerError(f"no run record for run {self.local.train.run_id!r} found in the swarm within "
+                                f"{RUN_FETCH_TIMEOUT_S:.0f}s (is --join a live coordinator, is train.run_id right?)")
+            await asyncio.sleep(0.5)
+
+    def _build_worker(self, peer_id: str, codec: Codec) -> DilocoWorker:
+        cfg = self.cfg
+        corpus = load_corpus(cfg.data)
+        batches = ShardedBatches(corpus.train, worker_index=0, num_workers=1, batch_size=cfg.data.batch_size,
+                                 seq_len=cfg.data.seq_len, seed=_data_seed(cfg.train.seed, peer_id))
+        self.val_batches = eval_batches(corpus.val, batch_size=cfg.data.batch_size, seq_len=cfg.data.seq_len,
+                                        num_batches=cfg.diloco.eval_batches)
+        with _MODEL_INIT_LOCK:  # seeded init forks torch's global RNG: peers sharing a process must take turns
+            model = build_model(cfg.model, seed=cfg.train.seed)  # every peer starts from the same θ
+        return DilocoWorker(cfg, model=model, batches=batches, device=resolve_device(cfg.train.device),
+                            codec=codec, rng_seed=_data_seed(cfg.train.seed + 1, peer_id))
+
+    def _resume(self) -> None:
+        assert self.worker is not None
+        if not self.cfg.checkpoint.dir:
+            return
+        loaded = load_latest_checkpoint(self.cfg.checkpoint.dir)
+        if loaded is None:
+            return
+        if loaded.meta.get("run_id") != self.cfg.train.run_id:
+            raise PeerError(f"{loaded.path}: checkpoint is of run {loaded.meta.get('run_id')!r}, "
+                            f"not {self.cfg.train.run_id!r}; use another --checkpoint-dir")
+        try:
+            self.worker.load_state_dict(loaded.tensors, loaded.meta["worker"])
+        except (KeyError, ValueError) as e:
+            raise PeerError(f"{loaded.path}: checkpoint does not fit this run's model: {e}") from e
+        log.info("resumed from %s at round %d", loaded.path, self.worker.round)
+
+    def current_state(self) -> PeerState:
+        """A consistent copy of the state joiners download (call on the event loop: `apply` runs there)."""
+        assert self.worker is not None
+        momentum = self.worker.outer.state_tensors().get("momentum")
+        return PeerState(round=self.worker.round, theta_global=self.worker.theta_global.detach().cpu().clone(),
+                         outer_momentum=None if momentum is None else momentum.detach().cpu().clone())
+
+    def _record(self) -> PeerRecord:
+        assert self.discovery is not None and self.worker is not None
+        return PeerRecord(run_id=self.cfg.train.run_id, peer_id=self.discovery.peer_id,
+                          endpoint="" if self.cfg.discovery.client_mode else self.endpoint, role="worker",
+                          client_mode=self.cfg.discovery.client_mode, round=self.worker.round,
+                          state_hash=self.worker.global_hash())
+
+    # ------------------------------------------------------------------ rounds
+
+    async def run(self, stop: asyncio.Event) -> str:
+        """Train until `diloco.rounds` rounds are committed or `stop` is set; returns why it ended."""
+        assert self.worker is not None and self.plane is not None
+        worker = self.worker
+        while worker.round < self.cfg.diloco.rounds:
+            if stop.is_set():
+                return "signal"
+            await self._heal_if_behind()
+            if worker.round >= self.cfg.diloco.rounds:
+                break
+            stats = await _interruptible(asyncio.to_thread(worker.train_inner), stop)
+            if stats is None:
+                return "signal"
+            attempted = worker.round
+            self.phase = "averaging"
+            start = time.perf_counter()
+            result = await self.plane.average(attempted, worker.delta())
+            comm_s = time.perf_counter() - start
+            worker.apply(result)  # on the loop thread: state transfers never see a half-applied step
+            self.phase = "training"
+            val_loss = await asyncio.to_thread(worker.evaluate, self.val_batches) if result.committed else None
+            self._after_round(attempted, result.committed, stats.loss, val_loss)
+            self.writer.emit(RoundEvent(
+                round=attempted, committed=result.committed, members=result.members, loss=stats.loss,
+                val_loss=val_loss, hash=worker.global_hash(), bytes_sent=result.bytes_sent,
+                bytes_received=result.bytes_received, compute_s=round(stats.compute_s, 4), comm_s=round(comm_s, 4),
+                peer=self._peer_id, reason=result.reason))
+            if result.committed and worker.round % self.cfg.checkpoint.every_rounds == 0:
+                await self._checkpoint()
+            await self._beat()
+            if not result.committed:
+                await self._await_swarm_past(attempted, stop)
+        return "done"
+
+    async def _await_swarm_past(self, round_index: int, stop: asyncio.Event) -> None:
+        """After an aborted round, give the others a window to commit it (we were late or cut off).
+
+        If they do, the next heal check adopts their state instead of training a round that can no
+        longer be joined; if nobody moves (the whole group aborted), every peer retries the round.
+        """
+        assert self.discovery is not None
+        deadline = time.monotonic() + 2 * self.cfg.averaging.matchmaking_timeout_s
+        while time.monotonic() < deadline and not stop.is_set():
+            try:
+                peers = await self.discovery.live_peers(timeout_s=self.cfg.rpc.call_timeout_s)
+            except Exception as e:
+                log.warning("could not list live peers (%s)", e)
+                return
+            if any(p.round > round_index for p in peers if p.peer_id != self._peer_id):
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=self.cfg.discovery.heartbeat_s / 2)
+
+    def _after_round(self, attempted: int, committed: bool, loss: float, val_loss: float | None) -> None:
+        self.last_loss = loss if math.isfinite(loss) else None
+        if committed:
+            self.rounds_committed += 1
+            self.last_val_loss = val_loss
+        else:
+            self.rounds_aborted += 1
+            log.info("round %d aborted on %s", attempted, self._peer_id)
+
+    async def _beat(self) -> None:
+        # Publish the new round now, not at the next tick: laggards and joiners look for it.
+        assert self.heartbeat is not None
+        try:
+            await self.heartbeat.beat()
+        except Exception as e:  # the periodic beat retries; a failed early beat only delays visibility
+            log.warning("peer record refresh failed: %s", e)
+
+    async def _heal_if_behind(self) -> None:
+        """If live peers are at a newer round, download their state and join at the next boundary."""
+        assert self.discovery is not None and self.worker is not None and self.plane is not None
+        try:
+            peers = await self.discovery.live_peers(timeout_s=self.cfg.rpc.call_timeout_s)
+        except Exception as e:  # a slow control plane must not stop training; the next round looks again
+            log.warning("could not list live peers (%s); not healing this round", e)
+            return
+        ahead = [p for p in peers if p.peer_id != self._peer_id and p.role == "worker"
+                 and p.round > self.worker.round and p.endpoint]
+        if not ahead:
+            return
+        newest = max(p.round for p in ahead)
+        donors = sorted((p for p in ahead if p.round == newest), key=lambda p: hashlib.sha256(
+            f"{self._peer_id}|{p.peer_id}".encode()).digest())  # spread joiners over donors
+        self.phase = "healing"
+        from_round = self.worker.round
+        for donor in donors:
+            start = time.perf_counter()
+            try:
+                state = await self.plane.fetch_state(donor.endpoint)
+            except Exception as e:
+                log.warning("state download from %s (%s) failed: %s", donor.peer_id, donor.endpoint, e)
+                continue
+            if state.round <= self.worker.round:
+                continue
+            self.worker.adopt_global(round_index=state.round, theta_global=state.theta_global,
+                                     outer_momentum=state.outer_momentum)
+            self.writer.emit(HealEvent(from_round=from_round, to_round=state.round, source=donor.peer_id,
+                                       hash=self.worker.global_hash(), peer=self._peer_id,
+                                       transfer_s=round(time.perf_counter() - start, 4)))
+            self.phase = "training"
+            await self._checkpoint()
+            await self._beat()
+            return
+        self.phase = "training"
+        log.warning("behind the swarm (round %d < %d) but no donor delivered its state", self.worker.round, newest)
+
+    # ------------------------------------------------------------------ stop
+
+    async def _checkpoint(self) -> Path | None:
+        if not self.cfg.checkpoint.dir or self.worker is None:
+            return None
+        tensors, meta = self.worker.state_dict()
+        full_meta = {"run_id": self.cfg.train.run_id, "peer_id": self._peer_id, "worker": meta,
+                     "hash": self.worker.global_hash(), "saved_unix_s": time.time()}
+        return await asyncio.to_thread(save_checkpoint, self.cfg.checkpoint.dir, tensors=tensors, meta=full_meta,
+                                       keep=self.cfg.checkpoint.keep)
+
+    async def aclose(self, reason: str) -> None:
+        """Leave: withdraw the peer record (departure), checkpoint, then stop rpc and the DHT."""
+        self.phase = "leaving"
+        path: Path | None = None
+        if self.heartbeat is not None:
+            await self.heartbeat.aclose(withdraw=True)
+        if self.worker is not None:
+            try:
+                path = await self._checkpoint()
+            except Exception as e:
+                log.error("checkpoint on leave failed: %s", e)
+        if self.plane is not None:
+            await self.plane.aclose()
+        if self.worker is not None:
+            self.writer.emit(LeaveEvent(round=self.worker.round, reason=reason, hash=self.worker.global_hash(),
+                                        peer=self._peer_id, checkpoint=str(path or "")))
+        if self.discovery is not None:
+            await self.discovery.aclose()
+        self.phase = "stopped"
+
+    # ------------------------------------------------------------------ status
+
+    @property
+    def _peer_id(self) -> str:
+        return self.discovery.peer_id if self.discovery is not None else ""
+
+    def snapshot(self) -> StatusSnapshot:
+        w = self.worker
+        return StatusSnapshot(
+            peer_id=self._peer_id, run_id=self.cfg.train.run_id, phase=self.phase, round=w.round if w else 0,
+            state_hash=w.global_hash() if w else "", loss=self.last_loss, val_loss=self.last_val_loss,
+            rounds_committed=self.rounds_committed, rounds_aborted=self.rounds_aborted)
+
+
+async def _interruptible(aw: Any, stop: asyncio.Event) -> Any:
+    """Await `aw` unless `stop` is set first (then wait for `aw` to finish and return None)."""
+    task = asyncio.ensure_future(aw)
+    stopper = asyncio.ensure_future(stop.wait())
+    done, _ = await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    stopper.cancel()
+    if task in done:
+        return task.result()
+    with contextlib.suppress(Exception):
+        await task  # a thread cannot be cancelled: let the inner steps finish before leaving
+    return None

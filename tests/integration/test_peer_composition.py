@@ -1,0 +1,224 @@
+"""The Peer composition root over in-memory twins: rounds agree, a late joiner heals, stop checkpoints, restart resumes.
+
+Discovery is the in-memory twin; the data plane is a small windowed all-reduce double defined
+here (round r's group = the peers that arrive within a window of the first). Everything runs on
+one event loop in this process, no sockets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+from swarmtrain.averaging.protocol import AverageResult
+from swarmtrain.compress import Codec
+from swarmtrain.config import ConfigError, DiscoveryConfig, RunConfig, load_config, to_dict
+from swarmtrain.discovery import Discovery, InMemoryDiscovery, InMemoryRegistry, RunRecord
+from swarmtrain.peer import Peer, PeerState, merge_run_config
+from swarmtrain.telemetry import EventWriter, HealEvent, LeaveEvent, ReadyLine, RoundEvent, parse_line
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+RUN = [
+    "model.preset=tiny", "data.max_corpus_bytes=300000", "data.seq_len=32", "data.batch_size=4",
+    "inner.warmup_steps=1", "diloco.inner_steps=3", "diloco.eval_batches=1", "averaging.min_peers=2",
+    "averaging.matchmaking_timeout_s=0.3", "discovery.heartbeat_s=0.2", "discovery.record_ttl_s=2.0",
+    "rpc.call_timeout_s=1.0",
+]
+
+
+@dataclass
+class _Round:
+    deltas: dict[str, torch.Tensor] = field(default_factory=dict)
+    closed: bool = False
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    result: AverageResult | None = None
+
+
+class WindowedAllReduce:
+    """Test double of the network all-reduce with the same commit rule: >= min_peers arrived in the window."""
+
+    def __init__(self, *, window_s: float, min_peers: int) -> None:
+        self.window_s = window_s
+        self.min_peers = min_peers
+        self.rounds: dict[int, _Round] = {}
+
+    async def average(self, peer_id: str, round_index: int, delta: torch.Tensor) -> AverageResult:
+        rd = self.rounds.setdefault(round_index, _Round())
+        if rd.closed:
+            return AverageResult(round=round_index, committed=False, mean=None, reason="late")
+        if not rd.deltas:
+            asyncio.get_running_loop().call_later(self.window_s, self._close, round_index, rd)
+        rd.deltas[peer_id] = delta.clone()
+        await rd.done.wait()
+        assert rd.result is not None
+        return rd.result
+
+    def _close(self, round_index: int, rd: _Round) -> None:
+        rd.closed = True
+        members = tuple(sorted(rd.deltas))
+        if len(members) >= self.min_peers:
+            mean = torch.zeros_like(rd.deltas[members[0]])
+            for m in members:
+                mean += rd.deltas[m]
+            rd.result = AverageResult(round=round_index, committed=True, mean=mean / len(members), members=members,
+                                      bytes_sent=mean.numel() * 4, bytes_received=mean.numel() * 4)
+        else:
+            rd.result = AverageResult(round=round_index, committed=False, mean=None, members=members,
+                                      reason=f"too few peers: {len(members)}")
+            del self.rounds[round_index]  # the round is retried
+        rd.done.set()
+
+
+class FakePlane:
+    def __init__(self, services: InMemoryServices, peer_id: str, state: Callable[[], PeerState]) -> None:
+        self.services = services
+        self.peer_id = peer_id
+        self.endpoint = f"127.0.0.1:{20000 + len(services.states)}"
+        services.states[self.endpoint] = state
+
+    async def average(self, round_index: int, delta: torch.Tensor) -> AverageResult:
+        return await self.services.allreduce.average(self.peer_id, round_index, delta)
+
+    async def fetch_state(self, endpoint: str) -> PeerState:
+        return self.services.states[endpoint]()
+
+    async def aclose(self) -> None:
+        self.services.states.pop(self.endpoint, None)
+
+
+class InMemoryServices:
+    def __init__(self, registry: InMemoryRegistry, *, window_s: float) -> None:
+        self.registry = registry
+        self.allreduce = WindowedAllReduce(window_s=window_s, min_peers=2)
+        self.states: dict[str, Callable[[], PeerState]] = {}
+        self.ids: dict[str, str] = {}  # identity path -> peer id, so a restarted peer keeps its id
+
+    async def open_discovery(self, cfg: DiscoveryConfig, *, run_id: str) -> Discovery:
+        peer_id = self.ids.setdefault(cfg.identity_path, self.registry.new_peer_id()) if cfg.identity_path else None
+        return InMemoryDiscovery(self.registry, run_id=run_id, record_ttl_s=cfg.record_ttl_s, peer_id=peer_id)
+
+    async def open_data_plane(self, cfg: RunConfig, *, discovery: Discovery, codec: Codec,
+                              state: Callable[[], PeerState]) -> FakePlane:
+        return FakePlane(self, discovery.peer_id, state)
+
+    async def visible_maddrs(self, discovery: Discovery) -> list[str]:
+        return [f"/memory/{discovery.peer_id}"]
+
+
+async def _publish_run(registry: InMemoryRegistry, cfg: RunConfig) -> None:
+    d = InMemoryDiscovery(registry, run_id=cfg.train.run_id, record_ttl_s=60.0, peer_id="coordinator")
+    await d.publish_run(RunRecord(run_id=cfg.train.run_id, coordinator_id="coordinator", config=to_dict(cfg),
+                                  updated_at=registry.clock()), timeout_s=1.0)
+
+
+class Out(io.StringIO):
+    def events(self) -> list[object]:
+        return [parse_line(x) for x in self.getvalue().splitlines()]
+
+    def rounds(self) -> list[RoundEvent]:
+        return [e for e in self.events() if isinstance(e, RoundEvent)]
+
+
+async def _until(pred: Callable[[], object], *, timeout_s: float, what: str,
+                 tasks: list[asyncio.Task[str]]) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not pred():
+        for t in tasks:
+            if t.done():
+                t.result()  # a peer that failed fails the test now, with its exception
+        if asyncio.get_running_loop().time() > deadline:
+            raise TimeoutError(f"{what} not reached within {timeout_s}s")
+        await asyncio.sleep(0.02)
+
+
+async def _run_peer(peer: Peer, stop: asyncio.Event) -> str:
+    reason = "error"
+    try:
+        await peer.start()
+        reason = await peer.run(stop)
+    finally:
+        await peer.aclose(reason)
+    return reason
+
+
+def _local(tmp: Path | None) -> RunConfig:
+    return load_config(overrides=[f"checkpoint.dir={str(tmp)!r}"] if tmp else [])
+
+
+def test_peers_agree_and_a_late_joiner_heals_to_the_swarm(tmp_path: Path) -> None:
+    async def main() -> None:
+        registry = InMemoryRegistry()
+        await _publish_run(registry, load_config(overrides=[*RUN, "diloco.rounds=5"]))
+        services = InMemoryServices(registry, window_s=0.3)
+        outs = {n: Out() for n in "abc"}
+        stop = asyncio.Event()
+        peers = {n: Peer(_local(tmp_path / n), writer=EventWriter(outs[n]), services=services) for n in "abc"}
+        tasks = [asyncio.create_task(_run_peer(peers[n], stop)) for n in "ab"]
+        await _until(lambda: any(e.committed and e.round >= 1 for e in outs["a"].rounds()), timeout_s=60,
+                     what="round 1 committed", tasks=tasks)
+        tasks.append(asyncio.create_task(_run_peer(peers["c"], stop)))
+        assert await asyncio.wait_for(asyncio.gather(*tasks), timeout=90) == ["done", "done", "done"]
+
+        heal = [e for e in outs["c"].events() if isinstance(e, HealEvent)]
+        assert heal and heal[0].from_round == 0 and heal[0].to_round >= 2
+        by_round: dict[int, set[str]] = {}
+        for out in outs.values():
+            for e in out.rounds():
+                if e.committed:
+                    by_round.setdefault(e.round, set()).add(e.hash)
+        assert sorted(by_round) == [0, 1, 2, 3, 4] and all(len(h) == 1 for h in by_round.values())
+        assert any(e.committed and len(e.members) == 3 for e in outs["c"].rounds()), "c rejoined the group"
+        leaves = [e for out in outs.values() for e in out.events() if isinstance(e, LeaveEvent)]
+        assert {e.reason for e in leaves} == {"done"} and len({e.hash for e in leaves}) == 1
+
+    asyncio.run(main())
+
+
+def test_stop_checkpoints_and_a_restarted_peer_resumes_with_its_id(tmp_path: Path) -> None:
+    async def main() -> None:
+        registry = InMemoryRegistry()
+        await _publish_run(registry, load_config(overrides=[*RUN, "diloco.rounds=50", "averaging.min_peers=1"]))
+        services = InMemoryServices(registry, window_s=0.1)
+        services.allreduce.min_peers = 1
+        out, stop = Out(), asyncio.Event()
+        peer = Peer(_local(tmp_path / "p"), writer=EventWriter(out), services=services)
+        task = asyncio.create_task(_run_peer(peer, stop))
+        await _until(lambda: len([e for e in out.rounds() if e.committed]) >= 2, timeout_s=60, what="2 rounds",
+                     tasks=[task])
+        stop.set()
+        assert await asyncio.wait_for(task, timeout=30) == "signal"
+        (leave,) = [e for e in out.events() if isinstance(e, LeaveEvent)]
+        assert leave.reason == "signal" and Path(leave.checkpoint).is_file()
+        assert await registry_live(registry, peer.cfg.train.run_id) == (), "leaving withdraws the peer record"
+
+        out2 = Out()
+        again = Peer(_local(tmp_path / "p"), writer=EventWriter(out2), services=services)
+        info = await again.start()
+        assert (info["peer_id"], info["round"], info["hash"]) == (peer._peer_id, leave.round, leave.hash)
+        await again.aclose("signal")
+        assert isinstance(out2.events()[0], ReadyLine)
+
+    asyncio.run(main())
+
+
+async def registry_live(registry: InMemoryRegistry, run_id: str) -> tuple[object, ...]:
+    d = InMemoryDiscovery(registry, run_id=run_id, record_ttl_s=60.0, peer_id="observer")
+    return await d.live_peers(timeout_s=1.0)
+
+
+def test_merge_keeps_local_sections_and_refuses_run_wide_overrides() -> None:
+    swarm = load_config(overrides=["model.preset=small", "rpc.call_timeout_s=9", "train.seed=7"])
+    local = load_config(overrides=["rpc.port=5555", "train.threads=1", "model.preset=tiny"])
+    merged = merge_run_config(swarm, local, local_overrides=["rpc.port=5555", "train.threads=1"])
+    assert merged.model.preset == "small" and merged.train.seed == 7
+    assert merged.rpc.port == 5555 and merged.rpc.call_timeout_s == local.rpc.call_timeout_s
+    assert merged.train.threads == 1
+    with pytest.raises(ConfigError, match=r"model\.preset"):
+        merge_run_config(swarm, local, local_overrides=["model.preset=tiny"])
