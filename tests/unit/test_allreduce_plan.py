@@ -1,0 +1,80 @@
+"""Pure pieces of the all-reduce: shard plan, commit rule, reference mean, session ids, FaultPlan, run key."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from swarmtrain.averaging.allreduce import has_quorum
+from swarmtrain.averaging.reducer import mean_of, shard_bounds
+from swarmtrain.config import RpcConfig
+from swarmtrain.rpc.averaging_wire import SessionKey
+from swarmtrain.rpc.faults import Fault, FaultSite, corrupt, truncate
+from swarmtrain.rpc.node import resolve_run_key
+from swarmtrain.testing import FaultPlan
+
+pytestmark = pytest.mark.unit
+
+
+@given(st.integers(0, 10**7), st.lists(st.floats(0, 1e10, allow_nan=False), min_size=1, max_size=9))
+def test_shard_bounds_tile_the_tensor(numel: int, weights: list[float]) -> None:
+    bounds = shard_bounds(numel, tuple(weights))
+    assert len(bounds) == len(weights) and bounds[0][0] == 0 and bounds[-1][1] == numel
+    assert all(lo <= hi for lo, hi in bounds) and all(bounds[i][1] == bounds[i + 1][0] for i in range(len(bounds) - 1))
+
+
+def test_shard_sizes_follow_bandwidth_and_are_equal_when_unknown() -> None:
+    assert shard_bounds(100, (1.0, 3.0)) == [(0, 25), (25, 100)]
+    assert shard_bounds(100, (1.0, 0.0, 3.0)) == [(0, 33), (33, 67), (67, 100)]
+    with pytest.raises(ValueError, match="no reducers"):
+        shard_bounds(10, ())
+
+
+@pytest.mark.parametrize(("n", "size", "min_peers", "ok"), [(2, 3, 2, True), (2, 4, 2, False), (1, 1, 2, False),
+                                                             (3, 4, 2, True), (1, 1, 1, True), (3, 5, 4, False)])
+def test_commit_rule_needs_min_peers_and_a_strict_majority(n: int, size: int, min_peers: int, ok: bool) -> None:
+    assert has_quorum(n, group_size=size, min_peers=min_peers) is ok
+
+
+def test_reference_mean_sums_in_the_given_order_in_fp32() -> None:
+    parts = [torch.tensor([1e8, 1.0]), torch.tensor([1.0, 1e8]), torch.tensor([-1e8, -1e8])]
+    got = mean_of(parts)
+    acc = torch.zeros(2)
+    for p in parts:
+        acc = acc + p
+    assert got.dtype == torch.float32 and torch.equal(got, acc / 3)
+
+
+def test_session_ids_separate_attempts_and_reducer_sets() -> None:
+    base = SessionKey("run", 4, "g" * 32, 0, ("a", "b"))
+    ids = {base.session_id, SessionKey("run", 4, "g" * 32, 1, ("a", "b")).session_id,
+           SessionKey("run", 4, "g" * 32, 1, ("a",)).session_id, SessionKey("run", 5, "g" * 32, 0, ("a", "b")).session_id}
+    assert len(ids) == 4
+    assert SessionKey.from_wire(base.to_wire()) == base
+
+
+def test_fault_plan_matches_peer_round_call_and_optional_target() -> None:
+    plan = FaultPlan().add(peer="b", round=1, call="push", target="c", action="drop")
+    plan.add(peer="b", round=2, call="push", action="delay", delay_s=0.5, times=1)
+    assert plan(FaultSite("b", 1, "push", "a")) is None
+    assert plan(FaultSite("b", 1, "push", "c")) == Fault("drop")
+    assert plan(FaultSite("b", 2, "push", "a")) == Fault("delay", 0.5)
+    assert plan(FaultSite("b", 2, "push", "a")) is None  # fired its one time
+    assert [s.round for s, _ in plan.hits] == [1, 2]
+    with pytest.raises(ValueError, match="unknown action"):
+        Fault("explode")  # type: ignore[arg-type]
+
+
+def test_corrupt_and_truncate_change_payloads_deterministically() -> None:
+    payload = bytes(range(64))
+    assert corrupt(payload) == corrupt(payload) != payload and len(corrupt(payload)) == 64
+    assert truncate(payload) == payload[:48]
+
+
+def test_run_key_env_overrides_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SWARMTRAIN_RUN_KEY", raising=False)
+    assert resolve_run_key(RpcConfig(run_key="from-config")) == "from-config"
+    monkeypatch.setenv("SWARMTRAIN_RUN_KEY", "from-env")
+    assert resolve_run_key(RpcConfig(run_key="from-config")) == "from-env"
