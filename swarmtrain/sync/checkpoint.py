@@ -20,12 +20,14 @@ can be checkpointed without pickle.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import logging
 import os
 import re
-from collections.abc import Mapping
+import time
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -49,6 +51,7 @@ log = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 _NAME = re.compile(r"^ckpt-(\d{10})\.json$")
 _TMP_PREFIX = ".tmp-"
+_LOCK_NAME = ".ckpt.lock"
 _FILE = re.compile(r"^(\.tmp-)?(ckpt-\d{10})\.(json|safetensors)$")  # every file a save may leave behind
 _HASH_CHUNK_BYTES = 8 << 20
 _TENSOR_TAG = "__tensor__"
@@ -71,12 +74,41 @@ class LoadedCheckpoint(NamedTuple):
 
 
 def save_checkpoint(directory: str | os.PathLike[str], *, tensors: Mapping[str, torch.Tensor],
-                    meta: Mapping[str, Any], keep: int = 2) -> Path:
-    """Atomically write a new newest checkpoint and prune all but the newest `keep`; returns its manifest path."""
+                    meta: Mapping[str, Any], keep: int = 2, lock_timeout_s: float = 60.0) -> Path:
+    """Atomically write a new newest checkpoint and prune all but the newest `keep`; returns its manifest path.
+
+    Saves into one directory are serialised by an advisory lock (threads and processes alike);
+    waiting longer than `lock_timeout_s` for it is a CheckpointError.
+    """
     if keep < 1:
         raise CheckpointError(f"keep={keep}: must be >= 1")
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
+    with _locked(root, timeout_s=lock_timeout_s):
+        return _save_locked(root, tensors=tensors, meta=meta, keep=keep)
+
+
+@contextlib.contextmanager
+def _locked(root: Path, *, timeout_s: float) -> Iterator[None]:
+    with open(root / _LOCK_NAME, "a+b") as f:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise CheckpointError(f"{root}: another save held the checkpoint lock for over {timeout_s:.1f}s") from None
+                time.sleep(0.01)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def _save_locked(root: Path, *, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any], keep: int) -> Path:
+    meta = _check_json(dict(meta))
+    prepared = _prepare_tensors(tensors)
     _remove_leftovers(root)
     existing = list_checkpoints(root)
     seq = _seq_of(existing[-1]) + 1 if existing else 0
@@ -84,14 +116,14 @@ def save_checkpoint(directory: str | os.PathLike[str], *, tensors: Mapping[str, 
     manifest = root / f"ckpt-{seq:010d}.json"
 
     tmp_payload = root / f"{_TMP_PREFIX}{payload.name}"
-    save_file(_prepare_tensors(tensors), str(tmp_payload))
+    save_file(prepared, str(tmp_payload))
     _fsync_path(tmp_payload)
     size_bytes, digest = _file_digest(tmp_payload)
     os.replace(tmp_payload, payload)
     _fsync_path(root)
 
     body = {"format": FORMAT_VERSION, "payload": payload.name, "payload_size_bytes": size_bytes,
-            "payload_sha256": digest, "meta": _check_json(dict(meta))}
+            "payload_sha256": digest, "meta": meta}
     text = json.dumps({"body": body, "body_sha256": _body_digest(body)}, sort_keys=True, indent=1)
     _write_atomic(manifest, text.encode("utf-8"))
     log.info("checkpoint %s saved (%d bytes)", manifest, size_bytes)

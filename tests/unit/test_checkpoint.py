@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -66,7 +68,7 @@ def test_newest_wins_and_only_keep_survive(tmp_path: Path) -> None:
         save_checkpoint(tmp_path, tensors=_tensors(i), meta={"i": i}, keep=2)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["ckpt-0000000003.json", "ckpt-0000000004.json"]
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "ckpt-0000000003.json", "ckpt-0000000003.safetensors", "ckpt-0000000004.json", "ckpt-0000000004.safetensors"]
+        ".ckpt.lock", "ckpt-0000000003.json", "ckpt-0000000003.safetensors", "ckpt-0000000004.json", "ckpt-0000000004.safetensors"]
     loaded = load_latest_checkpoint(tmp_path)
     assert loaded is not None and loaded.meta == {"i": 4}
     _assert_same(loaded.tensors, _tensors(4))
@@ -285,4 +287,30 @@ def test_unrelated_files_in_the_directory_are_left_alone(tmp_path: Path) -> None
     for i in range(3):
         save_checkpoint(tmp_path, tensors=_tensors(i), meta={"i": i}, keep=1)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "ckpt-0000000002.json", "ckpt-0000000002.safetensors", "identity.key", "model.safetensors"]
+        ".ckpt.lock", "ckpt-0000000002.json", "ckpt-0000000002.safetensors", "identity.key", "model.safetensors"]
+
+
+def test_concurrent_saves_into_one_directory_are_serialised(tmp_path: Path) -> None:
+    def saver(k: int) -> None:
+        for i in range(6):
+            save_checkpoint(tmp_path, tensors=_tensors(k * 10 + i), meta={"k": k, "i": i}, keep=3)
+
+    threads = [threading.Thread(target=saver, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads)
+    manifests = list_checkpoints(tmp_path)
+    assert [p.name for p in manifests] == [f"ckpt-{s:010d}.json" for s in (15, 16, 17)]
+    for p in manifests:
+        loaded = load_checkpoint(p)
+        _assert_same(loaded.tensors, _tensors(loaded.meta["k"] * 10 + loaded.meta["i"]))
+
+
+def test_a_held_lock_times_out_with_a_clear_error(tmp_path: Path) -> None:
+    with open(tmp_path / ".ckpt.lock", "a+b") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        with pytest.raises(CheckpointError, match="another save held the checkpoint lock"):
+            save_checkpoint(tmp_path, tensors={}, meta={}, lock_timeout_s=0.05)
+    save_checkpoint(tmp_path, tensors={}, meta={}, lock_timeout_s=0.05)
