@@ -15,9 +15,12 @@ import dataclasses
 import hashlib
 import logging
 import math
+import os
+import signal
+import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -34,7 +37,7 @@ from swarmtrain.models import build_model
 from swarmtrain.sync.checkpoint import load_latest_checkpoint, save_checkpoint
 from swarmtrain.telemetry import EventWriter, HealEvent, LeaveEvent, RoundEvent, StatusSnapshot
 
-__all__ = ["DataPlane", "Peer", "PeerError", "PeerServices", "PeerState", "merge_run_config"]
+__all__ = ["DataPlane", "Peer", "PeerError", "PeerServices", "PeerState", "merge_run_config", "run_peer_process"]
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +69,10 @@ class DataPlane(Protocol):
 
     async def average(self, round_index: int, delta: torch.Tensor) -> AverageResult: ...
 
+    def publish_state(self, state: PeerState) -> None:
+        """Serve `state` to joiners from now on (called after start, every commit and every heal)."""
+        ...
+
     async def fetch_state(self, endpoint: str) -> PeerState: ...
 
     async def aclose(self) -> None: ...
@@ -77,7 +84,9 @@ class PeerServices(Protocol):
     async def open_discovery(self, cfg: DiscoveryConfig, *, run_id: str) -> Discovery: ...
 
     async def open_data_plane(self, cfg: RunConfig, *, discovery: Discovery, codec: Codec,
-                              state: Callable[[], PeerState]) -> DataPlane: ...
+                              param_shapes: Sequence[tuple[str, tuple[int, ...]]]) -> DataPlane:
+        """`param_shapes`: the model's (name, shape) in θ's flat order, for named state transfer."""
+        ...
 
     async def visible_maddrs(self, discovery: Discovery) -> list[str]:
         """The control-plane addresses others can join through (for the READY line)."""
@@ -130,6 +139,7 @@ class Peer:
         self.last_val_loss: float | None = None
         self.rounds_committed = 0
         self.rounds_aborted = 0
+        self._retry_at = 0.0  # time.monotonic() before which an aborted round is not retried
 
     # ------------------------------------------------------------------ start
 
@@ -148,8 +158,10 @@ class Peer:
         codec = codec_from_config(self.cfg.compress, seed=_data_seed(self.cfg.train.seed + 2, discovery.peer_id))
         self.worker = await asyncio.to_thread(self._build_worker, discovery.peer_id, codec)
         self._resume()
+        shapes = [(name, tuple(p.shape)) for name, p in self.worker.model.named_parameters()]
         self.plane = await self.services.open_data_plane(self.cfg, discovery=discovery, codec=codec,
-                                                         state=self.current_state)
+                                                         param_shapes=shapes)
+        self.plane.publish_state(self.current_state())
         self.endpoint = self.plane.endpoint
         self.heartbeat = Heartbeat(discovery, current=self._record, heartbeat_s=self.cfg.discovery.heartbeat_s,
                                    now=discovery.now, timeout_s=self.cfg.rpc.call_timeout_s)
@@ -204,7 +216,7 @@ class Peer:
         log.info("resumed from %s at round %d", loaded.path, self.worker.round)
 
     def current_state(self) -> PeerState:
-        """A consistent copy of the state joiners download (call on the event loop: `apply` runs there)."""
+        """A copy of the state joiners download (call on the event loop: `apply` and heals run there)."""
         assert self.worker is not None
         momentum = self.worker.outer.state_tensors().get("momentum")
         return PeerState(round=self.worker.round, theta_global=self.worker.theta_global.detach().cpu().clone(),
@@ -232,6 +244,8 @@ class Peer:
             stats = await _interruptible(asyncio.to_thread(worker.train_inner), stop)
             if stats is None:
                 return "signal"
+            if not await self._wait_until(self._retry_at, stop):
+                return "signal"
             attempted = worker.round
             self.phase = "averaging"
             start = time.perf_counter()
@@ -246,14 +260,29 @@ class Peer:
                 val_loss=val_loss, hash=worker.global_hash(), bytes_sent=result.bytes_sent,
                 bytes_received=result.bytes_received, compute_s=round(stats.compute_s, 4), comm_s=round(comm_s, 4),
                 peer=self._peer_id, reason=result.reason))
-            if result.committed and worker.round % self.cfg.checkpoint.every_rounds == 0:
-                await self._checkpoint()
+            if result.committed:
+                self.plane.publish_state(self.current_state())
+                if worker.round % self.cfg.checkpoint.every_rounds == 0:
+                    await self._checkpoint()
             await self._beat()
-            if not result.committed:
-                await self._await_swarm_past(attempted, stop)
+            if not result.committed and not await self._await_swarm_past(attempted, stop):
+                # Nobody committed it, so the round is retried. Its matchmaking entries live for
+                # record_ttl_s after posting; a retry posted before they expire would anchor the new
+                # window at the old attempt and find every peer late.
+                self._retry_at = (time.monotonic() + self.cfg.discovery.record_ttl_s
+                                  + self.cfg.averaging.matchmaking_timeout_s)
         return "done"
 
-    async def _await_swarm_past(self, round_index: int, stop: asyncio.Event) -> None:
+    @staticmethod
+    async def _wait_until(t_monotonic: float, stop: asyncio.Event) -> bool:
+        """Sleep until `t_monotonic`; False if `stop` was set first."""
+        delay_s = t_monotonic - time.monotonic()
+        if delay_s > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=delay_s)
+        return not stop.is_set()
+
+    async def _await_swarm_past(self, round_index: int, stop: asyncio.Event) -> bool:
         """After an aborted round, give the others a window to commit it (we were late or cut off).
 
         If they do, the next heal check adopts their state instead of training a round that can no
@@ -266,11 +295,11 @@ class Peer:
                 peers = await self.discovery.live_peers(timeout_s=self.cfg.rpc.call_timeout_s)
             except Exception as e:
                 log.warning("could not list live peers (%s)", e)
-                return
+                return False
             if any(p.round > round_index for p in peers if p.peer_id != self._peer_id):
-                return
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), timeout=self.cfg.discovery.heartbeat_s / 2)
+                return True
+            await self._wait_until(time.monotonic() + self.cfg.discovery.heartbeat_s / 2, stop)
+        return False
 
     def _after_round(self, attempted: int, committed: bool, loss: float, val_loss: float | None) -> None:
         self.last_loss = loss if math.isfinite(loss) else None
@@ -317,6 +346,7 @@ class Peer:
                 continue
             self.worker.adopt_global(round_index=state.round, theta_global=state.theta_global,
                                      outer_momentum=state.outer_momentum)
+            self.plane.publish_state(self.current_state())
             self.writer.emit(HealEvent(from_round=from_round, to_round=state.round, source=donor.peer_id,
                                        hash=self.worker.global_hash(), peer=self._peer_id,
                                        transfer_s=round(time.perf_counter() - start, 4)))
@@ -383,3 +413,46 @@ async def _interruptible(aw: Any, stop: asyncio.Event) -> Any:
     with contextlib.suppress(Exception):
         await task  # a thread cannot be cancelled: let the inner steps finish before leaving
     return None
+
+
+# ---------------------------------------------------------------------- process entry
+
+
+def run_peer_process(local: RunConfig, *, local_overrides: Sequence[str] = (), coordinator_id: str | None = None) -> int:
+    """`swarmtrain peer`: one peer on uvloop until its rounds are done or it is signalled; 0 on a clean leave."""
+    import uvloop
+
+    from swarmtrain.peer_network import NetworkServices
+
+    peer = Peer(local, writer=EventWriter(sys.stdout), services=NetworkServices(),
+                local_overrides=local_overrides, coordinator_id=coordinator_id)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(_main(peer))
+
+
+async def _main(peer: Peer) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, _on_signal, sig, stop)
+    reason = "error"
+    try:
+        await peer.start()
+        reason = await peer.run(stop)
+    except Exception as e:
+        reason = f"error: {e}"
+        raise
+    finally:
+        await peer.aclose(reason)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+    return 0
+
+
+def _on_signal(sig: signal.Signals, stop: asyncio.Event) -> None:
+    if stop.is_set():
+        # A second signal: the operator does not want to wait for the round to finish.
+        log.error("%s again: exiting now without a checkpoint", sig.name)
+        os._exit(128 + sig)
+    log.warning("%s: leaving gracefully at the next round boundary", sig.name)
+    stop.set()

@@ -16,6 +16,8 @@ __all__ = ["main"]
 COMMANDS: dict[str, str] = {
     "config": "swarmtrain.daemon.cmd_config",
     "coordinator": "swarmtrain.daemon.cmd_coordinator",
+    "demo": "swarmtrain.daemon.cmd_demo",
+    "peer": "swarmtrain.daemon.cmd_peer",
     "simulate": "swarmtrain.daemon.cmd_simulate",
     "testbed": "swarmtrain.daemon.cmd_testbed",
 }

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import io
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -77,11 +77,19 @@ class WindowedAllReduce:
 
 
 class FakePlane:
-    def __init__(self, services: InMemoryServices, peer_id: str, state: Callable[[], PeerState]) -> None:
+    def __init__(self, services: InMemoryServices, peer_id: str) -> None:
         self.services = services
         self.peer_id = peer_id
         self.endpoint = f"127.0.0.1:{20000 + len(services.states)}"
-        services.states[self.endpoint] = state
+        self.published: PeerState | None = None
+        services.states[self.endpoint] = self.served
+
+    def served(self) -> PeerState:
+        assert self.published is not None
+        return self.published
+
+    def publish_state(self, state: PeerState) -> None:
+        self.published = state
 
     async def average(self, round_index: int, delta: torch.Tensor) -> AverageResult:
         return await self.services.allreduce.average(self.peer_id, round_index, delta)
@@ -105,8 +113,8 @@ class InMemoryServices:
         return InMemoryDiscovery(self.registry, run_id=run_id, record_ttl_s=cfg.record_ttl_s, peer_id=peer_id)
 
     async def open_data_plane(self, cfg: RunConfig, *, discovery: Discovery, codec: Codec,
-                              state: Callable[[], PeerState]) -> FakePlane:
-        return FakePlane(self, discovery.peer_id, state)
+                              param_shapes: Sequence[tuple[str, tuple[int, ...]]]) -> FakePlane:
+        return FakePlane(self, discovery.peer_id)
 
     async def visible_maddrs(self, discovery: Discovery) -> list[str]:
         return [f"/memory/{discovery.peer_id}"]

@@ -1,0 +1,74 @@
+"""`swarmtrain peer --join MULTIADDR`: the peer daemon (a DiLoCo worker of a running swarm)."""
+
+from __future__ import annotations
+
+import argparse
+
+from swarmtrain.daemon.options import add_config_options
+
+HELP = "join a run as a DiLoCo peer: prints READY {json}, then one JSON line per round"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--join", action="append", required=True, metavar="MULTIADDR",
+                        help="multiaddr of a swarm member (the coordinator's READY line has them); repeatable")
+    parser.add_argument("--host", help="address the gRPC server and the DHT listen on (default 127.0.0.1; "
+                                       "0.0.0.0 on a public machine)")
+    parser.add_argument("--port", type=int, help="gRPC port (default: any free port)")
+    parser.add_argument("--dht-port", type=int, help="DHT (libp2p) port (default: any free port)")
+    parser.add_argument("--announce", metavar="HOST:PORT",
+                        help="the gRPC address other peers dial, when it differs from the bound one (NAT, docker)")
+    parser.add_argument("--checkpoint-dir", metavar="DIR",
+                        help="save state here every round and on exit; resume from it on restart")
+    parser.add_argument("--client-mode", action="store_true",
+                        help="behind NAT: only dial out; contribute and receive but never reduce")
+    parser.add_argument("--nat-port-map", action="store_true",
+                        help="let the DHT ask the home router for a port mapping (UPnP/NAT-PMP)")
+    parser.add_argument("--coordinator-id", help="the coordinator's peer id, if several publish this run")
+    add_config_options(parser)
+
+
+def local_overrides(args: argparse.Namespace) -> list[str]:
+    """The flags as `section.key=value` overrides of this peer's local sections."""
+    out = [f"discovery.initial_peers={_toml_list(args.join)}"]
+    if args.host is not None:
+        out += [f"rpc.host={_toml_str(args.host)}", f"discovery.host={_toml_str(args.host)}"]
+    if args.port is not None:
+        out.append(f"rpc.port={args.port}")
+    if args.dht_port is not None:
+        out.append(f"discovery.port={args.dht_port}")
+    if args.announce is not None:
+        out.append(f"rpc.announce={_toml_str(args.announce)}")
+        host = args.announce.rpartition(":")[0].strip("[]")
+        if args.dht_port:
+            proto = "ip6" if ":" in host else "ip4"
+            out.append(f"discovery.announce_maddrs={_toml_list([f'/{proto}/{host}/tcp/{args.dht_port}'])}")
+    if args.checkpoint_dir is not None:
+        out.append(f"checkpoint.dir={_toml_str(args.checkpoint_dir)}")
+    if args.client_mode:
+        out.append("discovery.client_mode=true")
+    if args.nat_port_map:
+        out.append("discovery.nat_port_map=true")
+    return out
+
+
+def _toml_str(s: str) -> str:
+    return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _toml_list(items: list[str]) -> str:
+    return "[" + ", ".join(_toml_str(x) for x in items) + "]"
+
+
+def run(args: argparse.Namespace) -> int:
+    import sys
+
+    from swarmtrain.daemon.options import config_from_args
+    from swarmtrain.peer import PeerError, run_peer_process
+
+    local = config_from_args(args, extra=local_overrides(args))
+    try:
+        return run_peer_process(local, local_overrides=args.overrides, coordinator_id=args.coordinator_id)
+    except PeerError as e:
+        print(f"swarmtrain peer: error: {e}", file=sys.stderr)
+        return 1

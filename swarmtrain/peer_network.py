@@ -1,0 +1,142 @@
+"""The peer's network services: a hivemind DHT for control, the gRPC node (all-reduce, state transfer) for data.
+
+`NetworkServices` is the `PeerServices` a real `swarmtrain peer` uses; `NetworkPlane` adapts C2's
+blocking `NetworkAverager`/`fetch_state` and C1's async `Matchmaker` to the Peer's event loop:
+the averager runs on a worker thread, and its group provider hops back onto the Peer's loop (where
+the discovery lives) for matchmaking.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import math
+from collections.abc import Sequence
+
+import torch
+
+from swarmtrain.averaging.group import Group, Member
+from swarmtrain.averaging.matchmaking import Matchmaker, MatchOutcome
+from swarmtrain.averaging.network import NetworkAverager
+from swarmtrain.averaging.protocol import AverageResult
+from swarmtrain.compress import Codec
+from swarmtrain.config import DiscoveryConfig, RunConfig, to_dict
+from swarmtrain.discovery import Discovery
+from swarmtrain.peer import PeerError, PeerState
+from swarmtrain.rpc.node import RpcNode
+from swarmtrain.sync.transfer import StateServer, StateSnapshot, fetch_state
+
+__all__ = ["NetworkPlane", "NetworkServices"]
+
+log = logging.getLogger(__name__)
+RUN_SECTIONS_THAT_MUST_MATCH = ("model", "outer", "compress")
+
+
+class NetworkServices:
+    """hivemind discovery + the gRPC data plane (the only services a real peer runs)."""
+
+    async def open_discovery(self, cfg: DiscoveryConfig, *, run_id: str) -> Discovery:
+        from swarmtrain.discovery.hivemind_dht import HivemindDiscovery
+
+        return await HivemindDiscovery.create(cfg, run_id=run_id)
+
+    async def open_data_plane(self, cfg: RunConfig, *, discovery: Discovery, codec: Codec,
+                              param_shapes: Sequence[tuple[str, tuple[int, ...]]]) -> NetworkPlane:
+        plane = NetworkPlane(cfg, discovery=discovery, codec=codec, param_shapes=param_shapes,
+                             loop=asyncio.get_running_loop())
+        await asyncio.to_thread(plane.start)
+        return plane
+
+    async def visible_maddrs(self, discovery: Discovery) -> list[str]:
+        from swarmtrain.discovery.hivemind_dht import HivemindDiscovery
+
+        if not isinstance(discovery, HivemindDiscovery):
+            raise TypeError(f"NetworkServices serves HivemindDiscovery, got {type(discovery).__name__}")
+        return await discovery.visible_maddrs()
+
+
+class NetworkPlane:
+    """One RpcNode serving the all-reduce and state transfer; `average` forms the round's group first."""
+
+    def __init__(self, cfg: RunConfig, *, discovery: Discovery, codec: Codec,
+                 param_shapes: Sequence[tuple[str, tuple[int, ...]]], loop: asyncio.AbstractEventLoop) -> None:
+        self.cfg = cfg
+        self.discovery = discovery
+        self.loop = loop
+        self.param_shapes = list(param_shapes)
+        self.client_mode = cfg.discovery.client_mode
+        self.node = RpcNode(cfg.rpc, peer_id=discovery.peer_id, serve=not self.client_mode)
+        self.matchmaker = Matchmaker.from_config(discovery, cfg.averaging)
+        self.averager = NetworkAverager(self.node, run_id=cfg.train.run_id, group_provider=self._group,
+                                        codec=codec, cfg=cfg.averaging)
+        # A client-mode peer accepts no calls, so it cannot serve state either.
+        self.states = None if self.client_mode else StateServer(self.node)
+        self._outcome: MatchOutcome | None = None
+        a, r = cfg.averaging, cfg.rpc
+        self._match_timeout_s = 4 * a.matchmaking_timeout_s + 4 * r.call_timeout_s + 2.0
+        self._fetch_timeout_s = 4 * max(r.call_timeout_s, a.allreduce_timeout_s)
+
+    def start(self) -> None:
+        self.node.start(timeout_s=self.cfg.rpc.call_timeout_s + 10.0)
+
+    @property
+    def endpoint(self) -> str:
+        return self.node.endpoint
+
+    def _group(self, round_index: int) -> Group | None:
+        """The averager's group provider: runs on its thread, matchmaking on the Peer's loop."""
+        member = Member(peer_id=self.discovery.peer_id, endpoint=self.endpoint, client_mode=self.client_mode)
+        future = asyncio.run_coroutine_threadsafe(self.matchmaker.form_group(round_index, member), self.loop)
+        try:
+            self._outcome = future.result(timeout=self._match_timeout_s)
+        except TimeoutError:
+            future.cancel()
+            self._outcome = MatchOutcome(round=round_index, group=None,
+                                         reason=f"matchmaking took longer than {self._match_timeout_s:.1f}s")
+        return self._outcome.group
+
+    async def average(self, round_index: int, delta: torch.Tensor) -> AverageResult:
+        self._outcome = None
+        result = await asyncio.to_thread(self.averager.average, round_index, delta)
+        outcome = self._outcome
+        if not result.committed and outcome is not None and outcome.group is None:
+            result = dataclasses.replace(result, reason=f"no group: {outcome.reason}")
+        return result
+
+    def publish_state(self, state: PeerState) -> None:
+        if self.states is None:
+            return
+        params = _split(state.theta_global, self.param_shapes)
+        momentum = {} if state.outer_momentum is None else _split(state.outer_momentum, self.param_shapes)
+        self.states.publish(StateSnapshot(round=state.round, params=params, momentum=momentum, config=self.cfg))
+
+    async def fetch_state(self, endpoint: str) -> PeerState:
+        expected = {name: shape for name, shape in self.param_shapes}
+        snap = await asyncio.to_thread(fetch_state, self.node, [endpoint], run_id=self.cfg.train.run_id,
+                                       expected_shapes=expected, timeout_s=self._fetch_timeout_s)
+        ours, theirs = to_dict(self.cfg), to_dict(snap.config)
+        differing = [s for s in RUN_SECTIONS_THAT_MUST_MATCH if ours[s] != theirs[s]]
+        if differing:
+            raise PeerError(f"{endpoint} serves a state of a differently configured run ({', '.join(differing)})")
+        theta = torch.cat([snap.params[name].reshape(-1).to(torch.float32) for name, _ in self.param_shapes])
+        momentum = None
+        if snap.momentum:
+            momentum = torch.cat([snap.momentum[name].reshape(-1).to(torch.float32) for name, _ in self.param_shapes])
+        return PeerState(round=snap.round, theta_global=theta, outer_momentum=momentum)
+
+    async def aclose(self) -> None:
+        await asyncio.to_thread(self.node.close)
+
+
+def _split(flat: torch.Tensor, shapes: Sequence[tuple[str, tuple[int, ...]]]) -> dict[str, torch.Tensor]:
+    """θ's flat fp32 vector as named tensors, in the model's parameter order."""
+    out: dict[str, torch.Tensor] = {}
+    offset = 0
+    for name, shape in shapes:
+        n = math.prod(shape)
+        out[name] = flat[offset:offset + n].reshape(shape)
+        offset += n
+    if offset != flat.numel():
+        raise ValueError(f"θ has {flat.numel()} values but the model's parameters hold {offset}")
+    return out
