@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import select
 import subprocess
 import sys
 from pathlib import Path
@@ -128,7 +129,9 @@ def _run_island(optimizer: str, out: Path) -> list[list[str]]:
     procs = [rank0]
     try:
         assert rank0.stdout is not None
-        line = rank0.stdout.readline()  # bounded by the communicate() timeout below if rank 0 hangs
+        ready, _, _ = select.select([rank0.stdout], [], [], TIMEOUT_S)
+        assert ready, f"rank 0 printed no READY line within {TIMEOUT_S}s"
+        line = rank0.stdout.readline()
         assert line.startswith("READY port="), (line, rank0.stderr.read() if rank0.poll() is not None else "")
         procs.append(_spawn(1, int(line.split("=")[1]), optimizer, out))
         outputs = []
