@@ -58,7 +58,7 @@ def get_backend(device: torch.device | str) -> quant.QuantBackend:
         else:
             try:
                 backend = fused_backend(kind)
-                log.info("codec kernels on %s: fused %s path (cache %s)", kind, backend_name(backend), cache_root())
+                log.info("codec kernels on %s: %s path (kernel cache %s)", kind, backend_name(backend), cache_root())
             except KernelBuildError as exc:
                 backend = quant
                 log.warning("codec kernels on %s: torch reference path, fused kernels unavailable: %s", kind, exc)
