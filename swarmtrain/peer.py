@@ -351,7 +351,8 @@ class Peer:
                                        hash=self.worker.global_hash(), peer=self._peer_id,
                                        transfer_s=round(time.perf_counter() - start, 4)))
             self.phase = "training"
-            await self._checkpoint()
+            # No checkpoint here: it would delay joining the round the others are starting now; the
+            # next commit checkpoints, and a crash before it just heals again.
             await self._beat()
             return
         self.phase = "training"

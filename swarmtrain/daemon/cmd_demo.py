@@ -31,6 +31,7 @@ DEMO_OVERRIDES: tuple[str, ...] = (
     "diloco.eval_batches=4",
     "averaging.matchmaking_timeout_s=3.0",
     "averaging.allreduce_timeout_s=15.0",
+    "averaging.contribution_window_s=3.0",
     "discovery.heartbeat_s=1.0",
     "discovery.record_ttl_s=6.0",
     "rpc.call_timeout_s=5.0",

@@ -80,7 +80,19 @@ class ProcessSet:
             raise AssertionError(f"processes left behind by: {leftovers}")
 
     def diagnostics(self) -> str:
-        return "\n\n".join(f"== {c.name} (rc={c.proc.poll()}) ==\n{c.diagnostics()}" for c in self.children)
+        """Per child: its events in short form, then its stderr tail."""
+        return "\n\n".join(f"== {c.name} (rc={c.proc.poll()}) ==\nevents: {_brief(c)}\n{c.diagnostics()}"
+                             for c in self.children)
+
+
+def _brief(child: Child) -> str:
+    out = []
+    for x in child.snapshot():
+        if isinstance(x, RoundEvent):
+            out.append(f"r{x.round}:{'C' if x.committed else 'A'}{len(x.members)}:{x.hash[:6]}")
+        else:
+            out.append(type(x).__name__)
+    return " ".join(out)
 
 
 def sigkill(child: Child) -> None:

@@ -1,0 +1,25 @@
+"""`swarmtrain demo --peers 2 --rounds 2` end to end: exits 0 with a summary of agreeing committed rounds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from swarmtrain.testing.procs import ProcessSet
+
+pytestmark = [pytest.mark.system, pytest.mark.timeout(300)]
+
+
+def test_demo_two_peers_two_rounds(procs: ProcessSet, tmp_path: Path) -> None:
+    demo = procs.spawn("demo", "demo", "--peers", "2", "--rounds", "2", "--log-dir", str(tmp_path / "demo-logs"))
+    rc = demo.proc.wait(timeout=240)
+    demo.close()
+    out = "\n".join(demo.raw_tail)
+    assert rc == 0, out
+    round_lines = [x for x in demo.raw_tail if x.startswith("round ")]
+    assert len(round_lines) == 2 and all("committed 2/2" in x and "hashes agree" in x for x in round_lines), out
+    assert "rounds committed: 2; rounds where hashes differed: 0" in out
+    assert "result: OK" in out
+    logs = sorted(p.name for p in (tmp_path / "demo-logs").iterdir())
+    assert logs == ["coordinator.log", "peer0.log", "peer1.log"]

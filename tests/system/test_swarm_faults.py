@@ -1,0 +1,111 @@
+"""Coordinator + 3 real peer processes: SIGKILL one mid-round, SIGSTOP one past the deadline, heal both.
+
+Asserts the issue's contract: the survivors keep committing rounds, every committed round has one
+θ_global hash on every committed peer, and the killed peer restarts from its checkpoint, heals and
+reports the swarm's hash within 2 rounds. Synchronisation is by reading the peers' stdout lines
+with deadlines only.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from swarmtrain.daemon.children import Child
+from swarmtrain.telemetry.events import HealEvent, RoundEvent
+from swarmtrain.testing.procs import ProcessSet, sigcont, sigkill, sigstop, wait_round
+
+pytestmark = [pytest.mark.system, pytest.mark.timeout(300)]
+
+# Tiny model, 5 inner steps per round, sub-second windows: a round takes ~1-2 s on 2 cores.
+TINY_RUN = [
+    "model.preset=tiny", "data.max_corpus_bytes=400000", "data.seq_len=32", "data.batch_size=4",
+    "inner.warmup_steps=1", "diloco.inner_steps=5", "diloco.rounds=10000", "diloco.eval_batches=1",
+    "averaging.min_peers=2", "averaging.matchmaking_timeout_s=1.0", "averaging.allreduce_timeout_s=4.0",
+    "averaging.contribution_window_s=1.0",
+    "discovery.heartbeat_s=0.5", "discovery.record_ttl_s=3.0", "rpc.call_timeout_s=2.0", "rpc.retries=1",
+    "rpc.backoff_s=0.05", "train.threads=1",
+]
+START_S = 120.0  # a process start (torch import + DHT) on a busy 2-core machine
+ROUND_S = 60.0  # generous per-wait deadline: rounds take seconds, aborted ones up to the all-reduce timeout
+
+
+def _committed_by(child: Child, names: set[str], *, start: int) -> tuple[int, RoundEvent]:
+    """The next committed round of `child` whose group is exactly the peers in `names`."""
+    return wait_round(child, lambda e: e.committed and len(e.members) == len(names), timeout_s=ROUND_S,
+                      start=start, what=f"a committed round among {len(names)} peers")
+
+
+def _next_index(child: Child) -> int:
+    return len(child.snapshot())
+
+
+def _assert_hashes_agree(procs: ProcessSet) -> int:
+    """Every round committed anywhere maps to one θ_global hash; returns the number of such rounds."""
+    by_round: dict[int, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))
+    for child in procs.children:
+        for line in child.snapshot():
+            if isinstance(line, RoundEvent) and line.committed:
+                by_round[line.round][line.hash].add(f"{child.name}({line.peer[:8]})")
+    disagreeing = {r: dict(h) for r, h in by_round.items() if len(h) > 1}
+    assert not disagreeing, f"committed peers disagree on θ_global: {disagreeing}"
+    return len(by_round)
+
+
+def test_swarm_survives_kill_and_stop_and_the_killed_peer_heals(procs: ProcessSet, tmp_path: Path) -> None:
+    _, join = procs.coordinator(TINY_RUN, timeout_s=START_S)
+    ckpt = {n: tmp_path / f"ckpt-{n}" for n in ("a", "b", "c")}
+    peers = {n: procs.peer(n, join, checkpoint_dir=ckpt[n]) for n in ("a", "b", "c")}
+    ids = {n: str(p.wait_ready(timeout_s=START_S)["peer_id"]) for n, p in peers.items()}
+    a, b, c = peers["a"], peers["b"], peers["c"]
+
+    # 1. all three commit a round together.
+    _, first = _committed_by(a, set(ids.values()), start=0)
+    assert set(first.members) == set(ids.values())
+
+    # 2. SIGKILL c in the middle of a round (a has just finished one; c is in its all-reduce or inner steps).
+    wait_round(a, lambda e: e.round > first.round, timeout_s=ROUND_S, what="the round after the first")
+    sigkill(c)
+    mark_a, mark_b = _next_index(a), _next_index(b)
+    for _ in range(2):  # a and b keep committing without c
+        mark_a, ev_a = _committed_by(a, {ids["a"], ids["b"]}, start=mark_a)
+        mark_b, ev_b = _committed_by(b, {ids["a"], ids["b"]}, start=mark_b)
+        mark_a, mark_b = mark_a + 1, mark_b + 1
+        assert ids["c"] not in ev_a.members and ids["c"] not in ev_b.members
+
+    # 3. c restarts from its checkpoint (same peer id), heals from a live peer and agrees within 2 rounds.
+    c2 = procs.peer("c", join, checkpoint_dir=ckpt["c"])
+    assert c2.wait_ready(timeout_s=START_S)["peer_id"] == ids["c"], "a restarted peer keeps its identity"
+    swarm_round_at_restart = max(e.round for e in _rounds(a)) + 1
+    _, heal = c2.wait_for(lambda x: isinstance(x, HealEvent), timeout_s=ROUND_S, what="a heal")
+    assert isinstance(heal, HealEvent) and heal.to_round >= swarm_round_at_restart
+    _, back = wait_round(c2, lambda e: e.committed, timeout_s=ROUND_S, what="c's first committed round")
+    assert back.round <= heal.to_round + 2, f"c healed to {heal.to_round} but first committed {back.round}"
+    _, same_a = wait_round(a, lambda e: e.round == back.round, timeout_s=ROUND_S, what=f"a's round {back.round}")
+    assert same_a.committed and same_a.hash == back.hash
+
+    # 4. SIGSTOP b past every deadline (3 rounds > record TTL and all-reduce timeout): a and c keep
+    #    committing without it; SIGCONT, b heals and rejoins.
+    sigstop(b)
+    mark_a, mark_c = _next_index(a), _next_index(c2)
+    for _ in range(3):
+        mark_a, ev_a = _committed_by(a, {ids["a"], ids["c"]}, start=mark_a)
+        mark_c, _ = _committed_by(c2, {ids["a"], ids["c"]}, start=mark_c)
+        mark_a, mark_c = mark_a + 1, mark_c + 1
+        assert ids["b"] not in ev_a.members
+    resumed_at = _next_index(b)
+    sigcont(b)
+    _, b_back = wait_round(b, lambda e: e.committed and len(e.members) == 3, timeout_s=ROUND_S * 2,
+                           start=resumed_at, what="b back in a 3-peer committed round")
+    _, same_c = wait_round(c2, lambda e: e.round == b_back.round, timeout_s=ROUND_S, what=f"c's round {b_back.round}")
+    assert same_c.hash == b_back.hash
+
+    assert _assert_hashes_agree(procs) >= 6
+    for p in (a, b, c2):
+        assert p.alive, f"{p.name} died: {p.diagnostics()}"
+
+
+def _rounds(child: Child) -> list[RoundEvent]:
+    return [x for x in child.snapshot() if isinstance(x, RoundEvent)]
