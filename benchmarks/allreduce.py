@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 import socket
@@ -52,13 +53,15 @@ def _wait_go() -> None:
         raise SystemExit(f"worker: expected GO, got {line!r}")
 
 
-def _rounds(args: argparse.Namespace, one_round: Any) -> None:
+def _rounds(args: argparse.Namespace, one_round: Any, prepare: Any = None) -> None:
     for r in range(args.warmup + args.repeats):
+        if prepare is not None:
+            prepare()
         _say("WAIT", round=r)
         _wait_go()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         info = one_round(r)
-        _say("DONE", round=r, seconds=time.perf_counter() - t0, **info)
+        _say("DONE", round=r, seconds=time.perf_counter() - t0, cpu_s=time.process_time() - c0, **info)
 
 
 def worker_ours(args: argparse.Namespace) -> None:
@@ -99,15 +102,15 @@ def worker_gloo(args: argparse.Namespace) -> None:
                             world_size=args.world)
     _say("READY", endpoint="")
     sys.stdin.readline()
-    t = payload(args.rank, args.numel)
+    fresh = payload(args.rank, args.numel)
+    t = fresh.clone()
 
     def one_round(r: int) -> dict[str, Any]:
-        t.copy_(payload(args.rank, args.numel)) if r else None
         dist.all_reduce(t)
         t.div_(args.world)
         return {"bytes_sent": 0, "max_err": (t[:1000] - expected_head(args.world, 1000)).abs().max().item()}
 
-    _rounds(args, one_round)
+    _rounds(args, one_round, prepare=lambda: t.copy_(fresh))  # all_reduce works in place: refill untimed
     dist.destroy_process_group()
 
 
@@ -143,7 +146,7 @@ def worker_hivemind(args: argparse.Namespace) -> None:
         seconds = time.perf_counter() - t0
         with averager.get_tensors() as tensors:
             err = (tensors[0][:1000] - expected_head(args.world, 1000)).abs().max().item()
-        _say("DONE", round=r, seconds=seconds, bytes_sent=0, max_err=err)
+        _say("DONE", round=r, seconds=seconds, cpu_s=0.0, bytes_sent=0, max_err=err)
     averager.shutdown()
     dht.shutdown()
 
@@ -211,7 +214,8 @@ def run_arm(arm: str, world: int, numel: int, args: argparse.Namespace) -> list[
             if r >= args.warmup:
                 rounds.append({"seconds": max(d["seconds"] for d in done),
                                "bytes_sent_per_peer": statistics.mean(d["bytes_sent"] for d in done),
-                               "max_err": max(d["max_err"] for d in done)})
+                               "max_err": max(d["max_err"] for d in done),
+                               "cpu_s_per_peer": statistics.mean(d["cpu_s"] for d in done)})
         for p in procs:
             p.wait(timeout=60)
         return rounds
@@ -240,6 +244,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     if args.worker:
+        logging.basicConfig(level=os.environ.get("BENCH_LOG_LEVEL", "WARNING"), stream=sys.stderr,
+                            format=f"%(relativeCreated)6.0f {args.worker}[{args.rank}] %(name)s: %(message)s")
         args.arm, args.numel = args.worker, args.numel[0]
         {"hivemind": worker_hivemind, "gloo": worker_gloo}.get(args.worker, worker_ours)(args)
         return
@@ -264,9 +270,10 @@ def _report(numel: int, world: int, times: dict[str, list[dict[str, Any]]]) -> d
         med = statistics.median(r["seconds"] for r in rounds)
         sent = statistics.median(r["bytes_sent_per_peer"] for r in rounds)
         err = max(r["max_err"] for r in rounds)
+        cpu = statistics.median(r["cpu_s_per_peer"] for r in rounds)
         row["arms"][arm] = {"median_s": med, "all_s": [r["seconds"] for r in rounds], "gb_per_s": size_gb / med,
-                            "bytes_sent_per_peer": sent, "max_err": err}
-        print(f"  {arm:10s} {med:7.3f} s  {size_gb / med:6.2f} GB/s  sent/peer {sent / 1e6:8.1f} MB  max|err| {err:.2e}")
+                            "bytes_sent_per_peer": sent, "max_err": err, "cpu_s_per_peer": cpu}
+        print(f"  {arm:10s} {med:7.3f} s  {size_gb / med:6.2f} GB/s  sent/peer {sent / 1e6:8.1f} MB  cpu/peer {cpu:6.3f} s  max|err| {err:.2e}")
     if "ours" in times:
         ours = row["arms"]["ours"]["median_s"]
         for other in ("hivemind", "gloo", "ours-fp16", "ours-int8"):

@@ -214,7 +214,7 @@ class AveragingConfig:
     matchmaking_timeout_s: float = 5.0
     allreduce_timeout_s: float = 60.0
     max_retries: int = 1
-    contribution_window_s: float = 20.0  # a reducer waits this long for shards after its round opens
+    contribution_window_s: float = 15.0  # a reducer waits this long for shards after its round opens
 
     def __post_init__(self) -> None:
         _check(self.min_peers >= 1, "averaging.min_peers", "must be >= 1")

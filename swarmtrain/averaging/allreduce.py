@@ -100,15 +100,21 @@ class AllReduce:
         bounds = shard_bounds(delta.numel(), tuple(m.bandwidth_bytes_per_s for m in reducers))
         if not me.client_mode:
             await self.registry.open_session(key)
+        t0 = time.monotonic()
+        # a reducer closes its window `contribution_window_s` after it opened; one that has not answered
+        # for contributors by twice that is hung (e.g. SIGSTOP), and the next attempt goes on without it
+        agree_deadline = min(deadline, t0 + 2 * self.cfg.contribution_window_s)
         encoded = await asyncio.to_thread(lambda: [self.codec.encode(delta[lo:hi]) for lo, hi in bounds])
+        t_encoded = time.monotonic()
         push_deadline = min(deadline, time.monotonic() + self.cfg.contribution_window_s)
         pushes = await asyncio.gather(*(self._push(key, j, m, encoded[j], hi - lo, push_deadline)
                                         for j, (m, (lo, hi)) in enumerate(zip(reducers, bounds, strict=True))),
                                       return_exceptions=True)
-        dead = _unreachable(reducers, pushes)
+        dead = _unreachable(reducers, pushes, timeouts=False)  # a push timing out is late, not dead
         if dead:
             return _Attempt(dead=dead, reason=f"could not push to {sorted(dead)}")
-        sets = await asyncio.gather(*(self._contributors(key, j, m, deadline) for j, m in enumerate(reducers)),
+        t_pushed = time.monotonic()
+        sets = await asyncio.gather(*(self._contributors(key, j, m, agree_deadline) for j, m in enumerate(reducers)),
                                     return_exceptions=True)
         failed = _failures(reducers, sets)
         if failed:
@@ -119,6 +125,7 @@ class AllReduce:
             return _Attempt(final=True, contributors=agreed,
                             reason=f"only {len(agreed)} of {len(group.members)} delivered (min_peers "
                                    f"{self.cfg.min_peers}, need a majority)")
+        t_agreed = time.monotonic()
         means = await asyncio.gather(*(self._fetch(key, j, m, agreed, hi - lo, deadline)
                                        for j, (m, (lo, hi)) in enumerate(zip(reducers, bounds, strict=True))),
                                      return_exceptions=True)
@@ -126,10 +133,14 @@ class AllReduce:
         if failed:
             unreachable = _unreachable(reducers, means)
             return _Attempt(dead=unreachable, final=not unreachable, reason=f"mean unavailable from {failed}")
+        t_fetched = time.monotonic()
         try:
             mean = await asyncio.to_thread(self._assemble, means, bounds, delta.numel())  # type: ignore[arg-type]
         except CodecError as e:
             return _Attempt(final=True, reason=f"a reducer sent an invalid mean: {e}")
+        log.debug("%s round %d attempt %d: encode %.3fs push %.3fs agree %.3fs fetch %.3fs assemble %.3fs",
+                  self.peer_id, group.round, attempt, t_encoded - t0, t_pushed - t_encoded, t_agreed - t_pushed,
+                  t_fetched - t_agreed, time.monotonic() - t_fetched)
         return _Attempt(committed=True, mean=mean, contributors=agreed)
 
     def _assemble(self, means: list[bytes | bytearray], bounds: list[tuple[int, int]], numel: int) -> torch.Tensor:
@@ -171,6 +182,9 @@ class AllReduce:
         except (Rejected, RpcRejected) as e:
             log.warning("%s: reducer %s refused shard %d of round %d: %s", self.peer_id, reducer.peer_id, shard,
                         key.round, e)
+        except RpcTimeout as e:
+            log.warning("%s: shard %d of round %d missed %s's window: %s", self.peer_id, shard, key.round,
+                        reducer.peer_id, e)
 
     async def _contributors(self, key: SessionKey, shard: int, reducer: Member, deadline: float) -> tuple[str, ...]:
         if reducer.peer_id == self.peer_id:
@@ -190,7 +204,7 @@ def _failures(reducers: tuple[Member, ...], results: list[object]) -> list[str]:
     return [f"{m.peer_id} ({r})" for m, r in zip(reducers, results, strict=True) if isinstance(r, BaseException)]
 
 
-def _unreachable(reducers: tuple[Member, ...], results: list[object]) -> set[str]:
+def _unreachable(reducers: tuple[Member, ...], results: list[object], *, timeouts: bool = True) -> set[str]:
     """Reducers whose call failed for want of an answer (not a refusal): candidates to retry without."""
     unexpected = [r for r in results if isinstance(r, BaseException)
                   and not isinstance(r, (RpcError, Rejected, TimeoutError, Killed))]
@@ -199,8 +213,8 @@ def _unreachable(reducers: tuple[Member, ...], results: list[object]) -> set[str
     for r in results:
         if isinstance(r, Killed):
             raise r
-    return {m.peer_id for m, r in zip(reducers, results, strict=True)
-            if isinstance(r, (RpcUnavailable, RpcTimeout, TimeoutError))}
+    kinds = (RpcUnavailable, RpcTimeout, TimeoutError) if timeouts else (RpcUnavailable,)
+    return {m.peer_id for m, r in zip(reducers, results, strict=True) if isinstance(r, kinds)}
 
 
 def _result(group: Group, outcome: _Attempt, dead: tuple[str, ...]) -> AverageResult:

@@ -8,11 +8,16 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
 
+import grpc
+from google.protobuf.message import DecodeError
 from grpc import aio
 
+from swarmtrain.rpc import frames
 from swarmtrain.rpc.node import Rejected, RpcNode, RpcRejected, peer_of, remaining_s, status_of, translate
 from swarmtrain.wire import averaging_pb2 as pb
 from swarmtrain.wire import averaging_pb2_grpc as pb_grpc
+
+_SERVICE = "swarmtrain.wire.Averaging"
 
 __all__ = ["AveragingClient", "PushHeader", "ReducerSink", "SessionKey", "serve_averaging"]
 
@@ -79,17 +84,19 @@ class _Servicer(pb_grpc.AveragingServicer):
         log.warning("%s rejected %s from %s: %s", self.node.peer_id, method, peer, err)
         await context.abort(status_of(err), str(err))
 
-    async def Push(self, request_iterator: AsyncIterator[pb.PushChunk], context: aio.ServicerContext) -> pb.PushReply:
+    async def Push(self, request_iterator: AsyncIterator[bytes], context: aio.ServicerContext) -> pb.PushReply:
+        """Chunks arrive as raw PushChunk bytes (see frames.py): the payload is copied once, into `buf`."""
         peer = peer_of(context)
         header: PushHeader | None = None
         buf = bytearray()
         received = 0
         try:
-            async for chunk in request_iterator:
+            async for raw in request_iterator:
+                wire_header, data = _push_fields(raw)
                 if header is None:
-                    if not chunk.HasField("header"):
+                    if wire_header is None:
                         raise Rejected("the first chunk of a push carries no header")
-                    h = chunk.header
+                    h = wire_header
                     header = PushHeader(SessionKey.from_wire(h.session), h.sender, h.shard, h.numel,
                                         h.total_bytes, h.codec)
                     limit = await self.sink.check_push(header, peer=peer)
@@ -97,11 +104,13 @@ class _Servicer(pb_grpc.AveragingServicer):
                         raise Rejected(f"push declares {header.total_bytes} bytes; at most {limit} allowed for "
                                        f"{header.numel} values", kind="too_large")
                     buf = bytearray(header.total_bytes)
-                n = len(chunk.data)
+                elif wire_header is not None:
+                    raise Rejected("a push carries a second header")
+                n = len(data)
                 if received + n > header.total_bytes:
                     raise Rejected(f"push carries more than the {header.total_bytes} bytes it declared",
                                    kind="too_large")
-                buf[received:received + n] = chunk.data
+                buf[received:received + n] = data
                 received += n
             if header is None:
                 raise Rejected("empty push stream")
@@ -123,7 +132,7 @@ class _Servicer(pb_grpc.AveragingServicer):
             raise AssertionError("unreachable") from e
         return pb.ContributorsReply(contributors=list(names))
 
-    async def Fetch(self, request: pb.FetchRequest, context: aio.ServicerContext) -> AsyncIterator[pb.FetchChunk]:
+    async def Fetch(self, request: pb.FetchRequest, context: aio.ServicerContext) -> AsyncIterator[bytes]:
         peer = peer_of(context)
         try:
             data = await self.sink.mean(SessionKey.from_wire(request.session), request.shard,
@@ -132,16 +141,43 @@ class _Servicer(pb_grpc.AveragingServicer):
             await self._reject(context, "Fetch", peer, e)
             return
         step, view = self.node.cfg.chunk_bytes, memoryview(data)
-        yield pb.FetchChunk(total_bytes=len(data), data=bytes(view[:step]))
+        yield frames.frame(frames.encode_varint_field(1, len(data)), 2, view[:step])  # FetchChunk
         for start in range(step, len(data), step):
-            yield pb.FetchChunk(data=bytes(view[start:start + step]))
+            yield frames.frame(b"", 2, view[start:start + step])
         self.node.counters.add_sent(peer, len(data))
 
 
+def _push_fields(raw: bytes) -> tuple[pb.PushHeader | None, memoryview]:
+    header, data = None, memoryview(b"")
+    try:
+        for number, value in frames.fields(raw):
+            if number == 1 and isinstance(value, memoryview):
+                header = pb.PushHeader.FromString(value)
+            elif number == 2 and isinstance(value, memoryview):
+                data = value
+            else:
+                raise Rejected(f"unexpected field {number} in a push chunk")
+    except (frames.FrameError, DecodeError) as e:
+        raise Rejected(f"malformed push chunk: {e}") from None
+    return header, data
+
+
 def serve_averaging(node: RpcNode, sink: ReducerSink) -> None:
-    """Register the Averaging service backed by `sink` on `node` (before `node.start()`)."""
+    """Register the Averaging service backed by `sink` on `node` (before `node.start()`).
+
+    Same service and messages as averaging.proto; Push requests and Fetch replies bypass the
+    protobuf runtime (raw bytes, frames.py) to save two payload copies per side."""
     servicer = _Servicer(node, sink)
-    node.add_service(lambda server: pb_grpc.add_AveragingServicer_to_server(servicer, server))
+    handler = grpc.method_handlers_generic_handler(_SERVICE, {
+        "Push": grpc.stream_unary_rpc_method_handler(
+            servicer.Push, request_deserializer=None, response_serializer=pb.PushReply.SerializeToString),
+        "Contributors": grpc.unary_unary_rpc_method_handler(
+            servicer.Contributors, request_deserializer=pb.ContributorsRequest.FromString,
+            response_serializer=pb.ContributorsReply.SerializeToString),
+        "Fetch": grpc.unary_stream_rpc_method_handler(
+            servicer.Fetch, request_deserializer=pb.FetchRequest.FromString, response_serializer=None),
+    })
+    node.add_service(lambda server: server.add_generic_rpc_handlers((handler,)))
 
 
 class AveragingClient:
@@ -150,26 +186,27 @@ class AveragingClient:
 
     def __init__(self, node: RpcNode) -> None:
         self.node = node
-        self._stubs: dict[str, pb_grpc.AveragingStub] = {}
+        self._stubs: dict[str, _Stub] = {}
 
-    def _stub(self, endpoint: str) -> pb_grpc.AveragingStub:
+    def _stub(self, endpoint: str) -> _Stub:
         stub = self._stubs.get(endpoint)
         if stub is None:
-            stub = self._stubs[endpoint] = pb_grpc.AveragingStub(self.node.channel(endpoint))
+            stub = self._stubs[endpoint] = _Stub(self.node.channel(endpoint))
         return stub
 
     async def push(self, endpoint: str, target: str, header: PushHeader, payload: bytes, *, deadline: float) -> None:
         """Stream `payload` (its size may differ from header.total_bytes only under fault injection)."""
         h = header
         wire_header = pb.PushHeader(session=h.session.to_wire(), sender=h.sender, shard=h.shard, numel=h.numel,
-                                    total_bytes=h.total_bytes, codec=h.codec)
+                                    total_bytes=h.total_bytes, codec=h.codec).SerializeToString()
+        first_prefix = frames.encode_bytes_field(1, len(wire_header)) + wire_header
         step = self.node.cfg.chunk_bytes
 
-        async def gen() -> AsyncIterator[pb.PushChunk]:
+        async def gen() -> AsyncIterator[bytes]:  # raw PushChunk messages (frames.py)
             view = memoryview(payload)
-            yield pb.PushChunk(header=wire_header, data=bytes(view[:step]))
+            yield frames.frame(first_prefix, 2, view[:step])
             for i in range(step, len(payload), step):
-                yield pb.PushChunk(data=bytes(view[i:i + step]))
+                yield frames.frame(b"", 2, view[i:i + step])
 
         async def once() -> None:
             try:
@@ -203,18 +240,19 @@ class AveragingClient:
             buf, received, total = bytearray(), 0, -1
             try:
                 call = self._stub(endpoint).Fetch(request, timeout=remaining_s(deadline), metadata=self.node.metadata())
-                async for chunk in call:
+                async for raw in call:
+                    chunk_total, data = _fetch_fields(raw, target)
                     if total < 0:
-                        total = chunk.total_bytes
+                        total = chunk_total
                         if not 0 <= total <= max_bytes:
                             call.cancel()
                             raise _bad_reply(target, f"mean of shard {shard} declares {total} bytes, max {max_bytes}")
                         buf = bytearray(total)
-                    if received + len(chunk.data) > total:
+                    if received + len(data) > total:
                         call.cancel()
                         raise _bad_reply(target, f"mean of shard {shard} exceeds its declared {total} bytes")
-                    buf[received:received + len(chunk.data)] = chunk.data
-                    received += len(chunk.data)
+                    buf[received:received + len(data)] = data
+                    received += len(data)
             except aio.AioRpcError as e:
                 raise translate(e) from None
             self.node.counters.add_received(target, received)
@@ -223,6 +261,34 @@ class AveragingClient:
             return buf
 
         return await self.node.retrying(once, deadline=deadline, what=f"fetch shard {shard} from {target}")
+
+
+class _Stub:
+    """Multi-callables of the Averaging service; Push requests and Fetch replies travel as raw bytes."""
+
+    def __init__(self, channel: aio.Channel) -> None:
+        self.Push = channel.stream_unary(f"/{_SERVICE}/Push", request_serializer=None,
+                                         response_deserializer=pb.PushReply.FromString)
+        self.Contributors = channel.unary_unary(f"/{_SERVICE}/Contributors",
+                                                request_serializer=pb.ContributorsRequest.SerializeToString,
+                                                response_deserializer=pb.ContributorsReply.FromString)
+        self.Fetch = channel.unary_stream(f"/{_SERVICE}/Fetch", request_serializer=pb.FetchRequest.SerializeToString,
+                                          response_deserializer=None)
+
+
+def _fetch_fields(raw: bytes, target: str) -> tuple[int, memoryview]:
+    total, data = -1, memoryview(b"")
+    try:
+        for number, value in frames.fields(raw):
+            if number == 1 and isinstance(value, int):
+                total = value
+            elif number == 2 and isinstance(value, memoryview):
+                data = value
+            else:
+                raise frames.FrameError(f"unexpected field {number}")
+    except frames.FrameError as e:
+        raise _bad_reply(target, f"malformed fetch chunk: {e}") from None
+    return total, data
 
 
 def _bad_reply(target: str, what: str) -> RpcRejected:
