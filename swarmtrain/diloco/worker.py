@@ -237,7 +237,12 @@ class DilocoWorker:
     # ------------------------------------------------------------------ resumable state
 
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """Everything needed to resume exactly: (tensors for safetensors, JSON-able metadata)."""
+        """Everything needed to resume exactly: (tensors for safetensors, JSON-able metadata).
+
+        The RNG carried is this worker's CPU generator state (dropout on CPU); dropout on CUDA draws
+        from the device generator, which is not captured, so a CUDA run with dropout > 0 resumes
+        statistically, not bit for bit.
+        """
         tensors: dict[str, torch.Tensor] = {
             "theta_global": self.theta_global.detach().cpu().clone(),
             "theta_local": flatten(self.params),
