@@ -13,14 +13,15 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from swarmtrain.daemon.children import Child, swarmtrain_argv
+from swarmtrain.daemon.children import Child, ChildExitedError, swarmtrain_argv
 from swarmtrain.daemon.options import add_config_options, config_from_args
 from swarmtrain.telemetry.events import Line
 from swarmtrain.telemetry.progress import RoundSummary, SwarmProgress, format_bytes, format_round
 
 HELP = "run a whole swarm on this machine (coordinator + N peers on 127.0.0.1) with a live progress view"
 
-# The default tiny run: a ~0.1M-parameter model on 2 MB of the stdlib corpus, short timeouts for loopback.
+# The default tiny run: a ~0.1M-parameter model on 2 MB of the stdlib corpus, int8 pseudo-gradients,
+# short timeouts for loopback.
 DEMO_OVERRIDES: tuple[str, ...] = (
     "model.preset=tiny",
     "data.max_corpus_bytes=2000000",
@@ -36,17 +37,25 @@ DEMO_OVERRIDES: tuple[str, ...] = (
     "discovery.record_ttl_s=6.0",
     "rpc.call_timeout_s=5.0",
     "train.threads=1",
+    "compress.codec=int8",
 )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--peers", type=int, default=3, help="number of peers (default: 3)")
-    parser.add_argument("--rounds", type=int, default=5, help="outer rounds to train (default: 5)")
+    parser.add_argument("--peers", type=_positive_int, default=3, help="number of peers (default: 3)")
+    parser.add_argument("--rounds", type=_positive_int, default=8, help="outer rounds to train (default: 8)")
     parser.add_argument("--log-dir", help="where the children's logs go (default: a new temporary directory)")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="give up after this long (default: 600)")
     parser.add_argument("--start-timeout-s", type=float, default=120.0,
                         help="how long each process may take to print READY (default: 120)")
     add_config_options(parser)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -64,14 +73,10 @@ class DemoOutcome:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.peers < 1:
-        raise DemoError(f"--peers must be >= 1, got {args.peers}")
-    if args.rounds < 1:
-        raise DemoError(f"--rounds must be >= 1, got {args.rounds}")
     overrides = [*DEMO_OVERRIDES, f"diloco.rounds={args.rounds}",
                  f"averaging.min_peers={min(2, args.peers)}", *args.overrides]
     config_args = ["--config", args.config] if args.config else []
-    config_from_args(argparse.Namespace(config=args.config, overrides=overrides))  # fail fast on bad --set
+    cfg = config_from_args(argparse.Namespace(config=args.config, overrides=overrides))  # fail fast on bad --set
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="swarmtrain-demo-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     lines: queue.Queue[tuple[str, Line]] = queue.Queue()
@@ -79,7 +84,9 @@ def run(args: argparse.Namespace) -> int:
     previous = _raise_on_sigterm()
     started = time.monotonic()
     try:
-        _say(f"swarmtrain demo: coordinator + {args.peers} peers on 127.0.0.1, {args.rounds} rounds; logs in {log_dir}")
+        _say(f"swarmtrain demo: coordinator + {args.peers} peers on 127.0.0.1, {args.rounds} rounds of "
+             f"{cfg.diloco.inner_steps} inner steps, model {cfg.model.preset}, codec {cfg.compress.codec}; "
+             f"logs in {log_dir}")
         sets = [x for o in overrides for x in ("--set", o)]
         coord = Child("coordinator", swarmtrain_argv("coordinator", *config_args, *sets),
                       log_path=log_dir / "coordinator.log")
@@ -96,6 +103,9 @@ def run(args: argparse.Namespace) -> int:
         outcome = _follow(peers, lines, started=started, timeout_s=args.timeout_s)
         _print_summary(outcome, started=started, log_dir=log_dir)
         return 0 if outcome.ok else 1
+    except (DemoError, ChildExitedError, TimeoutError) as e:
+        _say(f"demo failed: {e}")
+        return 1
     except KeyboardInterrupt:
         _say("interrupted: stopping all processes")
         return 130

@@ -1,0 +1,47 @@
+"""CLI surfaces of `swarmtrain peer` and `swarmtrain demo`: flags map onto config fields, bad values are refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from swarmtrain.config import load_config
+from swarmtrain.daemon.cli import build_parser
+from swarmtrain.daemon.cmd_peer import local_overrides
+
+pytestmark = pytest.mark.unit
+
+
+def test_peer_flags_become_local_config_overrides() -> None:
+    args = build_parser().parse_args([
+        "peer", "--join", "/ip4/1.2.3.4/tcp/1/p2p/QmX", "--join", "/ip4/5.6.7.8/tcp/2/p2p/QmY",
+        "--host", "0.0.0.0", "--port", "5000", "--dht-port", "6000", "--announce", "203.0.113.7:5000",
+        "--checkpoint-dir", "/tmp/ck", "--client-mode", "--set", "train.threads=2",
+    ])
+    cfg = load_config(overrides=[*local_overrides(args), *args.overrides])
+    assert cfg.discovery.initial_peers == ("/ip4/1.2.3.4/tcp/1/p2p/QmX", "/ip4/5.6.7.8/tcp/2/p2p/QmY")
+    assert (cfg.rpc.host, cfg.rpc.port, cfg.rpc.announce) == ("0.0.0.0", 5000, "203.0.113.7:5000")
+    assert (cfg.discovery.host, cfg.discovery.port) == ("0.0.0.0", 6000)
+    assert cfg.discovery.announce_maddrs == ("/ip4/203.0.113.7/tcp/6000",)
+    assert cfg.checkpoint.dir == "/tmp/ck" and cfg.discovery.client_mode and not cfg.discovery.nat_port_map
+    assert cfg.train.threads == 2
+
+
+def test_peer_needs_join_and_defaults_stay_loopback() -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["peer"])
+    args = build_parser().parse_args(["peer", "--join", "/ip4/127.0.0.1/tcp/1/p2p/QmX"])
+    cfg = load_config(overrides=local_overrides(args))
+    assert (cfg.rpc.host, cfg.rpc.port, cfg.discovery.host) == ("127.0.0.1", 0, "127.0.0.1")
+    assert not cfg.discovery.client_mode and cfg.checkpoint.dir == ""
+
+
+@pytest.mark.parametrize("flag", ["--peers", "--rounds"])
+@pytest.mark.parametrize("value", ["0", "-1", "x"])
+def test_demo_refuses_non_positive_counts(flag: str, value: str) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["demo", flag, value])
+
+
+def test_demo_defaults() -> None:
+    args = build_parser().parse_args(["demo"])
+    assert (args.peers, args.rounds, args.overrides) == (3, 8, [])
