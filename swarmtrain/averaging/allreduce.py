@@ -103,17 +103,21 @@ class AllReduce:
         t0 = time.monotonic()
         # a reducer closes its window `contribution_window_s` after it opened; one that has not answered
         # for contributors by twice that is hung (e.g. SIGSTOP), and the next attempt goes on without it
-        agree_deadline = min(deadline, t0 + 2 * self.cfg.contribution_window_s)
-        encoded = await asyncio.to_thread(lambda: [self.codec.encode(delta[lo:hi]) for lo, hi in bounds])
-        t_encoded = time.monotonic()
-        push_deadline = min(deadline, time.monotonic() + self.cfg.contribution_window_s)
-        pushes = await asyncio.gather(*(self._push(key, j, m, encoded[j], hi - lo, push_deadline)
-                                        for j, (m, (lo, hi)) in enumerate(zip(reducers, bounds, strict=True))),
+        window_s = self.cfg.contribution_window_s
+        push_deadline = min(deadline, t0 + self.cfg.contribution_window_s)
+        shards = list(zip(reducers, bounds, strict=True))
+
+        async def encode_and_push(j: int, reducer: Member, lo: int, hi: int) -> None:
+            payload = await asyncio.to_thread(self.codec.encode, delta[lo:hi])  # pipelined per shard
+            await self._push(key, j, reducer, payload, hi - lo, push_deadline)
+
+        pushes = await asyncio.gather(*(encode_and_push(j, m, lo, hi) for j, (m, (lo, hi)) in enumerate(shards)),
                                       return_exceptions=True)
         dead = _unreachable(reducers, pushes, timeouts=False)  # a push timing out is late, not dead
         if dead:
             return _Attempt(dead=dead, reason=f"could not push to {sorted(dead)}")
         t_pushed = time.monotonic()
+        agree_deadline = min(deadline, max(t0 + 2 * window_s, t_pushed + window_s))
         sets = await asyncio.gather(*(self._contributors(key, j, m, agree_deadline) for j, m in enumerate(reducers)),
                                     return_exceptions=True)
         failed = _failures(reducers, sets)
@@ -126,31 +130,25 @@ class AllReduce:
                             reason=f"only {len(agreed)} of {len(group.members)} delivered (min_peers "
                                    f"{self.cfg.min_peers}, need a majority)")
         t_agreed = time.monotonic()
-        means = await asyncio.gather(*(self._fetch(key, j, m, agreed, hi - lo, deadline)
-                                       for j, (m, (lo, hi)) in enumerate(zip(reducers, bounds, strict=True))),
-                                     return_exceptions=True)
-        failed = _failures(reducers, means)
-        if failed:
-            unreachable = _unreachable(reducers, means)
-            return _Attempt(dead=unreachable, final=not unreachable, reason=f"mean unavailable from {failed}")
-        t_fetched = time.monotonic()
-        try:
-            mean = await asyncio.to_thread(self._assemble, means, bounds, delta.numel())  # type: ignore[arg-type]
-        except CodecError as e:
-            return _Attempt(final=True, reason=f"a reducer sent an invalid mean: {e}")
-        log.debug("%s round %d attempt %d: encode %.3fs push %.3fs agree %.3fs fetch %.3fs assemble %.3fs",
-                  self.peer_id, group.round, attempt, t_encoded - t0, t_pushed - t_encoded, t_agreed - t_pushed,
-                  t_fetched - t_agreed, time.monotonic() - t_fetched)
-        return _Attempt(committed=True, mean=mean, contributors=agreed)
+        mean = torch.zeros(delta.numel(), dtype=torch.float32)
 
-    def _assemble(self, means: list[bytes | bytearray], bounds: list[tuple[int, int]], numel: int) -> torch.Tensor:
-        out = torch.zeros(numel, dtype=torch.float32)
-        for data, (lo, hi) in zip(means, bounds, strict=True):
-            self.codec.decode_accumulate(data, out[lo:hi])
-        lo_v, hi_v = torch.aminmax(out) if numel else (torch.tensor(0.0), torch.tensor(0.0))
-        if not bool(torch.isfinite(lo_v) & torch.isfinite(hi_v)):
-            raise CodecError("the assembled mean holds NaN or Inf")
-        return out
+        async def fetch_and_add(j: int, reducer: Member, lo: int, hi: int) -> None:
+            data = await self._fetch(key, j, reducer, agreed, hi - lo, deadline)
+            await asyncio.to_thread(self.codec.decode_accumulate, data, mean[lo:hi])  # pipelined per shard
+
+        pulls = await asyncio.gather(*(fetch_and_add(j, m, lo, hi) for j, (m, (lo, hi)) in enumerate(shards)),
+                                     return_exceptions=True)
+        if any(isinstance(r, CodecError) for r in pulls):
+            return _Attempt(final=True, reason=f"a reducer sent an invalid mean: {_failures(reducers, pulls)}")
+        failed = _failures(reducers, pulls)
+        if failed:
+            unreachable = _unreachable(reducers, pulls)
+            return _Attempt(dead=unreachable, final=not unreachable, reason=f"mean unavailable from {failed}")
+        if mean.numel() and not bool(torch.isfinite(torch.stack(list(torch.aminmax(mean)))).all()):
+            return _Attempt(final=True, reason="the assembled mean holds NaN or Inf")
+        log.debug("%s round %d attempt %d: push %.3fs agree %.3fs pull %.3fs", self.peer_id, group.round, attempt,
+                  t_pushed - t0, t_agreed - t_pushed, time.monotonic() - t_agreed)
+        return _Attempt(committed=True, mean=mean, contributors=agreed)
 
     # -- the three calls, local when the reducer is this peer ------------------------------
     def _fault(self, round_index: int, call: str, target: str) -> Fault | None:
