@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from swarmtrain.daemon.children import Child
-from swarmtrain.telemetry.events import HealEvent, RoundEvent
+from swarmtrain.telemetry.events import HealEvent, LeaveEvent, RoundEvent
 from swarmtrain.testing.procs import ProcessSet, sigcont, sigkill, sigstop, wait_round
 
 pytestmark = [pytest.mark.system, pytest.mark.timeout(300)]
@@ -105,6 +105,11 @@ def test_swarm_survives_kill_and_stop_and_the_killed_peer_heals(procs: ProcessSe
     assert _assert_hashes_agree(procs) >= 6
     for p in (a, b, c2):
         assert p.alive, f"{p.name} died: {p.diagnostics()}"
+
+    # 5. SIGTERM is a graceful leave: exit 0, a leave line, a checkpoint on disk.
+    assert a.terminate(timeout_s=ROUND_S) == 0
+    _, leave = a.wait_for(lambda x: isinstance(x, LeaveEvent), timeout_s=1.0, what="a leave line")
+    assert isinstance(leave, LeaveEvent) and leave.reason == "signal" and Path(leave.checkpoint).is_file()
 
 
 def _rounds(child: Child) -> list[RoundEvent]:
