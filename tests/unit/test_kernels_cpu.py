@@ -219,3 +219,15 @@ def test_build_failure_falls_back_with_one_log_line(monkeypatch: pytest.MonkeyPa
         assert kernels.get_backend(torch.device("cpu")) is quant
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1 and "torch reference path" in lines[0] and "no-such-compiler" in lines[0], lines
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")
+def test_cuda_backend_without_a_device_says_so(monkeypatch: pytest.MonkeyPatch,
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    with pytest.raises(KernelBuildError, match="no usable CUDA device"):
+        fused_backend("cuda")
+    monkeypatch.setattr(kernels, "_chosen", {})
+    with caplog.at_level(logging.INFO, logger="swarmtrain.compress.kernels"):
+        assert kernels.get_backend("cuda") is quant
+    assert [r.getMessage() for r in caplog.records] == [
+        "codec kernels on cuda: torch reference path, fused kernels unavailable: torch has no usable CUDA device"]

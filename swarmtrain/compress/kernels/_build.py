@@ -48,7 +48,7 @@ def _compiler_version(compiler: str) -> str:
     if exe is None:
         raise KernelBuildError(f"no {compiler!r} compiler on PATH")
     out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=30, check=False)
-    return out.stdout.splitlines()[0] if out.stdout else exe
+    return f"{exe}\n{out.stdout}"  # all of it: nvcc puts its version on the last line
 
 
 def _digest(sources: Sequence[Path], parts: Sequence[str]) -> str:
