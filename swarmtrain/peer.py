@@ -139,7 +139,7 @@ class Peer:
         self.last_val_loss: float | None = None
         self.rounds_committed = 0
         self.rounds_aborted = 0
-        self._retry_at = 0.0  # time.monotonic() before which an aborted round is not retried
+        self._retry: tuple[int, float] | None = None  # (round, swarm-clock time) of an aborted round's retry
 
     # ------------------------------------------------------------------ start
 
@@ -244,11 +244,11 @@ class Peer:
             stats = await _interruptible(asyncio.to_thread(worker.train_inner), stop)
             if stats is None:
                 return "signal"
-            if not await self._wait_until(self._retry_at, stop):
+            if not await self._wait_for_retry_slot(stop):
                 return "signal"
             attempted = worker.round
             self.phase = "averaging"
-            start = time.perf_counter()
+            start, posted_at = time.perf_counter(), self._now()
             result = await self.plane.average(attempted, worker.delta())
             comm_s = time.perf_counter() - start
             worker.apply(result)  # on the loop thread: state transfers never see a half-applied step
@@ -266,12 +266,30 @@ class Peer:
                     await self._checkpoint()
             await self._beat()
             if not result.committed and not await self._await_swarm_past(attempted, stop):
-                # Nobody committed it, so the round is retried. Its matchmaking entries live for
-                # record_ttl_s after posting; a retry posted before they expire would anchor the new
-                # window at the old attempt and find every peer late.
-                self._retry_at = (time.monotonic() + self.cfg.discovery.record_ttl_s
-                                  + self.cfg.averaging.matchmaking_timeout_s)
+                self._retry = (attempted, self._retry_slot(posted_at))
         return "done"
+
+    def _now(self) -> float:
+        assert self.discovery is not None
+        return self.discovery.now()
+
+    def _retry_slot(self, posted_at: float) -> float:
+        """When to retry a round nobody committed: the first slot boundary >= posted_at + record_ttl_s.
+
+        Matchmaking entries live `record_ttl_s` after posting; a retry posted earlier would anchor
+        its window at the old attempt and find every peer late. Retrying on a shared grid of the
+        swarm clock (slots of record_ttl_s + 2 windows) also brings peers that aborted apart (e.g.
+        started at different times, each alone) into the same attempt.
+        """
+        slot_s = self.cfg.discovery.record_ttl_s + 2 * self.cfg.averaging.matchmaking_timeout_s
+        return math.ceil((posted_at + self.cfg.discovery.record_ttl_s) / slot_s) * slot_s
+
+    async def _wait_for_retry_slot(self, stop: asyncio.Event) -> bool:
+        """Before averaging a retried round, sleep until its slot; False if `stop` was set first."""
+        assert self.worker is not None
+        if self._retry is None or self._retry[0] != self.worker.round:
+            return not stop.is_set()
+        return await self._wait_until(time.monotonic() + self._retry[1] - self._now(), stop)
 
     @staticmethod
     async def _wait_until(t_monotonic: float, stop: asyncio.Event) -> bool:

@@ -189,6 +189,27 @@ def test_peers_agree_and_a_late_joiner_heals_to_the_swarm(tmp_path: Path) -> Non
     asyncio.run(main())
 
 
+def test_peers_that_started_apart_meet_on_the_retry_grid(tmp_path: Path) -> None:
+    """a aborts round 0 alone; b starts later and aborts alone too; the shared retry slots bring them together."""
+
+    async def main() -> None:
+        registry = InMemoryRegistry()
+        await _publish_run(registry, load_config(overrides=[*RUN, "diloco.rounds=2"]))
+        services = InMemoryServices(registry, window_s=0.3)
+        outs = {n: Out() for n in "ab"}
+        stop = asyncio.Event()
+        peers = {n: Peer(_local(tmp_path / n), writer=EventWriter(outs[n]), services=services) for n in "ab"}
+        tasks = [asyncio.create_task(_run_peer(peers["a"], stop))]
+        await _until(lambda: any(not e.committed for e in outs["a"].rounds()), timeout_s=60,
+                     what="a's lonely round aborted", tasks=tasks)
+        tasks.append(asyncio.create_task(_run_peer(peers["b"], stop)))
+        assert await asyncio.wait_for(asyncio.gather(*tasks), timeout=60) == ["done", "done"]
+        committed = {n: [(e.round, e.hash) for e in out.rounds() if e.committed] for n, out in outs.items()}
+        assert committed["a"] == committed["b"] and [r for r, _ in committed["a"]] == [0, 1]
+
+    asyncio.run(main())
+
+
 def test_stop_checkpoints_and_a_restarted_peer_resumes_with_its_id(tmp_path: Path) -> None:
     async def main() -> None:
         registry = InMemoryRegistry()
