@@ -33,6 +33,7 @@ __all__ = [
     "RunConfig",
     "TrainConfig",
     "load_config",
+    "public_dict",
     "to_dict",
     "to_toml",
 ]
@@ -297,6 +298,17 @@ def to_dict(cfg: Any) -> dict[str, Any]:
             out[f.name] = list(v)
         else:
             out[f.name] = v
+    return out
+
+
+SECRET_FIELDS: tuple[tuple[str, str], ...] = (("rpc", "run_key"),)
+
+
+def public_dict(cfg: RunConfig) -> dict[str, Any]:
+    """`to_dict(cfg)` with secrets blanked: what may be published to the DHT or printed."""
+    out = to_dict(cfg)
+    for section, key in SECRET_FIELDS:
+        out[section][key] = ""
     return out
 
 

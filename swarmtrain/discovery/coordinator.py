@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from swarmtrain.config import RunConfig, to_dict
+from swarmtrain.config import RunConfig, public_dict
 from swarmtrain.discovery.protocol import Discovery, DiscoveryError
 from swarmtrain.discovery.records import RunRecord
 
@@ -30,7 +30,7 @@ class RunPublisher:
         self.record = self._record(0)
 
     def _record(self, round_index: int) -> RunRecord:
-        return RunRecord(run_id=self._d.run_id, coordinator_id=self._d.peer_id, config=to_dict(self._cfg),
+        return RunRecord(run_id=self._d.run_id, coordinator_id=self._d.peer_id, config=public_dict(self._cfg),
                          round=round_index, updated_at=self._d.now())
 
     async def publish(self) -> RunRecord:

@@ -16,7 +16,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from swarmtrain.config import ConfigError, RunConfig, from_dict, to_dict
+from swarmtrain.config import ConfigError, RunConfig, from_dict, public_dict
 from swarmtrain.rpc.faults import FaultHook
 from swarmtrain.rpc.node import RpcError, RpcNode
 from swarmtrain.rpc.state_wire import StateBlob, StateClient, serve_state
@@ -47,7 +47,7 @@ def encode_snapshot(snapshot: StateSnapshot) -> StateBlob:
     tensors = {_PARAMS + k: v.detach().cpu().contiguous() for k, v in snapshot.params.items()}
     tensors.update({_MOMENTUM + k: v.detach().cpu().contiguous() for k, v in snapshot.momentum.items()})
     blob = st_save(tensors)
-    return StateBlob(snapshot.config.train.run_id, snapshot.round, json.dumps(to_dict(snapshot.config)), blob,
+    return StateBlob(snapshot.config.train.run_id, snapshot.round, json.dumps(public_dict(snapshot.config)), blob,
                      hashlib.sha256(blob).digest())
 
 

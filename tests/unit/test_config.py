@@ -82,3 +82,10 @@ def test_config_knows_the_data_vocabulary() -> None:
     from swarmtrain.data import VOCAB_SIZE
 
     assert BYTE_VOCAB_SIZE == VOCAB_SIZE
+
+
+def test_public_dict_blanks_the_run_key() -> None:
+    from swarmtrain.config import public_dict
+
+    cfg = load_config(overrides=["rpc.run_key=s3cret"])
+    assert public_dict(cfg)["rpc"]["run_key"] == "" and cfg.rpc.run_key == "s3cret"

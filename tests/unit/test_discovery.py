@@ -186,3 +186,18 @@ def test_heartbeat_task_keeps_a_record_alive_and_withdraws_on_close(no_thread_le
         assert await a.live_peers(timeout_s=1) == ()
 
     asyncio.run(main())
+
+
+def test_coordinator_never_publishes_the_run_key() -> None:
+    from swarmtrain.discovery.coordinator import RunPublisher
+
+    async def go() -> RunRecord | None:
+        reg = InMemoryRegistry()
+        coord = InMemoryDiscovery(reg, run_id=RUN, record_ttl_s=5)
+        cfg = load_config(overrides=[f"train.run_id={RUN}", "rpc.run_key=s3cret"])
+        await RunPublisher(coord, cfg).publish()
+        return await InMemoryDiscovery(reg, run_id=RUN, record_ttl_s=5).fetch_run(timeout_s=1)
+
+    record = asyncio.run(go())
+    assert record is not None and record.config["rpc"]["run_key"] == ""
+    assert "s3cret" not in json.dumps(record.config)
