@@ -34,7 +34,12 @@ from swarmtrain.data import ShardedBatches, eval_batches, load_corpus
 from swarmtrain.diloco import DilocoWorker, resolve_device
 from swarmtrain.discovery import Discovery, Heartbeat, PeerRecord
 from swarmtrain.models import build_model
-from swarmtrain.sync.checkpoint import load_latest_checkpoint, save_checkpoint
+from swarmtrain.sync.checkpoint import (
+    DirectoryClaim,
+    claim_directory,
+    load_latest_checkpoint,
+    save_checkpoint,
+)
 from swarmtrain.telemetry import EventWriter, HealEvent, LeaveEvent, RoundEvent, StatusSnapshot
 
 __all__ = ["DataPlane", "Peer", "PeerError", "PeerServices", "PeerState", "merge_run_config", "run_peer_process"]
@@ -140,15 +145,18 @@ class Peer:
         self.rounds_committed = 0
         self.rounds_aborted = 0
         self._retry: tuple[int, float] | None = None  # (round, swarm-clock time) of an aborted round's retry
+        self._claim: DirectoryClaim | None = None
 
     # ------------------------------------------------------------------ start
 
     async def start(self) -> dict[str, Any]:
         """Bring every service up in order; returns the READY payload (also printed)."""
         dcfg = self.local.discovery
+        if self.local.checkpoint.dir:
+            # One live peer per directory: it holds that peer's state and its identity key.
+            self._claim = claim_directory(self.local.checkpoint.dir)
         if not dcfg.identity_path and self.local.checkpoint.dir:
             # A restarted peer keeps its peer id, so the swarm sees one peer come back, not a new one.
-            Path(self.local.checkpoint.dir).mkdir(parents=True, exist_ok=True)
             dcfg = dataclasses.replace(dcfg, identity_path=str(Path(self.local.checkpoint.dir) / "identity.key"))
         discovery = await self.services.open_discovery(dcfg, run_id=self.local.train.run_id)
         self.discovery = discovery
@@ -405,6 +413,8 @@ class Peer:
                                         peer=self._peer_id, checkpoint=str(path or "")))
         if self.discovery is not None:
             await self.discovery.aclose()
+        if self._claim is not None:
+            self._claim.release()
         self.phase = "stopped"
 
     # ------------------------------------------------------------------ status

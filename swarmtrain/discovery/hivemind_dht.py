@@ -150,8 +150,11 @@ class HivemindDiscovery(RecordDirectory):
             path = Path(tmp) / "identity.key" if fresh else Path(cfg.identity_path)
             key = _load_or_create_identity(path)
             validators = [_LoggingSignatureValidator(key), _OwnerRequiredValidator()]
+            # hivemind's "is this identity taken?" probe starts a throwaway p2pd with its default
+            # nat_port_map=True (a UPnP/NAT-PMP probe of the gateway), which we never allow; a second
+            # live process with the same identity is instead prevented by the checkpoint-dir lock.
             dht = DHT(initial_peers=list(cfg.initial_peers) or None, start=False, record_validators=validators,
-                      identity_path=str(path), check_if_identity_free=not fresh, **dht_kwargs(cfg))
+                      identity_path=str(path), check_if_identity_free=False, **dht_kwargs(cfg))
             dht.run_in_background(await_ready=False)
             try:
                 await asyncio.wait_for(asyncio.to_thread(dht.wait_until_ready, start_timeout_s),

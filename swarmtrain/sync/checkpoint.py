@@ -37,7 +37,9 @@ from safetensors.torch import load_file, save_file
 
 __all__ = [
     "CheckpointError",
+    "DirectoryClaim",
     "LoadedCheckpoint",
+    "claim_directory",
     "join_state",
     "list_checkpoints",
     "load_checkpoint",
@@ -52,6 +54,7 @@ FORMAT_VERSION = 1
 _NAME = re.compile(r"^ckpt-(\d{10})\.json$")
 _TMP_PREFIX = ".tmp-"
 _LOCK_NAME = ".ckpt.lock"
+_CLAIM_NAME = ".peer.lock"
 _FILE = re.compile(r"^(\.tmp-)?(ckpt-\d{10})\.(json|safetensors)$")  # every file a save may leave behind
 _HASH_CHUNK_BYTES = 8 << 20
 _TENSOR_TAG = "__tensor__"
@@ -104,6 +107,43 @@ def _locked(root: Path, *, timeout_s: float) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+class DirectoryClaim:
+    """Exclusive, process-lifetime ownership of a checkpoint directory (released by `release()` or exit)."""
+
+    def __init__(self, root: Path, handle: Any) -> None:
+        self.root = root
+        self._handle = handle
+
+    def release(self) -> None:
+        if not self._handle.closed:
+            fcntl.flock(self._handle.fileno(), fcntl.LOCK_UN)
+            self._handle.close()
+
+
+def claim_directory(directory: str | os.PathLike[str]) -> DirectoryClaim:
+    """Claim `directory` for one live peer; a second live claimant gets a CheckpointError naming the holder.
+
+    Two processes sharing a checkpoint directory (and so one identity) would overwrite each
+    other's state; the kernel drops the claim when the process dies, so a SIGKILLed peer's
+    restart is never locked out.
+    """
+    root = Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    handle = open(root / _CLAIM_NAME, "a+")  # noqa: SIM115 - held for the claim's lifetime
+    try:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "unknown"
+        handle.close()
+        raise CheckpointError(f"checkpoint.dir {root} is in use by another running peer (pid {holder})") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(str(os.getpid()))
+    handle.flush()
+    return DirectoryClaim(root, handle)
 
 
 def _save_locked(root: Path, *, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any], keep: int) -> Path:

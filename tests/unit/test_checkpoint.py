@@ -314,3 +314,21 @@ def test_a_held_lock_times_out_with_a_clear_error(tmp_path: Path) -> None:
         with pytest.raises(CheckpointError, match="another save held the checkpoint lock"):
             save_checkpoint(tmp_path, tensors={}, meta={}, lock_timeout_s=0.05)
     save_checkpoint(tmp_path, tensors={}, meta={}, lock_timeout_s=0.05)
+
+
+def test_directory_claim_is_exclusive_across_processes(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from swarmtrain.sync.checkpoint import claim_directory
+
+    claim = claim_directory(tmp_path)
+    probe = (
+        "import sys\nfrom swarmtrain.sync.checkpoint import CheckpointError, claim_directory\n"
+        "try:\n    claim_directory(sys.argv[1])\nexcept CheckpointError as e:\n    print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe, str(tmp_path)], capture_output=True, text=True, check=True)
+    assert "in use by another running peer" in out.stdout and str(os.getpid()) in out.stdout
+    claim.release()
+    out = subprocess.run([sys.executable, "-c", probe, str(tmp_path)], capture_output=True, text=True, check=True)
+    assert out.stdout == ""
