@@ -42,8 +42,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return int(args._module.run(args) or 0)
-    except (ConfigError, FileNotFoundError) as e:
-        print(f"swarmtrain {args.command}: error: {e}", file=sys.stderr)
+    except (ValueError, OSError) as e:
+        # Every user-facing error of the library (ConfigError, CorpusError, CheckpointError, ...) is a
+        # ValueError subclass whose message names what was wrong: one line, traceback only on request.
+        logging.getLogger(__name__).debug("%s failed", args.command, exc_info=True)
+        kind = "" if isinstance(e, ConfigError) else f"{type(e).__name__}: "
+        print(f"swarmtrain {args.command}: error: {kind}{e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
