@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -20,8 +19,6 @@ from swarmtrain.diloco.worker import DilocoWorker, resolve_device
 from swarmtrain.models import build_model
 
 __all__ = ["AverageAll", "RoundRecord", "SimulationResult", "simulate_ddp", "simulate_diloco"]
-
-log = logging.getLogger(__name__)
 
 AverageAll = Callable[[int, Sequence[torch.Tensor]], Sequence[AverageResult]]
 OnRound = Callable[["RoundRecord"], None]
@@ -57,7 +54,7 @@ class SimulationResult:
         last = self.rounds[-1] if self.rounds else None
         return {
             "mode": self.mode, "workers": self.num_workers, "num_params": self.num_params,
-            "inner_steps": cfg.diloco.inner_steps, "codec": cfg.compress.codec,
+            "inner_steps": cfg.diloco.inner_steps, "codec": cfg.compress.codec if self.mode == "diloco" else "fp32",
             "initial_val_loss": self.initial_val_loss, "final_val_loss": self.final_val_loss,
             "tokens": last.tokens if last else 0, "bytes_sent": last.bytes_sent if last else 0,
             "hash": self.hash, "wall_s": self.wall_s,
