@@ -62,6 +62,8 @@ def _rounds(args: argparse.Namespace, one_round: Any, prepare: Any = None) -> No
         t0, c0 = time.perf_counter(), time.process_time()
         info = one_round(r)
         _say("DONE", round=r, seconds=time.perf_counter() - t0, cpu_s=time.process_time() - c0, **info)
+    _say("WAIT", round=-1)  # keep serving means until every peer has fetched them
+    _wait_go()
 
 
 def worker_ours(args: argparse.Namespace) -> None:
@@ -147,6 +149,8 @@ def worker_hivemind(args: argparse.Namespace) -> None:
         with averager.get_tensors() as tensors:
             err = (tensors[0][:1000] - expected_head(args.world, 1000)).abs().max().item()
         _say("DONE", round=r, seconds=seconds, cpu_s=0.0, bytes_sent=0, max_err=err)
+    _say("WAIT", round=-1)
+    _wait_go()
     averager.shutdown()
     dht.shutdown()
 
@@ -216,6 +220,10 @@ def run_arm(arm: str, world: int, numel: int, args: argparse.Namespace) -> list[
                                "bytes_sent_per_peer": statistics.mean(d["bytes_sent"] for d in done),
                                "max_err": max(d["max_err"] for d in done),
                                "cpu_s_per_peer": statistics.mean(d["cpu_s"] for d in done)})
+        for p in procs:
+            _read(p, "WAIT")
+        for p in procs:
+            _send(p, "GO")
         for p in procs:
             p.wait(timeout=60)
         return rounds
