@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from swarmtrain.rpc import frames
@@ -12,6 +12,7 @@ from swarmtrain.wire import averaging_pb2 as pb
 pytestmark = pytest.mark.unit
 
 
+@settings(max_examples=40, deadline=None)
 @given(st.binary(max_size=3000), st.integers(0, 2**62))
 def test_fetch_chunk_matches_protobuf(data: bytes, total: int) -> None:
     ours = frames.frame(frames.encode_varint_field(1, total), 2, memoryview(data))
