@@ -6,7 +6,10 @@ here, by one function, on the same validation batches (a bigger set than the pee
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -23,7 +26,7 @@ from swarmtrain.data import eval_batches, load_corpus
 from swarmtrain.diloco.flat import assign_flat, flat_hash
 from swarmtrain.models import build_model
 from swarmtrain.sync.checkpoint import load_latest_checkpoint
-from swarmtrain.telemetry.events import LeaveEvent, ReadyLine, RoundEvent
+from swarmtrain.telemetry.events import LeaveEvent, Line, ReadyLine, RoundEvent
 from swarmtrain.testbed import Testbed, read_counters
 from swarmtrain.testbed.counters import HostCounters
 from swarmtrain.testbed.swarm import TestbedSwarm
@@ -145,7 +148,12 @@ class DilocoRun:
 
 def start_diloco(tb: Testbed, workload: Workload, *, codec: str, out_dir: Path,
                  extra_run: list[str] | None = None, checkpoint_every: int = 1000) -> DilocoRun:
-    """Coordinator on host 0, peer i on host i; returns once every peer printed READY."""
+    """Coordinator on host 0, peer i on host i; returns once every peer printed READY, all released together.
+
+    Peers start training the moment they print READY, and on 2 busy cores their starts spread over
+    seconds. Like DDP's barrier, a start barrier: each peer's main process is held (SIGSTOP; its DHT
+    process keeps answering) from its READY line until every peer is READY, then all get SIGCONT.
+    """
     run_cfg = [*workload.run_overrides(codec=codec), *(extra_run or [])]
     swarm = TestbedSwarm(tb, log_dir=out_dir / "logs", run_overrides=run_cfg)
     swarm.start_coordinator(host=0, timeout_s=120)
@@ -154,8 +162,17 @@ def start_diloco(tb: Testbed, workload: Workload, *, codec: str, out_dir: Path,
                     peer_args=["--set", f"checkpoint.every_rounds={checkpoint_every}"])
     for name in names:
         run.restart(name)
-    for name in names:
-        swarm.peers[name].wait_ready(timeout_s=180)
+    held = []
+    try:
+        for name in names:
+            child = swarm.peers[name]
+            child.wait_ready(timeout_s=180)
+            os.kill(child.proc.pid, signal.SIGSTOP)
+            held.append(child.proc.pid)
+    finally:
+        for pid in held:
+            os.kill(pid, signal.SIGCONT)
+    swarm.released_at = time.monotonic()
     return run
 
 
@@ -163,9 +180,12 @@ def finish_diloco(run: DilocoRun, workload: Workload, *, timeout_s: float, befor
     """Wait for every peer to finish its rounds; summarize rounds, time, bytes, agreement, final loss."""
     swarm = run.swarm
     deadline = time.monotonic() + timeout_s
-    for name, child in swarm.peers.items():
-        child.wait_for(lambda x: isinstance(x, LeaveEvent), timeout_s=max(1.0, deadline - time.monotonic()),
-                       what=f"{name} finishing its rounds")
+    try:
+        for name, child in swarm.peers.items():
+            child.wait_for(lambda x: isinstance(x, LeaveEvent), timeout_s=max(1.0, deadline - time.monotonic()),
+                           what=f"{name} finishing its rounds")
+    finally:
+        dump_events(swarm)
     counters = _counters_summary(before, read_counters(swarm.testbed.name))
     summary = summarize_rounds(swarm, list(run.hosts))
     ckpt = load_latest_checkpoint(run.checkpoint_dirs["p0"])
@@ -177,6 +197,17 @@ def finish_diloco(run: DilocoRun, workload: Workload, *, timeout_s: float, befor
     return {**summary, **counters}
 
 
+def dump_events(swarm: TestbedSwarm) -> None:
+    """Every line every process printed, with arrival times from the release, to LOG_DIR/events.jsonl."""
+    with (swarm.log_dir / "events.jsonl").open("w") as f:
+        for t, name, line in list(swarm.timeline):
+            f.write(json.dumps({"t_s": round(t - swarm.released_at, 3), "proc": name, **_line_dict(line)}) + "\n")
+
+
+def _line_dict(line: Line) -> dict[str, Any]:
+    return {"ready": line.info} if isinstance(line, ReadyLine) else {"event": line.event, **dataclasses.asdict(line)}
+
+
 def summarize_rounds(swarm: TestbedSwarm, names: list[str]) -> dict[str, Any]:
     """Per-peer wall/compute from its lines; per-round hash agreement across every peer and restart."""
     by_round: dict[int, set[str]] = {}
@@ -184,7 +215,7 @@ def summarize_rounds(swarm: TestbedSwarm, names: list[str]) -> dict[str, Any]:
     first_ready, last_round = float("inf"), 0.0
     for name in names:
         lines = swarm.lines_of(name)
-        ready_t = [t for t, x in lines if isinstance(x, ReadyLine)]
+        ready_t = [max(t, swarm.released_at) for t, x in lines if isinstance(x, ReadyLine)]
         rounds = [(t, x) for t, x in lines if isinstance(x, RoundEvent)]
         if not rounds:
             raise RuntimeError(f"{name} printed no round lines; see {swarm.log_dir}")

@@ -44,6 +44,7 @@ class TestbedSwarm:
         self._children: list[Child] = []
         self._lock = threading.Lock()
         self.timeline: list[tuple[float, str, Line]] = []  # (monotonic arrival time, process name, line)
+        self.released_at = 0.0  # monotonic time a harness let the peers start training (0 = at READY)
 
     def _on_line(self, name: str, line: Line) -> None:
         with self._lock:
