@@ -126,6 +126,8 @@ class NetworkPlane:
         return PeerState(round=snap.round, theta_global=theta, outer_momentum=momentum)
 
     async def aclose(self) -> None:
+        # Serve the means this peer reduced until its group has them (bounded), then stop.
+        await asyncio.to_thread(self.averager.drain, timeout_s=self.cfg.averaging.contribution_window_s)
         await asyncio.to_thread(self.node.close)
 
 

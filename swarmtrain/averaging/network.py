@@ -53,6 +53,15 @@ class NetworkAverager:
         self.killed = True
         await self.node.kill_server()
 
+    def drain(self, *, timeout_s: float) -> tuple[str, ...]:
+        """Before leaving: wait until the members of the last served round have pulled this peer's means."""
+        if not self.node.serve or self.killed:
+            return ()
+        missing = self.node.run(self.registry.drain(timeout_s=timeout_s), timeout_s=timeout_s + 5.0)
+        if missing:
+            log.warning("%s: leaving before %s pulled the means it reduced", self.node.peer_id, list(missing))
+        return missing
+
     def average(self, round_index: int, delta: torch.Tensor) -> AverageResult:
         """The Averager protocol: the group's mean of `delta` (flat fp32) for round `round_index`."""
         if delta.dim() != 1 or delta.dtype != torch.float32:

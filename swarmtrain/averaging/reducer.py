@@ -14,6 +14,7 @@ attempts of one round can never both commit (see allreduce.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -80,6 +81,7 @@ class _Session:
     closed: asyncio.Event = field(default_factory=asyncio.Event)
     contributors: tuple[str, ...] = ()
     means: dict[tuple[str, ...], bytes] = field(default_factory=dict)
+    fetched: set[str] = field(default_factory=set)  # members that pulled a mean: a leaving peer waits for them
     mean_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     timer: asyncio.TimerHandle | None = None
 
@@ -257,7 +259,33 @@ class ReducerRegistry:
                 parts = [s.received[p] for p in order]
                 data = await asyncio.to_thread(lambda: self.codec.encode(mean_of(parts)))
                 s.means[tuple(order)] = data
+        s.fetched.add(peer)
+        async with self.changed:
+            self.changed.notify_all()
         return data
+
+    async def drain(self, *, timeout_s: float) -> tuple[str, ...]:
+        """Wait (bounded) until every contributor of the newest served round has pulled its mean.
+
+        A peer leaving gracefully right after it committed would otherwise take the shard it reduced
+        with it and abort the round for everyone still fetching. Returns the members that never came.
+        """
+        deadline = asyncio.get_running_loop().time() + timeout_s
+
+        def missing() -> set[str]:
+            if not self._served:
+                return set()
+            sid = self._served[max(self._served)]
+            s = self._sessions.get(sid)
+            if s is None or not s.closed.is_set():
+                return set()
+            return set(s.contributors) - s.fetched
+
+        async with self.changed:
+            while missing() and (remaining := deadline - asyncio.get_running_loop().time()) > 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.changed.wait(), timeout=remaining)
+        return tuple(sorted(missing()))
 
     async def kill(self, caller: str) -> None:
         """Die like a crashed process: stop the server (in a task of its own, so cancelling this call

@@ -112,3 +112,16 @@ def test_losing_the_majority_aborts_on_every_member() -> None:
         for name, r in results.items():
             assert not r.committed and r.mean is None, name
             assert "delivered" in r.reason, r.reason
+
+
+def test_a_leaving_reducer_drains_until_its_group_pulled_the_means() -> None:
+    # a's reducer answers d's mean request late: a must not stop serving before d has it.
+    plan = FaultPlan().add(peer="a", round=0, call="mean", target="d", action="delay", delay_s=1.0)
+    with Swarm(NAMES, fault_hook=plan) as swarm:
+        deltas = deltas_for(NAMES, NUMEL)
+        futures = {n: swarm.pool.submit(swarm.averagers[n].average, 0, d) for n, d in deltas.items()}
+        assert futures["a"].result(timeout=30).committed
+        assert swarm.averagers["a"].drain(timeout_s=0.05) == ("d",)  # d is still waiting for a's shard
+        assert swarm.averagers["a"].drain(timeout_s=20) == ()
+        results = {n: f.result(timeout=30) for n, f in futures.items()}
+        _committed_same(results, reference_mean(deltas, NAMES, _equal_bounds(4)), NAMES)
