@@ -97,7 +97,8 @@ class AllReduce:
     async def _attempt(self, group: Group, me: Member, attempt: int, reducers: tuple[Member, ...],
                        delta: torch.Tensor, deadline: float) -> _Attempt:
         key = SessionKey(group.run_id, group.round, group.group_id, attempt, tuple(m.peer_id for m in reducers))
-        bounds = shard_bounds(delta.numel(), tuple(m.bandwidth_bytes_per_s for m in reducers))
+        bounds = shard_bounds(delta.numel(), tuple(m.bandwidth_bytes_per_s for m in reducers),
+                              align=self.codec.alignment)
         if not me.client_mode:
             await self.registry.open_session(key)
         t0 = time.monotonic()

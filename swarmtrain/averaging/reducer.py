@@ -40,9 +40,10 @@ def max_encoded_bytes(numel: int) -> int:
     return 4 * numel + ENCODED_SLACK_BYTES
 
 
-def shard_bounds(numel: int, weights: tuple[float, ...]) -> list[tuple[int, int]]:
+def shard_bounds(numel: int, weights: tuple[float, ...], *, align: int = 1) -> list[tuple[int, int]]:
     """Contiguous [lo, hi) ranges of a flat tensor, one per reducer, sized by `weights`
-    (equal when any weight is unknown, i.e. <= 0). Identical on every member for the same input."""
+    (equal when any weight is unknown, i.e. <= 0). Identical on every member for the same input.
+    Inner edges fall on multiples of `align` (the codec's block) so shards quantize like the whole."""
     if not weights:
         raise ValueError("shard_bounds: no reducers")
     if any(w <= 0 for w in weights):
@@ -50,7 +51,7 @@ def shard_bounds(numel: int, weights: tuple[float, ...]) -> list[tuple[int, int]
     total, acc, edges = sum(weights), 0.0, [0]
     for w in weights[:-1]:
         acc += w
-        edges.append(min(numel, round(numel * acc / total)))
+        edges.append(min(numel, round(numel * acc / total / align) * align))
     edges.append(numel)
     return [(edges[i], edges[i + 1]) for i in range(len(weights))]
 
@@ -162,7 +163,7 @@ class ReducerRegistry:
         by_id = {m.peer_id: m for m in rnd.group.members}
         weights = tuple(by_id[r].bandwidth_bytes_per_s for r in key.reducers)
         shard = key.reducers.index(self.peer_id)
-        lo, hi = shard_bounds(rnd.numel, weights)[shard]
+        lo, hi = shard_bounds(rnd.numel, weights, align=self.codec.alignment)[shard]
         session = _Session(key, rnd.group, shard, hi - lo, frozenset(by_id))
         session.timer = asyncio.get_running_loop().call_later(self.window_s, self._close, session)
         self._sessions[key.session_id] = session

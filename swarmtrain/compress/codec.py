@@ -28,6 +28,10 @@ class Codec(Protocol):
     """
 
     name: str
+    # A flat tensor cut at multiples of `alignment` elements encodes piece by piece exactly as the
+    # whole does (the quantization blocks line up), so shards of an all-reduce lose what the
+    # whole-tensor round trip says they lose: error feedback depends on it.
+    alignment: int
 
     def encode(self, tensor: torch.Tensor) -> bytes: ...
 

@@ -75,6 +75,7 @@ class _Codec:
 
     name: str
     codec_id: CodecId
+    alignment: int = 1
 
     def __init__(self, *, zstd_level: int, device: torch.device | str, limits: DecodeLimits) -> None:
         if not 0 <= zstd_level <= 22:
@@ -223,6 +224,7 @@ class BlockQuantCodec(_Codec):
         self.name = name
         self.codec_id = self._IDS[name]
         self.block_size = block_size
+        self.alignment = block_size
         self.scale_fp16 = scale_dtype == "fp16"
         self.stochastic = stochastic_rounding
         self._generator: torch.Generator | None = None

@@ -78,3 +78,15 @@ def test_run_key_env_overrides_config(monkeypatch: pytest.MonkeyPatch) -> None:
     assert resolve_run_key(RpcConfig(run_key="from-config")) == "from-config"
     monkeypatch.setenv("SWARMTRAIN_RUN_KEY", "from-env")
     assert resolve_run_key(RpcConfig(run_key="from-config")) == "from-env"
+
+
+def test_shards_align_to_codec_blocks_so_they_quantize_like_the_whole() -> None:
+    from swarmtrain.compress import get_codec
+
+    codec = get_codec("int8", block_size=64)
+    x = torch.randn(10_007, generator=torch.Generator().manual_seed(0))
+    bounds = shard_bounds(x.numel(), (1.0, 2.5, 1.3), align=codec.alignment)
+    assert all(lo % 64 == 0 for lo, _ in bounds) and bounds[-1][1] == x.numel()
+    assert [hi - lo for lo, hi in bounds] != [0, 0, 0]
+    pieces = torch.cat([codec.decode(codec.encode(x[lo:hi])) for lo, hi in bounds])
+    assert torch.equal(pieces, codec.decode(codec.encode(x)))  # what error feedback assumes was lost
