@@ -159,7 +159,9 @@ def start_diloco(tb: Testbed, workload: Workload, *, codec: str, out_dir: Path,
     swarm.start_coordinator(host=0, timeout_s=120)
     names = {f"p{i}": i for i in range(workload.num_peers)}
     run = DilocoRun(swarm, names, {n: out_dir / f"ckpt-{n}" for n in names},
-                    peer_args=["--set", f"checkpoint.every_rounds={checkpoint_every}"])
+                    peer_args=["--set", f"checkpoint.every_rounds={checkpoint_every}",
+                               # an aborted round is retried once match entries expire: keep that short
+                               "--set", "discovery.heartbeat_s=1.0", "--set", "discovery.record_ttl_s=4.0"])
     for name in names:
         run.restart(name)
     held = []
