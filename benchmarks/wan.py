@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from wan_common import Workload, finish_diloco, run_ddp, start_diloco
+from wan_common import Workload, finish_diloco, heal_accounting, run_ddp, start_diloco
 
 from swarmtrain.testbed import LinkSpec, Testbed, parse_rate, read_counters, require_root
 
@@ -45,6 +45,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--name", default="wan", help="testbed name (namespaces NAME-*)")
     p.add_argument("--timeout-s", type=float, default=1800.0, help="deadline of one arm")
     p.add_argument("--out", default="benchmarks/results/wan.json", help="results JSON; the PNG goes next to it")
+    p.add_argument("--from-json", action="store_true",
+                   help="no runs: re-read --out (and its runs' events.jsonl), print the table, redraw the plot")
     return p.parse_args(argv)
 
 
@@ -68,14 +70,15 @@ def _fmt_mb(x: float | None) -> str:
 
 def print_table(results: list[dict[str, Any]]) -> None:
     print(f"\n{'rate':>8} {'arm':>5} {'wall s':>8} {'util %':>7} {'val loss':>9} {'wire MB':>8} "
-          f"{'data MB':>8} {'payload MB':>10} {'counted MB':>10} {'wire/counted':>12}")
+          f"{'data MB':>8} {'payload MB':>10} {'counted MB':>10} {'wire/counted':>12} {'payload/counted':>15}")
     for r in results:
         util = 100 * sum(r["utilization"]) / len(r["utilization"])
-        counted = r.get("swarmtrain_bytes_sent") or r.get("expected_bytes_sent")
-        ratio = r["wire_data_bytes"] / counted if r["arm"] != "ddp" and counted else r["wire_bytes"] / counted
+        counted = r["expected_bytes_sent"] if r["arm"] == "ddp" else r["swarmtrain_bytes_sent"] + r["heal_bytes"]
+        ratio = r["wire_bytes"] / counted if r["arm"] == "ddp" else r["wire_data_bytes"] / counted
+        payload_ratio = "-" if r["arm"] == "ddp" else f"{r['wire_data_payload_bytes'] / counted:.3f}"
         print(f"{r['rate']:>8} {r['arm']:>5} {r['wall_s']:8.1f} {util:7.1f} {r['val_loss']:9.4f} "
               f"{_fmt_mb(r['wire_bytes'])} {_fmt_mb(r['wire_data_bytes'])} {_fmt_mb(r['wire_data_payload_bytes']):>10} "
-              f"{_fmt_mb(counted):>10} {ratio:12.3f}")
+              f"{_fmt_mb(counted):>10} {ratio:12.3f} {payload_ratio:>15}")
     for rate in sorted({r["rate"] for r in results}):
         ddp = next((r for r in results if r["rate"] == rate and r["arm"] == "ddp"), None)
         for r in results:
@@ -122,8 +125,24 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def redraw(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    doc = json.loads(out.read_text())
+    workload = Workload(**doc["workload"])
+    for r in doc["results"]:
+        events = out.parent / f"{out.stem}-runs" / f"{r['rate']}-{r['arm']}" / "logs" / "events.jsonl"
+        if r["arm"] != "ddp" and "heals" not in r:
+            r.update(heal_accounting(events, workload))
+    out.write_text(json.dumps(doc, indent=1))
+    print_table(doc["results"])
+    plot(doc["results"], out.with_suffix(".png"))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.from_json:
+        return redraw(args)
     require_root()
     torch.set_num_threads(1)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: every testbed is torn down

@@ -190,6 +190,7 @@ def finish_diloco(run: DilocoRun, workload: Workload, *, timeout_s: float, befor
         dump_events(swarm)
     counters = _counters_summary(before, read_counters(swarm.testbed.name))
     summary = summarize_rounds(swarm, list(run.hosts))
+    summary.update(heal_accounting(swarm.log_dir / "events.jsonl", workload))
     ckpt = load_latest_checkpoint(run.checkpoint_dirs["p0"])
     if ckpt is None:
         raise RuntimeError(f"p0 left no checkpoint in {run.checkpoint_dirs['p0']}")
@@ -204,6 +205,14 @@ def dump_events(swarm: TestbedSwarm) -> None:
     with (swarm.log_dir / "events.jsonl").open("w") as f:
         for t, name, line in list(swarm.timeline):
             f.write(json.dumps({"t_s": round(t - swarm.released_at, 3), "proc": name, **_line_dict(line)}) + "\n")
+
+
+def heal_accounting(events_jsonl: Path, workload: Workload) -> dict[str, int]:
+    """Heals and their bytes. Round lines count all-reduce payload only; a heal streams the donor's
+    state (θ_global and outer momentum, fp32: 8 bytes per parameter), which no line reports."""
+    heals = sum(1 for line in events_jsonl.read_text().splitlines() if json.loads(line).get("event") == "heal")
+    numel = sum(p.numel() for p in build_model(workload.config().model, seed=0).parameters())
+    return {"heals": heals, "heal_bytes": heals * 8 * numel}
 
 
 def _line_dict(line: Line) -> dict[str, Any]:
