@@ -13,7 +13,7 @@ from swarmtrain.averaging.protocol import AverageResult
 from swarmtrain.compress.codec import Codec
 from swarmtrain.config import RunConfig, to_dict
 from swarmtrain.data.sharding import ShardedBatches, eval_batches
-from swarmtrain.diloco.flat import flat_hash, flatten
+from swarmtrain.diloco.flat import assign_flat, flat_hash, flatten
 from swarmtrain.diloco.traffic import allreduce_bytes_per_peer
 from swarmtrain.diloco.worker import DilocoWorker, resolve_device
 from swarmtrain.models import build_model
@@ -45,6 +45,7 @@ class SimulationResult:
     rounds: list[RoundRecord] = field(default_factory=list)
     hash: str = ""
     wall_s: float = 0.0
+    final_theta: torch.Tensor | None = field(default=None, repr=False)  # flat fp32 weights at the end
 
     @property
     def final_val_loss(self) -> float:
@@ -68,10 +69,14 @@ def _val_batches(cfg: RunConfig, val_tokens: torch.Tensor) -> list[tuple[torch.T
 
 
 def _worker(cfg: RunConfig, tokens: torch.Tensor, *, index: int, num_workers: int, batch_size: int,
-            codec: Codec | None) -> DilocoWorker:
+            codec: Codec | None, init_theta: torch.Tensor | None, start_step: int) -> DilocoWorker:
+    if start_step < 0:
+        raise ValueError(f"start_step must be >= 0, got {start_step}")
     batches = ShardedBatches(tokens, worker_index=index, num_workers=num_workers, batch_size=batch_size,
-                             seq_len=cfg.data.seq_len, seed=cfg.train.seed)
+                             seq_len=cfg.data.seq_len, seed=cfg.train.seed, position=start_step)
     model = build_model(cfg.model, seed=cfg.train.seed)  # every worker starts from the same θ
+    if init_theta is not None:  # a warm start (e.g. a DDP-pretrained checkpoint), shared by every worker
+        assign_flat(init_theta, list(model.parameters()))
     return DilocoWorker(cfg, model=model, batches=batches, device=resolve_device(cfg.train.device),
                         codec=codec, rng_seed=cfg.train.seed * 1000 + index)
 
@@ -85,14 +90,19 @@ def simulate_diloco(
     average_all: AverageAll,
     codec: Codec | None = None,
     on_round: OnRound | None = None,
+    init_theta: torch.Tensor | None = None,
+    start_step: int = 0,
 ) -> SimulationResult:
     """`cfg.diloco.rounds` DiLoCo rounds of `num_workers` workers, one after another in this process.
 
     `codec` is only needed for `compress.error_feedback` (it must be the one `average_all` uses).
+    `init_theta` (flat fp32) replaces the seeded init and `start_step` skips that many steps of the
+    data stream: a warm start from a checkpoint trained on the stream's first `start_step` steps.
+    Records count tokens and bytes from this call's start.
     """
     start = time.perf_counter()
     workers = [_worker(cfg, train_tokens, index=k, num_workers=num_workers, batch_size=cfg.data.batch_size,
-                       codec=codec) for k in range(num_workers)]
+                       codec=codec, init_theta=init_theta, start_step=start_step) for k in range(num_workers)]
     val = _val_batches(cfg, val_tokens)
     result = SimulationResult(mode="diloco", num_workers=num_workers, num_params=workers[0].numel,
                               initial_val_loss=workers[0].evaluate(val))
@@ -114,6 +124,7 @@ def simulate_diloco(
         if on_round is not None:
             on_round(record)
     result.hash = workers[0].global_hash()
+    result.final_theta = workers[0].theta_global.detach().cpu().clone()
     result.wall_s = time.perf_counter() - start
     return result
 
@@ -126,6 +137,8 @@ def simulate_ddp(
     num_workers: int,
     wire_codec: Codec | None = None,
     on_round: OnRound | None = None,
+    init_theta: torch.Tensor | None = None,
+    start_step: int = 0,
 ) -> SimulationResult:
     """The data-parallel baseline: one optimizer step per step on the union of the K workers' batches.
 
@@ -133,11 +146,12 @@ def simulate_ddp(
     stream reads at step t, so both modes see exactly the same tokens in the same steps. A round is
     H steps here too (for comparable records); bytes are those of a ring all-reduce of fp32
     gradients every step, each gradient framed by `wire_codec` (give the fp32 codec so that both
-    modes pay the same header) or counted as raw 4 bytes per element.
+    modes pay the same header) or counted as raw 4 bytes per element. `init_theta`/`start_step` as
+    in `simulate_diloco`.
     """
     start = time.perf_counter()
     worker = _worker(cfg, train_tokens, index=0, num_workers=1, batch_size=num_workers * cfg.data.batch_size,
-                     codec=None)
+                     codec=None, init_theta=init_theta, start_step=start_step)
     val = _val_batches(cfg, val_tokens)
     result = SimulationResult(mode="ddp", num_workers=num_workers, num_params=worker.numel,
                               initial_val_loss=worker.evaluate(val))
@@ -153,6 +167,7 @@ def simulate_ddp(
         result.rounds.append(record)
         if on_round is not None:
             on_round(record)
-    result.hash = flat_hash(flatten(worker.params))  # the trained weights: DDP has no θ_global
+    result.final_theta = flatten(worker.params)
+    result.hash = flat_hash(result.final_theta)  # the trained weights: DDP has no θ_global
     result.wall_s = time.perf_counter() - start
     return result
