@@ -17,7 +17,7 @@ import multiprocessing as mp
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,7 @@ DEFAULT_SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
 
 @dataclass(frozen=True)
 class Arm:
-    """One training configuration; `codec` like "int8" or "int4+ef" (error feedback)."""
+    """One training configuration; `codec` like "int8", "int8+zstd" or "int4+ef" (see `codec_overrides`)."""
 
     name: str
     mode: str  # "ddp" | "diloco"
@@ -44,13 +44,38 @@ class Job:
     workers: int
     steps: int  # optimizer steps per worker
     overrides: tuple[str, ...]
+    warm: WarmStart | None = None
+
+
+@dataclass(frozen=True)
+class WarmStart:
+    """The shared start of every arm of one (corpus, seed): DDP trained on the stream's first `steps` steps."""
+
+    steps: int
+    tokens: int
+    theta: bytes  # flat fp32 θ's raw bytes (plain bytes cross the fork pool without tensor/numpy machinery)
+    rounds: tuple[dict[str, Any], ...]
+    initial_val_loss: float
 
 
 def build_arms(args: argparse.Namespace) -> list[Arm]:
     arms = [Arm(f"ddp lr={lr:g}", "ddp", args.ddp_round_steps, overrides=(f"inner.lr={lr!r}",)) for lr in args.ddp_lrs]
     arms += [Arm(f"diloco H={h}", "diloco", h) for h in args.inner_steps]
-    arms += [Arm(f"diloco H=50 {c}", "diloco", 50, c) for c in args.codecs]
+    arms += [Arm(f"diloco H=50 {c}", "diloco", 50, c, codec_overrides(c)) for c in args.codecs]
     return arms
+
+
+CODEC_SUFFIXES = {"ef": "compress.error_feedback=true", "zstd": "compress.zstd_level=3",
+                  "fp16scales": "compress.scale_dtype=fp16"}
+
+
+def codec_overrides(spec: str) -> tuple[str, ...]:
+    """"int8+zstd+fp16scales" -> the compress.* overrides of that arm (suffixes: ef, zstd, fp16scales)."""
+    codec, *suffixes = spec.split("+")
+    unknown = [x for x in suffixes if x not in CODEC_SUFFIXES]
+    if unknown:
+        raise SystemExit(f"codec arm {spec!r}: unknown suffix {unknown[0]!r}; known: {sorted(CODEC_SUFFIXES)}")
+    return (f"compress.codec={codec}", *(CODEC_SUFFIXES[x] for x in suffixes))
 
 
 def run_job(job: Job) -> dict[str, Any]:
@@ -64,27 +89,60 @@ def run_job(job: Job) -> dict[str, Any]:
     from swarmtrain.diloco.simulation import simulate_ddp, simulate_diloco
 
     arm = job.arm
-    codec_name, _, ef = arm.codec.partition("+")
     overrides = [*job.overrides, f"train.seed={job.seed}", f"diloco.inner_steps={arm.inner_steps}",
-                 f"diloco.rounds={job.steps // arm.inner_steps}", f"compress.codec={codec_name}",
-                 f"compress.error_feedback={'true' if ef == 'ef' else 'false'}", *arm.overrides]
+                 f"diloco.rounds={job.steps // arm.inner_steps}", *arm.overrides]
     if job.corpus != "stdlib":
         overrides.append(f"data.paths={json.dumps([job.corpus])}")
     cfg = load_config(overrides=overrides)
     corpus = load_corpus(cfg.data)
+    start = {}
+    if job.warm is not None:
+        start = {"init_theta": torch.frombuffer(bytearray(job.warm.theta), dtype=torch.float32),
+                 "start_step": job.warm.steps}
     if arm.mode == "ddp":
         result = simulate_ddp(cfg, train_tokens=corpus.train, val_tokens=corpus.val, num_workers=job.workers,
-                              wire_codec=get_codec("fp32"))
+                              wire_codec=get_codec("fp32"), **start)
     else:
         codec = codec_from_config(cfg.compress, seed=job.seed)
         group = InProcessGroup(codec, num_workers=job.workers)
         result = simulate_diloco(cfg, train_tokens=corpus.train, val_tokens=corpus.val, num_workers=job.workers,
-                                 average_all=group.average_all, codec=codec)
+                                 average_all=group.average_all, codec=codec, **start)
     out = result.to_json(cfg)
     out.update(arm=arm.name, corpus=corpus_label(job.corpus), seed=job.seed)
+    if job.warm is not None:  # tokens count from the very start; the warm-start curve is shared by all arms
+        out.update(warm_start_steps=job.warm.steps, warm_start_tokens=job.warm.tokens,
+                   warm_start_val_loss=out["initial_val_loss"], initial_val_loss=job.warm.initial_val_loss)
+        out["tokens"] += job.warm.tokens
+        out["warm_start_rounds"] = list(job.warm.rounds)
+        out["rounds"] = [{**p, "tokens": p["tokens"] + job.warm.tokens} for p in out["rounds"]]
     sys.stderr.write(f"  done {out['corpus']:<8} seed={job.seed} {arm.name:<22} val {out['final_val_loss']:.4f} "
                      f"({out['wall_s']:.0f}s)\n")
     return out
+
+
+def warm_start(job: Job) -> WarmStart:
+    """Train DDP (`job.arm`, its own warmup+cosine schedule) for `job.steps` steps: the shared checkpoint."""
+    import torch
+
+    torch.set_num_threads(1)
+    from swarmtrain.compress import get_codec
+    from swarmtrain.config import load_config
+    from swarmtrain.data import load_corpus
+    from swarmtrain.diloco.simulation import simulate_ddp
+
+    overrides = [*job.overrides, f"train.seed={job.seed}", f"diloco.inner_steps={job.arm.inner_steps}",
+                 f"diloco.rounds={job.steps // job.arm.inner_steps}", *job.arm.overrides]
+    if job.corpus != "stdlib":
+        overrides.append(f"data.paths={json.dumps([job.corpus])}")
+    cfg = load_config(overrides=overrides)
+    corpus = load_corpus(cfg.data)
+    result = simulate_ddp(cfg, train_tokens=corpus.train, val_tokens=corpus.val, num_workers=job.workers,
+                          wire_codec=get_codec("fp32"))
+    assert result.final_theta is not None
+    sys.stderr.write(f"  warm start {corpus_label(job.corpus):<8} seed={job.seed} {job.arm.name} {job.steps} steps: "
+                     f"val {result.final_val_loss:.4f} ({result.wall_s:.0f}s)\n")
+    return WarmStart(steps=job.steps, tokens=result.rounds[-1].tokens, theta=result.final_theta.numpy().tobytes(),
+                     rounds=tuple(asdict(r) for r in result.rounds), initial_val_loss=result.initial_val_loss)
 
 
 def corpus_label(corpus: str) -> str:
@@ -114,6 +172,23 @@ def summarize(results: list[dict[str, Any]], arms: list[Arm]) -> list[dict[str, 
     return rows
 
 
+def codec_checks(results: list[dict[str, Any]], rows: list[dict[str, Any]]) -> str:
+    """Issue 4's targets: each codec arm's val loss vs fp32 DiLoCo H=50 (same seed), and its bytes ratio vs DDP."""
+    lines = []
+    for r in rows:
+        if not r["arm"].startswith("diloco H=50 "):
+            continue
+        fp32 = {x["seed"]: x["final_val_loss"] for x in results if x["corpus"] == r["corpus"] and x["arm"] == "diloco H=50"}
+        runs = [x for x in results if x["corpus"] == r["corpus"] and x["arm"] == r["arm"] and x["seed"] in fp32]
+        if not runs:
+            continue
+        worst = max(x["final_val_loss"] / fp32[x["seed"]] for x in runs)
+        ok = worst <= 1.005 and r["ddp_bytes_over_arm"] >= 200
+        lines.append(f"{r['corpus']}: {r['arm']}: loss / fp32 DiLoCo (worst seed) {worst:.4f}, DDP bytes / arm bytes "
+                     f"{r['ddp_bytes_over_arm']:.0f}x; within 0.5% and >= 200x: {'yes' if ok else 'NO'}\n")
+    return "".join(lines)
+
+
 def print_table(rows: list[dict[str, Any]]) -> str:
     head = ("| corpus | arm | final val loss (mean, min–max over seeds) | loss / best DDP (mean; worst seed) "
             "| bytes sent per worker | DDP bytes / arm bytes |\n|---|---|---|---|---|---|\n")
@@ -136,8 +211,9 @@ def plot(results: list[dict[str, Any]], arms: list[Arm], path: Path) -> None:
         shown: list[float] = []
         for arm in arms:
             runs = [r for r in results if r["corpus"] == corpus and r["arm"] == arm.name]
-            tokens = [0] + [p["tokens"] for p in runs[0]["rounds"]]
-            curves = [[r["initial_val_loss"]] + [p["val_loss"] for p in r["rounds"]] for r in runs]
+            points = [[*r.get("warm_start_rounds", []), *r["rounds"]] for r in runs]
+            tokens = [0] + [p["tokens"] for p in points[0]]
+            curves = [[r["initial_val_loss"]] + [p["val_loss"] for p in pts] for r, pts in zip(runs, points, strict=True)]
             mean = [statistics.mean(c[i] for c in curves) for i in range(len(tokens))]
             ax.plot([t / 1e6 for t in tokens], mean, label=arm.name, linestyle="--" if arm.mode == "ddp" else "-")
             shown += mean[max(1, len(mean) // 8):]  # the y range skips the steep start, where arms agree
@@ -158,7 +234,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--workers", type=int, default=4, help="K")
     p.add_argument("--inner-steps", type=int, nargs="+", default=[25, 50, 100], help="H values of the fp32 arms")
-    p.add_argument("--codecs", nargs="*", default=[], help="extra DiLoCo H=50 arms, e.g. int8 int4+ef")
+    p.add_argument("--codecs", nargs="*", default=[],
+                   help="extra DiLoCo H=50 arms: CODEC[+ef][+zstd][+fp16scales], e.g. int8 int8+zstd int4+ef")
     p.add_argument("--steps", type=int, default=800, help="optimizer steps per worker (a multiple of every H)")
     p.add_argument("--ddp-lrs", type=float, nargs="+", default=[3e-3, 1.2e-2],
                    help="one DDP arm per inner lr; ratios are to the best DDP arm of each seed")
@@ -169,6 +246,10 @@ def parse_args() -> argparse.Namespace:
                    help="config override for the DDP arm only (e.g. its own tuned inner.lr)")
     p.add_argument("--diloco-set", dest="diloco_overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="config override for the DiLoCo arms only")
+    p.add_argument("--corpora", nargs="+", choices=["stdlib", "shakespeare"], default=["stdlib", "shakespeare"])
+    p.add_argument("--warm-start-steps", type=int, default=0,
+                   help="DDP steps that every arm of a seed starts from (the DiLoCo paper's protocol); 0 = from init")
+    p.add_argument("--warm-start-lr", type=float, default=1.2e-2, help="inner.lr of the warm-start DDP phase")
     p.add_argument("--processes", type=int, default=2, help="worker processes (1 torch thread each)")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results", help="output directory")
     p.add_argument("--tag", default="convergence", help="file name stem of the JSON/PNG")
@@ -183,17 +264,28 @@ def main() -> int:
     for h in [*args.inner_steps, args.ddp_round_steps, *([50] if args.codecs else [])]:
         if args.steps % h:
             raise SystemExit(f"--steps {args.steps} is not a multiple of H={h}")
+    if args.warm_start_steps % args.ddp_round_steps:
+        raise SystemExit(f"--warm-start-steps {args.warm_start_steps} is not a multiple of --ddp-round-steps")
     if not args.shakespeare.is_file():
         raise SystemExit(f"{args.shakespeare}: not found (pass --shakespeare PATH)")
     arms = build_arms(args)
     overrides = (*BASE_OVERRIDES, *args.overrides)
     per_mode = {"ddp": tuple(args.ddp_overrides), "diloco": tuple(args.diloco_overrides)}
+    corpora = [c if c == "stdlib" else str(args.shakespeare) for c in args.corpora]
     jobs = [Job(c, s, a, args.workers, args.steps, (*overrides, *per_mode[a.mode]))
-            for c in ("stdlib", str(args.shakespeare)) for s in args.seeds for a in arms]
+            for c in corpora for s in args.seeds for a in arms]
     sys.stderr.write(f"{len(jobs)} runs on {args.processes} processes: K={args.workers}, {args.steps} steps per "
-                     f"worker, overrides {list(overrides)}\n")
+                     f"worker after {args.warm_start_steps} warm-start DDP steps, overrides {list(overrides)}\n")
     start = time.perf_counter()
     with mp.get_context("fork").Pool(args.processes, maxtasksperchild=1) as pool:
+        if args.warm_start_steps:
+            warm_arm = Arm(f"ddp lr={args.warm_start_lr:g}", "ddp", args.ddp_round_steps,
+                           overrides=(f"inner.lr={args.warm_start_lr!r}",))
+            warm_jobs = [Job(c, s, warm_arm, args.workers, args.warm_start_steps, (*overrides, *per_mode["ddp"]))
+                         for c in corpora for s in args.seeds]
+            warms = dict(zip([(j.corpus, j.seed) for j in warm_jobs], pool.map(warm_start, warm_jobs, chunksize=1),
+                             strict=True))
+            jobs = [replace(j, warm=warms[(j.corpus, j.seed)]) for j in jobs]
         results = pool.map(run_job, jobs, chunksize=1)
     rows = summarize(results, arms)
     table = print_table(rows)
@@ -209,6 +301,7 @@ def main() -> int:
     for r in check:
         ok = r["max_loss_ratio_to_ddp"] <= 1.02 and r["ddp_bytes_over_arm"] >= 50
         sys.stdout.write(f"{r['corpus']}: DiLoCo H=50 within 2% of DDP and >= 50x fewer bytes: {'yes' if ok else 'NO'}\n")
+    sys.stdout.write(codec_checks(results, rows))
     sys.stdout.write(f"wrote {json_path} and {png_path} in {meta['wall_s']:.0f}s\n")
     return 0
 
