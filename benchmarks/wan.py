@@ -45,6 +45,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--name", default="wan", help="testbed name (namespaces NAME-*)")
     p.add_argument("--timeout-s", type=float, default=1800.0, help="deadline of one arm")
     p.add_argument("--out", default="benchmarks/results/wan.json", help="results JSON; the PNG goes next to it")
+    p.add_argument("--merge", action="store_true",
+                   help="keep the arms already in --out that this invocation does not run")
     p.add_argument("--from-json", action="store_true",
                    help="no runs: re-read --out (and its runs' events.jsonl), print the table, redraw the plot")
     return p.parse_args(argv)
@@ -70,15 +72,15 @@ def _fmt_mb(x: float | None) -> str:
 
 def print_table(results: list[dict[str, Any]]) -> None:
     print(f"\n{'rate':>8} {'arm':>5} {'wall s':>8} {'util %':>7} {'val loss':>9} {'wire MB':>8} "
-          f"{'data MB':>8} {'payload MB':>10} {'counted MB':>10} {'wire/counted':>12} {'payload/counted':>15}")
+          f"{'data MB':>8} {'payload MB':>10} {'counted MB':>10} {'wire/counted':>12} {'payload/counted':>15} {'heals':>5}")
     for r in results:
         util = 100 * sum(r["utilization"]) / len(r["utilization"])
-        counted = r["expected_bytes_sent"] if r["arm"] == "ddp" else r["swarmtrain_bytes_sent"] + r["heal_bytes"]
+        counted = r["expected_bytes_sent"] if r["arm"] == "ddp" else r["swarmtrain_bytes_sent"]
         ratio = r["wire_bytes"] / counted if r["arm"] == "ddp" else r["wire_data_bytes"] / counted
         payload_ratio = "-" if r["arm"] == "ddp" else f"{r['wire_data_payload_bytes'] / counted:.3f}"
         print(f"{r['rate']:>8} {r['arm']:>5} {r['wall_s']:8.1f} {util:7.1f} {r['val_loss']:9.4f} "
               f"{_fmt_mb(r['wire_bytes'])} {_fmt_mb(r['wire_data_bytes'])} {_fmt_mb(r['wire_data_payload_bytes']):>10} "
-              f"{_fmt_mb(counted):>10} {ratio:12.3f} {payload_ratio:>15}")
+              f"{_fmt_mb(counted):>10} {ratio:12.3f} {payload_ratio:>15} {r.get('heals', '-'):>5}")
     for rate in sorted({r["rate"] for r in results}):
         ddp = next((r for r in results if r["rate"] == rate and r["arm"] == "ddp"), None)
         for r in results:
@@ -154,11 +156,14 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     work_dir = out.parent / f"{out.stem}-runs"
+    rates = args.rates.split(",")
     results: list[dict[str, Any]] = []
+    if args.merge and out.exists():
+        results = [r for r in json.loads(out.read_text())["results"] if not (r["rate"] in rates and r["arm"] in arms)]
     doc: dict[str, Any] = {"workload": workload.__dict__, "tokens_per_arm": workload.tokens,
                            "command": " ".join(sys.argv), "results": results,
                            "note": "2 cores for 4 hosts: 1 torch thread per process, compute oversubscribed"}
-    for rate in args.rates.split(","):
+    for rate in rates:
         for arm in arms:
             t0 = time.perf_counter()
             print(f"[{time.strftime('%H:%M:%S')}] {rate} {arm} ...", flush=True)
@@ -167,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
             results.append(result)
             out.write_text(json.dumps(doc, indent=1))  # after every arm: partial results survive
             print(f"  wall {result['wall_s']:.1f}s val {result['val_loss']:.4f}", flush=True)
+    results.sort(key=lambda r: (-parse_rate(r["rate"]), ARMS.index(r["arm"])))
     print_table(results)
     plot(results, out.with_suffix(".png"))
     print(f"\nwrote {out} and {out.with_suffix('.png')}")

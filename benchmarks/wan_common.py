@@ -6,6 +6,7 @@ here, by one function, on the same validation batches (a bigger set than the pee
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 
 from swarmtrain.config import RunConfig, load_config
+from swarmtrain.daemon.children import Child
 from swarmtrain.data import eval_batches, load_corpus
 from swarmtrain.diloco.flat import assign_flat, flat_hash
 from swarmtrain.models import build_model
@@ -159,9 +161,7 @@ def start_diloco(tb: Testbed, workload: Workload, *, codec: str, out_dir: Path,
     swarm.start_coordinator(host=0, timeout_s=120)
     names = {f"p{i}": i for i in range(workload.num_peers)}
     run = DilocoRun(swarm, names, {n: out_dir / f"ckpt-{n}" for n in names},
-                    peer_args=["--set", f"checkpoint.every_rounds={checkpoint_every}",
-                               # an aborted round is retried once match entries expire: keep that short
-                               "--set", "discovery.heartbeat_s=1.0", "--set", "discovery.record_ttl_s=4.0"])
+                    peer_args=["--set", f"checkpoint.every_rounds={checkpoint_every}"])
     for name in names:
         run.restart(name)
     held = []
@@ -178,26 +178,59 @@ def start_diloco(tb: Testbed, workload: Workload, *, codec: str, out_dir: Path,
     return run
 
 
-def finish_diloco(run: DilocoRun, workload: Workload, *, timeout_s: float, before: dict[int, HostCounters]) -> dict[str, Any]:
+def finish_diloco(run: DilocoRun, workload: Workload, *, timeout_s: float, before: dict[int, HostCounters],
+                  straggler_grace_s: float = 60.0) -> dict[str, Any]:
     """Wait for every peer to finish its rounds; summarize rounds, time, bytes, agreement, final loss."""
     swarm = run.swarm
-    deadline = time.monotonic() + timeout_s
     try:
-        for name, child in swarm.peers.items():
-            child.wait_for(lambda x: isinstance(x, LeaveEvent), timeout_s=max(1.0, deadline - time.monotonic()),
-                           what=f"{name} finishing its rounds")
+        stragglers = _wait_for_leaves(swarm, timeout_s=timeout_s, grace_s=straggler_grace_s)
     finally:
         dump_events(swarm)
     counters = _counters_summary(before, read_counters(swarm.testbed.name))
     summary = summarize_rounds(swarm, list(run.hosts))
-    summary.update(heal_accounting(swarm.log_dir / "events.jsonl", workload))
-    ckpt = load_latest_checkpoint(run.checkpoint_dirs["p0"])
+    summary.update(heal_accounting(swarm.log_dir / "events.jsonl", workload), stopped_stragglers=stragglers)
+    # The final weights of a peer that committed every round (a straggler may be a round short).
+    done = [n for n in run.hosts if n not in stragglers]
+    ckpt = load_latest_checkpoint(run.checkpoint_dirs[done[0]])
     if ckpt is None:
-        raise RuntimeError(f"p0 left no checkpoint in {run.checkpoint_dirs['p0']}")
+        raise RuntimeError(f"{done[0]} left no checkpoint in {run.checkpoint_dirs[done[0]]}")
     theta = ckpt.tensors["theta_global"]
-    summary["final_hash_p0"] = flat_hash(theta)
+    summary["final_hash"] = flat_hash(theta)
     summary["val_loss"] = evaluate(workload, lambda m: assign_flat(theta, list(m.parameters())))
     return {**summary, **counters}
+
+
+def _left(child: Child) -> bool:
+    return any(isinstance(x, LeaveEvent) for x in child.snapshot())
+
+
+def _wait_for_leaves(swarm: TestbedSwarm, *, timeout_s: float, grace_s: float) -> list[str]:
+    """Wait until every peer printed its leave line; returns the stragglers it had to stop.
+
+    A peer that missed the last round cannot finish once the others have left (no group, no donor
+    to heal from): `grace_s` after the first peer finished, the rest get SIGTERM (graceful leave).
+    """
+    deadline = time.monotonic() + timeout_s
+    first_done: float | None = None
+    while True:
+        pending = {n: c for n, c in swarm.peers.items() if not _left(c)}
+        if not pending:
+            return []
+        if first_done is None and len(pending) < len(swarm.peers):
+            first_done = time.monotonic()
+        if first_done is not None and time.monotonic() - first_done > grace_s:
+            break
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"peers {sorted(pending)} did not finish within {timeout_s:.0f}s")
+        name, child = next(iter(pending.items()))
+        with contextlib.suppress(TimeoutError):  # a short bounded wait is the poll interval
+            child.wait_for(lambda x: isinstance(x, LeaveEvent), timeout_s=1.0, what=f"{name} leaving")
+    for child in pending.values():
+        child.proc.send_signal(signal.SIGTERM)
+    for name, child in pending.items():
+        child.wait_for(lambda x: isinstance(x, LeaveEvent), timeout_s=60.0, what=f"{name} leaving on SIGTERM")
+    print(f"  stopped stragglers {sorted(pending)} {grace_s:.0f}s after the first peer finished", flush=True)
+    return sorted(pending)
 
 
 def dump_events(swarm: TestbedSwarm) -> None:
@@ -208,8 +241,12 @@ def dump_events(swarm: TestbedSwarm) -> None:
 
 
 def heal_accounting(events_jsonl: Path, workload: Workload) -> dict[str, int]:
-    """Heals and their bytes. Round lines count all-reduce payload only; a heal streams the donor's
-    state (θ_global and outer momentum, fp32: 8 bytes per parameter), which no line reports."""
+    """Heals and the size of what each streams (θ_global and outer momentum, fp32: 8 bytes per parameter).
+
+    A round line's bytes are the peer's data-plane counter over its averaging call, so a state served
+    to a healer during that call is in them and one served during inner steps is not: runs with heals
+    have no exact own count of their wire bytes, and the table says how many heals there were.
+    """
     heals = sum(1 for line in events_jsonl.read_text().splitlines() if json.loads(line).get("event") == "heal")
     numel = sum(p.numel() for p in build_model(workload.config().model, seed=0).parameters())
     return {"heals": heals, "heal_bytes": heals * 8 * numel}
