@@ -1,10 +1,11 @@
-"""swarmtrain: train one model on many far-apart peers with DiLoCo and SWARM.
+"""swarmtrain: train one model on many far-apart peers with DiLoCo.
 
 Map: config.py (typed run config) · models/ (GPT) · data/ (corpora, sharding) · diloco/ (outer
 loop, pure torch) · compress/ (codecs, kernels) · averaging/ (matchmaking, all-reduce) ·
-discovery/ (hivemind DHT) · rpc/ (gRPC) · sync/ (state transfer, checkpoints) · pipeline/ ·
-telemetry/ · daemon/ (CLI) · dashboard/ · testing/ (test helpers; never imported by the library).
-testbed/ (network-namespace WAN twin: shaped links, kernel byte counters; needs root).
+discovery/ (hivemind DHT) · rpc/ (gRPC) · sync/ (state transfer, checkpoints) · telemetry/ (event
+lines, counters, StatusSnapshot) · peer.py + peer_network.py (the composition root) · daemon/ (CLI) ·
+testbed/ (network-namespace WAN twin: shaped links, kernel byte counters; needs root) ·
+testing/ (test helpers; never imported by the library).
 """
 
 __version__ = "0.1.0"

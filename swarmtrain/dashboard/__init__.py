@@ -1,1 +1,0 @@
-"""HTTP dashboard: page, JSON API, /metrics."""

@@ -1,1 +1,0 @@
-"""SWARM pipeline parallelism: stage servers, router, rebalancer."""
