@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 import math
 import threading
 import warnings
@@ -70,7 +71,7 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
 
 
-class _Codec:
+class _Codec(abc.ABC):
     """Framing, validation and the zstd stage shared by every codec; subclasses own the payload."""
 
     name: str
@@ -101,8 +102,8 @@ class _Codec:
                         sum(p.nbytes for p in parts))
         return frame(header, parts)
 
-    def _encode_payload(self, x: torch.Tensor) -> tuple[list[memoryview], Flags, int]:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _encode_payload(self, x: torch.Tensor) -> tuple[list[memoryview], Flags, int]: ...
 
     # -- decode ------------------------------------------------------------------------------
     def _open(self, data: _Buffer) -> tuple[Header, _Buffer]:
@@ -120,11 +121,11 @@ class _Codec:
                              f"needs {size}")
         return header, payload
 
-    def _check_header(self, header: Header) -> None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _check_header(self, header: Header) -> None: ...
 
-    def _raw_size(self, header: Header) -> int:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _raw_size(self, header: Header) -> int: ...
 
     def _check_out(self, out: torch.Tensor) -> None:
         if not isinstance(out, torch.Tensor):
@@ -148,11 +149,11 @@ class _Codec:
                              f"(shape {header.shape})")
         self._accumulate(header, raw, out)
 
-    def _decode_flat(self, header: Header, raw: _Buffer) -> torch.Tensor:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _decode_flat(self, header: Header, raw: _Buffer) -> torch.Tensor: ...
 
-    def _accumulate(self, header: Header, raw: _Buffer, out: torch.Tensor) -> None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _accumulate(self, header: Header, raw: _Buffer, out: torch.Tensor) -> None: ...
 
 
 class CastCodec(_Codec):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 import json
 import math
 import re
@@ -102,22 +103,22 @@ def _member_dict(m: Member) -> dict[str, Any]:
 R = TypeVar("R", bound="Record")
 
 
-class Record:
+class Record(abc.ABC):
     """Shared JSON codec: `encode()` -> bytes, `decode(bytes)` validates every field or raises RecordError."""
 
     KIND: ClassVar[str]
 
     @property
+    @abc.abstractmethod
     def owner_id(self) -> str:
         """The peer whose key must have signed this record."""
-        raise NotImplementedError
 
-    def to_json(self) -> dict[str, Any]:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def to_json(self) -> dict[str, Any]: ...
 
     @classmethod
-    def from_json(cls: type[R], d: Mapping[str, Any]) -> R:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def from_json(cls: type[R], d: Mapping[str, Any]) -> R: ...
 
     def encode(self) -> bytes:
         return json.dumps({"kind": self.KIND, **self.to_json()}, separators=(",", ":"), sort_keys=True).encode()
