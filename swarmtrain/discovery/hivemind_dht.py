@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import hashlib
 import logging
 import os
@@ -155,7 +156,14 @@ class HivemindDiscovery(RecordDirectory):
             # live process with the same identity is instead prevented by the checkpoint-dir lock.
             dht = DHT(initial_peers=list(cfg.initial_peers) or None, start=False, record_validators=validators,
                       identity_path=str(path), check_if_identity_free=False, **dht_kwargs(cfg))
-            dht.run_in_background(await_ready=False)
+            # hivemind forks the DHT process from ours, which already runs grpc/torch threads; a child
+            # GC pass over objects inherited mid-mutation segfaulted here. Frozen objects are never
+            # collected, in the child either (the stdlib's recommended guard around fork).
+            gc.freeze()
+            try:
+                dht.run_in_background(await_ready=False)
+            finally:
+                gc.unfreeze()
             try:
                 await asyncio.wait_for(asyncio.to_thread(dht.wait_until_ready, start_timeout_s),
                                        timeout=start_timeout_s + 1)
