@@ -62,7 +62,7 @@ def test_a_bad_or_lost_shard_excludes_its_sender_everywhere(action: str, caplog:
         _committed_same(swarm.average(1, deltas), reference_mean(deltas, NAMES, _equal_bounds(4)), NAMES)
 
 
-@pytest.mark.parametrize(("delay_s", "included"), [(0.02, True), (0.6, False)])
+@pytest.mark.parametrize(("delay_s", "included"), [(0.02, True), (2.5, False)])
 def test_a_delayed_shard_counts_only_inside_the_window(delay_s: float, included: bool) -> None:
     plan = FaultPlan().add(peer="a", round=0, call="push", target="d", action="delay", delay_s=delay_s)
     with Swarm(NAMES, fault_hook=plan) as swarm:
@@ -116,7 +116,7 @@ def test_losing_the_majority_aborts_on_every_member() -> None:
 
 def test_a_leaving_reducer_drains_until_its_group_pulled_the_means() -> None:
     # a's reducer answers d's mean request late: a must not stop serving before d has it.
-    plan = FaultPlan().add(peer="a", round=0, call="mean", target="d", action="delay", delay_s=1.0)
+    plan = FaultPlan().add(peer="a", round=0, call="mean", target="d", action="delay", delay_s=2.0)
     with Swarm(NAMES, fault_hook=plan) as swarm:
         deltas = deltas_for(NAMES, NUMEL)
         futures = {n: swarm.pool.submit(swarm.averagers[n].average, 0, d) for n, d in deltas.items()}

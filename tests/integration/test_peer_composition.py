@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 RUN = [
     "model.preset=tiny", "data.max_corpus_bytes=300000", "data.seq_len=32", "data.batch_size=4",
     "inner.warmup_steps=1", "diloco.inner_steps=3", "diloco.eval_batches=1", "averaging.min_peers=2",
-    "averaging.matchmaking_timeout_s=0.3", "discovery.heartbeat_s=0.2", "discovery.record_ttl_s=2.0",
+    "averaging.matchmaking_timeout_s=0.8", "discovery.heartbeat_s=0.2", "discovery.record_ttl_s=3.0",
     "rpc.call_timeout_s=1.0",
 ]
 
@@ -164,7 +164,7 @@ def test_peers_agree_and_a_late_joiner_heals_to_the_swarm(tmp_path: Path) -> Non
     async def main() -> None:
         registry = InMemoryRegistry()
         await _publish_run(registry, load_config(overrides=[*RUN, "diloco.rounds=5"]))
-        services = InMemoryServices(registry, window_s=0.3)
+        services = InMemoryServices(registry, window_s=0.8)
         outs = {n: Out() for n in "abc"}
         stop = asyncio.Event()
         peers = {n: Peer(_local(tmp_path / n), writer=EventWriter(outs[n]), services=services) for n in "abc"}
@@ -195,7 +195,7 @@ def test_peers_that_started_apart_meet_on_the_retry_grid(tmp_path: Path) -> None
     async def main() -> None:
         registry = InMemoryRegistry()
         await _publish_run(registry, load_config(overrides=[*RUN, "diloco.rounds=2"]))
-        services = InMemoryServices(registry, window_s=0.3)
+        services = InMemoryServices(registry, window_s=0.8)
         outs = {n: Out() for n in "ab"}
         stop = asyncio.Event()
         peers = {n: Peer(_local(tmp_path / n), writer=EventWriter(outs[n]), services=services) for n in "ab"}
