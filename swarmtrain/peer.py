@@ -66,6 +66,16 @@ class PeerState:
     outer_momentum: torch.Tensor | None  # (numel,) fp32; None when outer.momentum is 0
 
 
+@dataclass
+class _Pending:
+    """A round trained but not committed yet: its Δ is averaged again after an aborted attempt."""
+
+    round: int
+    delta: torch.Tensor
+    loss: float
+    compute_s: float
+
+
 class DataPlane(Protocol):
     """This peer's gRPC side: its endpoint, the round all-reduce, serving and fetching state."""
 
@@ -144,7 +154,6 @@ class Peer:
         self.last_val_loss: float | None = None
         self.rounds_committed = 0
         self.rounds_aborted = 0
-        self._retry: tuple[int, float] | None = None  # (round, swarm-clock time) of an aborted round's retry
         self._claim: DirectoryClaim | None = None
 
     # ------------------------------------------------------------------ start
@@ -240,64 +249,63 @@ class Peer:
     # ------------------------------------------------------------------ rounds
 
     async def run(self, stop: asyncio.Event) -> str:
-        """Train until `diloco.rounds` rounds are committed or `stop` is set; returns why it ended."""
+        """Train until `diloco.rounds` rounds are committed or `stop` is set; returns why it ended.
+
+        A round that does not commit keeps its trained Δ: after waiting out the attempt it missed
+        (`retry_at`), the peer either heals (the swarm committed the round without it, so its local
+        progress is dropped) or averages the same Δ again, without retraining.
+        """
         assert self.worker is not None and self.plane is not None
         worker = self.worker
+        pending: _Pending | None = None
         while worker.round < self.cfg.diloco.rounds:
             if stop.is_set():
                 return "signal"
             await self._heal_if_behind()
             if worker.round >= self.cfg.diloco.rounds:
                 break
-            stats = await _interruptible(asyncio.to_thread(worker.train_inner), stop)
-            if stats is None:
-                return "signal"
-            if not await self._wait_for_retry_slot(stop):
-                return "signal"
-            attempted = worker.round
-            self.phase = "averaging"
-            start, posted_at = time.perf_counter(), self._now()
-            result = await self.plane.average(attempted, worker.delta())
-            comm_s = time.perf_counter() - start
-            worker.apply(result)  # on the loop thread: state transfers never see a half-applied step
-            self.phase = "training"
-            val_loss = await asyncio.to_thread(worker.evaluate, self.val_batches) if result.committed else None
-            self._after_round(attempted, result.committed, stats.loss, val_loss)
-            self.writer.emit(RoundEvent(
-                round=attempted, committed=result.committed, members=result.members, loss=stats.loss,
-                val_loss=val_loss, hash=worker.global_hash(), bytes_sent=result.bytes_sent,
-                bytes_received=result.bytes_received, compute_s=round(stats.compute_s, 4), comm_s=round(comm_s, 4),
-                peer=self._peer_id, reason=result.reason))
+            if pending is None or pending.round != worker.round:  # nothing trained for this round yet
+                stats = await _interruptible(asyncio.to_thread(worker.train_inner), stop)
+                if stats is None:
+                    return "signal"
+                pending = _Pending(round=worker.round, delta=worker.delta(), loss=stats.loss,
+                                   compute_s=stats.compute_s)
+            result = await self._average(pending)
             if result.committed:
-                self.plane.publish_state(self.current_state())
-                if worker.round % self.cfg.checkpoint.every_rounds == 0:
-                    await self._checkpoint()
-            await self._beat()
-            if not result.committed and not await self._await_swarm_past(attempted, stop):
-                self._retry = (attempted, self._retry_slot(posted_at))
+                pending = None
+            elif not await self._await_swarm_past(result.round, until=result.retry_at, stop=stop):
+                return "signal"
         return "done"
+
+    async def _average(self, pending: _Pending) -> AverageResult:
+        """One averaging attempt of the pending round; applies, reports and checkpoints a commit."""
+        assert self.worker is not None and self.plane is not None
+        worker = self.worker
+        self.phase = "averaging"
+        start = time.perf_counter()
+        result = await self.plane.average(pending.round, pending.delta)
+        comm_s = time.perf_counter() - start
+        self.phase = "training"
+        val_loss = None
+        if result.committed:
+            worker.apply(result)  # on the loop thread: state transfers never see a half-applied step
+            self.plane.publish_state(self.current_state())
+            await self._beat()  # now, before evaluating: peers that missed the round look for it
+            val_loss = await asyncio.to_thread(worker.evaluate, self.val_batches)
+        self._after_round(pending.round, result.committed, pending.loss, val_loss)
+        self.writer.emit(RoundEvent(
+            round=pending.round, committed=result.committed, members=result.members, loss=pending.loss,
+            val_loss=val_loss, hash=worker.global_hash(), bytes_sent=result.bytes_sent,
+            bytes_received=result.bytes_received, compute_s=round(pending.compute_s, 4), comm_s=round(comm_s, 4),
+            peer=self._peer_id, reason=result.reason))
+        pending.compute_s = 0.0  # a retry of the round reports only its own communication
+        if result.committed and worker.round % self.cfg.checkpoint.every_rounds == 0:
+            await self._checkpoint()
+        return result
 
     def _now(self) -> float:
         assert self.discovery is not None
         return self.discovery.now()
-
-    def _retry_slot(self, posted_at: float) -> float:
-        """When to retry a round nobody committed: the first slot boundary >= posted_at + record_ttl_s.
-
-        Matchmaking entries live `record_ttl_s` after posting; a retry posted earlier would anchor
-        its window at the old attempt and find every peer late. Retrying on a shared grid of the
-        swarm clock (slots of record_ttl_s + 2 windows) also brings peers that aborted apart (e.g.
-        started at different times, each alone) into the same attempt.
-        """
-        slot_s = self.cfg.discovery.record_ttl_s + 2 * self.cfg.averaging.matchmaking_timeout_s
-        return math.ceil((posted_at + self.cfg.discovery.record_ttl_s) / slot_s) * slot_s
-
-    async def _wait_for_retry_slot(self, stop: asyncio.Event) -> bool:
-        """Before averaging a retried round, sleep until its slot; False if `stop` was set first."""
-        assert self.worker is not None
-        if self._retry is None or self._retry[0] != self.worker.round:
-            return not stop.is_set()
-        return await self._wait_until(time.monotonic() + self._retry[1] - self._now(), stop)
 
     @staticmethod
     async def _wait_until(t_monotonic: float, stop: asyncio.Event) -> bool:
@@ -308,24 +316,24 @@ class Peer:
                 await asyncio.wait_for(stop.wait(), timeout=delay_s)
         return not stop.is_set()
 
-    async def _await_swarm_past(self, round_index: int, stop: asyncio.Event) -> bool:
-        """After an aborted round, give the others a window to commit it (we were late or cut off).
+    async def _await_swarm_past(self, round_index: int, *, until: float, stop: asyncio.Event) -> bool:
+        """After a round that did not commit here, wait until `until` (swarm clock) or the swarm passing it.
 
-        If they do, the next heal check adopts their state instead of training a round that can no
-        longer be joined; if nobody moves (the whole group aborted), every peer retries the round.
+        Until then the attempt this peer missed may still commit without it: if it does, the next
+        heal check adopts the swarm's state; otherwise the round is averaged again. False if `stop` was set.
         """
         assert self.discovery is not None
-        deadline = time.monotonic() + 2 * self.cfg.averaging.matchmaking_timeout_s
+        deadline = time.monotonic() + until - self._now()
         while time.monotonic() < deadline and not stop.is_set():
             try:
                 peers = await self.discovery.live_peers(timeout_s=self.cfg.rpc.call_timeout_s)
             except Exception as e:
                 log.warning("could not list live peers (%s)", e)
-                return False
+                peers = ()
             if any(p.round > round_index for p in peers if p.peer_id != self._peer_id):
-                return True
-            await self._wait_until(time.monotonic() + self.cfg.discovery.heartbeat_s / 2, stop)
-        return False
+                break
+            await self._wait_until(min(deadline, time.monotonic() + self.cfg.discovery.heartbeat_s / 2), stop)
+        return not stop.is_set()
 
     def _after_round(self, attempted: int, committed: bool, loss: float, val_loss: float | None) -> None:
         self.last_loss = loss if math.isfinite(loss) else None

@@ -100,9 +100,10 @@ class NetworkPlane:
         self._outcome = None
         result = await asyncio.to_thread(self.averager.average, round_index, delta)
         outcome = self._outcome
-        if not result.committed and outcome is not None and outcome.group is None:
-            result = dataclasses.replace(result, reason=f"no group: {outcome.reason}")
-        return result
+        if result.committed or outcome is None:
+            return result
+        reason = result.reason if outcome.group is not None else f"no group: {outcome.reason}"
+        return dataclasses.replace(result, reason=reason, retry_at=outcome.retry_at)
 
     def publish_state(self, state: PeerState) -> None:
         if self.states is None:

@@ -25,6 +25,7 @@ class Group:
     run_id: str
     round: int
     members: tuple[Member, ...]
+    attempt: int = 0  # the matchmaking attempt of the round that formed this group
 
     def __post_init__(self) -> None:
         ids = [m.peer_id for m in self.members]
@@ -33,8 +34,8 @@ class Group:
 
     @property
     def group_id(self) -> str:
-        """A digest of (run, round, members) that every message of the round carries."""
-        h = hashlib.sha256(f"{self.run_id}|{self.round}|".encode())
+        """A digest of (run, round, attempt, members) that every message of the round carries."""
+        h = hashlib.sha256(f"{self.run_id}|{self.round}|{self.attempt}|".encode())
         for m in self.members:
             h.update(f"{m.peer_id}|{m.endpoint}|{int(m.client_mode)};".encode())
         return h.hexdigest()[:32]

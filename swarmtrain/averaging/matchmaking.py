@@ -1,11 +1,17 @@
 """Matchmaking: turn round r's DHT entries into one Group that is identical on every member.
 
-Protocol for one peer and round r (all times are unix seconds on the posting peer's clock):
+A round is matched in *attempts* 0, 1, 2, ...; records live under (run, r, attempt). Protocol for
+one peer and round r (all times are unix seconds on the posting peer's clock):
 
-1. post a MatchEntry(member, posted_at=now) under (run, r);
-2. the window opens at the earliest entry's `posted_at` (the *anchor*) and closes at
-   anchor + `window_s`; an entry posted after the close is *late*: its peer skips round r
-   and joins r+1 (it never waits for a group it cannot be in);
+1. find the attempt to enter: the first one with no entries or a still-open window. An attempt
+   whose window closed is *in flight* until its end (close + settle + decision timeout + the
+   all-reduce's commit timeout), unless its leader published a group too small to commit; a peer
+   that finds one in flight is *late*: it waits until that end (or until the swarm moves past r,
+   then heals) and never opens a competing attempt of r. Stepping past an ended attempt first
+   checks that no live peer is already past r (that attempt committed: heal instead);
+2. post a MatchEntry(member, attempt, posted_at=now); the window opens at the attempt's earliest
+   `posted_at` (the *anchor*) and closes at anchor + `window_s`; an entry posted after the close is
+   late as in 1.;
 3. after close + `settle_s` (time for in-flight stores to land), every peer reads the entries;
    the eligible ones are those posted by the close, and the *leader* is the smallest eligible
    peer_id;
@@ -13,14 +19,21 @@ Protocol for one peer and round r (all times are unix seconds on the posting pee
    other peer waits (until `decision_timeout_s` after its settle) for a GroupRecord from the
    leader *it* computed and adopts exactly that member list, or nothing.
 
+Why attempts are sequential and records outlive them: a round number must map to at most one
+θ_global. If a late peer could open a fresh window for r while an earlier group of r is still
+all-reducing (its records expired, or a retry used a separate window), two disjoint groups could
+both commit r. Entries therefore live `keep_s` (far longer than an attempt), and attempt a+1 opens
+only once attempt a can no longer commit: its end passed or its group was too small. (A member
+whose all-reduce aborted still waits for the end: the commit rule lets other members commit when
+this one missed a mean.)
+
 Why a single leader and no fallback: DHT reads are eventually consistent, so peers can disagree
-on who is eligible; only one signed list per round can be adopted, and a round number must map
-to at most one θ_global. If the leader vanishes (or a follower sees a different leader), the
-follower aborts the round instead of electing the next-smallest id: a fallback leader could
-publish a second, different list for the same round, while an abort costs one round for the
-peers involved and keeps the invariant. A member that is listed by the leader but did not adopt
-the list simply does not deliver, which the all-reduce's commit rule (majority of the group)
-already handles. Fewer than `min_peers` members: no group, the round is skipped by everyone.
+on who is eligible; only one signed list per attempt can be adopted. If the leader vanishes (or a
+follower sees a different leader), the follower skips the attempt instead of electing the
+next-smallest id: a fallback leader could publish a second, different list, while a skip costs
+one attempt and keeps the invariant. A member that is listed by the leader but did not adopt the
+list simply does not deliver, which the all-reduce's commit rule (majority of the group) already
+handles. Fewer than `min_peers` members: no group, the attempt is over for everyone.
 """
 
 from __future__ import annotations
@@ -41,21 +54,28 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class MatchOutcome:
-    """Round `round`'s matchmaking result for this peer: `group` is None when the round is skipped."""
+    """One matchmaking attempt's result for this peer: `group` is None when it has no group.
+
+    `retry_at` (swarm clock): the round must not be matched again before then, because the attempt
+    this peer saw (or its group, should its all-reduce abort here) may still commit without it;
+    0 means "any time".
+    """
 
     round: int
     group: Group | None
     leader_id: str = ""
     reason: str = ""  # why there is no group ("late", "too few peers", "leader silent", ...)
-    late: bool = False  # this peer missed round's window: it should enter round + 1
+    late: bool = False  # the attempt went on without this peer, or the round is already past
+    attempt: int = 0
+    retry_at: float = 0.0
 
 
 class Matchmaker:
-    """Forms round groups through a Discovery; one instance per peer, one `form_group` per round."""
+    """Forms round groups through a Discovery; one instance per peer, `form_group` once per attempt."""
 
     def __init__(self, discovery: Discovery, *, min_peers: int, window_s: float, settle_s: float | None = None,
                  decision_timeout_s: float | None = None, io_timeout_s: float | None = None,
-                 poll_s: float | None = None) -> None:
+                 poll_s: float | None = None, commit_timeout_s: float | None = None) -> None:
         if min_peers < 1:
             raise ValueError(f"min_peers must be >= 1, got {min_peers}")
         if window_s <= 0:
@@ -67,10 +87,18 @@ class Matchmaker:
         self.decision_timeout_s = decision_timeout_s if decision_timeout_s is not None else max(window_s, 1.0)
         self.io_timeout_s = io_timeout_s if io_timeout_s is not None else max(window_s, 2.0)
         self.poll_s = poll_s if poll_s is not None else min(max(window_s / 20, 0.01), 0.2)
+        # How long after its group is known an attempt may still commit (the all-reduce deadline).
+        self.commit_timeout_s = commit_timeout_s if commit_timeout_s is not None else window_s
+        # After its window closes an attempt is over by then (+ one control-plane I/O for the last beat).
+        self.attempt_span_s = self.settle_s + self.decision_timeout_s + self.commit_timeout_s + self.io_timeout_s
+        # Records outlive any plausible run of attempts of one round (see the module docstring).
+        self.keep_s = max(3600.0, 50 * (self.window_s + self.attempt_span_s))
+        self._first_open: dict[int, int] = {}  # round -> the first attempt not known to be over
 
     @classmethod
     def from_config(cls, discovery: Discovery, cfg: AveragingConfig) -> Matchmaker:
-        return cls(discovery, min_peers=cfg.min_peers, window_s=cfg.matchmaking_timeout_s)
+        return cls(discovery, min_peers=cfg.min_peers, window_s=cfg.matchmaking_timeout_s,
+                   commit_timeout_s=cfg.allreduce_timeout_s)
 
     def _now(self) -> float:
         return self._d.now()
@@ -80,50 +108,97 @@ class Matchmaker:
         if delay > 0:
             await asyncio.sleep(delay)
 
-    async def _entries(self, round_index: int, own: MatchEntry) -> list[MatchEntry]:
-        seen = await self._d.round_entries(round_index, timeout_s=self.io_timeout_s)
+    def _mark_over(self, round_index: int, attempt: int) -> None:
+        self._first_open[round_index] = max(self._first_open.get(round_index, 0), attempt + 1)
+        for r in [r for r in self._first_open if r < round_index - 2]:
+            del self._first_open[r]
+
+    async def _entries(self, round_index: int, attempt: int, own: MatchEntry | None = None) -> list[MatchEntry]:
+        seen = await self._d.round_entries(round_index, attempt, timeout_s=self.io_timeout_s)
         # Our own entry counts even if the read raced our store.
-        return sorted({e.member.peer_id: e for e in (*seen, own)}.values(), key=lambda e: e.member.peer_id)
+        mine = () if own is None else (own,)
+        return sorted({e.member.peer_id: e for e in (*seen, *mine)}.values(), key=lambda e: e.member.peer_id)
 
     async def form_group(self, round_index: int, member: Member) -> MatchOutcome:
-        """Run matchmaking for `round_index` as `member`; returns within ~window + settle + decision timeout."""
+        """Match `round_index` as `member`; returns within ~window + settle + decision timeout."""
         if member.peer_id != self._d.peer_id:
             raise ValueError(f"member.peer_id {member.peer_id!r} is not this peer ({self._d.peer_id!r})")
-        own = MatchEntry(run_id=self._d.run_id, round=round_index, member=member, posted_at=self._now())
         try:
-            await self._d.post_entry(own, timeout_s=self.io_timeout_s)
-            close_at = _close_at(await self._entries(round_index, own), self.window_s)
+            found = await self._find_attempt(round_index)
+            if isinstance(found, MatchOutcome):
+                return found
+            attempt = found
+            own = MatchEntry(run_id=self._d.run_id, round=round_index, member=member, posted_at=self._now(),
+                             attempt=attempt)
+            await self._d.post_entry(own, keep_s=self.keep_s, timeout_s=self.io_timeout_s)
+            close_at = _close_at(await self._entries(round_index, attempt, own), self.window_s)
             if own.posted_at > close_at:
-                return self._late(round_index, close_at, own)
+                return self._late(round_index, attempt, close_at, own.posted_at)
             await self._sleep_until(close_at + self.settle_s)
-            entries = await self._entries(round_index, own)
+            entries = await self._entries(round_index, attempt, own)
         except (DiscoveryError, TimeoutError) as e:
-            return self._skip(round_index, "", f"control plane failed during matchmaking: {e}")
+            return self._skip(round_index, "", f"control plane failed during matchmaking: {e}",
+                              retry_at=self._now() + self.window_s + self.attempt_span_s)
         close_at = _close_at(entries, self.window_s)  # an earlier anchor may have surfaced meanwhile
         if own.posted_at > close_at:
-            return self._late(round_index, close_at, own)
+            return self._late(round_index, attempt, close_at, own.posted_at)
         eligible = [e for e in entries if e.posted_at <= close_at]
         leader_id = eligible[0].member.peer_id
         if leader_id == self._d.peer_id:
-            return await self._lead(round_index, eligible, close_at)
-        return await self._follow(round_index, leader_id, close_at)
+            return await self._lead(round_index, attempt, eligible, close_at)
+        return await self._follow(round_index, attempt, leader_id, close_at)
 
-    async def _lead(self, round_index: int, eligible: Sequence[MatchEntry], close_at: float) -> MatchOutcome:
+    async def _find_attempt(self, round_index: int) -> int | MatchOutcome:
+        """The attempt of `round_index` to enter, or the outcome that says why none can be entered now."""
+        attempt = self._first_open.get(round_index, 0)
+        while True:
+            entries = await self._entries(round_index, attempt)
+            if entries:
+                close_at = _close_at(entries, self.window_s)
+                if self._now() <= close_at:
+                    return attempt  # its window is open: join it
+                if not await self._attempt_over(round_index, attempt, entries, close_at):
+                    return self._late(round_index, attempt, close_at, self._now())
+                self._mark_over(round_index, attempt)
+                attempt += 1
+            if attempt > 0 and await self._swarm_is_past(round_index):
+                return MatchOutcome(round=round_index, group=None, late=True, attempt=attempt,
+                                    reason=f"round {round_index} was committed without this peer; heal")
+            if not entries:
+                return attempt  # nobody has opened it: this peer's entry anchors its window
+
+    async def _attempt_over(self, round_index: int, attempt: int, entries: Sequence[MatchEntry],
+                            close_at: float) -> bool:
+        """A closed attempt can no longer commit: its end passed, or its leader's group is too small."""
+        if self._now() >= close_at + self.attempt_span_s:
+            return True
+        leader_id = min(e.member.peer_id for e in entries if e.posted_at <= close_at)
+        groups = await self._d.round_groups(round_index, attempt, timeout_s=self.io_timeout_s)
+        return any(g.leader_id == leader_id and len(g.members) < self.min_peers for g in groups)
+
+    async def _swarm_is_past(self, round_index: int) -> bool:
+        peers = await self._d.live_peers(timeout_s=self.io_timeout_s)
+        return any(p.round > round_index for p in peers if p.peer_id != self._d.peer_id)
+
+    async def _lead(self, round_index: int, attempt: int, eligible: Sequence[MatchEntry],
+                    close_at: float) -> MatchOutcome:
         me = self._d.peer_id
         record = GroupRecord(run_id=self._d.run_id, round=round_index, leader_id=me,
-                             members=tuple(e.member for e in eligible), window_close_at=close_at)
+                             members=tuple(e.member for e in eligible), window_close_at=close_at, attempt=attempt)
         try:
             # Published even when too small: followers learn "skipped" now instead of at their deadline.
-            await self._d.post_group(record, timeout_s=self.io_timeout_s)
+            await self._d.post_group(record, keep_s=self.keep_s, timeout_s=self.io_timeout_s)
         except (DiscoveryError, TimeoutError) as e:
-            return self._skip(round_index, me, f"leader could not publish the group: {e}")
+            # Some followers may still have read it: the attempt counts as in flight until its end.
+            return self._skip(round_index, me, f"leader could not publish the group: {e}",
+                              attempt=attempt, retry_at=close_at + self.attempt_span_s)
         return self._adopt(record)
 
-    async def _follow(self, round_index: int, leader_id: str, close_at: float) -> MatchOutcome:
+    async def _follow(self, round_index: int, attempt: int, leader_id: str, close_at: float) -> MatchOutcome:
         deadline = close_at + self.settle_s + self.decision_timeout_s
         while True:
             try:
-                groups = await self._d.round_groups(round_index, timeout_s=self.io_timeout_s)
+                groups = await self._d.round_groups(round_index, attempt, timeout_s=self.io_timeout_s)
             except (DiscoveryError, TimeoutError) as e:
                 log.warning("round %d: reading the group failed (%s); retrying until the deadline", round_index, e)
                 groups = ()
@@ -133,28 +208,40 @@ class Matchmaker:
             if self._now() >= deadline:
                 others = sorted(g.leader_id for g in groups)
                 return self._skip(round_index, leader_id, f"leader {leader_id} published no group by the deadline"
-                                  + (f" (groups seen from {others} ignored)" if others else ""))
+                                  + (f" (groups seen from {others} ignored)" if others else ""),
+                                  attempt=attempt, retry_at=close_at + self.attempt_span_s)
             await asyncio.sleep(self.poll_s)
 
     def _adopt(self, record: GroupRecord) -> MatchOutcome:
         ids = [m.peer_id for m in record.members]
-        if self._d.peer_id not in ids:
-            return self._skip(record.round, record.leader_id, f"not in leader {record.leader_id}'s group {ids}")
+        r, a = record.round, record.attempt
         if len(ids) < self.min_peers:
-            return self._skip(record.round, record.leader_id, f"too few peers: {len(ids)} < min_peers {self.min_peers}")
-        group = Group(run_id=record.run_id, round=record.round, members=record.members)
-        log.info("round %d: group %s of %d members (leader %s)", record.round, group.group_id, len(ids),
+            self._mark_over(r, a)
+            return self._skip(r, record.leader_id, f"too few peers: {len(ids)} < min_peers {self.min_peers}",
+                              attempt=a)
+        if self._d.peer_id not in ids:
+            return self._skip(r, record.leader_id, f"not in leader {record.leader_id}'s group {ids}",
+                              attempt=a, retry_at=record.window_close_at + self.attempt_span_s)
+        group = Group(run_id=record.run_id, round=r, members=record.members, attempt=a)
+        log.info("round %d attempt %d: group %s of %d members (leader %s)", r, a, group.group_id, len(ids),
                  record.leader_id)
-        return MatchOutcome(round=record.round, group=group, leader_id=record.leader_id)
+        # If the group's all-reduce aborts here, other members may still commit until the attempt's end.
+        return MatchOutcome(round=r, group=group, leader_id=record.leader_id, attempt=a,
+                            retry_at=record.window_close_at + self.attempt_span_s)
 
-    def _skip(self, round_index: int, leader_id: str, reason: str) -> MatchOutcome:
-        log.info("round %d: no group for %s: %s", round_index, self._d.peer_id, reason)
-        return MatchOutcome(round=round_index, group=None, leader_id=leader_id, reason=reason)
+    def _skip(self, round_index: int, leader_id: str, reason: str, *, attempt: int = 0,
+              retry_at: float = 0.0) -> MatchOutcome:
+        log.info("round %d attempt %d: no group for %s: %s", round_index, attempt, self._d.peer_id, reason)
+        return MatchOutcome(round=round_index, group=None, leader_id=leader_id, reason=reason, attempt=attempt,
+                            retry_at=retry_at)
 
-    def _late(self, round_index: int, close_at: float, own: MatchEntry) -> MatchOutcome:
-        reason = f"late: posted {own.posted_at - close_at:.3f}s after the window closed; join round {round_index + 1}"
+    def _late(self, round_index: int, attempt: int, close_at: float, at: float) -> MatchOutcome:
+        retry_at = close_at + self.attempt_span_s
+        reason = (f"late: {at - close_at:.3f}s after attempt {attempt}'s window closed; it may commit until "
+                  f"{retry_at - self._now():.1f}s from now (then heal or retry)")
         log.info("round %d: %s is %s", round_index, self._d.peer_id, reason)
-        return MatchOutcome(round=round_index, group=None, reason=reason, late=True)
+        return MatchOutcome(round=round_index, group=None, reason=reason, late=True, attempt=attempt,
+                            retry_at=retry_at)
 
 
 def _close_at(entries: Sequence[MatchEntry], window_s: float) -> float:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import logging
 import time
 from collections.abc import Callable
@@ -87,6 +89,10 @@ class NetworkAverager:
         except TimeoutError as e:
             result = AverageResult(round_index, False, None, tuple(m.peer_id for m in group.members),
                                    reason=f"deadline: {e}")
+        except (concurrent.futures.CancelledError, asyncio.CancelledError):
+            # The node's loop cancelled the round (it is closing): an abort, never an exception for the caller.
+            result = AverageResult(round_index, False, None, tuple(m.peer_id for m in group.members),
+                                   reason="the all-reduce was cancelled (this peer's rpc node is closing)")
         if self.killed:
             result = AverageResult(round_index, False, None, result.members, reason="killed by fault injection")
         sent1, received1 = self.node.counters.totals()

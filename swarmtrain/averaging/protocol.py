@@ -26,6 +26,7 @@ class AverageResult:
     bytes_received: int = 0
     reason: str = ""  # why the round aborted, or who failed and was worked around
     failed: tuple[str, ...] = field(default=())
+    retry_at: float = 0.0  # swarm clock: do not average this round again before then (0 = any time)
 
 
 class Averager(Protocol):

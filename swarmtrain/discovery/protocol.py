@@ -73,13 +73,17 @@ class Discovery(Protocol):
 
     async def withdraw(self, *, timeout_s: float) -> None: ...
 
-    async def post_entry(self, entry: MatchEntry, *, timeout_s: float) -> None: ...
+    async def post_entry(self, entry: MatchEntry, *, keep_s: float, timeout_s: float) -> None:
+        """Store `entry` under (round, attempt) until `entry.posted_at + keep_s`."""
+        ...
 
-    async def round_entries(self, round_index: int, *, timeout_s: float) -> tuple[MatchEntry, ...]: ...
+    async def round_entries(self, round_index: int, attempt: int, *, timeout_s: float) -> tuple[MatchEntry, ...]: ...
 
-    async def post_group(self, record: GroupRecord, *, timeout_s: float) -> None: ...
+    async def post_group(self, record: GroupRecord, *, keep_s: float, timeout_s: float) -> None:
+        """Store `record` under (round, attempt) until `record.window_close_at + keep_s`."""
+        ...
 
-    async def round_groups(self, round_index: int, *, timeout_s: float) -> tuple[GroupRecord, ...]: ...
+    async def round_groups(self, round_index: int, attempt: int, *, timeout_s: float) -> tuple[GroupRecord, ...]: ...
 
     async def aclose(self) -> None: ...
 
@@ -176,20 +180,27 @@ class RecordDirectory(abc.ABC):
     async def withdraw(self, *, timeout_s: float) -> None:
         await self._delete(self._key("peers"), timeout_s=timeout_s)
 
-    async def post_entry(self, entry: MatchEntry, *, timeout_s: float) -> None:
+    async def post_entry(self, entry: MatchEntry, *, keep_s: float, timeout_s: float) -> None:
         self._check_own(entry)
-        await self._put(self._key(f"round/{entry.round}/entries"), entry.encode(),
-                        expires_at=entry.posted_at + self._ttl_s, timeout_s=timeout_s)
+        await self._put(self._match_key(entry.round, entry.attempt, "entries"), entry.encode(),
+                        expires_at=entry.posted_at + keep_s, timeout_s=timeout_s)
 
-    async def round_entries(self, round_index: int, *, timeout_s: float) -> tuple[MatchEntry, ...]:
-        records = await self._decoded(MatchEntry, self._key(f"round/{round_index}/entries"), timeout_s=timeout_s)
-        return tuple(sorted((r for r in records if r.round == round_index), key=lambda r: r.member.peer_id))
+    async def round_entries(self, round_index: int, attempt: int, *, timeout_s: float) -> tuple[MatchEntry, ...]:
+        records = await self._decoded(MatchEntry, self._match_key(round_index, attempt, "entries"),
+                                      timeout_s=timeout_s)
+        return tuple(sorted((r for r in records if r.round == round_index and r.attempt == attempt),
+                            key=lambda r: r.member.peer_id))
 
-    async def post_group(self, record: GroupRecord, *, timeout_s: float) -> None:
+    async def post_group(self, record: GroupRecord, *, keep_s: float, timeout_s: float) -> None:
         self._check_own(record)
-        await self._put(self._key(f"round/{record.round}/group"), record.encode(),
-                        expires_at=record.window_close_at + self._ttl_s, timeout_s=timeout_s)
+        await self._put(self._match_key(record.round, record.attempt, "group"), record.encode(),
+                        expires_at=record.window_close_at + keep_s, timeout_s=timeout_s)
 
-    async def round_groups(self, round_index: int, *, timeout_s: float) -> tuple[GroupRecord, ...]:
-        records = await self._decoded(GroupRecord, self._key(f"round/{round_index}/group"), timeout_s=timeout_s)
-        return tuple(sorted((r for r in records if r.round == round_index), key=lambda r: r.leader_id))
+    async def round_groups(self, round_index: int, attempt: int, *, timeout_s: float) -> tuple[GroupRecord, ...]:
+        records = await self._decoded(GroupRecord, self._match_key(round_index, attempt, "group"),
+                                      timeout_s=timeout_s)
+        return tuple(sorted((r for r in records if r.round == round_index and r.attempt == attempt),
+                            key=lambda r: r.leader_id))
+
+    def _match_key(self, round_index: int, attempt: int, name: str) -> str:
+        return self._key(f"round/{round_index}/{attempt}/{name}")

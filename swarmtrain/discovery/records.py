@@ -243,13 +243,14 @@ class PeerRecord(Record):
 
 @dataclass(frozen=True)
 class MatchEntry(Record):
-    """A peer's request to join round `round`'s group, posted at `posted_at` (its unix clock)."""
+    """A peer's request to join attempt `attempt` of round `round`, posted at `posted_at` (its unix clock)."""
 
     KIND: ClassVar[str] = "entry"
     run_id: str
     round: int
     member: Member
     posted_at: float
+    attempt: int = 0  # matchmaking attempt of the round (a new one opens only after the previous one ended)
 
     def __post_init__(self) -> None:
         check_endpoint(self.KIND, self.member.endpoint, client_mode=self.member.client_mode)
@@ -260,18 +261,18 @@ class MatchEntry(Record):
 
     def to_json(self) -> dict[str, Any]:
         return {"run_id": self.run_id, "round": self.round, "member": _member_dict(self.member),
-                "posted_at": self.posted_at}
+                "posted_at": self.posted_at, "attempt": self.attempt}
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> MatchEntry:
         k = cls.KIND
         return cls(run_id=_str(k, d, "run_id"), round=_int(k, d, "round"), member=_member(k, d.get("member")),
-                   posted_at=_float(k, d, "posted_at"))
+                   posted_at=_float(k, d, "posted_at"), attempt=_int(k, d, "attempt"))
 
 
 @dataclass(frozen=True)
 class GroupRecord(Record):
-    """The leader's final member list for a round (sorted by peer_id); every member adopts exactly this."""
+    """The leader's final member list for one attempt of a round (sorted by peer_id); members adopt exactly this."""
 
     KIND: ClassVar[str] = "group"
     run_id: str
@@ -279,6 +280,7 @@ class GroupRecord(Record):
     leader_id: str
     members: tuple[Member, ...]
     window_close_at: float
+    attempt: int = 0
 
     def __post_init__(self) -> None:
         ids = [m.peer_id for m in self.members]
@@ -295,7 +297,8 @@ class GroupRecord(Record):
 
     def to_json(self) -> dict[str, Any]:
         return {"run_id": self.run_id, "round": self.round, "leader_id": self.leader_id,
-                "members": [_member_dict(m) for m in self.members], "window_close_at": self.window_close_at}
+                "members": [_member_dict(m) for m in self.members], "window_close_at": self.window_close_at,
+                "attempt": self.attempt}
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> GroupRecord:
@@ -306,4 +309,5 @@ class GroupRecord(Record):
         if len(raw) > MAX_GROUP_MEMBERS:
             raise _field(k, "members", f"{len(raw)} members exceeds {MAX_GROUP_MEMBERS}")
         return cls(run_id=_str(k, d, "run_id"), round=_int(k, d, "round"), leader_id=_peer_id(k, d, "leader_id"),
-                   members=tuple(_member(k, m) for m in raw), window_close_at=_float(k, d, "window_close_at"))
+                   members=tuple(_member(k, m) for m in raw), window_close_at=_float(k, d, "window_close_at"),
+                   attempt=_int(k, d, "attempt"))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +38,7 @@ RUN = [
 class _Round:
     deltas: dict[str, torch.Tensor] = field(default_factory=dict)
     closed: bool = False
+    closes_at: float = 0.0  # unix seconds, the swarm clock of InMemoryRegistry
     done: asyncio.Event = field(default_factory=asyncio.Event)
     result: AverageResult | None = None
 
@@ -51,10 +53,12 @@ class WindowedAllReduce:
 
     async def average(self, peer_id: str, round_index: int, delta: torch.Tensor) -> AverageResult:
         rd = self.rounds.setdefault(round_index, _Round())
-        if rd.closed:
-            return AverageResult(round=round_index, committed=False, mean=None, reason="late")
+        if rd.closed:  # like the matchmaker: a late peer waits out the attempt before trying the round again
+            return AverageResult(round=round_index, committed=False, mean=None, reason="late",
+                                 retry_at=rd.closes_at + self.window_s)
         if not rd.deltas:
             asyncio.get_running_loop().call_later(self.window_s, self._close, round_index, rd)
+            rd.closes_at = time.time() + self.window_s
         rd.deltas[peer_id] = delta.clone()
         await rd.done.wait()
         assert rd.result is not None
@@ -189,8 +193,8 @@ def test_peers_agree_and_a_late_joiner_heals_to_the_swarm(tmp_path: Path) -> Non
     asyncio.run(main())
 
 
-def test_peers_that_started_apart_meet_on_the_retry_grid(tmp_path: Path) -> None:
-    """a aborts round 0 alone; b starts later and aborts alone too; the shared retry slots bring them together."""
+def test_peers_that_started_apart_meet_in_one_attempt(tmp_path: Path) -> None:
+    """a aborts round 0 alone and keeps retrying it with the Δ it trained; b starts later and joins a retry."""
 
     async def main() -> None:
         registry = InMemoryRegistry()
@@ -206,6 +210,9 @@ def test_peers_that_started_apart_meet_on_the_retry_grid(tmp_path: Path) -> None
         assert await asyncio.wait_for(asyncio.gather(*tasks), timeout=60) == ["done", "done"]
         committed = {n: [(e.round, e.hash) for e in out.rounds() if e.committed] for n, out in outs.items()}
         assert committed["a"] == committed["b"] and [r for r, _ in committed["a"]] == [0, 1]
+        retries = [e for e in outs["a"].rounds() if e.round == 0]
+        assert len(retries) >= 2 and retries[0].compute_s > 0 and all(e.compute_s == 0 for e in retries[1:]), \
+            "a retried round 0 without training it again"
 
     asyncio.run(main())
 

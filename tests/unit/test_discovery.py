@@ -47,8 +47,8 @@ def test_every_record_kind_round_trips_through_bytes() -> None:
     records = [
         RunRecord(run_id=RUN, coordinator_id="a", config=to_dict(RunConfig()), round=3, updated_at=5.0),
         _peer("a", 1.0, role="coordinator", state_hash="ab01", round=2, throughput_tokens_per_s=3.5),
-        MatchEntry(run_id=RUN, round=4, member=c, posted_at=2.5),
-        GroupRecord(run_id=RUN, round=4, leader_id="a", members=(m, c), window_close_at=3.0),
+        MatchEntry(run_id=RUN, round=4, member=c, posted_at=2.5, attempt=2),
+        GroupRecord(run_id=RUN, round=4, leader_id="a", members=(m, c), window_close_at=3.0, attempt=2),
     ]
     for r in records:
         assert decode_record(type(r), r.encode(), run_id=RUN, signer_id=r.owner_id) == r

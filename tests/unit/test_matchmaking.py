@@ -1,4 +1,4 @@
-"""Matchmaking over the in-memory twin: identical groups, min_peers, late joiners, a silent leader."""
+"""Matchmaking over the in-memory twin: identical groups, min_peers, late joiners, a silent leader, attempts."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from swarmtrain.averaging.group import Member
 from swarmtrain.averaging.matchmaking import Matchmaker, MatchOutcome
-from swarmtrain.discovery import GroupRecord, InMemoryDiscovery, InMemoryRegistry, MatchEntry
+from swarmtrain.discovery import GroupRecord, InMemoryDiscovery, InMemoryRegistry, MatchEntry, PeerRecord
 
 pytestmark = pytest.mark.unit
 
@@ -28,6 +28,12 @@ def _member(d: InMemoryDiscovery, i: int, *, client: bool = False) -> Member:
 
 def _mm(d: InMemoryDiscovery, *, min_peers: int = 2, **kw: float) -> Matchmaker:
     return Matchmaker(d, min_peers=min_peers, window_s=WINDOW_S, **kw)
+
+
+def _fast_mm(d: InMemoryDiscovery, *, min_peers: int = 2) -> Matchmaker:
+    """Short decision/commit/io timeouts: an attempt is over ~1 s after its window closed."""
+    return Matchmaker(d, min_peers=min_peers, window_s=WINDOW_S, decision_timeout_s=0.3, commit_timeout_s=0.3,
+                      io_timeout_s=0.3)
 
 
 async def _match_all(peers: list[InMemoryDiscovery], round_index: int, *, delays_s: list[float] | None = None,
@@ -92,7 +98,8 @@ def test_a_late_joiner_lands_in_the_next_round() -> None:
     first, late_out, second = asyncio.run(main())
     assert len({o.group for o in first}) == 1 and first[0].group is not None
     assert len(first[0].group.members) == 2
-    assert late_out.group is None and late_out.late and "join round 1" in late_out.reason
+    assert late_out.group is None and late_out.late and "after attempt 0's window closed" in late_out.reason
+    assert late_out.retry_at > 0 and late_out.attempt == 0
     assert len({o.group for o in second}) == 1 and second[0].group is not None
     assert len(second[0].group.members) == 3 and second[0].group.round == 1
 
@@ -104,7 +111,7 @@ def test_a_silent_leader_aborts_the_round_for_followers() -> None:
         follower = InMemoryDiscovery(reg, run_id=RUN, record_ttl_s=30, peer_id="bbb")
         # The leader posts its entry, then dies before publishing the group.
         await leader.post_entry(MatchEntry(run_id=RUN, round=0, member=_member(leader, 0), posted_at=leader.now()),
-                                timeout_s=1)
+                                keep_s=60, timeout_s=1)
         return await _mm(follower, decision_timeout_s=0.1).form_group(0, _member(follower, 1))
 
     out = asyncio.run(main())
@@ -117,10 +124,12 @@ def test_a_follower_ignores_a_group_from_a_peer_that_is_not_its_leader() -> None
         a = InMemoryDiscovery(reg, run_id=RUN, record_ttl_s=30, peer_id="aaa")
         z = InMemoryDiscovery(reg, run_id=RUN, record_ttl_s=30, peer_id="zzz")
         m = InMemoryDiscovery(reg, run_id=RUN, record_ttl_s=30, peer_id="mmm")
-        await a.post_entry(MatchEntry(run_id=RUN, round=0, member=_member(a, 0), posted_at=a.now()), timeout_s=1)
+        await a.post_entry(MatchEntry(run_id=RUN, round=0, member=_member(a, 0), posted_at=a.now()), keep_s=60,
+                           timeout_s=1)
         # m pretends to lead (it is not the smallest id) and lists z; z must not adopt it.
         await m.post_group(GroupRecord(run_id=RUN, round=0, leader_id="mmm",
-                                       members=(_member(m, 1), _member(z, 2)), window_close_at=m.now()), timeout_s=1)
+                                       members=(_member(m, 1), _member(z, 2)), window_close_at=m.now()),
+                           keep_s=60, timeout_s=1)
         return await _mm(z, decision_timeout_s=0.1).form_group(0, _member(z, 2))
 
     out = asyncio.run(main())
@@ -131,3 +140,61 @@ def test_member_must_be_this_peer() -> None:
     _, (a, b) = _swarm(2)
     with pytest.raises(ValueError, match="is not this peer"):
         asyncio.run(_mm(a).form_group(0, _member(b, 1)))
+
+
+def test_a_late_peer_never_opens_a_competing_attempt_while_the_round_may_commit() -> None:
+    """The split-commit regression: records outlive record_ttl_s and a late peer waits out the attempt."""
+    async def main() -> tuple[list[MatchOutcome], list[MatchOutcome], MatchOutcome]:
+        reg = InMemoryRegistry()
+        # record_ttl_s far below the attempt's span: matchmaking records must not expire with it.
+        early = [InMemoryDiscovery(reg, run_id=RUN, record_ttl_s=0.2) for _ in range(2)]
+        late = InMemoryDiscovery(reg, run_id=RUN, record_ttl_s=0.2)
+        first = await asyncio.gather(*(_fast_mm(d).form_group(0, _member(d, i)) for i, d in enumerate(early)))
+        lone = _fast_mm(late, min_peers=1)  # would commit alone if it could open its own window
+        tries = [await lone.form_group(0, _member(late, 2))]
+        while late.now() < tries[0].retry_at - 0.2 and len(tries) < 100:  # keep knocking until just before its end
+            await asyncio.sleep(0.05)
+            tries.append(await lone.form_group(0, _member(late, 2)))
+        # The first group committed round 0: its members announce round 1.
+        for d in early:
+            await d.announce(PeerRecord(run_id=RUN, peer_id=d.peer_id, endpoint="127.0.0.1:1", round=1,
+                                        heartbeat_at=d.now()), timeout_s=1)
+        await asyncio.sleep(max(0.0, tries[0].retry_at - late.now()))
+        return list(first), tries, await lone.form_group(0, _member(late, 2))
+
+    first, tries, after = asyncio.run(main())
+    assert first[0].group is not None and len({o.group for o in first}) == 1
+    assert len(tries) > 1 and all(t.group is None and t.late and t.attempt == 0 for t in tries)
+    assert after.group is None and after.late and "committed without this peer" in after.reason
+
+
+def test_after_an_attempt_ends_uncommitted_the_round_opens_its_next_attempt() -> None:
+    async def main() -> tuple[MatchOutcome, list[MatchOutcome]]:
+        _, peers = _swarm(3)
+        first = await asyncio.gather(*(_fast_mm(d).form_group(0, _member(d, i)) for i, d in enumerate(peers[:2])))
+        assert first[0].group is not None
+        # Nobody committed (no peer past round 0): once attempt 0's end passed, attempt 1 opens for all three.
+        await asyncio.sleep(max(0.0, first[0].retry_at - peers[0].now()))
+        return first[0], await _match_all_fast(peers, 0)
+
+    first, second = asyncio.run(main())
+    assert first.attempt == 0
+    assert len({o.group for o in second}) == 1 and second[0].group is not None
+    assert second[0].attempt == 1 and second[0].group.attempt == 1 and len(second[0].group.members) == 3
+    assert second[0].group.group_id != first.group.group_id  # type: ignore[union-attr]
+
+
+def test_a_too_small_attempt_is_over_at_once_so_a_newcomer_opens_the_next_one() -> None:
+    async def main() -> tuple[MatchOutcome, MatchOutcome]:
+        _, (alone, newcomer) = _swarm(2)
+        out = await _fast_mm(alone).form_group(0, _member(alone, 0))
+        return out, await _fast_mm(newcomer).form_group(0, _member(newcomer, 1))
+
+    alone, newcomer = asyncio.run(main())
+    assert alone.group is None and "too few" in alone.reason and alone.retry_at == 0.0
+    assert newcomer.attempt == 1 and not newcomer.late  # not late for attempt 0: it could never commit
+
+
+async def _match_all_fast(peers: list[InMemoryDiscovery], round_index: int) -> list[MatchOutcome]:
+    return list(await asyncio.gather(*(_fast_mm(d).form_group(round_index, _member(d, i))
+                                       for i, d in enumerate(peers))))
