@@ -14,7 +14,9 @@ one peer and round r (all times are unix seconds on the posting peer's clock):
    late as in 1.;
 3. after close + `settle_s` (time for in-flight stores to land), every peer reads the entries;
    the eligible ones are those posted by the close, and the *leader* is the smallest eligible
-   peer_id;
+   peer_id. A peer stops waiting early once every live peer announced at round r has posted
+   (*early close*: a window costs nothing when the whole swarm is there); a leader that finds
+   another leader's group for the attempt is late;
 4. the leader publishes a GroupRecord (signed by it) with the members it sees, sorted; every
    other peer waits (until `decision_timeout_s` after its settle) for a GroupRecord from the
    leader *it* computed and adopts exactly that member list, or nothing.
@@ -75,12 +77,14 @@ class Matchmaker:
 
     def __init__(self, discovery: Discovery, *, min_peers: int, window_s: float, settle_s: float | None = None,
                  decision_timeout_s: float | None = None, io_timeout_s: float | None = None,
-                 poll_s: float | None = None, commit_timeout_s: float | None = None) -> None:
+                 poll_s: float | None = None, commit_timeout_s: float | None = None,
+                 early_close: bool = True) -> None:
         if min_peers < 1:
             raise ValueError(f"min_peers must be >= 1, got {min_peers}")
         if window_s <= 0:
             raise ValueError(f"window_s must be > 0, got {window_s}")
         self._d = discovery
+        self.early_close = early_close
         self.min_peers = min_peers
         self.window_s = window_s
         self.settle_s = settle_s if settle_s is not None else 0.25 * window_s
@@ -134,8 +138,7 @@ class Matchmaker:
             close_at = _close_at(await self._entries(round_index, attempt, own), self.window_s)
             if own.posted_at > close_at:
                 return self._late(round_index, attempt, close_at, own.posted_at)
-            await self._sleep_until(close_at + self.settle_s)
-            entries = await self._entries(round_index, attempt, own)
+            entries = await self._await_close(round_index, attempt, own, close_at)
         except (DiscoveryError, TimeoutError) as e:
             return self._skip(round_index, "", f"control plane failed during matchmaking: {e}",
                               retry_at=self._now() + self.window_s + self.attempt_span_s)
@@ -147,6 +150,28 @@ class Matchmaker:
         if leader_id == self._d.peer_id:
             return await self._lead(round_index, attempt, eligible, close_at)
         return await self._follow(round_index, attempt, leader_id, close_at)
+
+    async def _await_close(self, round_index: int, attempt: int, own: MatchEntry,
+                           close_at: float) -> list[MatchEntry]:
+        """The attempt's entries after close + settle, or as soon as every peer expected at this round posted.
+
+        Expected: the live peers whose record says they are at `round_index` (so they will average
+        it). Closing early does not change who is eligible (posted by `close_at`) or who leads; a
+        peer that was not expected and posts after the leader published simply is not in its group.
+        """
+        expected: set[str] = set()
+        if self.early_close:
+            peers = await self._d.live_peers(timeout_s=self.io_timeout_s)
+            expected = {p.peer_id for p in peers if p.round == round_index and p.role == "worker"}
+        while True:
+            entries = await self._entries(round_index, attempt, own)
+            if self._now() >= close_at + self.settle_s:
+                return entries
+            if expected and expected <= {e.member.peer_id for e in entries}:
+                log.debug("round %d attempt %d: all %d expected peers posted; closing early", round_index, attempt,
+                          len(expected))
+                return entries
+            await asyncio.sleep(max(0.0, min(self.poll_s, close_at + self.settle_s - self._now())))
 
     async def _find_attempt(self, round_index: int) -> int | MatchOutcome:
         """The attempt of `round_index` to enter, or the outcome that says why none can be entered now."""
@@ -183,6 +208,14 @@ class Matchmaker:
     async def _lead(self, round_index: int, attempt: int, eligible: Sequence[MatchEntry],
                     close_at: float) -> MatchOutcome:
         me = self._d.peer_id
+        try:
+            others = [g.leader_id for g in await self._d.round_groups(round_index, attempt, timeout_s=self.io_timeout_s)
+                      if g.leader_id != me]
+        except (DiscoveryError, TimeoutError) as e:
+            return self._skip(round_index, me, f"could not read the attempt's groups: {e}", attempt=attempt,
+                              retry_at=close_at + self.attempt_span_s)
+        if others:  # another leader closed the attempt early, before this peer's entry reached it
+            return self._late(round_index, attempt, close_at, self._now())
         record = GroupRecord(run_id=self._d.run_id, round=round_index, leader_id=me,
                              members=tuple(e.member for e in eligible), window_close_at=close_at, attempt=attempt)
         try:

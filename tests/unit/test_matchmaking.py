@@ -198,3 +198,33 @@ def test_a_too_small_attempt_is_over_at_once_so_a_newcomer_opens_the_next_one() 
 async def _match_all_fast(peers: list[InMemoryDiscovery], round_index: int) -> list[MatchOutcome]:
     return list(await asyncio.gather(*(_fast_mm(d).form_group(round_index, _member(d, i))
                                        for i, d in enumerate(peers))))
+
+
+async def _announce(d: InMemoryDiscovery, round_index: int) -> None:
+    await d.announce(PeerRecord(run_id=RUN, peer_id=d.peer_id, endpoint="127.0.0.1:1", round=round_index,
+                                heartbeat_at=d.now()), timeout_s=1)
+
+
+@pytest.mark.parametrize("newcomer_id", ["zzz-newcomer", "aaa-newcomer"])  # follows / would lead
+def test_the_window_closes_early_once_every_peer_at_the_round_posted(newcomer_id: str) -> None:
+    async def main() -> tuple[list[MatchOutcome], MatchOutcome]:
+        reg, expected = _swarm(3)
+        newcomer = InMemoryDiscovery(reg, run_id=RUN, record_ttl_s=30, peer_id=newcomer_id)
+        for d in expected:
+            await _announce(d, 2)
+
+        async def one(i: int, d: InMemoryDiscovery) -> MatchOutcome:
+            await asyncio.sleep(0.02 * i)
+            return await Matchmaker(d, min_peers=2, window_s=30.0).form_group(2, _member(d, i))
+
+        # A 30 s window: only an early close finishes inside the 10 s deadline.
+        outcomes = await asyncio.wait_for(asyncio.gather(*(one(i, d) for i, d in enumerate(expected))), timeout=10)
+        # A peer nobody expected (no record at round 2) posts inside the nominal window, after the group.
+        late = await asyncio.wait_for(Matchmaker(newcomer, min_peers=2, window_s=30.0, decision_timeout_s=0.3)
+                                      .form_group(2, _member(newcomer, 3)), timeout=45)
+        return list(outcomes), late
+
+    outcomes, late = asyncio.run(main())
+    assert len({o.group for o in outcomes}) == 1 and outcomes[0].group is not None
+    assert len(outcomes[0].group.members) == 3
+    assert late.group is None and late.retry_at > 0  # it waits the attempt out; it never forms a second group
