@@ -198,9 +198,15 @@ class RpcConfig:
     max_message_bytes: int = 8 << 20
     retries: int = 3
     backoff_s: float = 0.2
+    # "tcp": all-reduce payloads move over a second, raw TCP port (rpc/bulk.py; open it too behind a
+    # firewall); "grpc": everything through rpc.port. Others adapt to what this peer serves.
+    bulk_transport: str = "tcp"
+    bulk_port: int = 0
 
     def __post_init__(self) -> None:
         _check(0 <= self.port < 65536, "rpc.port", "must be in [0, 65535]")
+        _check(self.bulk_transport in ("tcp", "grpc"), "rpc.bulk_transport", "must be 'tcp' or 'grpc'")
+        _check(0 <= self.bulk_port < 65536, "rpc.bulk_port", "must be in [0, 65535]")
         _check(self.call_timeout_s > 0, "rpc.call_timeout_s", "must be > 0")
         _check(1024 <= self.chunk_bytes <= self.max_message_bytes, "rpc.chunk_bytes", "must be in [1024, rpc.max_message_bytes]")
         _check(self.retries >= 0, "rpc.retries", "must be >= 0")

@@ -31,7 +31,8 @@ from swarmtrain.averaging.protocol import AverageResult
 from swarmtrain.averaging.reducer import ReducerRegistry, max_encoded_bytes, shard_bounds
 from swarmtrain.compress import Codec, CodecError
 from swarmtrain.config import AveragingConfig
-from swarmtrain.rpc.averaging_wire import AveragingClient, PushHeader, SessionKey
+from swarmtrain.rpc.averaging_client import AveragingClient
+from swarmtrain.rpc.averaging_wire import PushHeader, SessionKey
 from swarmtrain.rpc.faults import Fault, FaultHook, FaultSite, corrupt, truncate
 from swarmtrain.rpc.node import Rejected, RpcError, RpcNode, RpcRejected, RpcTimeout, RpcUnavailable
 
@@ -194,7 +195,9 @@ class AllReduce:
     async def _fetch(self, key: SessionKey, shard: int, reducer: Member, agreed: tuple[str, ...], numel: int,
                      deadline: float) -> bytes | bytearray:
         if reducer.peer_id == self.peer_id:
-            return await self.registry.mean(key, shard, agreed, peer=self.peer_id)
+            data = await self.registry.mean(key, shard, agreed, peer=self.peer_id)
+            await self.registry.delivered(key, shard, peer=self.peer_id)
+            return data
         return await self.client.fetch(reducer.endpoint, reducer.peer_id, key, shard, agreed,
                                        max_bytes=max_encoded_bytes(numel), deadline=deadline)
 

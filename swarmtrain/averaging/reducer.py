@@ -260,10 +260,15 @@ class ReducerRegistry:
                 parts = [s.received[p] for p in order]
                 data = await asyncio.to_thread(lambda: self.codec.encode(mean_of(parts)))
                 s.means[tuple(order)] = data
+        return data
+
+    async def delivered(self, key: SessionKey, shard: int, *, peer: str) -> None:
+        s = self._sessions.get(key.session_id)
+        if s is None or shard != s.shard:
+            return  # dropped as stale meanwhile: nobody drains for it
         s.fetched.add(peer)
         async with self.changed:
             self.changed.notify_all()
-        return data
 
     async def drain(self, *, timeout_s: float) -> tuple[str, ...]:
         """Wait (bounded) until every contributor of the newest served round has pulled its mean.

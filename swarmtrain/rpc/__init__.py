@@ -1,9 +1,11 @@
 """the only importer of grpc: servers, clients, deadlines, retries, chunked streams.
 
 node.py: RpcNode (event-loop thread, grpc.aio server on port 0, channels, run-key auth, byte
-counters, retries) and the typed RpcError family. averaging_wire.py: the all-reduce service and
-its client calls. state_wire.py: the state-transfer service and client. faults.py: the
-fault-injection seam (FaultSite, Fault, FaultHook) consulted by averaging/ and sync/.
+counters, retries). errors.py: the typed RpcError family and Rejected. bulk.py: the bulk port (raw
+TCP, one-time tickets) that moves all-reduce payloads without gRPC's copies. averaging_wire.py: the
+all-reduce service (gRPC streams and bulk tickets); averaging_client.py: its client calls.
+state_wire.py: the state-transfer service and client. frames.py: zero-copy chunk framing.
+faults.py: the fault-injection seam (FaultSite, Fault, FaultHook) consulted by averaging/ and sync/.
 """
 
 from swarmtrain.rpc.node import (

@@ -1,9 +1,15 @@
-"""The all-reduce over gRPC: the Averaging servicer (adapts a ReducerSink) and its client calls."""
+"""The all-reduce's service: session and push types, the ReducerSink protocol, and the Averaging servicer.
+
+Push and Fetch stream the payload through gRPC; PushTicket and FetchTicket validate the same
+requests and hand out tickets for the bulk port (bulk.py), which moves the bytes without gRPC's copies.
+The client calls are in averaging_client.py.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
@@ -13,13 +19,13 @@ from google.protobuf.message import DecodeError
 from grpc import aio
 
 from swarmtrain.rpc import frames
-from swarmtrain.rpc.node import Rejected, RpcNode, RpcRejected, peer_of, remaining_s, status_of, translate
+from swarmtrain.rpc.node import Rejected, RpcNode, peer_of, status_of
 from swarmtrain.wire import averaging_pb2 as pb
 from swarmtrain.wire import averaging_pb2_grpc as pb_grpc
 
-_SERVICE = "swarmtrain.wire.Averaging"
+SERVICE = "swarmtrain.wire.Averaging"
 
-__all__ = ["AveragingClient", "PushHeader", "ReducerSink", "SessionKey", "serve_averaging"]
+__all__ = ["SERVICE", "PushHeader", "ReducerSink", "SessionKey", "serve_averaging"]
 
 log = logging.getLogger(__name__)
 
@@ -74,11 +80,20 @@ class ReducerSink(Protocol):
 
     async def mean(self, key: SessionKey, shard: int, contributors: tuple[str, ...], *, peer: str) -> bytes: ...
 
+    async def delivered(self, key: SessionKey, shard: int, *, peer: str) -> None:
+        """`peer` has received the whole mean of `shard` (a leaving reducer waits for this)."""
+        ...
+
 
 class _Servicer(pb_grpc.AveragingServicer):
     def __init__(self, node: RpcNode, sink: ReducerSink) -> None:
         self.node = node
         self.sink = sink
+
+    def _deadline(self, context: aio.ServicerContext) -> float:
+        """The asking call's deadline (time.monotonic()): a ticket is good for as long as its caller waits."""
+        left_s = context.time_remaining()
+        return time.monotonic() + (left_s if left_s is not None else self.node.cfg.call_timeout_s)
 
     async def _reject(self, context: aio.ServicerContext, method: str, peer: str, err: Rejected) -> None:
         log.warning("%s rejected %s from %s: %s", self.node.peer_id, method, peer, err)
@@ -145,6 +160,50 @@ class _Servicer(pb_grpc.AveragingServicer):
         for start in range(step, len(data), step):
             yield frames.frame(b"", 2, view[start:start + step])
         self.node.counters.add_sent(peer, len(data))
+        await self.sink.delivered(SessionKey.from_wire(request.session), request.shard, peer=peer)
+
+    async def PushTicket(self, request: pb.PushHeader, context: aio.ServicerContext) -> pb.BulkTicket:
+        """Push's checks up front, then a ticket to send exactly the declared bytes to the bulk port."""
+        peer = peer_of(context)
+        r = request
+        header = PushHeader(SessionKey.from_wire(r.session), r.sender, r.shard, r.numel, r.total_bytes, r.codec)
+        try:
+            limit = await self.sink.check_push(header, peer=peer)
+            if not 0 <= header.total_bytes <= limit:
+                raise Rejected(f"push declares {header.total_bytes} bytes; at most {limit} allowed for "
+                               f"{header.numel} values", kind="too_large")
+            if self.node.bulk is None:
+                return pb.BulkTicket(port=0, total_bytes=header.total_bytes)  # this peer takes Push only
+
+            async def consume(payload: bytearray) -> None:
+                await self.sink.accept_push(header, payload, peer=peer)
+
+            token = self.node.bulk.expect_upload(peer=peer, what=f"push of shard {header.shard}", consume=consume,
+                                                 size_bytes=header.total_bytes, deadline=self._deadline(context))
+        except Rejected as e:
+            await self._reject(context, "PushTicket", peer, e)
+            raise AssertionError("unreachable") from e
+        return pb.BulkTicket(token=token, port=self.node.bulk.port, total_bytes=header.total_bytes)
+
+    async def FetchTicket(self, request: pb.FetchRequest, context: aio.ServicerContext) -> pb.BulkTicket:
+        """Fetch's mean, offered once on the bulk port."""
+        peer = peer_of(context)
+        key = SessionKey.from_wire(request.session)
+        try:
+            data = await self.sink.mean(key, request.shard, tuple(request.contributors), peer=peer)
+            if self.node.bulk is None:
+                return pb.BulkTicket(port=0, total_bytes=len(data))  # this peer serves Fetch only
+
+            async def sent() -> None:
+                await self.sink.delivered(key, request.shard, peer=peer)
+
+            token = self.node.bulk.offer_download(peer=peer, what=f"mean of shard {request.shard}", data=data,
+                                                  deadline=self._deadline(context), on_sent=sent)
+        except Rejected as e:
+            await self._reject(context, "FetchTicket", peer, e)
+            raise AssertionError("unreachable") from e
+        return pb.BulkTicket(token=token, port=self.node.bulk.port, total_bytes=len(data))
+
 
 
 def _push_fields(raw: bytes) -> tuple[pb.PushHeader | None, memoryview]:
@@ -168,7 +227,7 @@ def serve_averaging(node: RpcNode, sink: ReducerSink) -> None:
     Same service and messages as averaging.proto; Push requests and Fetch replies bypass the
     protobuf runtime (raw bytes, frames.py) to save two payload copies per side."""
     servicer = _Servicer(node, sink)
-    handler = grpc.method_handlers_generic_handler(_SERVICE, {
+    handler = grpc.method_handlers_generic_handler(SERVICE, {
         "Push": grpc.stream_unary_rpc_method_handler(
             servicer.Push, request_deserializer=None, response_serializer=pb.PushReply.SerializeToString),
         "Contributors": grpc.unary_unary_rpc_method_handler(
@@ -176,121 +235,11 @@ def serve_averaging(node: RpcNode, sink: ReducerSink) -> None:
             response_serializer=pb.ContributorsReply.SerializeToString),
         "Fetch": grpc.unary_stream_rpc_method_handler(
             servicer.Fetch, request_deserializer=pb.FetchRequest.FromString, response_serializer=None),
+        "PushTicket": grpc.unary_unary_rpc_method_handler(
+            servicer.PushTicket, request_deserializer=pb.PushHeader.FromString,
+            response_serializer=pb.BulkTicket.SerializeToString),
+        "FetchTicket": grpc.unary_unary_rpc_method_handler(
+            servicer.FetchTicket, request_deserializer=pb.FetchRequest.FromString,
+            response_serializer=pb.BulkTicket.SerializeToString),
     })
     node.add_service(lambda server: server.add_generic_rpc_handlers((handler,)))
-
-
-class AveragingClient:
-    """Client calls of the all-reduce; run them on the node's loop. Every call has a deadline; errors are
-    RpcUnavailable / RpcTimeout / RpcRejected."""
-
-    def __init__(self, node: RpcNode) -> None:
-        self.node = node
-        self._stubs: dict[str, _Stub] = {}
-
-    def _stub(self, endpoint: str) -> _Stub:
-        stub = self._stubs.get(endpoint)
-        if stub is None:
-            stub = self._stubs[endpoint] = _Stub(self.node.channel(endpoint))
-        return stub
-
-    async def push(self, endpoint: str, target: str, header: PushHeader, payload: bytes, *, deadline: float) -> None:
-        """Stream `payload` (its size may differ from header.total_bytes only under fault injection)."""
-        h = header
-        wire_header = pb.PushHeader(session=h.session.to_wire(), sender=h.sender, shard=h.shard, numel=h.numel,
-                                    total_bytes=h.total_bytes, codec=h.codec).SerializeToString()
-        first_prefix = frames.encode_bytes_field(1, len(wire_header)) + wire_header
-        step = self.node.cfg.chunk_bytes
-
-        async def gen() -> AsyncIterator[bytes]:  # raw PushChunk messages (frames.py)
-            view = memoryview(payload)
-            yield frames.frame(first_prefix, 2, view[:step])
-            for i in range(step, len(payload), step):
-                yield frames.frame(b"", 2, view[i:i + step])
-
-        async def once() -> None:
-            try:
-                await self._stub(endpoint).Push(gen(), timeout=remaining_s(deadline), metadata=self.node.metadata())
-            except aio.AioRpcError as e:
-                raise translate(e) from None
-            self.node.counters.add_sent(target, len(payload))
-
-        await self.node.retrying(once, deadline=deadline, what=f"push shard {h.shard} to {target}")
-
-    async def contributors(self, endpoint: str, target: str, key: SessionKey, shard: int, *,
-                           deadline: float) -> tuple[str, ...]:
-        async def once() -> tuple[str, ...]:
-            try:
-                reply = await self._stub(endpoint).Contributors(
-                    pb.ContributorsRequest(session=key.to_wire(), shard=shard), timeout=remaining_s(deadline),
-                    metadata=self.node.metadata())
-            except aio.AioRpcError as e:
-                raise translate(e) from None
-            return tuple(reply.contributors)
-
-        return await self.node.retrying(once, deadline=deadline, what=f"contributors of shard {shard} from {target}")
-
-    async def fetch(self, endpoint: str, target: str, key: SessionKey, shard: int, contributors: tuple[str, ...], *,
-                    max_bytes: int, deadline: float) -> bytearray:
-        """The encoded mean of `shard` over `contributors`; RpcRejected if it is bigger than `max_bytes`
-        or does not add up to the size it declared."""
-        request = pb.FetchRequest(session=key.to_wire(), shard=shard, contributors=list(contributors))
-
-        async def once() -> bytearray:
-            buf, received, total = bytearray(), 0, -1
-            try:
-                call = self._stub(endpoint).Fetch(request, timeout=remaining_s(deadline), metadata=self.node.metadata())
-                async for raw in call:
-                    chunk_total, data = _fetch_fields(raw, target)
-                    if total < 0:
-                        total = chunk_total
-                        if not 0 <= total <= max_bytes:
-                            call.cancel()
-                            raise _bad_reply(target, f"mean of shard {shard} declares {total} bytes, max {max_bytes}")
-                        buf = bytearray(total)
-                    if received + len(data) > total:
-                        call.cancel()
-                        raise _bad_reply(target, f"mean of shard {shard} exceeds its declared {total} bytes")
-                    buf[received:received + len(data)] = data
-                    received += len(data)
-            except aio.AioRpcError as e:
-                raise translate(e) from None
-            self.node.counters.add_received(target, received)
-            if received != total:
-                raise _bad_reply(target, f"truncated mean of shard {shard}: {received} of {total} bytes")
-            return buf
-
-        return await self.node.retrying(once, deadline=deadline, what=f"fetch shard {shard} from {target}")
-
-
-class _Stub:
-    """Multi-callables of the Averaging service; Push requests and Fetch replies travel as raw bytes."""
-
-    def __init__(self, channel: aio.Channel) -> None:
-        self.Push = channel.stream_unary(f"/{_SERVICE}/Push", request_serializer=None,
-                                         response_deserializer=pb.PushReply.FromString)
-        self.Contributors = channel.unary_unary(f"/{_SERVICE}/Contributors",
-                                                request_serializer=pb.ContributorsRequest.SerializeToString,
-                                                response_deserializer=pb.ContributorsReply.FromString)
-        self.Fetch = channel.unary_stream(f"/{_SERVICE}/Fetch", request_serializer=pb.FetchRequest.SerializeToString,
-                                          response_deserializer=None)
-
-
-def _fetch_fields(raw: bytes, target: str) -> tuple[int, memoryview]:
-    total, data = -1, memoryview(b"")
-    try:
-        for number, value in frames.fields(raw):
-            if number == 1 and isinstance(value, int):
-                total = value
-            elif number == 2 and isinstance(value, memoryview):
-                data = value
-            else:
-                raise frames.FrameError(f"unexpected field {number}")
-    except frames.FrameError as e:
-        raise _bad_reply(target, f"malformed fetch chunk: {e}") from None
-    return total, data
-
-
-def _bad_reply(target: str, what: str) -> RpcRejected:
-    log.warning("bad reply from %s: %s", target, what)
-    return RpcRejected("INVALID_REPLY", what)

@@ -19,6 +19,8 @@ import uvloop
 from grpc import aio
 
 from swarmtrain.config import RpcConfig
+from swarmtrain.rpc.bulk import BulkServer
+from swarmtrain.rpc.errors import Rejected, RpcError, RpcRejected, RpcTimeout, RpcUnavailable, status_name
 
 __all__ = [
     "RUN_KEY_ENV",
@@ -40,44 +42,8 @@ RUN_KEY_HEADER = "x-swarmtrain-run-key"
 PEER_HEADER = "x-swarmtrain-peer"
 
 
-class RpcError(Exception):
-    """A call to another peer failed; subclasses say whether retrying can help."""
-
-
-class RpcUnavailable(RpcError):
-    """The peer could not be reached (refused, reset, shut down): retry or treat it as dead."""
-
-
-class RpcTimeout(RpcError):
-    """The call's deadline passed."""
-
-
-class RpcRejected(RpcError):
-    """The peer answered and refused the request; `code` is the gRPC status name."""
-
-    def __init__(self, code: str, details: str) -> None:
-        super().__init__(f"{code}: {details}")
-        self.code = code
-        self.details = details
-
-
-class Rejected(ValueError):
-    """Raised by a service implementation to refuse a request; the servicer maps `kind` to a status."""
-
-    KINDS = ("invalid", "precondition", "not_found", "too_large")
-
-    def __init__(self, message: str, *, kind: str = "invalid") -> None:
-        assert kind in self.KINDS, kind
-        super().__init__(message)
-        self.kind = kind
-
-
-_KIND_CODES = {"invalid": grpc.StatusCode.INVALID_ARGUMENT, "precondition": grpc.StatusCode.FAILED_PRECONDITION,
-               "not_found": grpc.StatusCode.NOT_FOUND, "too_large": grpc.StatusCode.RESOURCE_EXHAUSTED}
-
-
 def status_of(rejected: Rejected) -> grpc.StatusCode:
-    return _KIND_CODES[rejected.kind]
+    return grpc.StatusCode[status_name(rejected)]
 
 
 def translate(err: aio.AioRpcError) -> RpcError:
@@ -182,6 +148,7 @@ class RpcNode:
         self._registrations: list[Callable[[aio.Server], None]] = []
         self._channels: dict[str, aio.Channel] = {}
         self._server: aio.Server | None = None
+        self.bulk: BulkServer | None = None  # the bulk port (rpc/bulk.py) when serving with bulk_transport "tcp"
         self._loop: _Loop | None = None
         self._endpoint = ""
         self.options = [("grpc.max_send_message_length", cfg.max_message_bytes),
@@ -226,6 +193,10 @@ class RpcNode:
             raise OSError(f"rpc: could not bind {self.cfg.host}:{self.cfg.port}")
         await server.start()
         self._server = server
+        if self.cfg.bulk_transport == "tcp":
+            self.bulk = BulkServer(peer_id=self.peer_id, counters=self.counters,
+                                   handshake_timeout_s=self.cfg.call_timeout_s)
+            await self.bulk.start(self.cfg.host, self.cfg.bulk_port)
         host = "127.0.0.1" if self.cfg.host in ("0.0.0.0", "::", "") else self.cfg.host
         endpoint = self.cfg.announce or f"{host}:{port}"
         log.info("rpc server of %s listening on %s:%d (announce %s)", self.peer_id, self.cfg.host, port, endpoint)
@@ -235,6 +206,8 @@ class RpcNode:
         if self._server is not None:
             server, self._server = self._server, None
             await server.stop(grace=0.2)
+        if self.bulk is not None:
+            await self.bulk.close(grace_s=0.2)
         for ch in self._channels.values():
             await ch.close()
         self._channels.clear()
@@ -244,6 +217,8 @@ class RpcNode:
         if self._server is not None:
             server, self._server = self._server, None
             await server.stop(grace=None)
+            if self.bulk is not None:
+                await self.bulk.close()
             log.warning("rpc server of %s killed", self.peer_id)
 
     def close(self, *, timeout_s: float = 10.0) -> None:

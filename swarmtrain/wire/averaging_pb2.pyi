@@ -81,3 +81,13 @@ class FetchChunk(_message.Message):
     total_bytes: int
     data: bytes
     def __init__(self, total_bytes: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class BulkTicket(_message.Message):
+    __slots__ = ("token", "port", "total_bytes")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    token: bytes
+    port: int
+    total_bytes: int
+    def __init__(self, token: _Optional[bytes] = ..., port: _Optional[int] = ..., total_bytes: _Optional[int] = ...) -> None: ...

@@ -49,6 +49,16 @@ class AveragingStub:
                 request_serializer=swarmtrain_dot_wire_dot_averaging__pb2.FetchRequest.SerializeToString,
                 response_deserializer=swarmtrain_dot_wire_dot_averaging__pb2.FetchChunk.FromString,
                 _registered_method=True)
+        self.PushTicket = channel.unary_unary(
+                '/swarmtrain.wire.Averaging/PushTicket',
+                request_serializer=swarmtrain_dot_wire_dot_averaging__pb2.PushHeader.SerializeToString,
+                response_deserializer=swarmtrain_dot_wire_dot_averaging__pb2.BulkTicket.FromString,
+                _registered_method=True)
+        self.FetchTicket = channel.unary_unary(
+                '/swarmtrain.wire.Averaging/FetchTicket',
+                request_serializer=swarmtrain_dot_wire_dot_averaging__pb2.FetchRequest.SerializeToString,
+                response_deserializer=swarmtrain_dot_wire_dot_averaging__pb2.BulkTicket.FromString,
+                _registered_method=True)
 
 
 class AveragingServicer:
@@ -72,6 +82,20 @@ class AveragingServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PushTicket(self, request, context):
+        """Validate a push like Push's first chunk does, then hand out a ticket for its bytes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FetchTicket(self, request, context):
+        """Compute the mean like Fetch does, then hand out a ticket for its bytes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AveragingServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -89,6 +113,16 @@ def add_AveragingServicer_to_server(servicer, server):
                     servicer.Fetch,
                     request_deserializer=swarmtrain_dot_wire_dot_averaging__pb2.FetchRequest.FromString,
                     response_serializer=swarmtrain_dot_wire_dot_averaging__pb2.FetchChunk.SerializeToString,
+            ),
+            'PushTicket': grpc.unary_unary_rpc_method_handler(
+                    servicer.PushTicket,
+                    request_deserializer=swarmtrain_dot_wire_dot_averaging__pb2.PushHeader.FromString,
+                    response_serializer=swarmtrain_dot_wire_dot_averaging__pb2.BulkTicket.SerializeToString,
+            ),
+            'FetchTicket': grpc.unary_unary_rpc_method_handler(
+                    servicer.FetchTicket,
+                    request_deserializer=swarmtrain_dot_wire_dot_averaging__pb2.FetchRequest.FromString,
+                    response_serializer=swarmtrain_dot_wire_dot_averaging__pb2.BulkTicket.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -172,6 +206,60 @@ class Averaging:
             '/swarmtrain.wire.Averaging/Fetch',
             swarmtrain_dot_wire_dot_averaging__pb2.FetchRequest.SerializeToString,
             swarmtrain_dot_wire_dot_averaging__pb2.FetchChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushTicket(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/swarmtrain.wire.Averaging/PushTicket',
+            swarmtrain_dot_wire_dot_averaging__pb2.PushHeader.SerializeToString,
+            swarmtrain_dot_wire_dot_averaging__pb2.BulkTicket.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchTicket(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/swarmtrain.wire.Averaging/FetchTicket',
+            swarmtrain_dot_wire_dot_averaging__pb2.FetchRequest.SerializeToString,
+            swarmtrain_dot_wire_dot_averaging__pb2.BulkTicket.FromString,
             options,
             channel_credentials,
             insecure,

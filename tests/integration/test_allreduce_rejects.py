@@ -13,7 +13,8 @@ from allreduce_swarm import RPC, RUN_ID, Swarm, deltas_for, reference_mean
 from swarmtrain.averaging.reducer import shard_bounds
 from swarmtrain.compress import get_codec
 from swarmtrain.compress.wire import CodecId, Flags, Header, frame
-from swarmtrain.rpc.averaging_wire import AveragingClient, PushHeader, SessionKey
+from swarmtrain.rpc.averaging_client import AveragingClient
+from swarmtrain.rpc.averaging_wire import PushHeader, SessionKey
 from swarmtrain.rpc.node import RpcNode, RpcRejected
 
 pytestmark = pytest.mark.integration

@@ -1,0 +1,186 @@
+"""The all-reduce's client calls: push a shard, ask for contributors, fetch a mean (bulk port or gRPC stream)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+from grpc import aio
+
+from swarmtrain.rpc import bulk, frames
+from swarmtrain.rpc.averaging_wire import SERVICE, PushHeader, SessionKey
+from swarmtrain.rpc.node import RpcNode, RpcRejected, remaining_s, translate
+from swarmtrain.wire import averaging_pb2 as pb
+
+__all__ = ["AveragingClient"]
+
+log = logging.getLogger(__name__)
+
+
+class AveragingClient:
+    """Client calls of the all-reduce; run them on the node's loop. Every call has a deadline; errors are
+    RpcUnavailable / RpcTimeout / RpcRejected.
+
+    With `rpc.bulk_transport = "tcp"` a push or fetch asks the reducer for a ticket and moves the
+    bytes over its bulk port; a reducer that answers port 0 (it serves gRPC only) gets the Push /
+    Fetch stream instead. Either way the whole exchange is one attempt of `node.retrying`."""
+
+    def __init__(self, node: RpcNode) -> None:
+        self.node = node
+        self._stubs: dict[str, _Stub] = {}
+
+    def _stub(self, endpoint: str) -> _Stub:
+        stub = self._stubs.get(endpoint)
+        if stub is None:
+            stub = self._stubs[endpoint] = _Stub(self.node.channel(endpoint))
+        return stub
+
+    @property
+    def _bulk(self) -> bool:
+        return self.node.cfg.bulk_transport == "tcp"
+
+    async def _ticket(self, method: str, endpoint: str, request: pb.PushHeader | pb.FetchRequest,
+                      deadline: float) -> pb.BulkTicket:
+        call = self._stub(endpoint).PushTicket if method == "push" else self._stub(endpoint).FetchTicket
+        try:
+            ticket: pb.BulkTicket = await call(request, timeout=remaining_s(deadline), metadata=self.node.metadata())
+        except aio.AioRpcError as e:
+            raise translate(e) from None
+        return ticket
+
+    async def push(self, endpoint: str, target: str, header: PushHeader, payload: bytes, *, deadline: float) -> None:
+        """Send `payload` (its size may differ from header.total_bytes only under fault injection)."""
+        h = header
+        wire_header = pb.PushHeader(session=h.session.to_wire(), sender=h.sender, shard=h.shard, numel=h.numel,
+                                    total_bytes=h.total_bytes, codec=h.codec)
+
+        async def once() -> None:
+            if self._bulk:
+                ticket = await self._ticket("push", endpoint, wire_header, deadline)
+                if ticket.port:
+                    await bulk.upload(_host(endpoint), ticket.port, ticket.token, payload, deadline=deadline,
+                                      what=f"push of shard {h.shard}", counters=self.node.counters, peer=target)
+                    return
+            await self._grpc_push(endpoint, target, wire_header.SerializeToString(), payload, deadline=deadline)
+
+        await self.node.retrying(once, deadline=deadline, what=f"push shard {h.shard} to {target}")
+
+    async def _grpc_push(self, endpoint: str, target: str, wire_header: bytes, payload: bytes, *,
+                         deadline: float) -> None:
+        first_prefix = frames.encode_bytes_field(1, len(wire_header)) + wire_header
+        step = self.node.cfg.chunk_bytes
+
+        async def gen() -> AsyncIterator[bytes]:  # raw PushChunk messages (frames.py)
+            view = memoryview(payload)
+            yield frames.frame(first_prefix, 2, view[:step])
+            for i in range(step, len(payload), step):
+                yield frames.frame(b"", 2, view[i:i + step])
+
+        try:
+            await self._stub(endpoint).Push(gen(), timeout=remaining_s(deadline), metadata=self.node.metadata())
+        except aio.AioRpcError as e:
+            raise translate(e) from None
+        self.node.counters.add_sent(target, len(payload))
+
+    async def contributors(self, endpoint: str, target: str, key: SessionKey, shard: int, *,
+                           deadline: float) -> tuple[str, ...]:
+        async def once() -> tuple[str, ...]:
+            try:
+                reply = await self._stub(endpoint).Contributors(
+                    pb.ContributorsRequest(session=key.to_wire(), shard=shard), timeout=remaining_s(deadline),
+                    metadata=self.node.metadata())
+            except aio.AioRpcError as e:
+                raise translate(e) from None
+            return tuple(reply.contributors)
+
+        return await self.node.retrying(once, deadline=deadline, what=f"contributors of shard {shard} from {target}")
+
+    async def fetch(self, endpoint: str, target: str, key: SessionKey, shard: int, contributors: tuple[str, ...], *,
+                    max_bytes: int, deadline: float) -> bytearray:
+        """The encoded mean of `shard` over `contributors`; RpcRejected if it is bigger than `max_bytes`
+        or does not add up to the size it declared."""
+        request = pb.FetchRequest(session=key.to_wire(), shard=shard, contributors=list(contributors))
+
+        async def once() -> bytearray:
+            if self._bulk:
+                ticket = await self._ticket("fetch", endpoint, request, deadline)
+                if not 0 <= ticket.total_bytes <= max_bytes:
+                    raise _bad_reply(target, f"mean of shard {shard} declares {ticket.total_bytes} bytes, "
+                                             f"max {max_bytes}")
+                if ticket.port:
+                    return await bulk.download(_host(endpoint), ticket.port, ticket.token,
+                                               size_bytes=ticket.total_bytes, deadline=deadline,
+                                               what=f"mean of shard {shard}", counters=self.node.counters,
+                                               peer=target)
+            return await self._grpc_fetch(endpoint, target, request, shard, max_bytes=max_bytes, deadline=deadline)
+
+        return await self.node.retrying(once, deadline=deadline, what=f"fetch shard {shard} from {target}")
+
+    async def _grpc_fetch(self, endpoint: str, target: str, request: pb.FetchRequest, shard: int, *,
+                          max_bytes: int, deadline: float) -> bytearray:
+        buf, received, total = bytearray(), 0, -1
+        try:
+            call = self._stub(endpoint).Fetch(request, timeout=remaining_s(deadline), metadata=self.node.metadata())
+            async for raw in call:
+                chunk_total, data = _fetch_fields(raw, target)
+                if total < 0:
+                    total = chunk_total
+                    if not 0 <= total <= max_bytes:
+                        call.cancel()
+                        raise _bad_reply(target, f"mean of shard {shard} declares {total} bytes, max {max_bytes}")
+                    buf = bytearray(total)
+                if received + len(data) > total:
+                    call.cancel()
+                    raise _bad_reply(target, f"mean of shard {shard} exceeds its declared {total} bytes")
+                buf[received:received + len(data)] = data
+                received += len(data)
+        except aio.AioRpcError as e:
+            raise translate(e) from None
+        self.node.counters.add_received(target, received)
+        if received != total:
+            raise _bad_reply(target, f"truncated mean of shard {shard}: {received} of {total} bytes")
+        return buf
+
+
+class _Stub:
+    """Multi-callables of the Averaging service; Push requests and Fetch replies travel as raw bytes."""
+
+    def __init__(self, channel: aio.Channel) -> None:
+        self.Push = channel.stream_unary(f"/{SERVICE}/Push", request_serializer=None,
+                                         response_deserializer=pb.PushReply.FromString)
+        self.Contributors = channel.unary_unary(f"/{SERVICE}/Contributors",
+                                                request_serializer=pb.ContributorsRequest.SerializeToString,
+                                                response_deserializer=pb.ContributorsReply.FromString)
+        self.Fetch = channel.unary_stream(f"/{SERVICE}/Fetch", request_serializer=pb.FetchRequest.SerializeToString,
+                                          response_deserializer=None)
+        self.PushTicket = channel.unary_unary(f"/{SERVICE}/PushTicket",
+                                              request_serializer=pb.PushHeader.SerializeToString,
+                                              response_deserializer=pb.BulkTicket.FromString)
+        self.FetchTicket = channel.unary_unary(f"/{SERVICE}/FetchTicket",
+                                               request_serializer=pb.FetchRequest.SerializeToString,
+                                               response_deserializer=pb.BulkTicket.FromString)
+
+
+def _host(endpoint: str) -> str:
+    """The host part of host:port ([v6] brackets removed): the bulk port lives on the same host."""
+    return endpoint.rpartition(":")[0].strip("[]")
+
+
+def _fetch_fields(raw: bytes, target: str) -> tuple[int, memoryview]:
+    total, data = -1, memoryview(b"")
+    try:
+        for number, value in frames.fields(raw):
+            if number == 1 and isinstance(value, int):
+                total = value
+            elif number == 2 and isinstance(value, memoryview):
+                data = value
+            else:
+                raise frames.FrameError(f"unexpected field {number}")
+    except frames.FrameError as e:
+        raise _bad_reply(target, f"malformed fetch chunk: {e}") from None
+    return total, data
+
+
+def _bad_reply(target: str, what: str) -> RpcRejected:
+    log.warning("bad reply from %s: %s", target, what)
+    return RpcRejected("INVALID_REPLY", what)
