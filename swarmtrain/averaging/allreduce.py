@@ -136,7 +136,10 @@ class AllReduce:
 
         async def fetch_and_add(j: int, reducer: Member, lo: int, hi: int) -> None:
             data = await self._fetch(key, j, reducer, agreed, hi - lo, deadline)
-            await asyncio.to_thread(self.codec.decode_accumulate, data, mean[lo:hi])  # pipelined per shard
+            try:
+                await asyncio.to_thread(self.codec.decode_accumulate, data, mean[lo:hi])  # pipelined per shard
+            finally:
+                self.client.release(data)
 
         pulls = await asyncio.gather(*(fetch_and_add(j, m, lo, hi) for j, (m, (lo, hi)) in enumerate(shards)),
                                      return_exceptions=True)
@@ -193,7 +196,7 @@ class AllReduce:
         return await self.client.contributors(reducer.endpoint, reducer.peer_id, key, shard, deadline=deadline)
 
     async def _fetch(self, key: SessionKey, shard: int, reducer: Member, agreed: tuple[str, ...], numel: int,
-                     deadline: float) -> bytes | bytearray:
+                     deadline: float) -> bytes | bytearray | memoryview:
         if reducer.peer_id == self.peer_id:
             data = await self.registry.mean(key, shard, agreed, peer=self.peer_id)
             await self.registry.delivered(key, shard, peer=self.peer_id)

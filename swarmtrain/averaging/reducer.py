@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import warnings
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -217,7 +218,7 @@ class ReducerRegistry:
             raise Rejected(f"shard {s.shard}'s contribution window has closed", kind="precondition")
         return max_encoded_bytes(s.numel)
 
-    async def accept_push(self, header: PushHeader, payload: bytes | bytearray, *, peer: str) -> None:
+    async def accept_push(self, header: PushHeader, payload: bytes | bytearray | memoryview, *, peer: str) -> None:
         s = await self._session(header.session)
         if header.sender in s.received:
             return  # a retried push whose first copy landed: idempotent
@@ -319,8 +320,11 @@ class ReducerRegistry:
             raise Rejected("dropped by fault injection", kind="precondition")
 
 
-def _decode_checked(codec: Codec, payload: bytes | bytearray, numel: int) -> torch.Tensor:
+def _decode_checked(codec: Codec, payload: bytes | bytearray | memoryview, numel: int) -> torch.Tensor:
+    """The shard's values, owning their memory: the transport reuses `payload` once the push is accepted."""
     values = codec.decode(payload).reshape(-1)
+    if _aliases(values, payload):
+        values = values.clone()
     if values.numel() != numel:
         raise CodecError(f"decoded {values.numel()} values, the shard has {numel}")
     if values.numel():
@@ -328,3 +332,15 @@ def _decode_checked(codec: Codec, payload: bytes | bytearray, numel: int) -> tor
         if not bool(torch.isfinite(lo) & torch.isfinite(hi)):
             raise CodecError("decoded values hold NaN or Inf")
     return values
+
+
+def _aliases(values: torch.Tensor, payload: bytes | bytearray | memoryview) -> bool:
+    """Whether `values` lives inside `payload`'s memory (a codec may decode to a view of its input)."""
+    size = memoryview(payload).nbytes
+    if size == 0 or values.numel() == 0:
+        return False
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # read-only bytes: we only take the address
+        start = torch.frombuffer(payload, dtype=torch.uint8, count=1).data_ptr()
+    ptr = values.untyped_storage().data_ptr()
+    return start <= ptr < start + size

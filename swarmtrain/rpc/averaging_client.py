@@ -96,12 +96,12 @@ class AveragingClient:
         return await self.node.retrying(once, deadline=deadline, what=f"contributors of shard {shard} from {target}")
 
     async def fetch(self, endpoint: str, target: str, key: SessionKey, shard: int, contributors: tuple[str, ...], *,
-                    max_bytes: int, deadline: float) -> bytearray:
+                    max_bytes: int, deadline: float) -> bytearray | memoryview:
         """The encoded mean of `shard` over `contributors`; RpcRejected if it is bigger than `max_bytes`
-        or does not add up to the size it declared."""
+        or does not add up to the size it declared. `release()` it once decoded."""
         request = pb.FetchRequest(session=key.to_wire(), shard=shard, contributors=list(contributors))
 
-        async def once() -> bytearray:
+        async def once() -> bytearray | memoryview:
             if self._bulk:
                 ticket = await self._ticket("fetch", endpoint, request, deadline)
                 if not 0 <= ticket.total_bytes <= max_bytes:
@@ -111,10 +111,15 @@ class AveragingClient:
                     return await bulk.download(_host(endpoint), ticket.port, ticket.token,
                                                size_bytes=ticket.total_bytes, deadline=deadline,
                                                what=f"mean of shard {shard}", counters=self.node.counters,
-                                               peer=target)
+                                               peer=target, pool=self.node.buffers)
             return await self._grpc_fetch(endpoint, target, request, shard, max_bytes=max_bytes, deadline=deadline)
 
         return await self.node.retrying(once, deadline=deadline, what=f"fetch shard {shard} from {target}")
+
+    def release(self, data: bytes | bytearray | memoryview) -> None:
+        """Hand a fetched mean's buffer back for reuse; nothing may refer to its memory any more."""
+        if isinstance(data, memoryview):
+            self.node.buffers.give(data)
 
     async def _grpc_fetch(self, endpoint: str, target: str, request: pb.FetchRequest, shard: int, *,
                           max_bytes: int, deadline: float) -> bytearray:

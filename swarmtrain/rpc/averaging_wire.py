@@ -74,7 +74,9 @@ class ReducerSink(Protocol):
         """Validate a push header (may wait for the session to open); return the max payload bytes."""
         ...
 
-    async def accept_push(self, header: PushHeader, payload: bytearray, *, peer: str) -> None: ...
+    async def accept_push(self, header: PushHeader, payload: bytearray | memoryview, *, peer: str) -> None:
+        """Take a checked push's bytes; `payload` may be reused once this returns: keep a copy, not a view."""
+        ...
 
     async def contributors(self, key: SessionKey, shard: int, *, peer: str) -> tuple[str, ...]: ...
 
@@ -175,7 +177,7 @@ class _Servicer(pb_grpc.AveragingServicer):
             if self.node.bulk is None:
                 return pb.BulkTicket(port=0, total_bytes=header.total_bytes)  # this peer takes Push only
 
-            async def consume(payload: bytearray) -> None:
+            async def consume(payload: memoryview) -> None:
                 await self.sink.accept_push(header, payload, peer=peer)
 
             token = self.node.bulk.expect_upload(peer=peer, what=f"push of shard {header.shard}", consume=consume,

@@ -29,6 +29,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from swarmtrain.rpc.buffers import BufferPool
 from swarmtrain.rpc.errors import Rejected, RpcRejected, RpcTimeout, RpcUnavailable, status_name
 
 if TYPE_CHECKING:
@@ -46,7 +47,7 @@ _SIZE = struct.Struct("!Q")
 _MAX_MESSAGE_BYTES = 4096
 _DRAIN_BYTES = 1 << 20  # read (and drop) at most this much after a refusal, so the refusal is not lost to a reset
 
-Consumer = Callable[[bytearray], Awaitable[None]]
+Consumer = Callable[[memoryview], Awaitable[None]]
 
 
 class _Refused(Exception):
@@ -106,9 +107,10 @@ async def _read_status(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> 
 class BulkServer:
     """A node's bulk port. Lives on the node's loop; `expect_upload` / `offer_download` issue tickets."""
 
-    def __init__(self, *, peer_id: str, counters: ByteCounters, handshake_timeout_s: float) -> None:
+    def __init__(self, *, peer_id: str, counters: ByteCounters, pool: BufferPool, handshake_timeout_s: float) -> None:
         self.peer_id = peer_id
         self.counters = counters
+        self.pool = pool
         self.handshake_timeout_s = handshake_timeout_s
         self._tickets: dict[bytes, _Ticket] = {}
         self._listener: socket.socket | None = None
@@ -146,7 +148,8 @@ class BulkServer:
 
     def expect_upload(self, *, peer: str, what: str, size_bytes: int, deadline: float, consume: Consumer) -> bytes:
         """A token for `peer` to send exactly `size_bytes` (already checked against the caller's limit);
-        `consume(buffer)` takes them and may raise `Rejected`, which the uploader receives."""
+        `consume(view)` takes them and may raise `Rejected`, which the uploader receives. The view's
+        memory is reused once `consume` returns: copy what you keep."""
         return self._issue(_Ticket(peer, what, size_bytes, deadline, consume=consume))
 
     def offer_download(self, *, peer: str, what: str, data: bytes | bytearray, deadline: float,
@@ -214,18 +217,21 @@ class BulkServer:
     async def _receive(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, ticket: _Ticket) -> None:
         assert ticket.consume is not None
         await _send_status(loop, conn, "OK")
-        buf = bytearray(ticket.size_bytes)
-        got = await _recv_into(loop, conn, memoryview(buf))
-        self.counters.add_received(ticket.peer, got)
-        if got < ticket.size_bytes:
-            raise _Refused("INVALID_ARGUMENT", f"truncated {ticket.what}: got {got} of {ticket.size_bytes} bytes")
-        if await loop.sock_recv(conn, 1):
-            raise _Refused("RESOURCE_EXHAUSTED", f"{ticket.what} carries more than the {ticket.size_bytes} "
-                                                 "bytes it declared")
+        view = self.pool.take(ticket.size_bytes)
         try:
-            await ticket.consume(buf)
-        except Rejected as e:
-            raise _Refused(status_name(e), str(e)) from None
+            got = await _recv_into(loop, conn, view)
+            self.counters.add_received(ticket.peer, got)
+            if got < ticket.size_bytes:
+                raise _Refused("INVALID_ARGUMENT", f"truncated {ticket.what}: got {got} of {ticket.size_bytes} bytes")
+            if await loop.sock_recv(conn, 1):
+                raise _Refused("RESOURCE_EXHAUSTED", f"{ticket.what} carries more than the {ticket.size_bytes} "
+                                                     "bytes it declared")
+            try:
+                await ticket.consume(view)
+            except Rejected as e:
+                raise _Refused(status_name(e), str(e)) from None
+        finally:
+            self.pool.give(view)
         await _send_status(loop, conn, "OK")
 
     async def _send(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, ticket: _Ticket) -> None:
@@ -287,17 +293,22 @@ async def upload(host: str, port: int, token: bytes, payload: bytes | bytearray 
 
 
 async def download(host: str, port: int, token: bytes, *, size_bytes: int, deadline: float, what: str,
-                   counters: ByteCounters, peer: str) -> bytearray:
-    """The `size_bytes` (from the ticket, checked by the caller) offered against a download ticket."""
+                   counters: ByteCounters, peer: str, pool: BufferPool) -> memoryview:
+    """The `size_bytes` (from the ticket, checked by the caller) offered against a download ticket, in a
+    view from `pool` (give it back when done)."""
     async with _transfer(host, port, token, deadline=deadline, what=what) as (loop, sock):
         (size,) = _SIZE.unpack(await _recv_exact(loop, sock, _SIZE.size))
         if size != size_bytes:
             raise RpcRejected("INVALID_REPLY", f"{what} declares {size} bytes, its ticket {size_bytes}")
-        buf = bytearray(size)
-        got = await _recv_into(loop, sock, memoryview(buf))
-        counters.add_received(peer, got)
-        if got < size:
-            raise _Eof(f"{what}: connection closed after {got} of {size} bytes")
-        if await loop.sock_recv(sock, 1):
-            raise RpcRejected("INVALID_REPLY", f"{what} exceeds its declared {size} bytes")
-        return buf
+        view = pool.take(size)
+        try:
+            got = await _recv_into(loop, sock, view)
+            counters.add_received(peer, got)
+            if got < size:
+                raise _Eof(f"{what}: connection closed after {got} of {size} bytes")
+            if await loop.sock_recv(sock, 1):
+                raise RpcRejected("INVALID_REPLY", f"{what} exceeds its declared {size} bytes")
+        except BaseException:
+            pool.give(view)
+            raise
+        return view

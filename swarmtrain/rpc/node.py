@@ -19,6 +19,7 @@ import uvloop
 from grpc import aio
 
 from swarmtrain.config import RpcConfig
+from swarmtrain.rpc.buffers import BufferPool
 from swarmtrain.rpc.bulk import BulkServer
 from swarmtrain.rpc.errors import Rejected, RpcError, RpcRejected, RpcTimeout, RpcUnavailable, status_name
 
@@ -144,6 +145,7 @@ class RpcNode:
         self.peer_id = peer_id
         self.serve = serve
         self.counters = ByteCounters()
+        self.buffers = BufferPool()  # receive buffers of the bulk path, reused across rounds (loop thread only)
         self._run_key = resolve_run_key(cfg)
         self._registrations: list[Callable[[aio.Server], None]] = []
         self._channels: dict[str, aio.Channel] = {}
@@ -194,7 +196,7 @@ class RpcNode:
         await server.start()
         self._server = server
         if self.cfg.bulk_transport == "tcp":
-            self.bulk = BulkServer(peer_id=self.peer_id, counters=self.counters,
+            self.bulk = BulkServer(peer_id=self.peer_id, counters=self.counters, pool=self.buffers,
                                    handshake_timeout_s=self.cfg.call_timeout_s)
             await self.bulk.start(self.cfg.host, self.cfg.bulk_port)
         host = "127.0.0.1" if self.cfg.host in ("0.0.0.0", "::", "") else self.cfg.host
