@@ -46,12 +46,10 @@ class BufferPool:
         return memoryview(bytearray(size))
 
     def give(self, view: memoryview) -> None:
-        """Return a view from `take`; the caller must hold no other reference into its memory."""
+        """Return a view from `take`. The caller must hold no other reference into its memory (no tensor
+        over it: Python cannot tell us, so consumers copy what they keep; see reducer._decode_checked)."""
         block = view.obj
-        try:
-            view.release()
-        except BufferError:  # something still exports its memory (e.g. a tensor view): never reuse it
-            return
+        view.release()
         if not isinstance(block, bytearray) or len(block) < _SMALL_BYTES or len(block) > self.max_bytes:
             return
         self._idle[id(block)] = block

@@ -24,12 +24,15 @@ AVG = AveragingConfig(min_peers=2, allreduce_timeout_s=10.0, contribution_window
 
 
 class Swarm:
-    """`names` peers; `client_mode` names those that only dial out. Use as a context manager."""
+    """`names` peers; `client_mode` names those that only dial out; `rpc` overrides RPC per peer.
+    Use as a context manager."""
 
     def __init__(self, names: Sequence[str], *, client_mode: Sequence[str] = (), fault_hook: FaultHook | None = None,
-                 avg: AveragingConfig = AVG, codec: str = "fp32", bandwidth: dict[str, float] | None = None) -> None:
+                 avg: AveragingConfig = AVG, codec: str = "fp32", bandwidth: dict[str, float] | None = None,
+                 rpc: dict[str, RpcConfig] | None = None) -> None:
         self.names = sorted(names)
-        self.nodes = {n: RpcNode(RPC, peer_id=n, serve=n not in client_mode) for n in self.names}
+        rpc = rpc or {}
+        self.nodes = {n: RpcNode(rpc.get(n, RPC), peer_id=n, serve=n not in client_mode) for n in self.names}
         self.averagers = {n: NetworkAverager(self.nodes[n], run_id=RUN_ID, group_provider=self._group,
                                              codec=get_codec(codec), cfg=avg, fault_hook=fault_hook)
                           for n in self.names}

@@ -1,0 +1,221 @@
+"""The bulk port (rpc/bulk.py): rounds through it equal the reference; bad tickets, wrong run keys,
+truncated or oversized payloads are refused and logged; a peer dying mid-transfer is an RpcUnavailable."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import secrets
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+import torch
+from allreduce_swarm import RPC, Swarm, deltas_for, reference_mean
+
+from swarmtrain.averaging.reducer import shard_bounds
+from swarmtrain.compress import get_codec
+from swarmtrain.rpc import bulk
+from swarmtrain.rpc.averaging_client import AveragingClient
+from swarmtrain.rpc.averaging_wire import PushHeader, SessionKey
+from swarmtrain.rpc.node import Rejected, RpcNode, RpcRejected, RpcUnavailable
+from swarmtrain.testing import wait_until
+
+pytestmark = pytest.mark.integration
+
+NAMES = ["a", "b", "c", "d"]
+NUMEL = 200_000  # 200 KB shards: big enough for the buffer pool, still fast
+GRPC = dataclasses.replace(RPC, bulk_transport="grpc")
+IO_S = 10.0
+
+
+def _rounds(swarm: Swarm, count: int) -> None:
+    for round_index in range(count):
+        deltas = deltas_for(NAMES, NUMEL, seed=round_index)
+        results = swarm.average(round_index, deltas)
+        expected = reference_mean(deltas, NAMES, shard_bounds(NUMEL, (0.0,) * len(NAMES)))
+        for name, r in results.items():
+            assert r.committed, f"{name}: {r.reason}"
+            assert r.mean is not None and torch.equal(r.mean, expected), name
+
+
+def _counted(swarm: Swarm, expected: tuple[int, int]) -> None:
+    """Every node's byte counters reach `expected` (a reducer counts a served mean once it is out)."""
+    wait_until(lambda: all(n.counters.totals() == expected for n in swarm.nodes.values()), timeout_s=IO_S,
+               what=f"byte counters at {expected}")
+
+
+@pytest.mark.parametrize("transport", ["tcp", "grpc"])
+def test_rounds_match_the_reference_and_count_the_same_bytes_on_either_transport(transport: str) -> None:
+    encoded = len(get_codec("fp32").encode(torch.zeros(NUMEL // 4)))  # one shard or mean on the wire
+    with Swarm(NAMES, rpc=dict.fromkeys(NAMES, dataclasses.replace(RPC, bulk_transport=transport))) as swarm:
+        assert all((node.bulk is not None) == (transport == "tcp") for node in swarm.nodes.values())
+        _rounds(swarm, 2)
+        _counted(swarm, (2 * 6 * encoded, 2 * 6 * encoded))  # per round: 3 shards + 3 means out, as many in
+        if transport == "tcp":
+            assert all(node.buffers.idle_bytes > 0 for node in swarm.nodes.values())  # buffers came back
+
+
+def test_a_peer_that_serves_grpc_only_is_pushed_to_and_fetched_from_over_grpc() -> None:
+    with Swarm(NAMES, rpc={"c": GRPC}) as swarm:
+        assert swarm.nodes["c"].bulk is None and swarm.nodes["a"].bulk is not None
+        _rounds(swarm, 1)
+
+
+def _serving_node() -> RpcNode:
+    node = RpcNode(RPC, peer_id="r")
+    node.start()
+    return node
+
+
+def _ticket(node: RpcNode, size_bytes: int, got: list[bytes], *, refuse: str = "") -> bytes:
+    async def consume(view: memoryview) -> None:
+        if refuse:
+            raise Rejected(refuse)
+        got.append(bytes(view))
+
+    async def issue() -> bytes:
+        assert node.bulk is not None
+        return node.bulk.expect_upload(peer="x", what="push of shard 0", size_bytes=size_bytes,
+                                       deadline=time.monotonic() + IO_S, consume=consume)
+
+    return node.run(issue(), timeout_s=IO_S)
+
+
+def _upload(client: RpcNode, server: RpcNode, token: bytes, payload: bytes) -> None:
+    assert server.bulk is not None
+    client.run(bulk.upload("127.0.0.1", server.bulk.port, token, payload, deadline=time.monotonic() + IO_S,
+                           what="push", counters=client.counters, peer="r"), timeout_s=IO_S + 5)
+
+
+def _refused(call: Callable[[], None]) -> RpcRejected:
+    with pytest.raises(RpcRejected) as info:
+        call()
+    return info.value
+
+
+def test_bad_tickets_truncated_and_oversized_uploads_are_refused_and_logged(caplog) -> None:
+    caplog.set_level(logging.INFO)
+    server, client = _serving_node(), RpcNode(RPC, peer_id="x", serve=False)
+    client.start()
+    try:
+        got: list[bytes] = []
+        payload = secrets.token_bytes(300_000)
+        token = _ticket(server, len(payload), got)
+        _upload(client, server, token, payload)
+        assert got == [payload]
+        assert server.counters.per_peer()["x"] == (0, len(payload))
+        assert client.counters.per_peer()["r"] == (len(payload), 0)
+
+        reused = _refused(lambda: _upload(client, server, token, payload))  # one connection per ticket
+        forged = _refused(lambda: _upload(client, server, secrets.token_bytes(bulk.TOKEN_BYTES), payload))
+        assert reused.code == forged.code == "UNAUTHENTICATED" and "ticket" in forged.details
+
+        short = _refused(lambda: _upload(client, server, _ticket(server, len(payload), got), payload[:1000]))
+        assert short.code == "INVALID_ARGUMENT" and "truncated" in short.details
+        long = _refused(lambda: _upload(client, server, _ticket(server, 1000, got), payload))
+        assert long.code == "RESOURCE_EXHAUSTED" and "more than the 1000 bytes" in long.details
+        refused = _refused(lambda: _upload(client, server, _ticket(server, 10, got, refuse="NaN here"), bytes(10)))
+        assert refused.code == "INVALID_ARGUMENT" and refused.details == "NaN here"
+        assert got == [payload]  # nothing refused reached the consumer
+
+        assert server.bulk is not None
+        with socket.create_connection(("127.0.0.1", server.bulk.port), timeout=IO_S) as raw:
+            raw.sendall(b"HTTP" + bytes(bulk.TOKEN_BYTES))  # not our protocol
+            code, length = struct.unpack("!BI", raw.recv(5))
+            assert bulk.CODES[code] == "UNAUTHENTICATED" and b"magic" in raw.recv(length)
+    finally:
+        client.close()
+        server.close()
+    logged = " ".join(r.getMessage() for r in caplog.records)
+    for words in ("unknown, used or expired bulk ticket", "truncated push", "more than the 1000", "bad magic"):
+        assert words in logged, words
+
+
+def test_a_wrong_run_key_gets_no_ticket(monkeypatch) -> None:
+    with Swarm(["a", "b"]) as swarm:
+        group = swarm._group(0)
+        key = SessionKey(group.run_id, 0, group.group_id, 0, ("a", "b"))
+        header = PushHeader(key, "b", 0, 10, 40, "fp32")
+        monkeypatch.setenv("SWARMTRAIN_RUN_KEY", "guess")
+        guesser = RpcNode(RPC, peer_id="guesser", serve=False)
+        guesser.start()
+        try:
+            push = AveragingClient(guesser).push(swarm.nodes["a"].endpoint, "a", header, bytes(40),
+                                                 deadline=time.monotonic() + IO_S)
+            assert _refused(lambda: guesser.run(push, timeout_s=IO_S + 5)).code == "UNAUTHENTICATED"
+        finally:
+            guesser.close()
+        bulk_server = swarm.nodes["a"].bulk
+        assert bulk_server is not None and not bulk_server._tickets and swarm.nodes["a"].counters.totals() == (0, 0)
+
+
+def _fake_reducer(script: Callable[[socket.socket], None]) -> tuple[int, threading.Thread]:
+    """A bulk port that accepts one connection and plays `script` on it (a reducer crashing mid-transfer)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(IO_S)
+
+    def run() -> None:
+        with listener:
+            conn, _ = listener.accept()
+            with conn:
+                conn.settimeout(IO_S)
+                assert conn.recv(len(bulk.MAGIC) + bulk.TOKEN_BYTES, socket.MSG_WAITALL)[:4] == bulk.MAGIC
+                script(conn)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return listener.getsockname()[1], thread
+
+
+def test_a_reducer_dying_mid_transfer_is_unavailable_to_the_member() -> None:
+    client = RpcNode(RPC, peer_id="x", serve=False)
+    client.start()
+    try:
+        def dies_mid_download(conn: socket.socket) -> None:
+            conn.sendall(struct.pack("!BIQ", 0, 0, 100_000) + bytes(40_000))
+
+        port, thread = _fake_reducer(dies_mid_download)
+        fetch = bulk.download("127.0.0.1", port, bytes(bulk.TOKEN_BYTES), size_bytes=100_000,
+                              deadline=time.monotonic() + IO_S, what="mean", counters=client.counters, peer="r",
+                              pool=client.buffers)
+        with pytest.raises(RpcUnavailable, match="40000 of 100000"):
+            client.run(fetch, timeout_s=IO_S + 5)
+        thread.join(IO_S)
+
+        def dies_mid_upload(conn: socket.socket) -> None:
+            conn.sendall(struct.pack("!BI", 0, 0))
+            conn.recv(1000, socket.MSG_WAITALL)
+
+        port, thread = _fake_reducer(dies_mid_upload)
+        with pytest.raises(RpcUnavailable):
+            client.run(bulk.upload("127.0.0.1", port, bytes(bulk.TOKEN_BYTES), bytes(8 << 20),
+                                   deadline=time.monotonic() + IO_S, what="push", counters=client.counters,
+                                   peer="r"), timeout_s=IO_S + 5)
+        thread.join(IO_S)
+    finally:
+        client.close()
+
+
+def test_a_reducer_killed_between_ticket_and_transfer_ends_the_round_the_same_everywhere() -> None:
+    with Swarm(NAMES) as swarm:
+        c = swarm.nodes["c"]
+        assert c.bulk is not None
+        offer = c.bulk.offer_download
+
+        def offer_then_die(**kw: object) -> bytes:
+            token = offer(**kw)  # type: ignore[arg-type]
+            c.loop.create_task(swarm.averagers["c"]._kill())  # the ticket is out, the bytes never come
+            return token
+
+        c.bulk.offer_download = offer_then_die  # type: ignore[method-assign]
+        results = swarm.average(0, deltas_for(NAMES, NUMEL))
+        survivors = [r for n, r in results.items() if n != "c"]
+        assert len({r.committed for r in survivors}) == 1, [r.reason for r in survivors]
+        means = [r.mean for r in survivors if r.committed]
+        assert all(m is not None and torch.equal(m, means[0]) for m in means)
+        assert all(r.mean is None for r in survivors if not r.committed)
+        assert not results["a"].committed or "c" in results["a"].failed
