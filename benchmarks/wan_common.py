@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -157,6 +158,9 @@ def start_diloco(tb: Testbed, workload: Workload, *, codec: str, out_dir: Path,
     process keeps answering) from its READY line until every peer is READY, then all get SIGCONT.
     """
     run_cfg = [*workload.run_overrides(codec=codec), *(extra_run or [])]
+    for stale in out_dir.glob("ckpt-*"):
+        # A previous run of this arm left its peers' checkpoints here: they would resume from them.
+        shutil.rmtree(stale)
     swarm = TestbedSwarm(tb, log_dir=out_dir / "logs", run_overrides=run_cfg)
     swarm.start_coordinator(host=0, timeout_s=120)
     names = {f"p{i}": i for i in range(workload.num_peers)}

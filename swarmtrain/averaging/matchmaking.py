@@ -14,8 +14,9 @@ one peer and round r (all times are unix seconds on the posting peer's clock):
    late as in 1.;
 3. after close + `settle_s` (time for in-flight stores to land), every peer reads the entries;
    the eligible ones are those posted by the close, and the *leader* is the smallest eligible
-   peer_id. A peer stops waiting early once every live peer announced at round r has posted
-   (*early close*: a window costs nothing when the whole swarm is there); a leader that finds
+   peer_id. A peer stops waiting early once every live peer announced at round r has posted and
+   they are at least `min_peers` (*early close*: a window costs nothing when the whole swarm is
+   there, and a lone peer still gives newcomers the whole window); a leader that finds
    another leader's group for the attempt is late;
 4. the leader publishes a GroupRecord (signed by it) with the members it sees, sorted; every
    other peer waits (until `decision_timeout_s` after its settle) for a GroupRecord from the
@@ -90,7 +91,7 @@ class Matchmaker:
         self.settle_s = settle_s if settle_s is not None else 0.25 * window_s
         self.decision_timeout_s = decision_timeout_s if decision_timeout_s is not None else max(window_s, 1.0)
         self.io_timeout_s = io_timeout_s if io_timeout_s is not None else max(window_s, 2.0)
-        self.poll_s = poll_s if poll_s is not None else min(max(window_s / 20, 0.01), 0.2)
+        self.poll_s = poll_s if poll_s is not None else min(max(window_s / 20, 0.01), 0.05)
         # How long after its group is known an attempt may still commit (the all-reduce deadline).
         self.commit_timeout_s = commit_timeout_s if commit_timeout_s is not None else window_s
         # After its window closes an attempt is over by then (+ one control-plane I/O for the last beat).
@@ -167,7 +168,8 @@ class Matchmaker:
             entries = await self._entries(round_index, attempt, own)
             if self._now() >= close_at + self.settle_s:
                 return entries
-            if expected and expected <= {e.member.peer_id for e in entries}:
+            # Never early when the expected peers cannot make a group: the window is the time newcomers get.
+            if len(expected) >= self.min_peers and expected <= {e.member.peer_id for e in entries}:
                 log.debug("round %d attempt %d: all %d expected peers posted; closing early", round_index, attempt,
                           len(expected))
                 return entries

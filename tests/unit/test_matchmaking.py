@@ -228,3 +228,18 @@ def test_the_window_closes_early_once_every_peer_at_the_round_posted(newcomer_id
     assert len({o.group for o in outcomes}) == 1 and outcomes[0].group is not None
     assert len(outcomes[0].group.members) == 3
     assert late.group is None and late.retry_at > 0  # it waits the attempt out; it never forms a second group
+
+
+def test_a_lone_expected_peer_waits_the_whole_window_for_newcomers() -> None:
+    """Early close needs min_peers expected peers: a peer alone at its round must not spin through attempts."""
+    async def main() -> tuple[MatchOutcome, float]:
+        _, (alone,) = _swarm(1)
+        await _announce(alone, 7)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        out = await Matchmaker(alone, min_peers=2, window_s=0.5).form_group(7, _member(alone, 0))
+        return out, loop.time() - t0
+
+    out, elapsed_s = asyncio.run(main())
+    assert out.group is None and "too few" in out.reason
+    assert elapsed_s >= 0.5  # the full window (a lower bound, so a slow box cannot fail it)
