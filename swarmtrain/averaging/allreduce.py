@@ -132,12 +132,17 @@ class AllReduce:
                             reason=f"only {len(agreed)} of {len(group.members)} delivered (min_peers "
                                    f"{self.cfg.min_peers}, need a majority)")
         t_agreed = time.monotonic()
-        mean = torch.zeros(delta.numel(), dtype=torch.float32)
+        # every shard lands in its own slice once; zeroing it in the decoding thread keeps a payload-sized
+        # fill (and its page faults) off the event loop, which is serving other members meanwhile
+        mean = torch.empty(delta.numel(), dtype=torch.float32)
+
+        def decode_into(data: bytes | bytearray | memoryview, out: torch.Tensor) -> None:
+            self.codec.decode_accumulate(data, out.zero_())
 
         async def fetch_and_add(j: int, reducer: Member, lo: int, hi: int) -> None:
             data = await self._fetch(key, j, reducer, agreed, hi - lo, deadline)
             try:
-                await asyncio.to_thread(self.codec.decode_accumulate, data, mean[lo:hi])  # pipelined per shard
+                await asyncio.to_thread(decode_into, data, mean[lo:hi])  # pipelined per shard
             finally:
                 self.client.release(data)
 
@@ -149,7 +154,7 @@ class AllReduce:
         if failed:
             unreachable = _unreachable(reducers, pulls)
             return _Attempt(dead=unreachable, final=not unreachable, reason=f"mean unavailable from {failed}")
-        if mean.numel() and not bool(torch.isfinite(torch.stack(list(torch.aminmax(mean)))).all()):
+        if not await asyncio.to_thread(_all_finite, mean):
             return _Attempt(final=True, reason="the assembled mean holds NaN or Inf")
         log.debug("%s round %d attempt %d: push %.3fs agree %.3fs pull %.3fs", self.peer_id, group.round, attempt,
                   t_pushed - t0, t_agreed - t_pushed, time.monotonic() - t_agreed)
@@ -203,6 +208,12 @@ class AllReduce:
             return data
         return await self.client.fetch(reducer.endpoint, reducer.peer_id, key, shard, agreed,
                                        max_bytes=max_encoded_bytes(numel), deadline=deadline)
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    if not t.numel():
+        return True
+    return bool(torch.isfinite(torch.stack(list(torch.aminmax(t)))).all())
 
 
 def _failures(reducers: tuple[Member, ...], results: list[object]) -> list[str]:
