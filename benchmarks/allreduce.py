@@ -1,6 +1,7 @@
 """All-reduce benchmark: one payload among N local peers (one process each, 1 torch thread) through
-swarmtrain's gRPC butterfly (fp32 / fp16 / int8), hivemind's DecentralizedAverager and torch.distributed
-gloo all_reduce, arms interleaved and repeated; prints seconds, effective GB/s, bytes sent and ratios.
+swarmtrain's butterfly (fp32 / fp16 / int8 over the bulk TCP port; fp32 over gRPC streams as
+"ours-grpc"), hivemind's DecentralizedAverager and torch.distributed gloo all_reduce, arms interleaved
+and repeated; prints seconds, effective GB/s, bytes sent and ratios.
 
     python benchmarks/allreduce.py --numel 25000000 100000000 --peers 2 4 --repeats 3
 
@@ -27,7 +28,7 @@ from typing import Any
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-ARMS = ("ours", "ours-fp16", "ours-int8", "hivemind", "gloo")
+ARMS = ("ours", "ours-fp16", "ours-int8", "ours-grpc", "hivemind", "gloo")
 
 
 def payload(rank: int, numel: int) -> torch.Tensor:
@@ -73,9 +74,9 @@ def worker_ours(args: argparse.Namespace) -> None:
     from swarmtrain.config import AveragingConfig, RpcConfig
     from swarmtrain.rpc.node import RpcNode
 
-    codec = {"ours": "fp32", "ours-fp16": "fp16", "ours-int8": "int8"}[args.arm]
+    codec = {"ours": "fp32", "ours-fp16": "fp16", "ours-int8": "int8", "ours-grpc": "fp32"}[args.arm]
     rpc = RpcConfig(run_key="bench", chunk_bytes=args.chunk_bytes, max_message_bytes=4 * args.chunk_bytes,
-                    call_timeout_s=300.0)
+                    call_timeout_s=300.0, bulk_transport="grpc" if args.arm == "ours-grpc" else "tcp")
     avg = AveragingConfig(min_peers=2, allreduce_timeout_s=300.0, contribution_window_s=240.0, max_retries=0)
     node = RpcNode(rpc, peer_id=f"p{args.rank}")
     group: list[Group] = []
@@ -284,7 +285,7 @@ def _report(numel: int, world: int, times: dict[str, list[dict[str, Any]]]) -> d
         print(f"  {arm:10s} {med:7.3f} s  {size_gb / med:6.2f} GB/s  sent/peer {sent / 1e6:8.1f} MB  cpu/peer {cpu:6.3f} s  max|err| {err:.2e}")
     if "ours" in times:
         ours = row["arms"]["ours"]["median_s"]
-        for other in ("hivemind", "gloo", "ours-fp16", "ours-int8"):
+        for other in ("hivemind", "gloo", "ours-fp16", "ours-int8", "ours-grpc"):
             if other in row["arms"]:
                 ratio = ours / row["arms"][other]["median_s"]
                 row[f"ours_over_{other}"] = ratio
