@@ -11,11 +11,13 @@ __all__ = [
     "ROOT_CLASS",
     "LinkSpec",
     "TestbedError",
+    "bulk_port_of",
     "netem_args",
     "parse_rate",
     "shaping_commands",
 ]
 
+BULK_PORT_OFFSET = 10  # past the testbed's DHT ports (data_port + 1 and + 2)
 # htb class ids under root handle 1: (the tree is the same on every shaped device)
 ROOT_CLASS = "1:1"  # the link: all traffic, shaped to the link rate
 DATA_CLASS = "1:10"  # TCP to/from the data-plane port: what swarmtrain itself counts
@@ -96,11 +98,14 @@ def shaping_commands(dev: str, link: LinkSpec, *, data_port: int) -> list[list[s
     """`tc` argument lists (without the leading `tc -n NS`) that shape `dev`'s egress.
 
     An htb tree: the root class holds the link rate; two children share it (each may borrow
-    the whole rate), one for TCP to/from `data_port` and one for everything else, so the
-    kernel's per-class byte counters separate data-plane bytes from control-plane bytes.
+    the whole rate), one for TCP to/from the data plane (`data_port`, the gRPC port, and
+    `bulk_port_of(data_port)`, the bulk port peers use on a testbed) and one for
+    everything else, so the kernel's per-class byte counters separate data-plane bytes from
+    control-plane bytes.
     """
-    if not 1 <= data_port <= 65535:
-        raise TestbedError(f"data_port={data_port}: must be in [1, 65535]")
+    if not 1 <= data_port <= 65535 - BULK_PORT_OFFSET:
+        raise TestbedError(f"data_port={data_port}: must be in [1, {65535 - BULK_PORT_OFFSET}] "
+                           f"(the bulk port is data_port + {BULK_PORT_OFFSET})")
     rate = f"{link.rate_bit_s}bit"
     half = f"{max(link.rate_bit_s // 2, 8_000)}bit"
     # One GSO super-packet per round keeps the borrow accounting honest at any rate.
@@ -118,8 +123,14 @@ def shaping_commands(dev: str, link: LinkSpec, *, data_port: int) -> list[list[s
         else:
             cmds.append(["qdisc", "add", "dev", dev, "parent", parent, "handle", handle, "bfifo",
                          "limit", str(_queue_limit_bytes(link))])
-    for direction in ("sport", "dport"):
-        cmds.append(["filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
-                     "match", "ip", "protocol", "6", "0xff", "match", "ip", direction, str(data_port), "0xffff",
-                     "flowid", DATA_CLASS])
+    for port in (data_port, bulk_port_of(data_port)):
+        for direction in ("sport", "dport"):
+            cmds.append(["filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
+                         "match", "ip", "protocol", "6", "0xff", "match", "ip", direction, str(port), "0xffff",
+                         "flowid", DATA_CLASS])
     return cmds
+
+
+def bulk_port_of(data_port: int) -> int:
+    """The all-reduce bulk port (`rpc.bulk_port`) of a testbed peer whose gRPC port is `data_port`."""
+    return data_port + BULK_PORT_OFFSET

@@ -12,7 +12,7 @@ from pathlib import Path
 from swarmtrain.daemon.children import Child
 from swarmtrain.telemetry.events import Line, RoundEvent
 from swarmtrain.testbed.netns import Testbed
-from swarmtrain.testbed.shaping import TestbedError
+from swarmtrain.testbed.shaping import TestbedError, bulk_port_of
 
 __all__ = ["COORDINATOR_DHT_PORT", "PEER_DHT_PORT", "TestbedSwarm"]
 
@@ -87,7 +87,8 @@ class TestbedSwarm:
             raise TestbedError("start the coordinator before the peers")
         ip = self.testbed.host(host).ip
         args = ["peer", "--join", self.join_maddr, "--host", ip, "--port", str(self.testbed.data_port),
-                "--dht-port", str(PEER_DHT_PORT), *extra]
+                "--set", f"rpc.bulk_port={bulk_port_of(self.testbed.data_port)}", "--dht-port", str(PEER_DHT_PORT),
+                *extra]
         if checkpoint_dir is not None:
             args += ["--checkpoint-dir", str(checkpoint_dir)]
         child = self._spawn(name, host, args)

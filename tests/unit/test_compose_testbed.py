@@ -38,9 +38,10 @@ def test_shaping_tree_counts_the_data_port_separately() -> None:
     for cls in (DATA_CLASS, OTHER_CLASS):  # both children may borrow the whole link
         assert any(f"parent {ROOT_CLASS} classid {cls} htb rate 10000000bit ceil 20000000bit" in c for c in cmds)
     filters = [c for c in cmds if c.startswith("filter")]
-    assert len(filters) == 2 and all(f"0xffff flowid {DATA_CLASS}" in f for f in filters)
-    for direction in ("sport", "dport"):
-        assert any(f"match ip protocol 6 0xff match ip {direction} 7000 0xffff" in f for f in filters)
+    assert len(filters) == 4 and all(f"0xffff flowid {DATA_CLASS}" in f for f in filters)
+    for port in (7000, 7010):  # the gRPC port and the all-reduce bulk port
+        for direction in ("sport", "dport"):
+            assert any(f"match ip protocol 6 0xff match ip {direction} {port} 0xffff" in f for f in filters)
     assert not any("netem" in c for c in cmds)
 
 
@@ -55,6 +56,8 @@ def test_netem_leaves_only_when_asked() -> None:
 def test_bad_data_port_is_refused() -> None:
     with pytest.raises(TestbedError, match="data_port"):
         shaping_commands("eth0", LinkSpec(rate_bit_s=1_000_000), data_port=0)
+    with pytest.raises(TestbedError, match="bulk port"):
+        shaping_commands("eth0", LinkSpec(rate_bit_s=1_000_000), data_port=65535)
 
 
 TC_CLASS_TEXT = """\
