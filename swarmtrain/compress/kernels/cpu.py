@@ -7,7 +7,7 @@ import ctypes
 import torch
 
 from swarmtrain.compress.kernels._build import build_shared_library
-from swarmtrain.compress.kernels.common import check_status, stochastic_seed
+from swarmtrain.compress.kernels.common import FusedKernels, check_status, stochastic_seed
 from swarmtrain.compress.quant import INT4_QMAX, INT8_QMAX, num_blocks
 
 __all__ = ["CPU_CFLAGS", "CpuKernels"]
@@ -39,7 +39,7 @@ def _scale_args(scales: torch.Tensor) -> tuple[torch.Tensor, int]:
     return scales.contiguous(), int(scales.dtype == torch.float16)
 
 
-class CpuKernels:
+class CpuKernels(FusedKernels):
     """`quant.QuantBackend` on CPU tensors with fused, vectorized, OpenMP-threaded C++ kernels.
 
     Uses torch.get_num_threads() threads. Results equal swarmtrain.compress.quant bit for bit, except
@@ -69,16 +69,6 @@ class CpuKernels:
         check_status(status, what="int4" if int4 else "int8", qmax=INT4_QMAX if int4 else INT8_QMAX)
         return q, scales
 
-    def int8_quantize(self, x: torch.Tensor, *, block_size: int, scale_fp16: bool, stochastic: bool,
-                      generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._quantize(x, int4=False, block_size=block_size, scale_fp16=scale_fp16, stochastic=stochastic,
-                              generator=generator)
-
-    def int4_quantize(self, x: torch.Tensor, *, block_size: int, scale_fp16: bool, stochastic: bool,
-                      generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._quantize(x, int4=True, block_size=block_size, scale_fp16=scale_fp16, stochastic=stochastic,
-                              generator=generator)
-
     def _dequantize(self, q: torch.Tensor, scales: torch.Tensor, *, int4: bool, numel: int, block_size: int,
                     out: torch.Tensor, accumulate: bool) -> None:
         assert q.device.type == "cpu" and q.dtype == (torch.uint8 if int4 else torch.int8), (q.device, q.dtype)
@@ -91,23 +81,3 @@ class CpuKernels:
         status = fn(q.data_ptr(), numel, block_size, scales.data_ptr(), fp16, out.data_ptr(), int(accumulate),
                     torch.get_num_threads())
         check_status(status, what="int4" if int4 else "int8")
-
-    def int8_dequantize(self, q: torch.Tensor, scales: torch.Tensor, *, block_size: int) -> torch.Tensor:
-        out = torch.empty(q.numel(), dtype=torch.float32)
-        self._dequantize(q, scales, int4=False, numel=q.numel(), block_size=block_size, out=out, accumulate=False)
-        return out
-
-    def int8_dequantize_accumulate(self, q: torch.Tensor, scales: torch.Tensor, *, block_size: int,
-                                   out: torch.Tensor) -> None:
-        self._dequantize(q, scales, int4=False, numel=q.numel(), block_size=block_size, out=out, accumulate=True)
-
-    def int4_dequantize(self, packed: torch.Tensor, scales: torch.Tensor, *, numel: int,
-                        block_size: int) -> torch.Tensor:
-        out = torch.empty(numel, dtype=torch.float32)
-        self._dequantize(packed, scales, int4=True, numel=numel, block_size=block_size, out=out, accumulate=False)
-        return out
-
-    def int4_dequantize_accumulate(self, packed: torch.Tensor, scales: torch.Tensor, *, block_size: int,
-                                   out: torch.Tensor) -> None:
-        self._dequantize(packed, scales, int4=True, numel=out.numel(), block_size=block_size, out=out,
-                         accumulate=True)

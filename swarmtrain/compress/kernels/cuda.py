@@ -8,7 +8,7 @@ import torch
 
 from swarmtrain.compress.codec import CodecError
 from swarmtrain.compress.kernels._build import build_shared_library
-from swarmtrain.compress.kernels.common import check_status, stochastic_seed
+from swarmtrain.compress.kernels.common import FusedKernels, check_status, stochastic_seed
 from swarmtrain.compress.quant import INT4_QMAX, INT8_QMAX, num_blocks
 
 __all__ = ["CUDA_CFLAGS", "CudaKernels"]
@@ -35,7 +35,7 @@ def _check_launch(rc: int, *, what: str) -> None:
         raise RuntimeError(f"{what}: CUDA launch failed with cudaError {rc}")
 
 
-class CudaKernels:
+class CudaKernels(FusedKernels):
     """`quant.QuantBackend` on CUDA tensors: fused encode / decode / decode-accumulate kernels.
 
     Launches on the tensor's device and torch's current stream, then reads the kernel status back
@@ -73,16 +73,6 @@ class CudaKernels:
         check_status(int(status.item()), what=what, qmax=INT4_QMAX if int4 else INT8_QMAX)
         return q, scales
 
-    def int8_quantize(self, x: torch.Tensor, *, block_size: int, scale_fp16: bool, stochastic: bool,
-                      generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._quantize(x, int4=False, block_size=block_size, scale_fp16=scale_fp16, stochastic=stochastic,
-                              generator=generator)
-
-    def int4_quantize(self, x: torch.Tensor, *, block_size: int, scale_fp16: bool, stochastic: bool,
-                      generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._quantize(x, int4=True, block_size=block_size, scale_fp16=scale_fp16, stochastic=stochastic,
-                              generator=generator)
-
     def _dequantize(self, q: torch.Tensor, scales: torch.Tensor, *, int4: bool, numel: int, block_size: int,
                     out: torch.Tensor, accumulate: bool) -> None:
         assert q.dtype == (torch.uint8 if int4 else torch.int8), q.dtype
@@ -102,23 +92,3 @@ class CudaKernels:
                     out.data_ptr(), int(accumulate), status.data_ptr(), torch.cuda.current_stream(dev).cuda_stream)
         _check_launch(rc, what=what)
         check_status(int(status.item()), what=what)
-
-    def int8_dequantize(self, q: torch.Tensor, scales: torch.Tensor, *, block_size: int) -> torch.Tensor:
-        out = torch.empty(q.numel(), dtype=torch.float32, device=q.device)
-        self._dequantize(q, scales, int4=False, numel=q.numel(), block_size=block_size, out=out, accumulate=False)
-        return out
-
-    def int8_dequantize_accumulate(self, q: torch.Tensor, scales: torch.Tensor, *, block_size: int,
-                                   out: torch.Tensor) -> None:
-        self._dequantize(q, scales, int4=False, numel=q.numel(), block_size=block_size, out=out, accumulate=True)
-
-    def int4_dequantize(self, packed: torch.Tensor, scales: torch.Tensor, *, numel: int,
-                        block_size: int) -> torch.Tensor:
-        out = torch.empty(numel, dtype=torch.float32, device=packed.device)
-        self._dequantize(packed, scales, int4=True, numel=numel, block_size=block_size, out=out, accumulate=False)
-        return out
-
-    def int4_dequantize_accumulate(self, packed: torch.Tensor, scales: torch.Tensor, *, block_size: int,
-                                   out: torch.Tensor) -> None:
-        self._dequantize(packed, scales, int4=True, numel=out.numel(), block_size=block_size, out=out,
-                         accumulate=True)
