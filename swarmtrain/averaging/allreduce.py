@@ -132,9 +132,10 @@ class AllReduce:
                             reason=f"only {len(agreed)} of {len(group.members)} delivered (min_peers "
                                    f"{self.cfg.min_peers}, need a majority)")
         t_agreed = time.monotonic()
-        # every shard lands in its own slice once; zeroing it in the decoding thread keeps a payload-sized
-        # fill (and its page faults) off the event loop, which is serving other members meanwhile
-        mean = torch.empty(delta.numel(), dtype=torch.float32)
+        # The result lives in pooled memory that returns to the pool when the caller drops it: a fresh
+        # payload-sized tensor costs a zeroing page fault per 4 KiB, ~20% of a round's CPU. Each shard
+        # lands in its own slice once, zeroed in its decoding thread, off the event loop.
+        mean = torch.from_numpy(self.node.buffers.lend(4 * delta.numel())).view(torch.float32)
 
         def decode_into(data: bytes | bytearray | memoryview, out: torch.Tensor) -> None:
             self.codec.decode_accumulate(data, out.zero_())

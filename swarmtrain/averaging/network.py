@@ -46,7 +46,7 @@ class NetworkAverager:
         self.killed = False
         self.registry = ReducerRegistry(peer_id=node.peer_id, run_id=run_id, codec=codec,
                                         window_s=cfg.contribution_window_s, open_wait_s=cfg.allreduce_timeout_s,
-                                        fault_hook=fault_hook, on_kill=self._kill)
+                                        fault_hook=fault_hook, on_kill=self._kill, buffers=node.buffers)
         self.allreduce = AllReduce(node, self.registry, codec=codec, cfg=cfg, fault_hook=fault_hook)
         if node.serve:
             serve_averaging(node, self.registry)

@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import logging
 import time
-import warnings
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -26,6 +25,7 @@ import torch
 from swarmtrain.averaging.group import Group
 from swarmtrain.compress import Codec, CodecError
 from swarmtrain.rpc.averaging_wire import PushHeader, SessionKey
+from swarmtrain.rpc.buffers import BufferPool
 from swarmtrain.rpc.faults import FaultHook, FaultSite
 from swarmtrain.rpc.node import Rejected
 
@@ -57,9 +57,10 @@ def shard_bounds(numel: int, weights: tuple[float, ...], *, align: int = 1) -> l
     return [(edges[i], edges[i + 1]) for i in range(len(weights))]
 
 
-def mean_of(parts: list[torch.Tensor]) -> torch.Tensor:
-    """fp32 sum in the given order, divided by the count: the reference every member can recompute."""
-    acc = torch.zeros_like(parts[0], dtype=torch.float32)
+def mean_of(parts: list[torch.Tensor], *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 sum in the given order, divided by the count: the reference every member can recompute.
+    `out` (fp32, the parts' shape) is overwritten with the result instead of allocating it."""
+    acc = torch.zeros_like(parts[0], dtype=torch.float32) if out is None else out.zero_()
     for p in parts:
         acc.add_(p)
     return acc.div_(len(parts))
@@ -83,6 +84,7 @@ class _Session:
     closed: asyncio.Event = field(default_factory=asyncio.Event)
     contributors: tuple[str, ...] = ()
     means: dict[tuple[str, ...], bytes] = field(default_factory=dict)
+    scratch: list[memoryview] = field(default_factory=list)  # pooled memory behind `received`
     fetched: set[str] = field(default_factory=set)  # members that pulled a mean: a leaving peer waits for them
     mean_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     timer: asyncio.TimerHandle | None = None
@@ -92,9 +94,12 @@ class ReducerRegistry:
     """Implements `rpc.averaging_wire.ReducerSink` for one peer. Lives on the RpcNode's loop."""
 
     def __init__(self, *, peer_id: str, run_id: str, codec: Codec, window_s: float, open_wait_s: float,
-                 fault_hook: FaultHook | None = None,
-                 on_kill: Callable[[], Awaitable[None]] | None = None) -> None:
+                 fault_hook: FaultHook | None = None, on_kill: Callable[[], Awaitable[None]] | None = None,
+                 buffers: BufferPool | None = None) -> None:
         self.peer_id = peer_id
+        # decoded shards and mean accumulators live in reused memory: a fresh payload-sized tensor costs
+        # a zeroing page fault per 4 KiB, as much CPU as the decode itself
+        self.buffers = buffers if buffers is not None else BufferPool()
         self.run_id = run_id
         self.codec = codec
         self.window_s = window_s
@@ -138,6 +143,17 @@ class ReducerRegistry:
         s = self._sessions.pop(sid)
         if s.timer is not None:
             s.timer.cancel()
+        if s.mean_lock.locked():
+            return  # a straggler's mean is being computed from these tensors: let them be freed, not reused
+        s.received.clear()
+        for view in s.scratch:
+            self.buffers.give(view)
+        s.scratch.clear()
+
+    def _fp32(self, numel: int) -> tuple[memoryview, torch.Tensor]:
+        """A pooled fp32 tensor of `numel` values (contents undefined) and the view to give back."""
+        view = self.buffers.take(4 * numel)
+        return view, (torch.frombuffer(view, dtype=torch.float32) if numel else torch.empty(0))
 
     def _session_or_open(self, key: SessionKey) -> _Session | None:
         """The session for `key`, opening it when this peer knows the round's group; None if unknown yet."""
@@ -222,14 +238,20 @@ class ReducerRegistry:
         s = await self._session(header.session)
         if header.sender in s.received:
             return  # a retried push whose first copy landed: idempotent
+        view, values = self._fp32(s.numel)
         try:
-            values = await asyncio.to_thread(_decode_checked, self.codec, payload, s.numel)
+            await asyncio.to_thread(_decode_checked, self.codec, payload, values)
         except CodecError as e:
+            self.buffers.give(view)
             s.rejected[header.sender] = str(e)
             raise Rejected(f"shard {s.shard} from {header.sender}: {e}") from None
-        if s.closed.is_set():
+        if s.closed.is_set() or header.sender in s.received:
+            self.buffers.give(view)
+            if header.sender in s.received:
+                return  # a retry raced its first copy
             raise Rejected(f"shard {s.shard}'s contribution window closed while decoding", kind="precondition")
         s.received[header.sender] = values
+        s.scratch.append(view)
         if s.expected <= set(s.received):
             self._close(s)
 
@@ -259,7 +281,12 @@ class ReducerRegistry:
             data = s.means.get(tuple(order))
             if data is None:
                 parts = [s.received[p] for p in order]
-                data = await asyncio.to_thread(lambda: self.codec.encode(mean_of(parts)))
+                view, acc = self._fp32(s.numel)
+                try:
+                    data = await asyncio.to_thread(lambda: self.codec.encode(mean_of(parts, out=acc)))
+                finally:
+                    del acc
+                    self.buffers.give(view)
                 s.means[tuple(order)] = data
         return data
 
@@ -320,27 +347,12 @@ class ReducerRegistry:
             raise Rejected("dropped by fault injection", kind="precondition")
 
 
-def _decode_checked(codec: Codec, payload: bytes | bytearray | memoryview, numel: int) -> torch.Tensor:
-    """The shard's values, owning their memory: the transport reuses `payload` once the push is accepted."""
-    values = codec.decode(payload).reshape(-1)
-    if _aliases(values, payload):
-        values = values.clone()
-    if values.numel() != numel:
-        raise CodecError(f"decoded {values.numel()} values, the shard has {numel}")
-    if values.numel():
-        lo, hi = torch.aminmax(values)
+def _decode_checked(codec: Codec, payload: bytes | bytearray | memoryview, out: torch.Tensor) -> None:
+    """Decode a shard into `out` (its memory is ours, never the transport's reused payload buffer).
+    Accumulating into zeros is bit-identical to decode() for every codec: x + 0 rounds to x, and
+    mean_of's first add turns -0.0 into +0.0 either way."""
+    codec.decode_accumulate(payload, out.zero_())
+    if out.numel():
+        lo, hi = torch.aminmax(out)
         if not bool(torch.isfinite(lo) & torch.isfinite(hi)):
             raise CodecError("decoded values hold NaN or Inf")
-    return values
-
-
-def _aliases(values: torch.Tensor, payload: bytes | bytearray | memoryview) -> bool:
-    """Whether `values` lives inside `payload`'s memory (a codec may decode to a view of its input)."""
-    size = memoryview(payload).nbytes
-    if size == 0 or values.numel() == 0:
-        return False
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # read-only bytes: we only take the address
-        start = torch.frombuffer(payload, dtype=torch.uint8, count=1).data_ptr()
-    ptr = values.untyped_storage().data_ptr()
-    return start <= ptr < start + size

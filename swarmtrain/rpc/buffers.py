@@ -4,12 +4,15 @@ A fresh 25 MB buffer costs the kernel a zeroing page fault per 4 KiB page, and g
 buffers straight back to the OS on free (they are mmapped, or live in a thread arena that trims), so
 every round paid that again: a third of the all-reduce's CPU time on a 2-core box. Rounds move the
 same sizes again and again, so blocks are kept, rounded up to a size class, and handed out as exact-
-size views. Single-threaded: use it from one event loop.
+size views. Single-threaded (one event loop), except that lent arrays may be freed on any thread.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import weakref
+from collections import OrderedDict, deque
+
+import numpy as np
 
 __all__ = ["BufferPool"]
 
@@ -27,6 +30,7 @@ class BufferPool:
         self.max_bytes = max_bytes
         self._idle: OrderedDict[int, bytearray] = OrderedDict()  # id(block) -> block, oldest first
         self._idle_bytes = 0
+        self._returned: deque[memoryview] = deque()  # from `lend` finalizers, on any thread
 
     @staticmethod
     def _capacity(size: int) -> int:
@@ -35,6 +39,8 @@ class BufferPool:
     def take(self, size: int) -> memoryview:
         if size < 0:
             raise ValueError(f"BufferPool.take: size must be >= 0, got {size}")
+        while self._returned:
+            self.give(self._returned.popleft())
         if size >= _SMALL_BYTES:
             want = self._capacity(size)
             for key, block in self._idle.items():
@@ -57,6 +63,14 @@ class BufferPool:
         while self._idle_bytes > self.max_bytes:
             _, old = self._idle.popitem(last=False)
             self._idle_bytes -= len(old)
+
+    def lend(self, size: int) -> np.ndarray:
+        """`size` bytes of pooled memory as a uint8 array that comes back by itself once nothing refers
+        to it any more (e.g. `torch.from_numpy(pool.lend(n))` handed to a caller who drops it later)."""
+        view = self.take(size)
+        array = np.frombuffer(view, dtype=np.uint8)
+        weakref.finalize(array, self._returned.append, view)  # deque.append is atomic: any thread may free it
+        return array
 
     @property
     def idle_bytes(self) -> int:
