@@ -7,6 +7,7 @@ saves JSON + a loss-vs-tokens PNG under benchmarks/results/.
 
     python benchmarks/convergence.py                       # the README figures (2 processes)
     python benchmarks/convergence.py --codecs int8 int4+ef # extra DiLoCo arms at H=50
+    python benchmarks/convergence.py --diloco-variant outer.lr=1.0,outer.momentum=0.8  # a tuning arm at H=50
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ def build_arms(args: argparse.Namespace) -> list[Arm]:
     arms = [Arm(f"ddp lr={lr:g}", "ddp", args.ddp_round_steps, overrides=(f"inner.lr={lr!r}",)) for lr in args.ddp_lrs]
     arms += [Arm(f"diloco H={h}", "diloco", h) for h in args.inner_steps]
     arms += [Arm(f"diloco H=50 {c}", "diloco", 50, c, codec_overrides(c)) for c in args.codecs]
+    arms += [Arm(f"diloco H=50 {v}", "diloco", 50, overrides=tuple(v.split(","))) for v in args.diloco_variants]
     return arms
 
 
@@ -172,11 +174,12 @@ def summarize(results: list[dict[str, Any]], arms: list[Arm]) -> list[dict[str, 
     return rows
 
 
-def codec_checks(results: list[dict[str, Any]], rows: list[dict[str, Any]]) -> str:
+def codec_checks(results: list[dict[str, Any]], rows: list[dict[str, Any]], arms: list[Arm]) -> str:
     """Issue 4's targets: each codec arm's val loss vs fp32 DiLoCo H=50 (same seed), and its bytes ratio vs DDP."""
     lines = []
+    codec_arms = {a.name for a in arms if a.codec != "fp32"}
     for r in rows:
-        if not r["arm"].startswith("diloco H=50 "):
+        if r["arm"] not in codec_arms:
             continue
         fp32 = {x["seed"]: x["final_val_loss"] for x in results if x["corpus"] == r["corpus"] and x["arm"] == "diloco H=50"}
         runs = [x for x in results if x["corpus"] == r["corpus"] and x["arm"] == r["arm"] and x["seed"] in fp32]
@@ -236,6 +239,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--inner-steps", type=int, nargs="+", default=[25, 50, 100], help="H values of the fp32 arms")
     p.add_argument("--codecs", nargs="*", default=[],
                    help="extra DiLoCo H=50 arms: CODEC[+ef][+zstd][+fp16scales], e.g. int8 int8+zstd int4+ef")
+    p.add_argument("--diloco-variant", dest="diloco_variants", action="append", default=[],
+                   metavar="SECTION.KEY=VALUE[,...]",
+                   help="an extra fp32 DiLoCo H=50 arm with these overrides on top of --diloco-set (repeatable)")
     p.add_argument("--steps", type=int, default=800, help="optimizer steps per worker (a multiple of every H)")
     p.add_argument("--ddp-lrs", type=float, nargs="+", default=[3e-3, 1.2e-2],
                    help="one DDP arm per inner lr; ratios are to the best DDP arm of each seed")
@@ -261,7 +267,7 @@ BASE_OVERRIDES = ("model.preset=tiny", "data.seq_len=128", "data.batch_size=8", 
 
 def main() -> int:
     args = parse_args()
-    for h in [*args.inner_steps, args.ddp_round_steps, *([50] if args.codecs else [])]:
+    for h in [*args.inner_steps, args.ddp_round_steps, *([50] if args.codecs or args.diloco_variants else [])]:
         if args.steps % h:
             raise SystemExit(f"--steps {args.steps} is not a multiple of H={h}")
     if args.warm_start_steps % args.ddp_round_steps:
@@ -301,7 +307,7 @@ def main() -> int:
     for r in check:
         ok = r["max_loss_ratio_to_ddp"] <= 1.02 and r["ddp_bytes_over_arm"] >= 50
         sys.stdout.write(f"{r['corpus']}: DiLoCo H=50 within 2% of DDP and >= 50x fewer bytes: {'yes' if ok else 'NO'}\n")
-    sys.stdout.write(codec_checks(results, rows))
+    sys.stdout.write(codec_checks(results, rows, arms))
     sys.stdout.write(f"wrote {json_path} and {png_path} in {meta['wall_s']:.0f}s\n")
     return 0
 
