@@ -3,6 +3,7 @@ rounds) are refused with a status that names the problem, logged, and the swarm 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -38,7 +39,9 @@ def _push(intruder: RpcNode, endpoint: str, header: PushHeader, payload: bytes) 
     return info.value
 
 
-def test_bad_pushes_are_refused_logged_and_the_round_still_commits(caplog, monkeypatch) -> None:
+@pytest.mark.parametrize("transport", ["tcp", "grpc"])  # the intruder's: bulk-port tickets or gRPC Push
+def test_bad_pushes_are_refused_logged_and_the_round_still_commits(caplog, monkeypatch, transport: str) -> None:
+    rpc = dataclasses.replace(RPC, bulk_transport=transport)
     caplog.set_level(logging.WARNING)
     with Swarm(["a", "b"]) as swarm:
         a = swarm.nodes["a"]
@@ -52,9 +55,9 @@ def test_bad_pushes_are_refused_logged_and_the_round_still_commits(caplog, monke
                       "codec": "fp32"} | kw
             return PushHeader(**fields)  # type: ignore[arg-type]
 
-        big = RpcNode(RPC.__class__(**{**RPC.__dict__, "chunk_bytes": 2 << 20, "max_message_bytes": 4 << 20}),
+        big = RpcNode(dataclasses.replace(RPC, chunk_bytes=2 << 20, max_message_bytes=4 << 20, bulk_transport="grpc"),
                       peer_id="mallory", serve=False)
-        intruder = RpcNode(RPC, peer_id="mallory", serve=False)
+        intruder = RpcNode(rpc, peer_id="mallory", serve=False)
         for n in (big, intruder):
             n.start()
         try:
@@ -79,7 +82,7 @@ def test_bad_pushes_are_refused_logged_and_the_round_still_commits(caplog, monke
             assert _push(big, a.endpoint, header(total_bytes=2 << 20), bytes(2 << 20)).code == "RESOURCE_EXHAUSTED"
             # the wrong run key is refused before any handler runs, and logged
             monkeypatch.setenv("SWARMTRAIN_RUN_KEY", "guess")
-            guesser = RpcNode(RPC, peer_id="guesser", serve=False)
+            guesser = RpcNode(rpc, peer_id="guesser", serve=False)
             guesser.start()
             try:
                 assert _push(guesser, a.endpoint, header(), good).code == "UNAUTHENTICATED"
@@ -100,7 +103,7 @@ def test_bad_pushes_are_refused_logged_and_the_round_still_commits(caplog, monke
 
         # and a push for a round it has left behind is stale
         a.run(swarm.averagers["a"].registry.open_round(swarm._group(3), numel=NUMEL), timeout_s=5)
-        intruder = RpcNode(RPC, peer_id="mallory", serve=False)
+        intruder = RpcNode(rpc, peer_id="mallory", serve=False)
         intruder.start()
         try:
             err = _push(intruder, a.endpoint, header(), good)
