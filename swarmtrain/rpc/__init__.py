@@ -2,7 +2,8 @@
 
 node.py: RpcNode (event-loop thread, grpc.aio server on port 0, channels, run-key auth, byte
 counters, retries). errors.py: the typed RpcError family and Rejected. bulk.py: the bulk port (raw
-TCP, one-time tickets) that moves all-reduce payloads without gRPC's copies. averaging_wire.py: the
+TCP, one-time tickets) that moves all-reduce payloads without gRPC's copies. buffers.py: the
+BufferPool of payload-sized buffers reused across rounds. averaging_wire.py: the
 all-reduce service (gRPC streams and bulk tickets); averaging_client.py: its client calls.
 state_wire.py: the state-transfer service and client. frames.py: zero-copy chunk framing.
 faults.py: the fault-injection seam (FaultSite, Fault, FaultHook) consulted by averaging/ and sync/.

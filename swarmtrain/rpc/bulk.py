@@ -45,6 +45,7 @@ CODES = ("OK", "INVALID_ARGUMENT", "FAILED_PRECONDITION", "NOT_FOUND", "RESOURCE
 _STATUS = struct.Struct("!BI")
 _SIZE = struct.Struct("!Q")
 _MAX_MESSAGE_BYTES = 4096
+_ACCEPT_BACKOFF_S = 0.1
 _DRAIN_BYTES = 1 << 20  # read (and drop) at most this much after a refusal, so the refusal is not lost to a reset
 
 Consumer = Callable[[memoryview], Awaitable[None]]
@@ -169,7 +170,12 @@ class BulkServer:
     async def _accept_loop(self, listener: socket.socket) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            conn, addr = await loop.sock_accept(listener)
+            try:
+                conn, addr = await loop.sock_accept(listener)
+            except OSError as e:  # e.g. out of file descriptors: keep serving once some close
+                log.warning("%s: bulk port accept failed: %s", self.peer_id, e)
+                await asyncio.sleep(_ACCEPT_BACKOFF_S)
+                continue
             conn.setblocking(False)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             task = loop.create_task(self._serve(conn, str(addr)))
