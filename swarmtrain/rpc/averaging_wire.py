@@ -207,7 +207,6 @@ class _Servicer(pb_grpc.AveragingServicer):
         return pb.BulkTicket(token=token, port=self.node.bulk.port, total_bytes=len(data))
 
 
-
 def _push_fields(raw: bytes) -> tuple[pb.PushHeader | None, memoryview]:
     header, data = None, memoryview(b"")
     try:
