@@ -236,7 +236,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--shakespeare", type=Path, default=DEFAULT_SHAKESPEARE, help="tinyshakespeare.txt path")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--workers", type=int, default=4, help="K")
-    p.add_argument("--inner-steps", type=int, nargs="+", default=[25, 50, 100], help="H values of the fp32 arms")
+    p.add_argument("--inner-steps", type=int, nargs="*", default=[25, 50, 100],
+                   help="H values of the fp32 arms (none: DDP arms only, e.g. to add a DDP lr to a run)")
     p.add_argument("--codecs", nargs="*", default=[],
                    help="extra DiLoCo H=50 arms: CODEC[+ef][+zstd][+fp16scales], e.g. int8 int8+zstd int4+ef")
     p.add_argument("--diloco-variant", dest="diloco_variants", action="append", default=[],
