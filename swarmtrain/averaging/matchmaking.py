@@ -14,8 +14,8 @@ one peer and round r (all times are unix seconds on the posting peer's clock):
    late as in 1.;
 3. after close + `settle_s` (time for in-flight stores to land), every peer reads the entries;
    the eligible ones are those posted by the close, and the *leader* is the smallest eligible
-   peer_id. A peer stops waiting early once every live peer announced at round r has posted and
-   they are at least `min_peers` (*early close*: a window costs nothing when the whole swarm is
+   peer_id. A peer stops waiting early once every live peer announced at round r (or behind it)
+   has posted and they are at least `min_peers` (*early close*: a window costs nothing when the whole swarm is
    there, and a lone peer still gives newcomers the whole window); a leader that finds
    another leader's group for the attempt is late;
 4. the leader publishes a GroupRecord (signed by it) with the members it sees, sorted; every
@@ -156,14 +156,16 @@ class Matchmaker:
                            close_at: float) -> list[MatchEntry]:
         """The attempt's entries after close + settle, or as soon as every peer expected at this round posted.
 
-        Expected: the live peers whose record says they are at `round_index` (so they will average
-        it). Closing early does not change who is eligible (posted by `close_at`) or who leads; a
-        peer that was not expected and posts after the leader published simply is not in its group.
+        Expected: the live peers whose record says they are at `round_index` (they will average it)
+        or behind it (they are healing towards it: closing without them would make a rejoining peer
+        miss round after round). Closing early does not change who is eligible (posted by
+        `close_at`) or who leads; a peer that was not expected and posts after the leader published
+        simply is not in its group.
         """
         expected: set[str] = set()
         if self.early_close:
             peers = await self._d.live_peers(timeout_s=self.io_timeout_s)
-            expected = {p.peer_id for p in peers if p.round == round_index and p.role == "worker"}
+            expected = {p.peer_id for p in peers if p.round <= round_index and p.role == "worker"}
         while True:
             entries = await self._entries(round_index, attempt, own)
             if self._now() >= close_at + self.settle_s:

@@ -243,3 +243,21 @@ def test_a_lone_expected_peer_waits_the_whole_window_for_newcomers() -> None:
     out, elapsed_s = asyncio.run(main())
     assert out.group is None and "too few" in out.reason
     assert elapsed_s >= 0.5  # the full window (a lower bound, so a slow box cannot fail it)
+
+
+def test_a_peer_behind_the_round_keeps_the_window_open_for_its_heal() -> None:
+    """A rejoining peer (record still at an older round) is expected: closing early would exclude it every round."""
+    async def main() -> tuple[list[MatchOutcome], float]:
+        _, (a, b, healing) = _swarm(3)
+        for d in (a, b):
+            await _announce(d, 5)
+        await _announce(healing, 3)  # it will heal to round 5 and post; here it never does
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        outs = await asyncio.gather(*(Matchmaker(d, min_peers=2, window_s=0.5).form_group(5, _member(d, i))
+                                      for i, d in enumerate((a, b))))
+        return list(outs), loop.time() - t0
+
+    outs, elapsed_s = asyncio.run(main())
+    assert len({o.group for o in outs}) == 1 and outs[0].group is not None and len(outs[0].group.members) == 2
+    assert elapsed_s >= 0.5  # the whole window, waiting for the healing peer
