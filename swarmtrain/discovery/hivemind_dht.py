@@ -16,6 +16,7 @@ import logging
 import os
 import re
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,8 @@ from swarmtrain.discovery.protocol import DiscoveryError, RawSlot, RecordDirecto
 __all__ = ["HivemindDiscovery", "signer_id_of"]
 
 log = logging.getLogger(__name__)
+STORE_ATTEMPTS = 3  # a store no node accepted is retried: seen transiently with hivemind 1.1 under load
+STORE_BACKOFF_S = 0.1
 _OWNER_RE = re.compile(rb"\[owner:(.+?)\]")
 
 
@@ -203,13 +206,22 @@ class HivemindDiscovery(RecordDirectory):
     async def _put(self, key: str, value: bytes, *, expires_at: float, timeout_s: float) -> None:
         if not self._dht.is_alive():
             raise DiscoveryError(f"DHT of {self._peer_id} is not running")
-        # hivemind keeps the value with the later expiration: never let a refresh lose to an older one.
-        expires_at = max(expires_at, self._expiry.get(key, 0.0) + 1e-3)
-        future = self._dht.store(key, value, expiration_time=expires_at, subkey=self._owner, return_future=True)
-        ok = await self._wait(future, f"store of {key}", timeout_s)
-        if not ok:
-            raise DiscoveryError(f"DHT refused to store {key} (no reachable node accepted it)")
-        self._expiry[key] = expires_at
+        deadline = time.monotonic() + timeout_s
+        for attempt in range(STORE_ATTEMPTS):
+            # hivemind keeps the value with the later expiration: never let a refresh (or a retry of a
+            # store some nodes already took) lose to an older one.
+            expires_at = max(expires_at, self._expiry.get(key, 0.0) + 1e-3)
+            future = self._dht.store(key, value, expiration_time=expires_at, subkey=self._owner, return_future=True)
+            ok = await self._wait(future, f"store of {key}", max(deadline - time.monotonic(), 1e-3))
+            self._expiry[key] = expires_at
+            if ok:
+                return
+            delay_s = STORE_BACKOFF_S * 2**attempt
+            if time.monotonic() + delay_s >= deadline:
+                break
+            log.info("DHT refused to store %s (attempt %d); retrying in %.2fs", key, attempt + 1, delay_s)
+            await asyncio.sleep(delay_s)
+        raise DiscoveryError(f"DHT refused to store {key} (no reachable node accepted it)")
 
     async def _get(self, key: str, *, timeout_s: float) -> Sequence[RawSlot]:
         if not self._dht.is_alive():
