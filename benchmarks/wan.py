@@ -41,7 +41,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=8, help="DiLoCo rounds; DDP runs rounds x H steps (default: 8)")
     p.add_argument("--inner-steps", type=int, default=50, help="H (default: 50)")
     p.add_argument("--hosts", type=int, default=4)
-    p.add_argument("--matchmaking-s", type=float, default=1.0, help="averaging.matchmaking_timeout_s")
+    p.add_argument("--matchmaking-s", type=float, default=3.0,
+                   help="averaging.matchmaking_timeout_s (with early close, only how long stragglers get)")
     p.add_argument("--name", default="wan", help="testbed name (namespaces NAME-*)")
     p.add_argument("--timeout-s", type=float, default=1800.0, help="deadline of one arm")
     p.add_argument("--out", default="benchmarks/results/wan.json", help="results JSON; the PNG goes next to it")

@@ -279,8 +279,9 @@ def summarize_rounds(swarm: TestbedSwarm, names: list[str]) -> dict[str, Any]:
         wall.append(rounds[-1][0] - ready_t[0])
         first_ready, last_round = min(first_ready, ready_t[0]), max(last_round, rounds[-1][0])
         attempted += len(rounds)
-        sent += sum(e.bytes_sent for _, e in rounds)
-        received += sum(e.bytes_received for _, e in rounds)
+        leaves = [x for _, x in lines if isinstance(x, LeaveEvent)]  # bytes after the last round line
+        sent += sum(e.bytes_sent for _, e in rounds) + sum(e.bytes_sent for e in leaves)
+        received += sum(e.bytes_received for _, e in rounds) + sum(e.bytes_received for e in leaves)
         rounds_done.append(sum(e.committed for _, e in rounds))
     disagree = {r: sorted(h) for r, h in by_round.items() if len(h) > 1}
     return {

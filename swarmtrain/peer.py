@@ -88,6 +88,10 @@ class DataPlane(Protocol):
         """Serve `state` to joiners from now on (called after start, every commit and every heal)."""
         ...
 
+    def unreported_bytes(self) -> tuple[int, int]:
+        """(sent, received) data-plane bytes not yet in any round line's count."""
+        ...
+
     async def fetch_state(self, endpoint: str) -> PeerState: ...
 
     async def aclose(self) -> None: ...
@@ -414,11 +418,14 @@ class Peer:
                 path = await self._checkpoint()
             except Exception as e:
                 log.error("checkpoint on leave failed: %s", e)
+        sent = received = 0
         if self.plane is not None:
-            await self.plane.aclose()
+            await self.plane.aclose()  # drains first: serves the means its group still needs
+            sent, received = self.plane.unreported_bytes()
         if self.worker is not None:
             self.writer.emit(LeaveEvent(round=self.worker.round, reason=reason, hash=self.worker.global_hash(),
-                                        peer=self._peer_id, checkpoint=str(path or "")))
+                                        peer=self._peer_id, checkpoint=str(path or ""), bytes_sent=sent,
+                                        bytes_received=received))
         if self.discovery is not None:
             await self.discovery.aclose()
         if self._claim is not None:

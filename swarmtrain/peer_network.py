@@ -112,6 +112,9 @@ class NetworkPlane:
         momentum = {} if state.outer_momentum is None else _split(state.outer_momentum, self.param_shapes)
         self.states.publish(StateSnapshot(round=state.round, params=params, momentum=momentum, config=self.cfg))
 
+    def unreported_bytes(self) -> tuple[int, int]:
+        return self.averager.unreported_bytes()
+
     async def fetch_state(self, endpoint: str) -> PeerState:
         expected = {name: shape for name, shape in self.param_shapes}
         snap = await asyncio.to_thread(fetch_state, self.node, [endpoint], run_id=self.cfg.train.run_id,

@@ -44,6 +44,7 @@ class NetworkAverager:
         self.group_provider = group_provider
         self.cfg = cfg
         self.killed = False
+        self._reported: tuple[int, int] = (0, 0)  # node counter totals at the last reported result
         self.registry = ReducerRegistry(peer_id=node.peer_id, run_id=run_id, codec=codec,
                                         window_s=cfg.contribution_window_s, open_wait_s=cfg.allreduce_timeout_s,
                                         fault_hook=fault_hook, on_kill=self._kill, buffers=node.buffers)
@@ -54,6 +55,11 @@ class NetworkAverager:
     async def _kill(self) -> None:
         self.killed = True
         await self.node.kill_server()
+
+    def unreported_bytes(self) -> tuple[int, int]:
+        """(sent, received) data-plane bytes since the last `average` result (for the leave line)."""
+        sent, received = self.node.counters.totals()
+        return sent - self._reported[0], received - self._reported[1]
 
     def drain(self, *, timeout_s: float) -> tuple[str, ...]:
         """Before leaving: wait until the members of the last served round have pulled this peer's means."""
@@ -79,7 +85,9 @@ class NetworkAverager:
         me = group.members[group.index_of(self.node.peer_id)]
         if not me.client_mode and not self.node.serve:
             raise ValueError(f"average: {me.peer_id} is a reducer in the group but its RpcNode does not serve")
-        sent0, received0 = self.node.counters.totals()
+        # Bytes moved since the previous call (means served to slow members, state served to joiners)
+        # count towards this round: they are on the wire too, and nothing else reports them.
+        sent0, received0 = self._reported
         timeout_s = self.cfg.allreduce_timeout_s
         deadline = time.monotonic() + timeout_s
         started = time.monotonic()
@@ -95,7 +103,7 @@ class NetworkAverager:
                                    reason="the all-reduce was cancelled (this peer's rpc node is closing)")
         if self.killed:
             result = AverageResult(round_index, False, None, result.members, reason="killed by fault injection")
-        sent1, received1 = self.node.counters.totals()
+        sent1, received1 = self._reported = self.node.counters.totals()
         log.info("%s: round %d %s in %.3fs (sent %d B, received %d B)", self.node.peer_id, round_index,
                  "committed" if result.committed else "aborted", time.monotonic() - started, sent1 - sent0,
                  received1 - received0)

@@ -74,6 +74,8 @@ class LeaveEvent:
     hash: str = ""
     peer: str = ""
     checkpoint: str = ""  # path of the checkpoint written on the way out, if any
+    bytes_sent: int = 0  # data-plane bytes since the last round line (means served to slow members, state)
+    bytes_received: int = 0
 
     event: str = field(default="leave", init=False)
 

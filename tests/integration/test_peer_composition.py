@@ -98,6 +98,9 @@ class FakePlane:
     async def average(self, round_index: int, delta: torch.Tensor) -> AverageResult:
         return await self.services.allreduce.average(self.peer_id, round_index, delta)
 
+    def unreported_bytes(self) -> tuple[int, int]:
+        return 0, 0  # the double counts every byte in its round results
+
     async def fetch_state(self, endpoint: str) -> PeerState:
         return self.services.states[endpoint]()
 
