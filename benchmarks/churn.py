@@ -43,7 +43,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kill-after", type=int, default=2, help="K1: SIGKILL p3 after this round commits")
     p.add_argument("--stop-after", type=int, default=5, help="K2: SIGSTOP p2 after this round commits")
     p.add_argument("--stop-rounds", type=int, default=2, help="rounds p0 commits while p2 is stopped")
-    p.add_argument("--matchmaking-s", type=float, default=1.0, help="averaging.matchmaking_timeout_s")
+    p.add_argument("--matchmaking-s", type=float, default=3.0,
+                   help="averaging.matchmaking_timeout_s (with early close, only how long stragglers get)")
     p.add_argument("--allreduce-timeout-s", type=float, default=10.0, help="a stopped peer's deadline")
     p.add_argument("--name", default="churn")
     p.add_argument("--timeout-s", type=float, default=1800.0)

@@ -279,7 +279,31 @@ class Peer:
                 pending = None
             elif not await self._await_swarm_past(result.round, until=result.retry_at, stop=stop):
                 return "signal"
+        await self._linger_for_stragglers(stop)
         return "done"
+
+    async def _linger_for_stragglers(self, stop: asyncio.Event) -> None:
+        """Run done: keep serving state while a live peer is still behind the last round (bounded).
+
+        A peer that missed the last round's window can only finish by healing from one that
+        committed it; if every finisher left at once it would have no donor and retry alone forever.
+        """
+        assert self.discovery is not None
+        a, hb = self.cfg.averaging, self.cfg.discovery.heartbeat_s
+        deadline = time.monotonic() + 2 * (a.matchmaking_timeout_s + a.allreduce_timeout_s) + 4 * hb
+        self.phase = "lingering"
+        while time.monotonic() < deadline and not stop.is_set():
+            try:
+                peers = await self.discovery.live_peers(timeout_s=self.cfg.rpc.call_timeout_s)
+            except Exception as e:
+                log.warning("could not list live peers (%s); leaving", e)
+                return
+            behind = [p.peer_id for p in peers if p.role == "worker" and p.round < self.cfg.diloco.rounds
+                      and p.peer_id != self._peer_id]
+            if not behind:
+                return
+            log.info("run done; serving state until %s catch up", behind)
+            await self._wait_until(min(deadline, time.monotonic() + hb / 2), stop)
 
     async def _average(self, pending: _Pending) -> AverageResult:
         """One averaging attempt of the pending round; applies, reports and checkpoints a commit."""

@@ -20,7 +20,7 @@ import torch
 from swarmtrain.averaging.protocol import AverageResult
 from swarmtrain.compress import Codec
 from swarmtrain.config import ConfigError, DiscoveryConfig, RunConfig, load_config, to_dict
-from swarmtrain.discovery import Discovery, InMemoryDiscovery, InMemoryRegistry, RunRecord
+from swarmtrain.discovery import Discovery, InMemoryDiscovery, InMemoryRegistry, PeerRecord, RunRecord
 from swarmtrain.peer import Peer, PeerState, merge_run_config
 from swarmtrain.telemetry import EventWriter, HealEvent, LeaveEvent, ReadyLine, RoundEvent, parse_line
 
@@ -243,6 +243,33 @@ def test_stop_checkpoints_and_a_restarted_peer_resumes_with_its_id(tmp_path: Pat
         assert (info["peer_id"], info["round"], info["hash"]) == (peer._peer_id, leave.round, leave.hash)
         await again.aclose("signal")
         assert isinstance(out2.events()[0], ReadyLine)
+
+    asyncio.run(main())
+
+
+def test_a_finished_peer_serves_state_until_a_straggler_behind_the_last_round_catches_up(tmp_path: Path) -> None:
+    async def main() -> None:
+        registry = InMemoryRegistry()
+        cfg = load_config(overrides=[*RUN, "diloco.rounds=2", "averaging.min_peers=1"])
+        await _publish_run(registry, cfg)
+        services = InMemoryServices(registry, window_s=0.1)
+        services.allreduce.min_peers = 1
+        straggler = InMemoryDiscovery(registry, run_id=cfg.train.run_id, record_ttl_s=60.0, peer_id="straggler")
+
+        async def announce(round_index: int) -> None:
+            await straggler.announce(PeerRecord(run_id=cfg.train.run_id, peer_id="straggler",
+                                                endpoint="127.0.0.1:1", round=round_index,
+                                                heartbeat_at=registry.clock()), timeout_s=1.0)
+
+        await announce(1)  # it missed the last round: it can only finish by healing from a finisher
+        out, stop = Out(), asyncio.Event()
+        peer = Peer(_local(tmp_path / "p"), writer=EventWriter(out), services=services)
+        task = asyncio.create_task(_run_peer(peer, stop))
+        await _until(lambda: peer.phase == "lingering", timeout_s=60, what="the run done", tasks=[task])
+        assert [e.round for e in out.rounds() if e.committed] == [0, 1] and not task.done()
+        assert services.states[peer.endpoint]().round == 2, "it still serves its final state"
+        await announce(2)  # the straggler healed
+        assert await asyncio.wait_for(task, timeout=30) == "done"
 
     asyncio.run(main())
 
