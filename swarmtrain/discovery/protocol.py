@@ -30,6 +30,7 @@ __all__ = ["Discovery", "DiscoveryError", "RawSlot", "RecordDirectory", "RunConf
 
 log = logging.getLogger(__name__)
 R = TypeVar("R", bound=Record)
+M = TypeVar("M", MatchEntry, GroupRecord)  # the records of one matchmaking attempt
 
 
 class DiscoveryError(RuntimeError):
@@ -186,10 +187,7 @@ class RecordDirectory(abc.ABC):
                         expires_at=entry.posted_at + keep_s, timeout_s=timeout_s)
 
     async def round_entries(self, round_index: int, attempt: int, *, timeout_s: float) -> tuple[MatchEntry, ...]:
-        records = await self._decoded(MatchEntry, self._match_key(round_index, attempt, "entries"),
-                                      timeout_s=timeout_s)
-        return tuple(sorted((r for r in records if r.round == round_index and r.attempt == attempt),
-                            key=lambda r: r.member.peer_id))
+        return await self._attempt_records(MatchEntry, round_index, attempt, "entries", timeout_s=timeout_s)
 
     async def post_group(self, record: GroupRecord, *, keep_s: float, timeout_s: float) -> None:
         self._check_own(record)
@@ -197,10 +195,14 @@ class RecordDirectory(abc.ABC):
                         expires_at=record.window_close_at + keep_s, timeout_s=timeout_s)
 
     async def round_groups(self, round_index: int, attempt: int, *, timeout_s: float) -> tuple[GroupRecord, ...]:
-        records = await self._decoded(GroupRecord, self._match_key(round_index, attempt, "group"),
-                                      timeout_s=timeout_s)
-        return tuple(sorted((r for r in records if r.round == round_index and r.attempt == attempt),
-                            key=lambda r: r.leader_id))
+        return await self._attempt_records(GroupRecord, round_index, attempt, "group", timeout_s=timeout_s)
 
     def _match_key(self, round_index: int, attempt: int, name: str) -> str:
         return self._key(f"round/{round_index}/{attempt}/{name}")
+
+    async def _attempt_records(self, cls: type[M], round_index: int, attempt: int, name: str, *,
+                               timeout_s: float) -> tuple[M, ...]:
+        """The valid records of one (round, attempt) slot, sorted by owner (entries: member, group: leader)."""
+        records = await self._decoded(cls, self._match_key(round_index, attempt, name), timeout_s=timeout_s)
+        return tuple(sorted((r for r in records if r.round == round_index and r.attempt == attempt),
+                            key=lambda r: r.owner_id))
