@@ -20,7 +20,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -288,22 +288,18 @@ class Peer:
         A peer that missed the last round's window can only finish by healing from one that
         committed it; if every finisher left at once it would have no donor and retry alone forever.
         """
-        assert self.discovery is not None
-        a, hb = self.cfg.averaging, self.cfg.discovery.heartbeat_s
-        deadline = time.monotonic() + 2 * (a.matchmaking_timeout_s + a.allreduce_timeout_s) + 4 * hb
+        a = self.cfg.averaging
+        deadline = time.monotonic() + 2 * (a.matchmaking_timeout_s + a.allreduce_timeout_s) \
+            + 4 * self.cfg.discovery.heartbeat_s
         self.phase = "lingering"
-        while time.monotonic() < deadline and not stop.is_set():
-            try:
-                peers = await self.discovery.live_peers(timeout_s=self.cfg.rpc.call_timeout_s)
-            except Exception as e:
-                log.warning("could not list live peers (%s); leaving", e)
-                return
-            behind = [p.peer_id for p in peers if p.role == "worker" and p.round < self.cfg.diloco.rounds
-                      and p.peer_id != self._peer_id]
-            if not behind:
-                return
-            log.info("run done; serving state until %s catch up", behind)
-            await self._wait_until(min(deadline, time.monotonic() + hb / 2), stop)
+
+        def nobody_behind(peers: Sequence[PeerRecord]) -> bool:
+            behind = [p.peer_id for p in peers if p.role == "worker" and p.round < self.cfg.diloco.rounds]
+            if behind:
+                log.info("run done; serving state until %s catch up", behind)
+            return not behind
+
+        await self._watch_peers(nobody_behind, deadline=deadline, stop=stop)
 
     async def _average(self, pending: _Pending) -> AverageResult:
         """One averaging attempt of the pending round; applies, reports and checkpoints a commit."""
@@ -350,18 +346,26 @@ class Peer:
         Until then the attempt this peer missed may still commit without it: if it does, the next
         heal check adopts the swarm's state; otherwise the round is averaged again. False if `stop` was set.
         """
+        await self._watch_peers(lambda peers: any(p.round > round_index for p in peers),
+                                deadline=time.monotonic() + until - self._now(), stop=stop)
+        return not stop.is_set()
+
+    async def _watch_peers(self, done: Callable[[Sequence[PeerRecord]], bool], *, deadline: float,
+                           stop: asyncio.Event) -> None:
+        """Poll the other live peers every half heartbeat until `done(peers)`, `deadline` (monotonic) or `stop`.
+
+        A failed read counts as seeing nobody (logged); the next poll tries again.
+        """
         assert self.discovery is not None
-        deadline = time.monotonic() + until - self._now()
         while time.monotonic() < deadline and not stop.is_set():
             try:
                 peers = await self.discovery.live_peers(timeout_s=self.cfg.rpc.call_timeout_s)
             except Exception as e:
                 log.warning("could not list live peers (%s)", e)
                 peers = ()
-            if any(p.round > round_index for p in peers if p.peer_id != self._peer_id):
-                break
+            if done([p for p in peers if p.peer_id != self._peer_id]):
+                return
             await self._wait_until(min(deadline, time.monotonic() + self.cfg.discovery.heartbeat_s / 2), stop)
-        return not stop.is_set()
 
     def _after_round(self, attempted: int, committed: bool, loss: float, val_loss: float | None) -> None:
         self.last_loss = loss if math.isfinite(loss) else None
