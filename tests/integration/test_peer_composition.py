@@ -188,7 +188,10 @@ def test_peers_agree_and_a_late_joiner_heals_to_the_swarm(tmp_path: Path) -> Non
             for e in out.rounds():
                 if e.committed:
                     by_round.setdefault(e.round, set()).add(e.hash)
-        assert sorted(by_round) == [0, 1, 2, 3, 4] and all(len(h) == 1 for h in by_round.values())
+        assert sorted(by_round) == [0, 1, 2, 3, 4] and all(len(h) == 1 for h in by_round.values()), \
+            {n: [(e.round, e.committed, e.members, e.hash[:8], e.reason) if isinstance(e, RoundEvent)
+                 else ("heal", e.from_round, e.to_round, e.hash[:8]) for e in out.events()
+                 if isinstance(e, (RoundEvent, HealEvent))] for n, out in outs.items()}
         assert any(e.committed and len(e.members) == 3 for e in outs["c"].rounds()), "c rejoined the group"
         leaves = [e for out in outs.values() for e in out.events() if isinstance(e, LeaveEvent)]
         assert {e.reason for e in leaves} == {"done"} and len({e.hash for e in leaves}) == 1
