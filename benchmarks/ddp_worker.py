@@ -35,6 +35,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--world-size", type=int, required=True)
     p.add_argument("--master", required=True, metavar="HOST:PORT", help="rank 0's TCP store address")
     p.add_argument("--steps", type=int, required=True, help="optimizer steps (the lr schedule spans them)")
+    p.add_argument("--start-step", type=int, default=0,
+                   help="data position to start from (after a warm start of that many steps; model.init_from)")
     p.add_argument("--out", required=True, help="where rank 0 saves the final weights (torch.save state_dict)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--timeout-s", type=float, default=600.0, help="deadline of every collective")
@@ -49,17 +51,20 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=args.rank,
                             world_size=args.world_size, timeout=datetime.timedelta(seconds=args.timeout_s))
     try:
-        report = train(cfg, rank=args.rank, world_size=args.world_size, steps=args.steps, out=args.out)
+        report = train(cfg, rank=args.rank, world_size=args.world_size, steps=args.steps, out=args.out,
+                       start_step=args.start_step)
     finally:
         dist.destroy_process_group()
     print(json.dumps(report), flush=True)
     return 0
 
 
-def train(cfg: RunConfig, *, rank: int, world_size: int, steps: int, out: str) -> dict[str, float | int]:
+def train(cfg: RunConfig, *, rank: int, world_size: int, steps: int, out: str,
+          start_step: int = 0) -> dict[str, float | int]:
     corpus = load_corpus(cfg.data)
     batches = ShardedBatches(corpus.train, worker_index=rank, num_workers=world_size,
-                             batch_size=cfg.data.batch_size, seq_len=cfg.data.seq_len, seed=cfg.train.seed)
+                             batch_size=cfg.data.batch_size, seq_len=cfg.data.seq_len, seed=cfg.train.seed,
+                             position=start_step)
     model = build_model(cfg.model, seed=cfg.train.seed)  # every rank starts from the same weights
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_inner_optimizer(model, cfg.inner)

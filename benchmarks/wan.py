@@ -4,12 +4,15 @@ Arms, each on a fresh testbed, the same model, seed and number of tokens:
   ddp   torch.distributed gloo, one rank per host, a fp32 gradient all-reduce every step
   fp32  swarmtrain DiLoCo, H inner steps, fp32 pseudo-gradients
   int8  swarmtrain DiLoCo, int8 pseudo-gradients
+  *-overlap  the same with diloco.overlap: round r is averaged while round r+1's inner steps run
 Reported per arm: wall-clock, compute utilization (compute s / wall s per process), bytes on the wire
 (kernel htb counters: all traffic, the data-plane port's frames, their TCP payload) next to what
 swarmtrain counted, final validation loss of the trained weights. The machine has 2 cores for 4 hosts:
 every process runs 1 torch thread and compute is oversubscribed ~2x (it slows every arm alike).
 
-  sudo .venv/bin/python benchmarks/wan.py                      # the README figures
+  sudo .venv/bin/python benchmarks/wan.py                      # 8 rounds from scratch, both rates
+  sudo .venv/bin/python benchmarks/wan.py --rates 100mbit --rounds 128 --warm-start-steps 400 --outer-lr 1.0 \
+      --out benchmarks/results/wan-128rounds.json              # the paper's warm-start protocol, 128 outer steps
   sudo .venv/bin/python benchmarks/wan.py --rates 100mbit --arms int8 --rounds 2   # a quick look
 """
 
@@ -24,23 +27,28 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from wan_common import Workload, finish_diloco, heal_accounting, run_ddp, start_diloco
+from wan_common import Workload, finish_diloco, heal_accounting, make_warm_start, run_ddp, start_diloco
 
 from swarmtrain.testbed import LinkSpec, Testbed, parse_rate, read_counters, require_root
 
-ARMS = ("ddp", "fp32", "int8")
+ARMS = ("ddp", "fp32", "int8", "fp32-overlap", "int8-overlap")
+DEFAULT_ARMS = "ddp,fp32-overlap,int8-overlap"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rates", default="100mbit,20mbit", help="comma-separated link rates (default: 100mbit,20mbit)")
-    p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {','.join(ARMS)}")
+    p.add_argument("--arms", default=DEFAULT_ARMS, help=f"comma-separated subset of {','.join(ARMS)} "
+                   f"(default: {DEFAULT_ARMS})")
     p.add_argument("--preset", default="small", help="model preset (default: small, ~0.83M parameters)")
     p.add_argument("--batch-size", type=int, default=4, help="per-peer batch (default: 4)")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--rounds", type=int, default=8, help="DiLoCo rounds; DDP runs rounds x H steps (default: 8)")
     p.add_argument("--inner-steps", type=int, default=50, help="H (default: 50)")
     p.add_argument("--hosts", type=int, default=4)
+    p.add_argument("--warm-start-steps", type=int, default=0,
+                   help="every arm continues from one checkpoint of this many DDP steps (made in-process first)")
+    p.add_argument("--outer-lr", type=float, default=0.0, help="outer.lr of the DiLoCo arms (default: the config's)")
     p.add_argument("--matchmaking-s", type=float, default=3.0,
                    help="averaging.matchmaking_timeout_s (with early close, only how long stragglers get)")
     p.add_argument("--name", default="wan", help="testbed name (namespaces NAME-*)")
@@ -60,7 +68,9 @@ def run_arm(arm: str, rate: str, workload: Workload, args: argparse.Namespace, o
             return run_ddp(tb, workload, out_dir=out_dir, timeout_s=args.timeout_s)
         before = read_counters(tb.name)
         extra = [f"averaging.matchmaking_timeout_s={args.matchmaking_s}", "averaging.min_peers=2"]
-        run = start_diloco(tb, workload, codec=arm, out_dir=out_dir, extra_run=extra)
+        codec, _, mode = arm.partition("-")
+        extra.append(f"diloco.overlap={'true' if mode == 'overlap' else 'false'}")
+        run = start_diloco(tb, workload, codec=codec, out_dir=out_dir, extra_run=extra)
         try:
             return {"arm": arm, **finish_diloco(run, workload, timeout_s=args.timeout_s, before=before)}
         finally:
@@ -72,14 +82,14 @@ def _fmt_mb(x: float | None) -> str:
 
 
 def print_table(results: list[dict[str, Any]]) -> None:
-    print(f"\n{'rate':>8} {'arm':>5} {'wall s':>8} {'util %':>7} {'val loss':>9} {'wire MB':>8} "
+    print(f"\n{'rate':>8} {'arm':>12} {'wall s':>8} {'util %':>7} {'val loss':>9} {'wire MB':>8} "
           f"{'data MB':>8} {'payload MB':>10} {'counted MB':>10} {'wire/counted':>12} {'payload/counted':>15} {'heals':>5}")
     for r in results:
         util = 100 * sum(r["utilization"]) / len(r["utilization"])
         counted = r["expected_bytes_sent"] if r["arm"] == "ddp" else r["swarmtrain_bytes_sent"]
         ratio = r["wire_bytes"] / counted if r["arm"] == "ddp" else r["wire_data_bytes"] / counted
         payload_ratio = "-" if r["arm"] == "ddp" else f"{r['wire_data_payload_bytes'] / counted:.3f}"
-        print(f"{r['rate']:>8} {r['arm']:>5} {r['wall_s']:8.1f} {util:7.1f} {r['val_loss']:9.4f} "
+        print(f"{r['rate']:>8} {r['arm']:>12} {r['wall_s']:8.1f} {util:7.1f} {r['val_loss']:9.4f} "
               f"{_fmt_mb(r['wire_bytes'])} {_fmt_mb(r['wire_data_bytes'])} {_fmt_mb(r['wire_data_payload_bytes']):>10} "
               f"{_fmt_mb(counted):>10} {ratio:12.3f} {payload_ratio:>15} {r.get('heals', '-'):>5}")
     for rate in sorted({r["rate"] for r in results}):
@@ -153,10 +163,13 @@ def main(argv: list[str] | None = None) -> int:
     if set(arms) - set(ARMS):
         raise SystemExit(f"--arms: unknown {sorted(set(arms) - set(ARMS))}; choose from {ARMS}")
     workload = Workload(preset=args.preset, batch_size=args.batch_size, seq_len=args.seq_len, rounds=args.rounds,
-                        inner_steps=args.inner_steps, num_peers=args.hosts)
+                        inner_steps=args.inner_steps, num_peers=args.hosts, warm_start_steps=args.warm_start_steps,
+                        outer_lr=args.outer_lr)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     work_dir = out.parent / f"{out.stem}-runs"
+    if workload.warm_start_steps:
+        workload = make_warm_start(workload, work_dir / f"warm-start-{workload.warm_start_steps}.safetensors")
     rates = args.rates.split(",")
     results: list[dict[str, Any]] = []
     if args.merge and out.exists():

@@ -51,14 +51,24 @@ class Workload:
     corpus_bytes: int = 20_000_000
     eval_batches: int = 64  # final evaluation, the same batches for every arm
     seed: int = 0
+    # Warm start (the DiLoCo paper's protocol): every arm continues from the same checkpoint of this
+    # many DDP steps (K x B windows each, the DDP arm's own first steps); 0 = from the seeded init.
+    warm_start_steps: int = 0
+    init_from: str = ""  # the warm-start checkpoint (model.init_from), made by `make_warm_start`
+    outer_lr: float = 0.0  # 0 = the config default
 
     def run_overrides(self, *, codec: str = "fp32") -> list[str]:
-        return [
+        out = [
             f"model.preset={self.preset}", f"data.batch_size={self.batch_size}", f"data.seq_len={self.seq_len}",
             f"data.max_corpus_bytes={self.corpus_bytes}", f"diloco.rounds={self.rounds}",
             f"diloco.inner_steps={self.inner_steps}", "diloco.eval_batches=1", f"compress.codec={codec}",
             f"train.seed={self.seed}", "train.threads=1",
         ]
+        if self.init_from:
+            out.append(f"model.init_from={self.init_from}")
+        if self.outer_lr:
+            out.append(f"outer.lr={self.outer_lr!r}")
+        return out
 
     def config(self) -> RunConfig:
         return load_config(overrides=self.run_overrides())
@@ -66,6 +76,31 @@ class Workload:
     @property
     def tokens(self) -> int:
         return self.rounds * self.inner_steps * self.num_peers * self.batch_size * self.seq_len
+
+
+def make_warm_start(workload: Workload, path: Path) -> Workload:
+    """Train the warm-start checkpoint in this process (DDP math: one step on the K x B-window batch).
+
+    Exactly the first `warm_start_steps` steps the DDP arm's ranks would take together (the same
+    stream, its own warmup+cosine schedule); reused when `path` exists (it is deterministic).
+    """
+    from swarmtrain.diloco.simulation import simulate_ddp
+    from swarmtrain.models import save_init_weights
+
+    done = workload if path.exists() else None
+    if done is None:
+        if workload.warm_start_steps % workload.inner_steps:
+            raise ValueError(f"warm_start_steps {workload.warm_start_steps} is not a multiple of H={workload.inner_steps}")
+        cfg = workload.config().replace(diloco={"rounds": workload.warm_start_steps // workload.inner_steps})
+        corpus = load_corpus(cfg.data)
+        result = simulate_ddp(cfg, train_tokens=corpus.train, val_tokens=corpus.val, num_workers=workload.num_peers)
+        model = build_model(cfg.model, seed=cfg.train.seed)
+        assign_flat(result.final_theta, list(model.parameters()))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_init_weights(model, path)
+        print(f"  warm start: {workload.warm_start_steps} DDP steps, val loss "
+              f"{result.rounds[-1].val_loss:.4f} -> {path}", flush=True)
+    return dataclasses.replace(workload, init_from=str(path.resolve()))
 
 
 def evaluate(workload: Workload, load_weights: Callable[[torch.nn.Module], None]) -> float:
@@ -107,7 +142,7 @@ def run_ddp(tb: Testbed, workload: Workload, *, out_dir: Path, timeout_s: float)
     for rank in range(workload.num_peers):
         argv = [sys.executable, str(REPO / "benchmarks" / "ddp_worker.py"), "--rank", str(rank),
                 "--world-size", str(workload.num_peers), "--master", f"{tb.host(0).ip}:{DDP_PORT}",
-                "--steps", str(steps), "--out", str(weights), *sets]
+                "--steps", str(steps), "--start-step", str(workload.warm_start_steps), "--out", str(weights), *sets]
         log = (out_dir / f"ddp_rank{rank}.log").open("w")
         procs.append(tb.spawn(rank, argv, env=env, stdout=subprocess.PIPE, stderr=log, text=True))
     reports = []

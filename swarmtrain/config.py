@@ -62,6 +62,9 @@ class ModelConfig:
     context_len: int = 0
     vocab_size: int = 256
     dropout: float = 0.0
+    # Start from these weights (a safetensors file of the model's state_dict, e.g. a pretrained or
+    # warm-start checkpoint) instead of the seeded init. Every peer must hold the same file.
+    init_from: str = ""
 
     def __post_init__(self) -> None:
         from swarmtrain.models.presets import PRESETS

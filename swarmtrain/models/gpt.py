@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from swarmtrain.config import ModelConfig
+from swarmtrain.config import ConfigError, ModelConfig
 from swarmtrain.models.presets import PRESETS, GPTShape
 
-__all__ = ["GPT", "build_model", "resolve_shape"]
+__all__ = ["GPT", "build_model", "load_init_weights", "resolve_shape", "save_init_weights"]
 
 
 def resolve_shape(cfg: ModelConfig) -> GPTShape:
@@ -110,10 +111,47 @@ class GPT(nn.Module):
 
 
 def build_model(cfg: ModelConfig, *, seed: int | None = None) -> GPT:
-    """Build a GPT from config; with `seed` the initial weights are reproducible."""
+    """Build a GPT from config; with `seed` the initial weights are reproducible.
+
+    With `cfg.init_from` the weights come from that safetensors state_dict instead (after the
+    seeded init, so buffers and RNG use are the same either way).
+    """
     shape = resolve_shape(cfg)
     if seed is None:
-        return GPT(shape, vocab_size=cfg.vocab_size, dropout=cfg.dropout)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return GPT(shape, vocab_size=cfg.vocab_size, dropout=cfg.dropout)
+        model = GPT(shape, vocab_size=cfg.vocab_size, dropout=cfg.dropout)
+    else:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = GPT(shape, vocab_size=cfg.vocab_size, dropout=cfg.dropout)
+    if cfg.init_from:
+        load_init_weights(model, cfg.init_from)
+    return model
+
+
+def load_init_weights(model: nn.Module, path: str) -> None:
+    """Load `model.init_from`: every tensor of the model's state_dict, same names and shapes, nothing else."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    if not Path(path).is_file():
+        raise ConfigError(f"model.init_from: {path}: no such file")
+    try:
+        tensors = load_file(path)
+    except (SafetensorError, OSError) as e:
+        raise ConfigError(f"model.init_from: {path}: not a readable safetensors file ({e})") from e
+    own = model.state_dict()
+    missing, extra = sorted(set(own) - set(tensors)), sorted(set(tensors) - set(own))
+    if missing or extra:
+        raise ConfigError(f"model.init_from: {path} does not fit this model: missing {missing[:5]}, "
+                          f"unexpected {extra[:5]}")
+    wrong = [f"{k} {tuple(tensors[k].shape)} != {tuple(v.shape)}" for k, v in own.items() if tensors[k].shape != v.shape]
+    if wrong:
+        raise ConfigError(f"model.init_from: {path} does not fit this model: {wrong[:5]}")
+    model.load_state_dict({k: v.to(own[k].dtype) for k, v in tensors.items()})
+
+
+def save_init_weights(model: nn.Module, path: str | Path) -> None:
+    """Write `model`'s weights where `model.init_from` can read them (tied tensors saved once each name)."""
+    from safetensors.torch import save_file
+
+    save_file({k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}, str(path))
