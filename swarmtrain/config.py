@@ -141,6 +141,10 @@ class DilocoConfig:
     inner_steps: int = 50
     rounds: int = 10
     eval_batches: int = 8
+    # Average round r's Δ while round r+1's inner steps run (communication hidden behind compute).
+    # The outer step lands one round late; θ_local then keeps its own newer progress on top of the
+    # new θ_global. Off = classic DiLoCo (train, then wait for the average).
+    overlap: bool = False
 
     def __post_init__(self) -> None:
         _check(self.inner_steps >= 1, "diloco.inner_steps", "must be >= 1")

@@ -68,12 +68,30 @@ class PeerState:
 
 @dataclass
 class _Pending:
-    """A round trained but not committed yet: its Δ is averaged again after an aborted attempt."""
+    """A round trained but not committed yet: its Δ is averaged again after an aborted attempt.
+
+    Under `diloco.overlap`, `since` is θ_local when Δ was taken (the progress after it is kept at
+    the commit) and `task` the average running while the next round trains.
+    """
 
     round: int
     delta: torch.Tensor
     loss: float
     compute_s: float
+    since: torch.Tensor | None = None
+    task: asyncio.Task[tuple[AverageResult, float]] | None = None
+
+
+@dataclass
+class _Unsent:
+    """Inner steps in θ_local that no average carries yet (`diloco.overlap`)."""
+
+    trained: bool = False
+    loss: float = math.nan
+    compute_s: float = 0.0
+
+    def add(self, stats: Any) -> None:
+        self.trained, self.loss, self.compute_s = True, stats.loss, self.compute_s + stats.compute_s
 
 
 class DataPlane(Protocol):
@@ -260,6 +278,8 @@ class Peer:
         progress is dropped) or averages the same Δ again, without retraining.
         """
         assert self.worker is not None and self.plane is not None
+        if self.cfg.diloco.overlap:
+            return await self._run_overlapped(stop)
         worker = self.worker
         pending: _Pending | None = None
         while worker.round < self.cfg.diloco.rounds:
@@ -282,6 +302,69 @@ class Peer:
         await self._linger_for_stragglers(stop)
         return "done"
 
+    async def _run_overlapped(self, stop: asyncio.Event) -> str:
+        """`diloco.overlap`: round r's average runs while the inner steps of round r+1 do.
+
+        θ_local = θ_global − (own progress not yet in θ_global) holds throughout: a commit keeps the
+        steps taken since Δ was sent (`apply(carry_since=...)`), an abort keeps all of them, so the
+        next attempt's Δ = θ_global − θ_local carries them; a heal starts again from the donor's θ.
+        """
+        assert self.worker is not None
+        worker, rounds = self.worker, self.cfg.diloco.rounds
+        unsent = _Unsent(trained=worker.has_local_progress())  # a resumed peer sends what it had trained
+        pending: _Pending | None = None
+        while worker.round < rounds:
+            if stop.is_set() and pending is None:  # an average in flight is finished first
+                return "signal"
+            if pending is None:
+                if await self._heal_if_behind():
+                    unsent = _Unsent()
+                if worker.round >= rounds:
+                    break
+                if not unsent.trained:
+                    stats = await _interruptible(asyncio.to_thread(worker.train_inner), stop)
+                    if stats is None:
+                        return "signal"
+                    unsent.add(stats)
+                pending, unsent = self._launch(unsent), _Unsent()
+            if worker.round + 1 < rounds and not stop.is_set():  # a next round to contribute to: train it meanwhile
+                stats = await _interruptible(asyncio.to_thread(worker.train_inner), stop)
+                if stats is not None:
+                    unsent.add(stats)
+            assert pending.task is not None
+            result, comm_s = await pending.task
+            await self._conclude(pending, result, comm_s=comm_s)
+            if not result.committed:
+                unsent.trained = True  # θ_local still holds the aborted round's progress
+                if math.isnan(unsent.loss):
+                    unsent.loss = pending.loss
+                pending = None
+                if not await self._await_swarm_past(result.round, until=result.retry_at, stop=stop):
+                    return "signal"
+            elif stop.is_set():
+                return "signal"
+            else:
+                pending = self._launch(unsent) if unsent.trained and worker.round < rounds else None
+                if pending is not None:
+                    unsent = _Unsent()
+        await self._linger_for_stragglers(stop)
+        return "done"
+
+    def _launch(self, unsent: _Unsent) -> _Pending:
+        """Start averaging Δ = θ_global − θ_local for the current round in the background."""
+        assert self.worker is not None and self.plane is not None
+        worker, plane = self.worker, self.plane
+        pending = _Pending(round=worker.round, delta=worker.delta(), loss=unsent.loss, compute_s=unsent.compute_s,
+                           since=worker.local_snapshot())
+
+        async def timed() -> tuple[AverageResult, float]:
+            start = time.perf_counter()
+            result = await plane.average(pending.round, pending.delta)
+            return result, time.perf_counter() - start
+
+        pending.task = asyncio.ensure_future(timed())
+        return pending
+
     async def _linger_for_stragglers(self, stop: asyncio.Event) -> None:
         """Run done: keep serving state while a live peer is still behind the last round (bounded).
 
@@ -303,19 +386,25 @@ class Peer:
 
     async def _average(self, pending: _Pending) -> AverageResult:
         """One averaging attempt of the pending round; applies, reports and checkpoints a commit."""
-        assert self.worker is not None and self.plane is not None
-        worker = self.worker
+        assert self.plane is not None
         self.phase = "averaging"
         start = time.perf_counter()
         result = await self.plane.average(pending.round, pending.delta)
-        comm_s = time.perf_counter() - start
+        await self._conclude(pending, result, comm_s=time.perf_counter() - start)
+        return result
+
+    async def _conclude(self, pending: _Pending, result: AverageResult, *, comm_s: float) -> None:
+        """Apply a commit, report the round (one line), checkpoint on schedule."""
+        assert self.worker is not None and self.plane is not None
+        worker = self.worker
         self.phase = "training"
         val_loss = None
         if result.committed:
-            worker.apply(result)  # on the loop thread: state transfers never see a half-applied step
+            # On the loop thread, never during inner steps: state transfers never see a half-applied step.
+            worker.apply(result, carry_since=pending.since)
             self.plane.publish_state(self.current_state())
             await self._beat()  # now, before evaluating: peers that missed the round look for it
-            val_loss = await asyncio.to_thread(worker.evaluate, self.val_batches)
+            val_loss = await asyncio.to_thread(worker.evaluate_global, self.val_batches)
         self._after_round(pending.round, result.committed, pending.loss, val_loss)
         self.writer.emit(RoundEvent(
             round=pending.round, committed=result.committed, members=result.members, loss=pending.loss,
@@ -325,7 +414,6 @@ class Peer:
         pending.compute_s = 0.0  # a retry of the round reports only its own communication
         if result.committed and worker.round % self.cfg.checkpoint.every_rounds == 0:
             await self._checkpoint()
-        return result
 
     def _now(self) -> float:
         assert self.discovery is not None
@@ -384,18 +472,18 @@ class Peer:
         except Exception as e:  # the periodic beat retries; a failed early beat only delays visibility
             log.warning("peer record refresh failed: %s", e)
 
-    async def _heal_if_behind(self) -> None:
-        """If live peers are at a newer round, download their state and join at the next boundary."""
+    async def _heal_if_behind(self) -> bool:
+        """If live peers are at a newer round, download their state and join at the next boundary (True)."""
         assert self.discovery is not None and self.worker is not None and self.plane is not None
         try:
             peers = await self.discovery.live_peers(timeout_s=self.cfg.rpc.call_timeout_s)
         except Exception as e:  # a slow control plane must not stop training; the next round looks again
             log.warning("could not list live peers (%s); not healing this round", e)
-            return
+            return False
         ahead = [p for p in peers if p.peer_id != self._peer_id and p.role == "worker"
                  and p.round > self.worker.round and p.endpoint]
         if not ahead:
-            return
+            return False
         newest = max(p.round for p in ahead)
         donors = sorted((p for p in ahead if p.round == newest), key=lambda p: hashlib.sha256(
             f"{self._peer_id}|{p.peer_id}".encode()).digest())  # spread joiners over donors
@@ -420,9 +508,10 @@ class Peer:
             # No checkpoint here: it would delay joining the round the others are starting now; the
             # next commit checkpoints, and a crash before it just heals again.
             await self._beat()
-            return
+            return True
         self.phase = "training"
         log.warning("behind the swarm (round %d < %d) but no donor delivered its state", self.worker.round, newest)
+        return False
 
     # ------------------------------------------------------------------ stop
 

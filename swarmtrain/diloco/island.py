@@ -200,6 +200,10 @@ class IslandAverager:
 def build_island_worker(cfg: RunConfig, island: Island, *, model: nn.Module, train_tokens: torch.Tensor,
                         peer_index: int = 0, num_peers: int = 1) -> DilocoWorker:
     """A DilocoWorker for this local rank: its data slice, DDP inner steps, θ_global synced after rounds."""
+    if cfg.diloco.overlap:
+        # sync_global re-installs θ_global on every rank after a round: it would drop the progress an
+        # overlapped round keeps. Overlap on an island needs that progress broadcast too; not built.
+        raise IslandError("diloco.overlap is not supported on a multi-GPU island yet; set diloco.overlap=false")
     worker_index, num_workers = island.worker_slot(peer_index=peer_index, num_peers=num_peers)
     batches = ShardedBatches(train_tokens, worker_index=worker_index, num_workers=num_workers,
                              batch_size=cfg.data.batch_size, seq_len=cfg.data.seq_len, seed=cfg.train.seed)

@@ -15,7 +15,7 @@ from swarmtrain.config import RunConfig, to_dict
 from swarmtrain.data.sharding import ShardedBatches, eval_batches
 from swarmtrain.diloco.flat import assign_flat, flat_hash, flatten
 from swarmtrain.diloco.traffic import allreduce_bytes_per_peer
-from swarmtrain.diloco.worker import DilocoWorker, resolve_device
+from swarmtrain.diloco.worker import DilocoWorker, InnerStats, resolve_device
 from swarmtrain.models import build_model
 
 __all__ = ["AverageAll", "RoundRecord", "SimulationResult", "simulate_ddp", "simulate_diloco"]
@@ -107,22 +107,38 @@ def simulate_diloco(
     result = SimulationResult(mode="diloco", num_workers=num_workers, num_params=workers[0].numel,
                               initial_val_loss=workers[0].evaluate(val))
     tokens = bytes_sent = 0
-    for r in range(cfg.diloco.rounds):
-        stats = [w.train_inner() for w in workers]
-        outcomes = average_all(r, [w.delta() for w in workers])
-        for w, outcome in zip(workers, outcomes, strict=True):
-            if not w.apply(outcome):
+    # With diloco.overlap, round r's average is applied after round r+1's inner steps (`carry_since`).
+    inflight: tuple[int, list[AverageResult], list[torch.Tensor | None], list[InnerStats]] | None = None
+
+    def commit(r: int, outcomes: list[AverageResult], since: list[torch.Tensor | None],
+               stats: list[InnerStats]) -> None:
+        nonlocal bytes_sent
+        for w, outcome, s in zip(workers, outcomes, since, strict=True):
+            if not w.apply(outcome, carry_since=s):
                 raise RuntimeError(f"round {r} did not commit in the simulation: {outcome.reason}")
         hashes = {w.global_hash() for w in workers}
         assert len(hashes) == 1, f"round {r}: workers disagree on θ_global"
-        tokens += sum(s.tokens for s in stats)
         bytes_sent += outcomes[0].bytes_sent
         record = RoundRecord(round=r, tokens=tokens, loss=sum(s.loss for s in stats) / num_workers,
-                             val_loss=workers[0].evaluate(val), bytes_sent=bytes_sent,
+                             val_loss=workers[0].evaluate_global(val), bytes_sent=bytes_sent,
                              compute_s=sum(s.compute_s for s in stats))
         result.rounds.append(record)
         if on_round is not None:
             on_round(record)
+
+    for r in range(cfg.diloco.rounds):
+        stats = [w.train_inner() for w in workers]
+        tokens += sum(s.tokens for s in stats)
+        if inflight is not None:
+            commit(*inflight)
+        since: list[torch.Tensor | None] = [w.local_snapshot() if cfg.diloco.overlap else None for w in workers]
+        outcomes = average_all(r, [w.delta() for w in workers])
+        inflight = (r, outcomes, since, stats)
+        if not cfg.diloco.overlap:
+            commit(*inflight)
+            inflight = None
+    if inflight is not None:
+        commit(*inflight)
     result.hash = workers[0].global_hash()
     result.final_theta = workers[0].theta_global.detach().cpu().clone()
     result.wall_s = time.perf_counter() - start

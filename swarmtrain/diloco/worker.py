@@ -169,10 +169,27 @@ class DilocoWorker:
             self._pending_residual = d - self.codec.decode(self.codec.encode(d)).reshape(-1)
         return d
 
-    def apply(self, result: AverageResult) -> bool:
-        """Apply a round's outcome; returns whether an outer step was taken."""
+    def local_snapshot(self) -> torch.Tensor:
+        """A flat fp32 copy of θ_local: with `diloco.overlap`, taken when Δ is sent (see `apply`)."""
+        return flatten(self.params)
+
+    def has_local_progress(self) -> bool:
+        """Whether θ_local holds progress not yet in θ_global (trained since the last commit/heal)."""
+        return not torch.equal(flatten(self.params), self.theta_global.detach().cpu())
+
+    def apply(self, result: AverageResult, *, carry_since: torch.Tensor | None = None) -> bool:
+        """Apply a round's outcome; returns whether an outer step was taken.
+
+        Classic DiLoCo (`carry_since` None): θ_local restarts from θ_global, committed or not.
+        Overlapped (`carry_since` = θ_local when this round's Δ was sent): the inner steps taken
+        since then are kept, θ_local ← θ_global(new) + (θ_local − carry_since); on an abort θ_local
+        is left as is, so its whole progress goes into the next attempt's Δ.
+        """
         if result.round != self.round:
             raise ValueError(f"averaging result is for round {result.round}, this worker is at round {self.round}")
+        if carry_since is not None and carry_since.shape != (self.numel,):
+            raise ValueError(f"apply: carry_since has shape {tuple(carry_since.shape)}, need ({self.numel},)")
+        progress = None if carry_since is None else flatten(self.params) - carry_since
         if result.committed:
             if result.mean is None:
                 raise ValueError(f"round {result.round} committed without a mean pseudo-gradient")
@@ -180,10 +197,13 @@ class DilocoWorker:
             if self._pending_residual is not None:
                 self.residual = self._pending_residual
             self.round += 1
-        else:
+        elif progress is None:
             log.warning("round %d aborted (%s): keeping θ_global, dropping local progress", result.round, result.reason)
         self._pending_residual = None
-        assign_flat(self.theta_global, self.params)
+        if progress is None:
+            assign_flat(self.theta_global, self.params)
+        elif result.committed:
+            assign_flat(self.theta_global.detach().cpu() + progress, self.params)
         if self.after_round is not None:
             self.after_round(self)
         return result.committed
@@ -217,6 +237,15 @@ class DilocoWorker:
                 _, loss = self.model(x.to(self.device), y.to(self.device))
             total += loss.float()
         return float(total.item()) / len(batches)
+
+    def evaluate_global(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """Mean loss of θ_global (θ_local differs from it under `diloco.overlap`); θ_local is restored."""
+        local = flatten(self.params)
+        assign_flat(self.theta_global, self.params)
+        try:
+            return self.evaluate(batches)
+        finally:
+            assign_flat(local, self.params)
 
     def global_hash(self) -> str:
         """Hex sha256 of θ_global's fp32 bytes: committed peers must agree bit for bit."""

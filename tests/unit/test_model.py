@@ -37,3 +37,22 @@ def test_preset_sizes_and_bad_shapes() -> None:
         build_model(ModelConfig(preset="tiny", n_embd=66))
     with pytest.raises(ValueError, match="context_len"):
         build_model(ModelConfig(preset="tiny", context_len=8))(torch.zeros(1, 9, dtype=torch.long))
+
+
+def test_init_from_loads_given_weights_and_names_what_does_not_fit(tmp_path) -> None:
+    from swarmtrain.config import ConfigError, load_config
+    from swarmtrain.models import save_init_weights
+
+    small = load_config(overrides=["model.preset=small"]).model
+    source = build_model(small, seed=7)
+    path = tmp_path / "init.safetensors"
+    save_init_weights(source, path)
+    loaded = build_model(load_config(overrides=["model.preset=small", f"model.init_from={path}"]).model, seed=0)
+    assert all(torch.equal(a, b) for a, b in zip(source.state_dict().values(), loaded.state_dict().values(), strict=True))
+    with pytest.raises(ConfigError, match="does not fit this model"):
+        build_model(load_config(overrides=["model.preset=tiny", f"model.init_from={path}"]).model, seed=0)
+    with pytest.raises(ConfigError, match="no such file"):
+        build_model(load_config(overrides=[f"model.init_from={tmp_path / 'missing.safetensors'}"]).model)
+    (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ConfigError, match="not a readable safetensors"):
+        build_model(load_config(overrides=[f"model.init_from={tmp_path / 'junk.safetensors'}"]).model)

@@ -1,0 +1,107 @@
+"""Peers with diloco.overlap over the in-memory twins: rounds agree, a late joiner heals, aborts keep progress.
+
+Uses the windowed all-reduce double and services of test_peer_composition.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from test_peer_composition import RUN, InMemoryServices, Out, _local, _publish_run, _run_peer, _until
+
+from swarmtrain.config import load_config
+from swarmtrain.discovery import InMemoryRegistry
+from swarmtrain.peer import Peer
+from swarmtrain.telemetry import EventWriter, HealEvent, LeaveEvent, RoundEvent
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+OVERLAP = [*RUN, "diloco.overlap=true"]
+
+
+def _committed_hashes(outs: dict[str, Out]) -> dict[int, set[str]]:
+    by_round: dict[int, set[str]] = {}
+    for out in outs.values():
+        for e in out.rounds():
+            if e.committed:
+                by_round.setdefault(e.round, set()).add(e.hash)
+    return by_round
+
+
+def _story(outs: dict[str, Out]) -> dict[str, list[object]]:
+    return {n: [(e.round, e.committed, e.members, e.hash[:8], e.reason) if isinstance(e, RoundEvent)
+                else ("heal", e.from_round, e.to_round, e.hash[:8]) for e in out.events()
+                if isinstance(e, (RoundEvent, HealEvent))] for n, out in outs.items()}
+
+
+def test_overlapped_peers_agree_and_a_late_joiner_heals(tmp_path: Path) -> None:
+    async def main() -> None:
+        registry = InMemoryRegistry()
+        await _publish_run(registry, load_config(overrides=[*OVERLAP, "diloco.rounds=5"]))
+        services = InMemoryServices(registry, window_s=0.8)
+        outs = {n: Out() for n in "abc"}
+        stop = asyncio.Event()
+        peers = {n: Peer(_local(tmp_path / n), writer=EventWriter(outs[n]), services=services) for n in "abc"}
+        tasks = [asyncio.create_task(_run_peer(peers[n], stop)) for n in "ab"]
+        await _until(lambda: any(e.committed and e.round >= 1 for e in outs["a"].rounds()), timeout_s=60,
+                     what="round 1 committed", tasks=tasks)
+        tasks.append(asyncio.create_task(_run_peer(peers["c"], stop)))
+        assert await asyncio.wait_for(asyncio.gather(*tasks), timeout=90) == ["done", "done", "done"]
+
+        by_round = _committed_hashes(outs)
+        assert sorted(by_round) == [0, 1, 2, 3, 4] and all(len(h) == 1 for h in by_round.values()), _story(outs)
+        assert any(isinstance(e, HealEvent) for e in outs["c"].events())
+        leaves = [e for out in outs.values() for e in out.events() if isinstance(e, LeaveEvent)]
+        assert {e.reason for e in leaves} == {"done"} and len({e.hash for e in leaves}) == 1
+        for n in "ab":  # every round's inner steps were taken once: H steps per round, none wasted
+            assert peers[n].worker is not None and peers[n].worker.inner_step == 5 * 3, n
+            assert not peers[n].worker.has_local_progress(), "the last round's average carried everything"
+
+    asyncio.run(main())
+
+
+def test_an_aborted_overlapped_round_is_sent_again_with_the_newer_progress(tmp_path: Path) -> None:
+    """a averages round 0 alone (abort) while training round 1; its retry carries both rounds' steps."""
+
+    async def main() -> None:
+        registry = InMemoryRegistry()
+        await _publish_run(registry, load_config(overrides=[*OVERLAP, "diloco.rounds=3"]))
+        services = InMemoryServices(registry, window_s=0.8)
+        outs = {n: Out() for n in "ab"}
+        stop = asyncio.Event()
+        peers = {n: Peer(_local(tmp_path / n), writer=EventWriter(outs[n]), services=services) for n in "ab"}
+        tasks = [asyncio.create_task(_run_peer(peers["a"], stop))]
+        await _until(lambda: any(not e.committed for e in outs["a"].rounds()), timeout_s=60,
+                     what="a's lonely round aborted", tasks=tasks)
+        tasks.append(asyncio.create_task(_run_peer(peers["b"], stop)))
+        assert await asyncio.wait_for(asyncio.gather(*tasks), timeout=60) == ["done", "done"]
+        committed = {n: [(e.round, e.hash) for e in out.rounds() if e.committed] for n, out in outs.items()}
+        assert committed["a"] == committed["b"] and [r for r, _ in committed["a"]] == [0, 1, 2], _story(outs)
+        # a trained round 1 while its round 0 aborted; that work went into a later Δ, not thrown away.
+        worker = peers["a"].worker
+        assert worker is not None and worker.inner_step >= 3 * 3
+
+    asyncio.run(main())
+
+
+def test_stop_during_an_overlapped_round_finishes_its_average_first(tmp_path: Path) -> None:
+    async def main() -> None:
+        registry = InMemoryRegistry()
+        await _publish_run(registry, load_config(overrides=[*OVERLAP, "diloco.rounds=50", "averaging.min_peers=1"]))
+        services = InMemoryServices(registry, window_s=0.1)
+        services.allreduce.min_peers = 1
+        out, stop = Out(), asyncio.Event()
+        peer = Peer(_local(tmp_path / "p"), writer=EventWriter(out), services=services)
+        task = asyncio.create_task(_run_peer(peer, stop))
+        await _until(lambda: len([e for e in out.rounds() if e.committed]) >= 2, timeout_s=60, what="2 rounds",
+                     tasks=[task])
+        stop.set()
+        assert await asyncio.wait_for(task, timeout=30) == "signal"
+        rounds = [e.round for e in out.rounds()]
+        assert rounds == list(range(len(rounds))) and all(e.committed for e in out.rounds())
+        (leave,) = [e for e in out.events() if isinstance(e, LeaveEvent)]
+        assert leave.round == rounds[-1] + 1 and Path(leave.checkpoint).is_file()
+
+    asyncio.run(main())
