@@ -51,6 +51,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--outer-lr", type=float, default=0.0, help="outer.lr of the DiLoCo arms (default: the config's)")
     p.add_argument("--matchmaking-s", type=float, default=3.0,
                    help="averaging.matchmaking_timeout_s (with early close, only how long stragglers get)")
+    p.add_argument("--overlap-matchmaking-s", type=float, default=8.0,
+                   help="the same for the *-overlap arms: a window that waits for a slow peer is hidden behind "
+                        "the next round's inner steps there, and a peer that misses it wastes a round")
     p.add_argument("--name", default="wan", help="testbed name (namespaces NAME-*)")
     p.add_argument("--timeout-s", type=float, default=1800.0, help="deadline of one arm")
     p.add_argument("--out", default="benchmarks/results/wan.json", help="results JSON; the PNG goes next to it")
@@ -67,8 +70,9 @@ def run_arm(arm: str, rate: str, workload: Workload, args: argparse.Namespace, o
         if arm == "ddp":
             return run_ddp(tb, workload, out_dir=out_dir, timeout_s=args.timeout_s)
         before = read_counters(tb.name)
-        extra = [f"averaging.matchmaking_timeout_s={args.matchmaking_s}", "averaging.min_peers=2"]
         codec, _, mode = arm.partition("-")
+        window_s = args.overlap_matchmaking_s if mode == "overlap" else args.matchmaking_s
+        extra = [f"averaging.matchmaking_timeout_s={window_s}", "averaging.min_peers=2"]
         extra.append(f"diloco.overlap={'true' if mode == 'overlap' else 'false'}")
         run = start_diloco(tb, workload, codec=codec, out_dir=out_dir, extra_run=extra)
         try:

@@ -317,7 +317,8 @@ class Peer:
             if stop.is_set() and pending is None:  # an average in flight is finished first
                 return "signal"
             if pending is None:
-                if await self._heal_if_behind():
+                # One round late: its steps are kept and sent with the next round (not retrained).
+                if await self._heal_if_behind(keep_progress_rounds=1) and not worker.has_local_progress():
                     unsent = _Unsent()
                 if worker.round >= rounds:
                     break
@@ -472,8 +473,11 @@ class Peer:
         except Exception as e:  # the periodic beat retries; a failed early beat only delays visibility
             log.warning("peer record refresh failed: %s", e)
 
-    async def _heal_if_behind(self) -> bool:
-        """If live peers are at a newer round, download their state and join at the next boundary (True)."""
+    async def _heal_if_behind(self, *, keep_progress_rounds: int = 0) -> bool:
+        """If live peers are at a newer round, download their state and join at the next boundary (True).
+
+        A heal of at most `keep_progress_rounds` rounds keeps θ_local's unsent steps (overlap mode).
+        """
         assert self.discovery is not None and self.worker is not None and self.plane is not None
         try:
             peers = await self.discovery.live_peers(timeout_s=self.cfg.rpc.call_timeout_s)
@@ -498,8 +502,9 @@ class Peer:
                 continue
             if state.round <= self.worker.round:
                 continue
+            keep = state.round - self.worker.round <= keep_progress_rounds
             self.worker.adopt_global(round_index=state.round, theta_global=state.theta_global,
-                                     outer_momentum=state.outer_momentum)
+                                     outer_momentum=state.outer_momentum, keep_progress=keep)
             self.plane.publish_state(self.current_state())
             self.writer.emit(HealEvent(from_round=from_round, to_round=state.round, source=donor.peer_id,
                                        hash=self.worker.global_hash(), peer=self._peer_id,

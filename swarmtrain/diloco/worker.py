@@ -251,17 +251,23 @@ class DilocoWorker:
         """Hex sha256 of θ_global's fp32 bytes: committed peers must agree bit for bit."""
         return flat_hash(self.theta_global)
 
-    def adopt_global(self, *, round_index: int, theta_global: torch.Tensor, outer_momentum: torch.Tensor | None) -> None:
-        """Install θ_global/outer momentum/round received from a peer (joining, healing, island broadcast)."""
+    def adopt_global(self, *, round_index: int, theta_global: torch.Tensor, outer_momentum: torch.Tensor | None,
+                     keep_progress: bool = False) -> None:
+        """Install θ_global/outer momentum/round received from a peer (joining, healing, island broadcast).
+
+        θ_local restarts from the new θ_global, or with `keep_progress` (`diloco.overlap`, a peer one
+        round late) keeps its unsent steps on top of it: θ_local ← θ_global(new) − (θ_global − θ_local).
+        """
         if theta_global.shape != (self.numel,):
             raise ValueError(f"adopt_global: θ_global has shape {tuple(theta_global.shape)}, need ({self.numel},)")
         if round_index < 0:
             raise ValueError(f"adopt_global: round must be >= 0, got {round_index}")
+        progress = flatten(self.params) - self.theta_global.detach().cpu() if keep_progress else None
         self.theta_global.copy_(theta_global.detach().to(torch.float32).reshape(-1))
         self.outer.load_state_tensors({} if outer_momentum is None else {"momentum": outer_momentum})
         self.round = round_index
         self._pending_residual = None
-        assign_flat(self.theta_global, self.params)
+        assign_flat(self.theta_global if progress is None else self.theta_global.detach().cpu() + progress, self.params)
 
     # ------------------------------------------------------------------ resumable state
 

@@ -105,3 +105,17 @@ def test_one_round_overlapped_equals_classic(tiny_config: RunConfig) -> None:
                               num_workers=2, average_all=InProcessGroup(get_codec("fp32"), num_workers=2).average_all).hash
               for o in (False, True)}
     assert len(hashes) == 1
+
+
+def test_a_heal_can_keep_the_unsent_progress_on_top_of_the_donors_theta(tiny_config: RunConfig) -> None:
+    w, donor = _worker(tiny_config), _worker(tiny_config)
+    donor.train_inner()
+    donor.apply(AverageResult(round=0, committed=True, mean=donor.delta(), members=("d",)))
+    w.train_inner()
+    unsent = w.theta_global - flatten(w.params)
+    momentum = donor.outer.state_tensors().get("momentum")
+    w.adopt_global(round_index=1, theta_global=donor.theta_global, outer_momentum=momentum, keep_progress=True)
+    assert w.global_hash() == donor.global_hash() and w.round == 1
+    assert torch.allclose(w.delta(), unsent, atol=1e-6)  # the same steps go out with round 1
+    w.adopt_global(round_index=1, theta_global=donor.theta_global, outer_momentum=momentum)
+    assert not w.has_local_progress()
