@@ -45,6 +45,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stop-rounds", type=int, default=2, help="rounds p0 commits while p2 is stopped")
     p.add_argument("--matchmaking-s", type=float, default=3.0,
                    help="averaging.matchmaking_timeout_s (with early close, only how long stragglers get)")
+    p.add_argument("--overlap", action="store_true",
+                   help="diloco.overlap: average each round while the next one trains (use a longer --matchmaking-s)")
     p.add_argument("--allreduce-timeout-s", type=float, default=10.0, help="a stopped peer's deadline")
     p.add_argument("--name", default="churn")
     p.add_argument("--timeout-s", type=float, default=1800.0)
@@ -94,7 +96,8 @@ def chaos(run: DilocoRun, args: argparse.Namespace) -> list[dict[str, Any]]:
 def one_run(label: str, workload: Workload, args: argparse.Namespace, out_dir: Path, *, faults: bool) -> dict[str, Any]:
     print(f"[{time.strftime('%H:%M:%S')}] {label} ...", flush=True)
     extra = [f"averaging.matchmaking_timeout_s={args.matchmaking_s}", "averaging.min_peers=2",
-             f"averaging.allreduce_timeout_s={args.allreduce_timeout_s}"]
+             f"averaging.allreduce_timeout_s={args.allreduce_timeout_s}",
+             f"diloco.overlap={'true' if args.overlap else 'false'}"]
     with Testbed(args.name, num_hosts=workload.num_peers, link=LinkSpec(rate_bit_s=parse_rate(args.rate))) as tb:
         before = read_counters(tb.name)
         run = start_diloco(tb, workload, codec=args.codec, out_dir=out_dir, extra_run=extra, checkpoint_every=1)
