@@ -145,11 +145,16 @@ class DilocoConfig:
     # The outer step lands one round late; θ_local then keeps its own newer progress on top of the
     # new θ_global. Off = classic DiLoCo (train, then wait for the average).
     overlap: bool = False
+    # Simulations only (simulate, benchmarks/convergence.py): after how many inner steps of round r+1
+    # round r's average lands (0 = at its end). A real peer applies it the moment it arrives.
+    overlap_delay_steps: int = 0
 
     def __post_init__(self) -> None:
         _check(self.inner_steps >= 1, "diloco.inner_steps", "must be >= 1")
         _check(self.rounds >= 1, "diloco.rounds", "must be >= 1")
         _check(self.eval_batches >= 1, "diloco.eval_batches", "must be >= 1")
+        _check(0 <= self.overlap_delay_steps <= self.inner_steps, "diloco.overlap_delay_steps",
+               f"must be in [0, diloco.inner_steps={self.inner_steps}]")
 
 
 @dataclass(frozen=True)

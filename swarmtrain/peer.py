@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 LOCAL_SECTIONS = ("discovery", "rpc", "checkpoint")
 LOCAL_TRAIN_KEYS = ("device", "threads")
 RUN_FETCH_TIMEOUT_S = 60.0
+OVERLAP_CHUNKS = 25  # diloco.overlap: a round's inner steps run in this many chunks; an average lands between two
 _MODEL_INIT_LOCK = threading.Lock()
 
 
@@ -87,11 +88,14 @@ class _Unsent:
     """Inner steps in θ_local that no average carries yet (`diloco.overlap`)."""
 
     trained: bool = False
-    loss: float = math.nan
+    loss: float = math.nan  # mean training loss of those steps
     compute_s: float = 0.0
+    steps: int = 0
 
     def add(self, stats: Any) -> None:
-        self.trained, self.loss, self.compute_s = True, stats.loss, self.compute_s + stats.compute_s
+        total = self.steps + stats.steps
+        self.loss = stats.loss if not self.steps else (self.loss * self.steps + stats.loss * stats.steps) / total
+        self.trained, self.steps, self.compute_s = True, total, self.compute_s + stats.compute_s
 
 
 class DataPlane(Protocol):
@@ -305,9 +309,12 @@ class Peer:
     async def _run_overlapped(self, stop: asyncio.Event) -> str:
         """`diloco.overlap`: round r's average runs while the inner steps of round r+1 do.
 
-        θ_local = θ_global − (own progress not yet in θ_global) holds throughout: a commit keeps the
-        steps taken since Δ was sent (`apply(carry_since=...)`), an abort keeps all of them, so the
-        next attempt's Δ = θ_global − θ_local carries them; a heal starts again from the donor's θ.
+        The average is applied the moment it is done, between two inner steps, so the outer step
+        lands only as late as the communication took. θ_local = θ_global − (own progress not yet in
+        θ_global) holds throughout: a commit keeps the steps taken since Δ was sent
+        (`apply(carry_since=...)`), an abort keeps all of them, so the next attempt's
+        Δ = θ_global − θ_local carries them; a heal starts again from the donor's θ (or keeps the
+        unsent steps on top of it when one round late).
         """
         assert self.worker is not None
         worker, rounds = self.worker, self.cfg.diloco.rounds
@@ -328,13 +335,11 @@ class Peer:
                         return "signal"
                     unsent.add(stats)
                 pending, unsent = self._launch(unsent), _Unsent()
-            if worker.round + 1 < rounds and not stop.is_set():  # a next round to contribute to: train it meanwhile
-                stats = await _interruptible(asyncio.to_thread(worker.train_inner), stop)
-                if stats is not None:
-                    unsent.add(stats)
-            assert pending.task is not None
-            result, comm_s = await pending.task
-            await self._conclude(pending, result, comm_s=comm_s)
+            result = None
+            if worker.round + 1 < rounds:  # a next round to contribute to: train it meanwhile
+                result = await self._train_while_averaging(pending, unsent, stop)
+            if result is None:
+                result = await self._settle(pending)
             if not result.committed:
                 unsent.trained = True  # θ_local still holds the aborted round's progress
                 if math.isnan(unsent.loss):
@@ -350,6 +355,32 @@ class Peer:
                     unsent = _Unsent()
         await self._linger_for_stragglers(stop)
         return "done"
+
+    async def _train_while_averaging(self, pending: _Pending, unsent: _Unsent,
+                                     stop: asyncio.Event) -> AverageResult | None:
+        """H inner steps in short chunks; `pending` is concluded between two chunks once it is done.
+
+        Returns its result if it was concluded, None if the steps (or a stop) came first.
+        """
+        assert self.worker is not None and pending.task is not None
+        steps = self.cfg.diloco.inner_steps
+        chunk = max(1, math.ceil(steps / OVERLAP_CHUNKS))
+        result: AverageResult | None = None
+        while steps > 0 and not stop.is_set():
+            stats = await _interruptible(asyncio.to_thread(self.worker.train_inner, min(chunk, steps)), stop)
+            if stats is None:
+                break
+            unsent.add(stats)
+            steps -= stats.steps
+            if result is None and pending.task.done():
+                result = await self._settle(pending)
+        return result
+
+    async def _settle(self, pending: _Pending) -> AverageResult:
+        assert pending.task is not None
+        result, comm_s = await pending.task
+        await self._conclude(pending, result, comm_s=comm_s)
+        return result
 
     def _launch(self, unsent: _Unsent) -> _Pending:
         """Start averaging Δ = θ_global − θ_local for the current round in the background."""

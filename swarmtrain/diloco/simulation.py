@@ -81,6 +81,11 @@ def _worker(cfg: RunConfig, tokens: torch.Tensor, *, index: int, num_workers: in
                         codec=codec, rng_seed=cfg.train.seed * 1000 + index)
 
 
+def _merge(a: InnerStats, b: InnerStats) -> InnerStats:
+    return InnerStats(steps=a.steps + b.steps, loss=(a.loss * a.steps + b.loss * b.steps) / (a.steps + b.steps),
+                      tokens=a.tokens + b.tokens, compute_s=a.compute_s + b.compute_s)
+
+
 def simulate_diloco(
     cfg: RunConfig,
     *,
@@ -126,8 +131,15 @@ def simulate_diloco(
         if on_round is not None:
             on_round(record)
 
+    H, delay = cfg.diloco.inner_steps, cfg.diloco.overlap_delay_steps or cfg.diloco.inner_steps
     for r in range(cfg.diloco.rounds):
-        stats = [w.train_inner() for w in workers]
+        if inflight is not None and delay < H:  # the average lands after `delay` steps of this round
+            early = [w.train_inner(delay) for w in workers]
+            commit(*inflight)
+            inflight = None
+            stats = [_merge(e, w.train_inner(H - delay)) for e, w in zip(early, workers, strict=True)]
+        else:
+            stats = [w.train_inner() for w in workers]
         tokens += sum(s.tokens for s in stats)
         if inflight is not None:
             commit(*inflight)

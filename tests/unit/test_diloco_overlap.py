@@ -68,9 +68,12 @@ def test_evaluate_global_scores_theta_global_and_restores_theta_local(tiny_confi
     assert w.evaluate(batches) != pytest.approx(before, abs=1e-6)
 
 
-def test_one_worker_with_a_plain_outer_step_is_uninterrupted_local_training(tiny_config: RunConfig) -> None:
+@pytest.mark.parametrize("delay_steps", [0, 1])  # the average lands at the round's end / after 1 of 4 steps
+def test_one_worker_with_a_plain_outer_step_is_uninterrupted_local_training(tiny_config: RunConfig,
+                                                                            delay_steps: int) -> None:
     """K=1, outer SGD lr 1: θ_global ← θ_local at send time; overlapped, θ_local never jumps at all."""
-    cfg = tiny_config.replace(outer={"lr": 1.0, "momentum": 0.0, "nesterov": False}, diloco={"rounds": 3})
+    cfg = tiny_config.replace(outer={"lr": 1.0, "momentum": 0.0, "nesterov": False},
+                              diloco={"rounds": 3, "overlap_delay_steps": delay_steps})
     data = load_corpus(cfg.data)
 
     def run(overlap: bool) -> torch.Tensor:
@@ -82,8 +85,10 @@ def test_one_worker_with_a_plain_outer_step_is_uninterrupted_local_training(tiny
     assert torch.allclose(run(True), run(False), atol=1e-5)
 
 
-def test_overlapped_simulation_agrees_learns_and_differs_from_classic(tiny_config: RunConfig) -> None:
-    cfg = tiny_config.replace(diloco={"rounds": 3})
+@pytest.mark.parametrize("delay_steps", [0, 1])
+def test_overlapped_simulation_agrees_learns_and_differs_from_classic(tiny_config: RunConfig,
+                                                                      delay_steps: int) -> None:
+    cfg = tiny_config.replace(diloco={"rounds": 3, "overlap_delay_steps": delay_steps})
     data = load_corpus(cfg.data)
     results = {}
     for overlap in (False, True):
