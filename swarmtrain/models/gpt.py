@@ -77,18 +77,39 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(shape.n_embd)
         self.head = nn.Linear(shape.n_embd, vocab_size, bias=False)
         self.head.weight = self.tok_emb.weight  # tied embeddings
-        self.apply(self._init_weights)
+        self._init_weights(generator=None)
+
+    @torch.no_grad()
+    def _init_weights(self, *, generator: torch.Generator | None) -> None:
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, mean=0.0, std=0.02, generator=generator)
+            if isinstance(m, nn.Linear) and m.bias is not None:
+                nn.init.zeros_(m.bias)
         # GPT-2's scaled init of residual projections keeps the residual stream's variance flat.
         for name, p in self.named_parameters():
             if name.endswith("proj.weight") or name.endswith("mlp.2.weight"):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * shape.n_layer))
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * self.shape.n_layer), generator=generator)
 
-    @staticmethod
-    def _init_weights(m: nn.Module) -> None:
-        if isinstance(m, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(m.weight, mean=0.0, std=0.02)
-        if isinstance(m, nn.Linear) and m.bias is not None:
-            nn.init.zeros_(m.bias)
+    @torch.no_grad()
+    def _seeded_init(self, seed: int) -> None:
+        """Initialise from a private generator: the same bits `torch.manual_seed(seed)` + `GPT(...)` gave.
+
+        The torch layers' own constructor init is replayed first (its values are overwritten, but it
+        advances the generator), so the weights equal those of a model built on the global RNG.
+        """
+        generator = torch.Generator().manual_seed(seed)
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.kaiming_uniform_(m.weight, a=math.sqrt(5), generator=generator)
+                if m.bias is not None:
+                    bound = 1 / math.sqrt(m.in_features)
+                    nn.init.uniform_(m.bias, -bound, bound, generator=generator)
+            elif isinstance(m, nn.Embedding):
+                nn.init.normal_(m.weight, generator=generator)
+            elif isinstance(m, nn.LayerNorm):
+                m.reset_parameters()
+        self._init_weights(generator=generator)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -120,9 +141,14 @@ def build_model(cfg: ModelConfig, *, seed: int | None = None) -> GPT:
     if seed is None:
         model = GPT(shape, vocab_size=cfg.vocab_size, dropout=cfg.dropout)
     else:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
+        # Not via torch's global RNG: peers sharing a process build models while others train, and
+        # training swaps the global RNG state (worker.train_inner's fork_rng). A seeded init drawing
+        # from it then differed between peers, which started the swarm from different θ.
+        with torch.device("meta"):  # no storage, no RNG draws
             model = GPT(shape, vocab_size=cfg.vocab_size, dropout=cfg.dropout)
+        model.to_empty(device="cpu")
+        model.head.weight = model.tok_emb.weight  # to_empty gives each module its own tensor
+        model._seeded_init(seed)
     if cfg.init_from:
         load_init_weights(model, cfg.init_from)
     return model
