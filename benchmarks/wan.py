@@ -51,9 +51,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--outer-lr", type=float, default=0.0, help="outer.lr of the DiLoCo arms (default: the config's)")
     p.add_argument("--matchmaking-s", type=float, default=3.0,
                    help="averaging.matchmaking_timeout_s (with early close, only how long stragglers get)")
-    p.add_argument("--overlap-matchmaking-s", type=float, default=8.0,
-                   help="the same for the *-overlap arms: a window that waits for a slow peer is hidden behind "
-                        "the next round's inner steps there, and a peer that misses it wastes a round")
+    p.add_argument("--overlap-matchmaking-s", type=float, default=20.0,
+                   help="the same for the *-overlap arms. There a fast peer posts round r+1 as soon as round r "
+                        "lands, up to a whole round of inner steps before the slowest one, so the window must "
+                        "outlast a round; waiting in it is hidden behind the next round's inner steps")
     p.add_argument("--name", default="wan", help="testbed name (namespaces NAME-*)")
     p.add_argument("--timeout-s", type=float, default=1800.0, help="deadline of one arm")
     p.add_argument("--out", default="benchmarks/results/wan.json", help="results JSON; the PNG goes next to it")
