@@ -32,6 +32,7 @@ from swarmtrain.compress import Codec, codec_from_config
 from swarmtrain.config import ConfigError, DiscoveryConfig, RunConfig, to_dict
 from swarmtrain.data import ShardedBatches, eval_batches, load_corpus
 from swarmtrain.diloco import DilocoWorker, resolve_device
+from swarmtrain.diloco.worker import Carry
 from swarmtrain.discovery import Discovery, Heartbeat, PeerRecord
 from swarmtrain.models import build_model
 from swarmtrain.sync.checkpoint import (
@@ -71,15 +72,15 @@ class PeerState:
 class _Pending:
     """A round trained but not committed yet: its Δ is averaged again after an aborted attempt.
 
-    Under `diloco.overlap`, `since` is θ_local when Δ was taken (the progress after it is kept at
-    the commit) and `task` the average running while the next round trains.
+    Under `diloco.overlap`, `carry` is what `apply` keeps the newer inner steps with and `task` the
+    average running while the next round trains.
     """
 
     round: int
     delta: torch.Tensor
     loss: float
     compute_s: float
-    since: torch.Tensor | None = None
+    carry: Carry | None = None
     task: asyncio.Task[tuple[AverageResult, float]] | None = None
 
 
@@ -309,12 +310,12 @@ class Peer:
     async def _run_overlapped(self, stop: asyncio.Event) -> str:
         """`diloco.overlap`: round r's average runs while the inner steps of round r+1 do.
 
-        The average is applied the moment it is done, between two inner steps, so the outer step
-        lands only as late as the communication took. θ_local = θ_global − (own progress not yet in
-        θ_global) holds throughout: a commit keeps the steps taken since Δ was sent
-        (`apply(carry_since=...)`), an abort keeps all of them, so the next attempt's
-        Δ = θ_global − θ_local carries them; a heal starts again from the donor's θ (or keeps the
-        unsent steps on top of it when one round late).
+        When Δ is sent, θ_local jumps to the eager estimate of the new θ_global (the outer step on
+        its own Δ: `send_overlapped`); the swarm's mean is applied the moment it lands, between two
+        short chunks of inner steps, and shifts θ_local by the estimate's error. Between rounds
+        θ_local = θ_global − (own progress not yet in θ_global): a commit keeps the steps taken
+        since Δ was sent, an abort puts Δ back so the next attempt carries it with them, and a heal
+        starts again from the donor's θ (or keeps the unsent steps on top of it when one round late).
         """
         assert self.worker is not None
         worker, rounds = self.worker, self.cfg.diloco.rounds
@@ -386,8 +387,8 @@ class Peer:
         """Start averaging Δ = θ_global − θ_local for the current round in the background."""
         assert self.worker is not None and self.plane is not None
         worker, plane = self.worker, self.plane
-        pending = _Pending(round=worker.round, delta=worker.delta(), loss=unsent.loss, compute_s=unsent.compute_s,
-                           since=worker.local_snapshot())
+        delta, carry = worker.send_overlapped()
+        pending = _Pending(round=worker.round, delta=delta, loss=unsent.loss, compute_s=unsent.compute_s, carry=carry)
 
         async def timed() -> tuple[AverageResult, float]:
             start = time.perf_counter()
@@ -433,10 +434,12 @@ class Peer:
         val_loss = None
         if result.committed:
             # On the loop thread, never during inner steps: state transfers never see a half-applied step.
-            worker.apply(result, carry_since=pending.since)
+            worker.apply(result, carry=pending.carry)
             self.plane.publish_state(self.current_state())
             await self._beat()  # now, before evaluating: peers that missed the round look for it
             val_loss = await asyncio.to_thread(worker.evaluate_global, self.val_batches)
+        elif pending.carry is not None:
+            worker.apply(result, carry=pending.carry)  # overlapped: the aborted Δ goes back into θ_local
         self._after_round(pending.round, result.committed, pending.loss, val_loss)
         self.writer.emit(RoundEvent(
             round=pending.round, committed=result.committed, members=result.members, loss=pending.loss,

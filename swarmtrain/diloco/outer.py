@@ -41,6 +41,17 @@ class OuterOptimizer:
             update = grad.add(buf, alpha=self.cfg.momentum) if self.cfg.nesterov else buf
         theta.add_(update, alpha=-self.cfg.lr)
 
+    def preview(self, theta: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """θ after `step(theta, grad)`, as a new tensor; neither `theta` nor the momentum buffer change."""
+        saved = self.momentum_buffer
+        self.momentum_buffer = None if saved is None else saved.clone()
+        out = theta.detach().to(torch.float32).clone()
+        try:
+            self.step(out, grad)
+        finally:
+            self.momentum_buffer = saved
+        return out
+
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {} if self.momentum_buffer is None else {"momentum": self.momentum_buffer}
 

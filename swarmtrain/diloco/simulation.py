@@ -15,7 +15,7 @@ from swarmtrain.config import RunConfig, to_dict
 from swarmtrain.data.sharding import ShardedBatches, eval_batches
 from swarmtrain.diloco.flat import assign_flat, flat_hash, flatten
 from swarmtrain.diloco.traffic import allreduce_bytes_per_peer
-from swarmtrain.diloco.worker import DilocoWorker, InnerStats, resolve_device
+from swarmtrain.diloco.worker import Carry, DilocoWorker, InnerStats, resolve_device
 from swarmtrain.models import build_model
 
 __all__ = ["AverageAll", "RoundRecord", "SimulationResult", "simulate_ddp", "simulate_diloco"]
@@ -112,14 +112,14 @@ def simulate_diloco(
     result = SimulationResult(mode="diloco", num_workers=num_workers, num_params=workers[0].numel,
                               initial_val_loss=workers[0].evaluate(val))
     tokens = bytes_sent = 0
-    # With diloco.overlap, round r's average is applied after round r+1's inner steps (`carry_since`).
-    inflight: tuple[int, list[AverageResult], list[torch.Tensor | None], list[InnerStats]] | None = None
+    # With diloco.overlap, round r's average lands during (or after) round r+1's inner steps (`Carry`).
+    inflight: tuple[int, list[AverageResult], list[Carry | None], list[InnerStats]] | None = None
 
-    def commit(r: int, outcomes: list[AverageResult], since: list[torch.Tensor | None],
+    def commit(r: int, outcomes: list[AverageResult], carries: list[Carry | None],
                stats: list[InnerStats]) -> None:
         nonlocal bytes_sent
-        for w, outcome, s in zip(workers, outcomes, since, strict=True):
-            if not w.apply(outcome, carry_since=s):
+        for w, outcome, carry in zip(workers, outcomes, carries, strict=True):
+            if not w.apply(outcome, carry=carry):
                 raise RuntimeError(f"round {r} did not commit in the simulation: {outcome.reason}")
         hashes = {w.global_hash() for w in workers}
         assert len(hashes) == 1, f"round {r}: workers disagree on θ_global"
@@ -143,9 +143,13 @@ def simulate_diloco(
         tokens += sum(s.tokens for s in stats)
         if inflight is not None:
             commit(*inflight)
-        since: list[torch.Tensor | None] = [w.local_snapshot() if cfg.diloco.overlap else None for w in workers]
-        outcomes = average_all(r, [w.delta() for w in workers])
-        inflight = (r, outcomes, since, stats)
+        if cfg.diloco.overlap:
+            sent = [w.send_overlapped() for w in workers]
+            deltas, carries = [d for d, _ in sent], [c for _, c in sent]
+        else:
+            deltas, carries = [w.delta() for w in workers], [None] * len(workers)
+        outcomes = average_all(r, deltas)
+        inflight = (r, outcomes, carries, stats)
         if not cfg.diloco.overlap:
             commit(*inflight)
             inflight = None

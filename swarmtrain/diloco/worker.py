@@ -24,7 +24,7 @@ from swarmtrain.diloco.inner import (
 )
 from swarmtrain.diloco.outer import OuterOptimizer
 
-__all__ = ["BatchStream", "DilocoWorker", "InnerStats", "RoundReport", "resolve_device"]
+__all__ = ["BatchStream", "Carry", "DilocoWorker", "InnerStats", "RoundReport", "resolve_device"]
 
 log = logging.getLogger(__name__)
 STATE_FORMAT = 1
@@ -46,6 +46,14 @@ class InnerStats:
     loss: float  # mean training loss over the steps
     tokens: int
     compute_s: float
+
+
+@dataclass(frozen=True)
+class Carry:
+    """What `apply` needs of an overlapped round: θ_local right after Δ was sent, and right before."""
+
+    base: torch.Tensor  # the eager estimate of θ_global(new) that the next inner steps started from
+    on_abort: torch.Tensor  # θ_local when Δ was taken: where an aborted round puts the progress back
 
 
 @dataclass(frozen=True)
@@ -169,27 +177,37 @@ class DilocoWorker:
             self._pending_residual = d - self.codec.decode(self.codec.encode(d)).reshape(-1)
         return d
 
-    def local_snapshot(self) -> torch.Tensor:
-        """A flat fp32 copy of θ_local: with `diloco.overlap`, taken when Δ is sent (see `apply`)."""
-        return flatten(self.params)
+    def send_overlapped(self) -> tuple[torch.Tensor, Carry]:
+        """`diloco.overlap`: this round's Δ, and θ_local moved to where θ_global lands if the mean is Δ.
+
+        The next round's inner steps start from that eager estimate of θ_global(new) (the outer
+        step, momentum included, applied to this peer's own Δ) instead of waiting for the swarm's
+        mean; `apply(result, carry=...)` later shifts θ_local by the estimate's error.
+        """
+        since = flatten(self.params)
+        delta = self.delta()
+        estimate = self.outer.preview(self.theta_global.detach().cpu(), delta)
+        assign_flat(estimate, self.params)
+        return delta, Carry(base=estimate, on_abort=since)
 
     def has_local_progress(self) -> bool:
         """Whether θ_local holds progress not yet in θ_global (trained since the last commit/heal)."""
         return not torch.equal(flatten(self.params), self.theta_global.detach().cpu())
 
-    def apply(self, result: AverageResult, *, carry_since: torch.Tensor | None = None) -> bool:
+    def apply(self, result: AverageResult, *, carry: Carry | None = None) -> bool:
         """Apply a round's outcome; returns whether an outer step was taken.
 
-        Classic DiLoCo (`carry_since` None): θ_local restarts from θ_global, committed or not.
-        Overlapped (`carry_since` = θ_local when this round's Δ was sent): the inner steps taken
-        since then are kept, θ_local ← θ_global(new) + (θ_local − carry_since); on an abort θ_local
-        is left as is, so its whole progress goes into the next attempt's Δ.
+        Classic DiLoCo (`carry` None): θ_local restarts from θ_global, committed or not.
+        Overlapped (`carry` from `send_overlapped`): the inner steps taken since Δ was sent are
+        kept, θ_local ← θ_global(new) + (θ_local − carry.base); on an abort θ_local goes back to
+        carry.on_abort plus those steps, so the next attempt's Δ carries the whole progress.
         """
         if result.round != self.round:
             raise ValueError(f"averaging result is for round {result.round}, this worker is at round {self.round}")
-        if carry_since is not None and carry_since.shape != (self.numel,):
-            raise ValueError(f"apply: carry_since has shape {tuple(carry_since.shape)}, need ({self.numel},)")
-        progress = None if carry_since is None else flatten(self.params) - carry_since
+        if carry is not None and not carry.base.shape == carry.on_abort.shape == (self.numel,):
+            raise ValueError(f"apply: carry has shapes {tuple(carry.base.shape)}/{tuple(carry.on_abort.shape)}, "
+                             f"need ({self.numel},)")
+        progress = None if carry is None else flatten(self.params) - carry.base
         if result.committed:
             if result.mean is None:
                 raise ValueError(f"round {result.round} committed without a mean pseudo-gradient")
@@ -200,10 +218,11 @@ class DilocoWorker:
         elif progress is None:
             log.warning("round %d aborted (%s): keeping θ_global, dropping local progress", result.round, result.reason)
         self._pending_residual = None
-        if progress is None:
+        if carry is None or progress is None:
             assign_flat(self.theta_global, self.params)
-        elif result.committed:
-            assign_flat(self.theta_global.detach().cpu() + progress, self.params)
+        else:
+            assign_flat((self.theta_global.detach().cpu() if result.committed else carry.on_abort) + progress,
+                        self.params)
         if self.after_round is not None:
             self.after_round(self)
         return result.committed

@@ -25,35 +25,37 @@ def _worker(cfg: RunConfig) -> DilocoWorker:
                         device=torch.device("cpu"))
 
 
-def test_a_delayed_commit_keeps_the_steps_taken_since_delta_was_sent(tiny_config: RunConfig) -> None:
-    cfg = tiny_config.replace(outer={"lr": 0.5, "momentum": 0.0, "nesterov": False})
-    w = _worker(cfg)
-    g0 = w.theta_global.clone()
+def test_sending_starts_the_next_round_from_the_eager_estimate_and_the_commit_corrects_it(
+        tiny_config: RunConfig) -> None:
+    cfg = tiny_config.replace(outer={"lr": 0.5, "momentum": 0.9, "nesterov": True})
+    w, ref, eager = _worker(cfg), _worker(cfg), _worker(cfg)  # plain outer optimizers on θ_global alone
     w.train_inner()
-    since, delta = w.local_snapshot(), w.delta()
+    delta, carry = w.send_overlapped()
+    estimate = eager.theta_global.clone()
+    eager.outer.step(estimate, delta)
+    assert torch.equal(flatten(w.params), estimate) and torch.equal(carry.base, estimate)
+    assert w.round == 0 and torch.equal(w.theta_global, ref.theta_global), "sending changes no global state"
     w.train_inner()  # the next round trains while the first one is averaged
-    local = flatten(w.params)
+    progress = flatten(w.params) - estimate
     mean = 0.5 * delta  # the swarm's mean differs from this peer's own Δ
-    assert w.apply(AverageResult(round=0, committed=True, mean=mean, members=("a", "b")), carry_since=since)
-    expected_global = g0 - 0.5 * mean
-    assert torch.allclose(w.theta_global, expected_global, atol=1e-7)
-    assert torch.allclose(flatten(w.params), expected_global + (local - since), atol=1e-6)
-    assert w.round == 1 and w.has_local_progress()
-    # Next round's Δ is exactly the progress not in θ_global yet.
-    assert torch.allclose(w.delta(), since - local, atol=1e-6)
+    assert w.apply(AverageResult(round=0, committed=True, mean=mean, members=("a", "b")), carry=carry)
+    ref.outer.step(ref.theta_global, mean)
+    assert torch.equal(w.theta_global, ref.theta_global) and w.round == 1
+    assert torch.allclose(flatten(w.params), ref.theta_global + progress, atol=1e-6)
+    assert torch.allclose(w.delta(), -progress, atol=1e-6)  # the next Δ is exactly the steps not yet sent
 
 
-def test_an_aborted_overlapped_round_keeps_all_local_progress(tiny_config: RunConfig) -> None:
+def test_an_aborted_overlapped_round_puts_its_delta_back(tiny_config: RunConfig) -> None:
     w = _worker(tiny_config)
     g0 = w.theta_global.clone()
     w.train_inner()
-    since = w.local_snapshot()
-    w.delta()
+    first = w.delta()
+    _, carry = w.send_overlapped()
     w.train_inner()
-    local = flatten(w.params)
-    assert not w.apply(AverageResult(round=0, committed=False, mean=None, reason="too few peers"), carry_since=since)
-    assert w.round == 0 and torch.equal(w.theta_global, g0) and torch.equal(flatten(w.params), local)
-    assert torch.allclose(w.delta(), g0 - local)  # the retry sends both rounds' progress
+    progress = flatten(w.params) - carry.base
+    assert not w.apply(AverageResult(round=0, committed=False, mean=None, reason="too few peers"), carry=carry)
+    assert w.round == 0 and torch.equal(w.theta_global, g0)
+    assert torch.allclose(w.delta(), first - progress, atol=1e-6)  # the retry sends both rounds' steps
 
 
 def test_evaluate_global_scores_theta_global_and_restores_theta_local(tiny_config: RunConfig) -> None:
@@ -69,11 +71,9 @@ def test_evaluate_global_scores_theta_global_and_restores_theta_local(tiny_confi
 
 
 @pytest.mark.parametrize("delay_steps", [0, 1])  # the average lands at the round's end / after 1 of 4 steps
-def test_one_worker_with_a_plain_outer_step_is_uninterrupted_local_training(tiny_config: RunConfig,
-                                                                            delay_steps: int) -> None:
-    """K=1, outer SGD lr 1: θ_global ← θ_local at send time; overlapped, θ_local never jumps at all."""
-    cfg = tiny_config.replace(outer={"lr": 1.0, "momentum": 0.0, "nesterov": False},
-                              diloco={"rounds": 3, "overlap_delay_steps": delay_steps})
+def test_one_worker_overlapped_is_classic_diloco(tiny_config: RunConfig, delay_steps: int) -> None:
+    """K=1: the mean is the worker's own Δ, so the eager estimate is exact and nothing needs correcting."""
+    cfg = tiny_config.replace(diloco={"rounds": 3, "overlap_delay_steps": delay_steps})
     data = load_corpus(cfg.data)
 
     def run(overlap: bool) -> torch.Tensor:
@@ -82,7 +82,7 @@ def test_one_worker_with_a_plain_outer_step_is_uninterrupted_local_training(tiny
                                  average_all=InProcessGroup(get_codec("fp32"), num_workers=1).average_all)
         return result.final_theta
 
-    assert torch.allclose(run(True), run(False), atol=1e-5)
+    assert torch.allclose(run(True), run(False), atol=1e-6)
 
 
 @pytest.mark.parametrize("delay_steps", [0, 1])
