@@ -141,20 +141,20 @@ class DilocoConfig:
     inner_steps: int = 50
     rounds: int = 10
     eval_batches: int = 8
-    # Average round r's Δ while round r+1's inner steps run (communication hidden behind compute).
-    # The outer step lands one round late; θ_local then keeps its own newer progress on top of the
-    # new θ_global. Off = classic DiLoCo (train, then wait for the average).
+    # Average round r's Δ while the first inner steps of round r+1 run (communication hidden behind
+    # compute): θ_local starts round r+1 from the outer step applied to its own Δ, and the swarm's
+    # mean corrects it when it lands. Off = classic DiLoCo (train, then wait for the average).
     overlap: bool = False
-    # Simulations only (simulate, benchmarks/convergence.py): after how many inner steps of round r+1
-    # round r's average lands (0 = at its end). A real peer applies it the moment it arrives.
-    overlap_delay_steps: int = 0
+    # At most this many inner steps of round r+1 run before round r's mean has landed; a peer that
+    # gets there waits for it. A longer lag made the correction overshoot (see README). Simulations
+    # land every mean exactly here, the worst case.
+    overlap_max_steps: int = 5
 
     def __post_init__(self) -> None:
         _check(self.inner_steps >= 1, "diloco.inner_steps", "must be >= 1")
         _check(self.rounds >= 1, "diloco.rounds", "must be >= 1")
         _check(self.eval_batches >= 1, "diloco.eval_batches", "must be >= 1")
-        _check(0 <= self.overlap_delay_steps <= self.inner_steps, "diloco.overlap_delay_steps",
-               f"must be in [0, diloco.inner_steps={self.inner_steps}]")
+        _check(self.overlap_max_steps >= 1, "diloco.overlap_max_steps", "must be >= 1")
 
 
 @dataclass(frozen=True)

@@ -361,20 +361,24 @@ class Peer:
                                      stop: asyncio.Event) -> AverageResult | None:
         """H inner steps in short chunks; `pending` is concluded between two chunks once it is done.
 
-        Returns its result if it was concluded, None if the steps (or a stop) came first.
+        After `diloco.overlap_max_steps` steps the peer waits for `pending` if it has not landed.
+        Returns its result if it was concluded, None if a stop came first.
         """
         assert self.worker is not None and pending.task is not None
-        steps = self.cfg.diloco.inner_steps
+        steps, done = self.cfg.diloco.inner_steps, 0
         chunk = max(1, math.ceil(steps / OVERLAP_CHUNKS))
         result: AverageResult | None = None
-        while steps > 0 and not stop.is_set():
-            stats = await _interruptible(asyncio.to_thread(self.worker.train_inner, min(chunk, steps)), stop)
+        while done < steps and not stop.is_set():
+            if result is None and (pending.task.done() or done >= self.cfg.diloco.overlap_max_steps):
+                result = await self._settle(pending)
+            limit = steps if result is not None else min(steps, self.cfg.diloco.overlap_max_steps)
+            stats = await _interruptible(asyncio.to_thread(self.worker.train_inner, min(chunk, limit - done)), stop)
             if stats is None:
                 break
             unsent.add(stats)
-            steps -= stats.steps
-            if result is None and pending.task.done():
-                result = await self._settle(pending)
+            done += stats.steps
+        if result is None and not stop.is_set():
+            result = await self._settle(pending)
         return result
 
     async def _settle(self, pending: _Pending) -> AverageResult:

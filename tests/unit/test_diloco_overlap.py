@@ -70,10 +70,10 @@ def test_evaluate_global_scores_theta_global_and_restores_theta_local(tiny_confi
     assert w.evaluate(batches) != pytest.approx(before, abs=1e-6)
 
 
-@pytest.mark.parametrize("delay_steps", [0, 1])  # the average lands at the round's end / after 1 of 4 steps
+@pytest.mark.parametrize("delay_steps", [4, 1])  # the average lands at the round's end / after 1 of 4 steps
 def test_one_worker_overlapped_is_classic_diloco(tiny_config: RunConfig, delay_steps: int) -> None:
     """K=1: the mean is the worker's own Δ, so the eager estimate is exact and nothing needs correcting."""
-    cfg = tiny_config.replace(diloco={"rounds": 3, "overlap_delay_steps": delay_steps})
+    cfg = tiny_config.replace(diloco={"rounds": 3, "overlap_max_steps": delay_steps})
     data = load_corpus(cfg.data)
 
     def run(overlap: bool) -> torch.Tensor:
@@ -85,10 +85,10 @@ def test_one_worker_overlapped_is_classic_diloco(tiny_config: RunConfig, delay_s
     assert torch.allclose(run(True), run(False), atol=1e-6)
 
 
-@pytest.mark.parametrize("delay_steps", [0, 1])
+@pytest.mark.parametrize("delay_steps", [4, 1])
 def test_overlapped_simulation_agrees_learns_and_differs_from_classic(tiny_config: RunConfig,
                                                                       delay_steps: int) -> None:
-    cfg = tiny_config.replace(diloco={"rounds": 3, "overlap_delay_steps": delay_steps})
+    cfg = tiny_config.replace(diloco={"rounds": 3, "overlap_max_steps": delay_steps})
     data = load_corpus(cfg.data)
     results = {}
     for overlap in (False, True):
