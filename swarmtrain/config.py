@@ -148,7 +148,7 @@ class DilocoConfig:
     # At most this many inner steps of round r+1 run before round r's mean has landed; a peer that
     # gets there waits for it. A longer lag made the correction overshoot (see README). Simulations
     # land every mean exactly here, the worst case.
-    overlap_max_steps: int = 5
+    overlap_max_steps: int = 3
 
     def __post_init__(self) -> None:
         _check(self.inner_steps >= 1, "diloco.inner_steps", "must be >= 1")
