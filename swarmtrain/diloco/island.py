@@ -16,9 +16,13 @@ RNG state into one (tensors, meta); `load_island_state` gives every rank its own
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
+import pickle
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +40,7 @@ __all__ = ["Island", "IslandAverager", "IslandError", "build_island_worker", "is
            "load_island_state", "open_store"]
 
 log = logging.getLogger(__name__)
+RELEASE_TIMEOUT_S = 30.0  # gloo lets go of a finished collective's tensors within microseconds to milliseconds
 
 
 class IslandError(ValueError):
@@ -130,19 +135,55 @@ class Island:
     def broadcast_(self, tensor: torch.Tensor) -> None:
         """Overwrite `tensor` (any device) with rank 0's values, staging through the backend's device."""
         staged = tensor if tensor.device == self._comm_device() else tensor.to(self._comm_device())
-        dist.broadcast(staged, src=0)
+        with self._released(staged):
+            dist.broadcast(staged, src=0)
         if staged is not tensor:
             tensor.copy_(staged)
 
     def broadcast_object(self, obj: Any) -> Any:
-        box = [obj if self.is_leader else None]
-        dist.broadcast_object_list(box, src=0, device=self._comm_device())
-        return box[0]
+        """Rank 0's `obj` on every rank (pickled: the ranks of one island are one job and trust each other)."""
+        payload = pickle.dumps(obj) if self.is_leader else b""
+        size = torch.tensor([len(payload)], dtype=torch.int64)
+        self.broadcast_(size)
+        data = _byte_tensor(payload) if self.is_leader else torch.empty(int(size.item()), dtype=torch.uint8)
+        self.broadcast_(data)
+        return obj if self.is_leader else pickle.loads(data.numpy().tobytes())
 
     def gather_objects(self, obj: Any) -> list[Any]:
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj)
-        return out
+        """Every rank's `obj` on every rank, in rank order (pickled, like `broadcast_object`)."""
+        payload = pickle.dumps(obj)
+        sizes = [int(s.item()) for s in self._all_gather(torch.tensor([len(payload)], dtype=torch.int64))]
+        padded = torch.zeros(max(sizes), dtype=torch.uint8)
+        padded[: len(payload)] = _byte_tensor(payload)
+        parts = self._all_gather(padded)
+        return [pickle.loads(part[:size].numpy().tobytes()) for part, size in zip(parts, sizes, strict=True)]
+
+    def _all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        local = tensor.to(self._comm_device())
+        out = [torch.empty_like(local) for _ in range(self.world_size)]
+        with self._released(local, *out):
+            dist.all_gather(out, local)
+        return [t.cpu() for t in out]
+
+    @contextlib.contextmanager
+    def _released(self, *tensors: torch.Tensor) -> Iterator[None]:
+        """Around a collective on `tensors`: afterwards, wait until gloo's worker threads let go of them.
+
+        gloo completes a collective before its worker thread drops the work that holds the tensors.
+        Were that drop the last reference to a tensor Python had already released, it would take the
+        GIL, and a process finalizing by then aborts ("terminate called without an active exception"):
+        an island's last collective right before exit did so. Waited for here, the drop is a plain
+        refcount decrement, and no gloo thread touches Python objects once the collective returned.
+        """
+        counts = [t._use_count() for t in tensors]
+        yield
+        if self.backend != "gloo":
+            return
+        deadline = time.monotonic() + RELEASE_TIMEOUT_S
+        while any(t._use_count() > n for t, n in zip(tensors, counts, strict=True)):
+            if time.monotonic() > deadline:
+                raise IslandError(f"gloo still holds an island collective's tensors after {RELEASE_TIMEOUT_S:.0f}s")
+            time.sleep(0.0002)
 
     def _comm_device(self) -> torch.device:
         return self.device if self.backend == "nccl" else torch.device("cpu")
@@ -195,6 +236,10 @@ class IslandAverager:
         return AverageResult(round=header["round"], committed=header["committed"], mean=mean,
                              members=tuple(header["members"]), bytes_sent=0, bytes_received=0,
                              reason=header["reason"], failed=tuple(header["failed"]))
+
+
+def _byte_tensor(payload: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(payload), dtype=torch.uint8).clone()  # owns its memory, not the bytearray's
 
 
 def build_island_worker(cfg: RunConfig, island: Island, *, model: nn.Module, train_tokens: torch.Tensor,
