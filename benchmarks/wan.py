@@ -49,6 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warm-start-steps", type=int, default=0,
                    help="every arm continues from one checkpoint of this many DDP steps (made in-process first)")
     p.add_argument("--outer-lr", type=float, default=0.0, help="outer.lr of the DiLoCo arms (default: the config's)")
+    p.add_argument("--diloco-set", dest="diloco_overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="extra run config of the DiLoCo arms, e.g. diloco.overlap_max_steps=8")
     p.add_argument("--matchmaking-s", type=float, default=3.0,
                    help="averaging.matchmaking_timeout_s (with early close, only how long stragglers get)")
     p.add_argument("--overlap-matchmaking-s", type=float, default=20.0,
@@ -73,7 +75,7 @@ def run_arm(arm: str, rate: str, workload: Workload, args: argparse.Namespace, o
         before = read_counters(tb.name)
         codec, _, mode = arm.partition("-")
         window_s = args.overlap_matchmaking_s if mode == "overlap" else args.matchmaking_s
-        extra = [f"averaging.matchmaking_timeout_s={window_s}", "averaging.min_peers=2"]
+        extra = [f"averaging.matchmaking_timeout_s={window_s}", "averaging.min_peers=2", *args.diloco_overrides]
         extra.append(f"diloco.overlap={'true' if mode == 'overlap' else 'false'}")
         run = start_diloco(tb, workload, codec=codec, out_dir=out_dir, extra_run=extra)
         try:
