@@ -18,7 +18,6 @@ import math
 import os
 import signal
 import sys
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -52,7 +51,6 @@ LOCAL_SECTIONS = ("discovery", "rpc", "checkpoint")
 LOCAL_TRAIN_KEYS = ("device", "threads")
 RUN_FETCH_TIMEOUT_S = 60.0
 OVERLAP_CHUNKS = 25  # diloco.overlap: a round's inner steps run in this many chunks; an average lands between two
-_MODEL_INIT_LOCK = threading.Lock()
 
 
 class PeerError(RuntimeError):
@@ -238,8 +236,7 @@ class Peer:
                                  seq_len=cfg.data.seq_len, seed=_data_seed(cfg.train.seed, peer_id))
         self.val_batches = eval_batches(corpus.val, batch_size=cfg.data.batch_size, seq_len=cfg.data.seq_len,
                                         num_batches=cfg.diloco.eval_batches)
-        with _MODEL_INIT_LOCK:  # seeded init forks torch's global RNG: peers sharing a process must take turns
-            model = build_model(cfg.model, seed=cfg.train.seed)  # every peer starts from the same θ
+        model = build_model(cfg.model, seed=cfg.train.seed)  # every peer starts from the same θ
         return DilocoWorker(cfg, model=model, batches=batches, device=resolve_device(cfg.train.device),
                             codec=codec, rng_seed=_data_seed(cfg.train.seed + 1, peer_id))
 
