@@ -3,7 +3,8 @@
 Map: config.py (typed run config) · models/ (GPT) · data/ (corpora, sharding) · diloco/ (outer
 loop, pure torch) · compress/ (codecs, kernels) · averaging/ (matchmaking, all-reduce) ·
 discovery/ (hivemind DHT) · rpc/ (gRPC) · sync/ (state transfer, checkpoints) · telemetry/ (event
-lines, counters, StatusSnapshot) · peer.py + peer_network.py (the composition root) · daemon/ (CLI) ·
+lines, counters, StatusSnapshot) · peer.py + peer_services.py + peer_network.py (the composition
+root) · peer_process.py (`swarmtrain peer` as a process) · daemon/ (CLI) ·
 testbed/ (network-namespace WAN twin: shaped links, kernel byte counters; needs root) ·
 testing/ (test helpers; never imported by the library).
 """

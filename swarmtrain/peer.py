@@ -1,10 +1,11 @@
-"""The peer daemon's composition root: discovery -> rpc -> averaging -> diloco, start/stop order, signals.
+"""The peer daemon's composition root: discovery -> rpc -> averaging -> diloco, start/stop order.
 
 Start: DHT node -> the run config from the coordinator's record -> worker (model, data, resume
 from checkpoint) -> gRPC server (all-reduce shards, state transfer) -> heartbeat -> READY.
 Each round: heal if the swarm is ahead, H inner steps (off the event loop), average Δ, apply,
-print one round line, checkpoint, refresh the peer record. Stop (SIGTERM/SIGINT, rounds done or
-an error): withdraw the peer record (departure), checkpoint, close the data plane, stop the DHT.
+print one round line, checkpoint, refresh the peer record (with `diloco.overlap` the average runs
+during the next round's first inner steps). Stop (a signal via peer_process.py, rounds done or an
+error): withdraw the peer record (departure), checkpoint, close the data plane, stop the DHT.
 """
 
 from __future__ import annotations
@@ -15,25 +16,23 @@ import dataclasses
 import hashlib
 import logging
 import math
-import os
-import signal
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from swarmtrain.averaging.protocol import AverageResult
 from swarmtrain.compress import Codec, codec_from_config
-from swarmtrain.config import ConfigError, DiscoveryConfig, RunConfig, to_dict
+from swarmtrain.config import ConfigError, RunConfig, to_dict
 from swarmtrain.data import ShardedBatches, eval_batches, load_corpus
 from swarmtrain.diloco import DilocoWorker, resolve_device
 from swarmtrain.diloco.worker import Carry
 from swarmtrain.discovery import Discovery, Heartbeat, PeerRecord
 from swarmtrain.models import build_model
+from swarmtrain.peer_services import DataPlane, PeerError, PeerServices, PeerState
 from swarmtrain.sync.checkpoint import (
     DirectoryClaim,
     claim_directory,
@@ -42,7 +41,7 @@ from swarmtrain.sync.checkpoint import (
 )
 from swarmtrain.telemetry import EventWriter, HealEvent, LeaveEvent, RoundEvent, StatusSnapshot
 
-__all__ = ["DataPlane", "Peer", "PeerError", "PeerServices", "PeerState", "merge_run_config", "run_peer_process"]
+__all__ = ["DataPlane", "Peer", "PeerError", "PeerServices", "PeerState", "merge_run_config"]
 
 log = logging.getLogger(__name__)
 
@@ -51,19 +50,6 @@ LOCAL_SECTIONS = ("discovery", "rpc", "checkpoint")
 LOCAL_TRAIN_KEYS = ("device", "threads")
 RUN_FETCH_TIMEOUT_S = 60.0
 OVERLAP_CHUNKS = 25  # diloco.overlap: a round's inner steps run in this many chunks; an average lands between two
-
-
-class PeerError(RuntimeError):
-    """The peer cannot run: no run record found, a state it cannot use, a donor that never answered."""
-
-
-@dataclass(frozen=True)
-class PeerState:
-    """What a joiner downloads from a live peer: the round it is at, θ_global and the outer momentum."""
-
-    round: int
-    theta_global: torch.Tensor  # (numel,) fp32
-    outer_momentum: torch.Tensor | None  # (numel,) fp32; None when outer.momentum is 0
 
 
 @dataclass
@@ -95,42 +81,6 @@ class _Unsent:
         total = self.steps + stats.steps
         self.loss = stats.loss if not self.steps else (self.loss * self.steps + stats.loss * stats.steps) / total
         self.trained, self.steps, self.compute_s = True, total, self.compute_s + stats.compute_s
-
-
-class DataPlane(Protocol):
-    """This peer's gRPC side: its endpoint, the round all-reduce, serving and fetching state."""
-
-    @property
-    def endpoint(self) -> str: ...
-
-    async def average(self, round_index: int, delta: torch.Tensor) -> AverageResult: ...
-
-    def publish_state(self, state: PeerState) -> None:
-        """Serve `state` to joiners from now on (called after start, every commit and every heal)."""
-        ...
-
-    def unreported_bytes(self) -> tuple[int, int]:
-        """(sent, received) data-plane bytes not yet in any round line's count."""
-        ...
-
-    async def fetch_state(self, endpoint: str) -> PeerState: ...
-
-    async def aclose(self) -> None: ...
-
-
-class PeerServices(Protocol):
-    """How a Peer opens its control and data planes (the network by default, in-memory twins in tests)."""
-
-    async def open_discovery(self, cfg: DiscoveryConfig, *, run_id: str) -> Discovery: ...
-
-    async def open_data_plane(self, cfg: RunConfig, *, discovery: Discovery, codec: Codec,
-                              param_shapes: Sequence[tuple[str, tuple[int, ...]]]) -> DataPlane:
-        """`param_shapes`: the model's (name, shape) in θ's flat order, for named state transfer."""
-        ...
-
-    async def visible_maddrs(self, discovery: Discovery) -> list[str]:
-        """The control-plane addresses others can join through (for the READY line)."""
-        ...
 
 
 def merge_run_config(swarm: RunConfig, local: RunConfig, *, local_overrides: Sequence[str] = ()) -> RunConfig:
@@ -614,46 +564,3 @@ async def _interruptible(aw: Any, stop: asyncio.Event) -> Any:
     with contextlib.suppress(Exception):
         await task  # a thread cannot be cancelled: let the inner steps finish before leaving
     return None
-
-
-# ---------------------------------------------------------------------- process entry
-
-
-def run_peer_process(local: RunConfig, *, local_overrides: Sequence[str] = (), coordinator_id: str | None = None) -> int:
-    """`swarmtrain peer`: one peer on uvloop until its rounds are done or it is signalled; 0 on a clean leave."""
-    import uvloop
-
-    from swarmtrain.peer_network import NetworkServices
-
-    peer = Peer(local, writer=EventWriter(sys.stdout), services=NetworkServices(),
-                local_overrides=local_overrides, coordinator_id=coordinator_id)
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(_main(peer))
-
-
-async def _main(peer: Peer) -> int:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, _on_signal, sig, stop)
-    reason = "error"
-    try:
-        await peer.start()
-        reason = await peer.run(stop)
-    except Exception as e:
-        reason = f"error: {e}"
-        raise
-    finally:
-        await peer.aclose(reason)
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
-    return 0
-
-
-def _on_signal(sig: signal.Signals, stop: asyncio.Event) -> None:
-    if stop.is_set():
-        # A second signal: the operator does not want to wait for the round to finish.
-        log.error("%s again: exiting now without a checkpoint", sig.name)
-        os._exit(128 + sig)
-    log.warning("%s: leaving gracefully at the next round boundary", sig.name)
-    stop.set()

@@ -64,7 +64,8 @@ def run(args: argparse.Namespace) -> int:
     import sys
 
     from swarmtrain.daemon.options import config_from_args
-    from swarmtrain.peer import PeerError, run_peer_process
+    from swarmtrain.peer import PeerError
+    from swarmtrain.peer_process import run_peer_process
 
     local = config_from_args(args, extra=local_overrides(args))
     try:

@@ -1,0 +1,65 @@
+"""What a Peer is composed from: the state it serves, its data plane and services (protocols), its error."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from swarmtrain.averaging.protocol import AverageResult
+from swarmtrain.compress import Codec
+from swarmtrain.config import DiscoveryConfig, RunConfig
+from swarmtrain.discovery import Discovery
+
+__all__ = ["DataPlane", "PeerError", "PeerServices", "PeerState"]
+
+
+class PeerError(RuntimeError):
+    """The peer cannot run: no run record found, a state it cannot use, a donor that never answered."""
+
+
+@dataclass(frozen=True)
+class PeerState:
+    """What a joiner downloads from a live peer: the round it is at, θ_global and the outer momentum."""
+
+    round: int
+    theta_global: torch.Tensor  # (numel,) fp32
+    outer_momentum: torch.Tensor | None  # (numel,) fp32; None when outer.momentum is 0
+
+
+class DataPlane(Protocol):
+    """This peer's gRPC side: its endpoint, the round all-reduce, serving and fetching state."""
+
+    @property
+    def endpoint(self) -> str: ...
+
+    async def average(self, round_index: int, delta: torch.Tensor) -> AverageResult: ...
+
+    def publish_state(self, state: PeerState) -> None:
+        """Serve `state` to joiners from now on (called after start, every commit and every heal)."""
+        ...
+
+    def unreported_bytes(self) -> tuple[int, int]:
+        """(sent, received) data-plane bytes not yet in any round line's count."""
+        ...
+
+    async def fetch_state(self, endpoint: str) -> PeerState: ...
+
+    async def aclose(self) -> None: ...
+
+
+class PeerServices(Protocol):
+    """How a Peer opens its control and data planes (the network by default, in-memory twins in tests)."""
+
+    async def open_discovery(self, cfg: DiscoveryConfig, *, run_id: str) -> Discovery: ...
+
+    async def open_data_plane(self, cfg: RunConfig, *, discovery: Discovery, codec: Codec,
+                              param_shapes: Sequence[tuple[str, tuple[int, ...]]]) -> DataPlane:
+        """`param_shapes`: the model's (name, shape) in θ's flat order, for named state transfer."""
+        ...
+
+    async def visible_maddrs(self, discovery: Discovery) -> list[str]:
+        """The control-plane addresses others can join through (for the READY line)."""
+        ...
