@@ -199,21 +199,27 @@ def test_peers_agree_and_a_late_joiner_heals_to_the_swarm(tmp_path: Path) -> Non
     asyncio.run(main())
 
 
+async def run_started_apart(tmp_path: Path, run: list[str]) -> tuple[dict[str, Out], dict[str, Peer]]:
+    """Peer a runs alone until its first round aborts, then b joins; both run to the end."""
+    registry = InMemoryRegistry()
+    await _publish_run(registry, load_config(overrides=run))
+    services = InMemoryServices(registry, window_s=0.8)
+    outs = {n: Out() for n in "ab"}
+    stop = asyncio.Event()
+    peers = {n: Peer(_local(tmp_path / n), writer=EventWriter(outs[n]), services=services) for n in "ab"}
+    tasks = [asyncio.create_task(_run_peer(peers["a"], stop))]
+    await _until(lambda: any(not e.committed for e in outs["a"].rounds()), timeout_s=60,
+                 what="a's lonely round aborted", tasks=tasks)
+    tasks.append(asyncio.create_task(_run_peer(peers["b"], stop)))
+    assert await asyncio.wait_for(asyncio.gather(*tasks), timeout=60) == ["done", "done"]
+    return outs, peers
+
+
 def test_peers_that_started_apart_meet_in_one_attempt(tmp_path: Path) -> None:
     """a aborts round 0 alone and keeps retrying it with the Δ it trained; b starts later and joins a retry."""
 
     async def main() -> None:
-        registry = InMemoryRegistry()
-        await _publish_run(registry, load_config(overrides=[*RUN, "diloco.rounds=2"]))
-        services = InMemoryServices(registry, window_s=0.8)
-        outs = {n: Out() for n in "ab"}
-        stop = asyncio.Event()
-        peers = {n: Peer(_local(tmp_path / n), writer=EventWriter(outs[n]), services=services) for n in "ab"}
-        tasks = [asyncio.create_task(_run_peer(peers["a"], stop))]
-        await _until(lambda: any(not e.committed for e in outs["a"].rounds()), timeout_s=60,
-                     what="a's lonely round aborted", tasks=tasks)
-        tasks.append(asyncio.create_task(_run_peer(peers["b"], stop)))
-        assert await asyncio.wait_for(asyncio.gather(*tasks), timeout=60) == ["done", "done"]
+        outs, _ = await run_started_apart(tmp_path, [*RUN, "diloco.rounds=2"])
         committed = {n: [(e.round, e.hash) for e in out.rounds() if e.committed] for n, out in outs.items()}
         assert committed["a"] == committed["b"] and [r for r, _ in committed["a"]] == [0, 1]
         retries = [e for e in outs["a"].rounds() if e.round == 0]

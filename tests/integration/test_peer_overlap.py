@@ -9,7 +9,16 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from test_peer_composition import RUN, InMemoryServices, Out, _local, _publish_run, _run_peer, _until
+from test_peer_composition import (
+    RUN,
+    InMemoryServices,
+    Out,
+    _local,
+    _publish_run,
+    _run_peer,
+    _until,
+    run_started_apart,
+)
 
 from swarmtrain.config import load_config
 from swarmtrain.discovery import InMemoryRegistry
@@ -66,17 +75,7 @@ def test_an_aborted_overlapped_round_is_sent_again_with_the_newer_progress(tmp_p
     """a averages round 0 alone (abort) while training round 1; its retry carries both rounds' steps."""
 
     async def main() -> None:
-        registry = InMemoryRegistry()
-        await _publish_run(registry, load_config(overrides=[*OVERLAP, "diloco.rounds=3"]))
-        services = InMemoryServices(registry, window_s=0.8)
-        outs = {n: Out() for n in "ab"}
-        stop = asyncio.Event()
-        peers = {n: Peer(_local(tmp_path / n), writer=EventWriter(outs[n]), services=services) for n in "ab"}
-        tasks = [asyncio.create_task(_run_peer(peers["a"], stop))]
-        await _until(lambda: any(not e.committed for e in outs["a"].rounds()), timeout_s=60,
-                     what="a's lonely round aborted", tasks=tasks)
-        tasks.append(asyncio.create_task(_run_peer(peers["b"], stop)))
-        assert await asyncio.wait_for(asyncio.gather(*tasks), timeout=60) == ["done", "done"]
+        outs, peers = await run_started_apart(tmp_path, [*OVERLAP, "diloco.rounds=3"])
         committed = {n: [(e.round, e.hash) for e in out.rounds() if e.committed] for n, out in outs.items()}
         assert committed["a"] == committed["b"] and [r for r, _ in committed["a"]] == [0, 1, 2], _story(outs)
         # a trained round 1 while its round 0 aborted; that work went into a later Δ, not thrown away.
