@@ -29,7 +29,7 @@ from swarmtrain.compress import Codec, codec_from_config
 from swarmtrain.config import ConfigError, RunConfig, to_dict
 from swarmtrain.data import ShardedBatches, eval_batches, load_corpus
 from swarmtrain.diloco import DilocoWorker, resolve_device
-from swarmtrain.diloco.worker import Carry
+from swarmtrain.diloco.worker import Carry, InnerStats
 from swarmtrain.discovery import Discovery, Heartbeat, PeerRecord
 from swarmtrain.models import build_model
 from swarmtrain.peer_services import DataPlane, PeerError, PeerServices, PeerState
@@ -77,7 +77,7 @@ class _Unsent:
     compute_s: float = 0.0
     steps: int = 0
 
-    def add(self, stats: Any) -> None:
+    def add(self, stats: InnerStats) -> None:
         total = self.steps + stats.steps
         self.loss = stats.loss if not self.steps else (self.loss * self.steps + stats.loss * stats.steps) / total
         self.trained, self.steps, self.compute_s = True, total, self.compute_s + stats.compute_s
@@ -388,7 +388,9 @@ class Peer:
             worker.apply(result, carry=pending.carry)
             self.plane.publish_state(self.current_state())
             await self._beat()  # now, before evaluating: peers that missed the round look for it
-            val_loss = await asyncio.to_thread(worker.evaluate_global, self.val_batches)
+            # Overlapped, θ_local holds newer steps than θ_global: score θ_global (two model copies).
+            evaluate = worker.evaluate if pending.carry is None else worker.evaluate_global
+            val_loss = await asyncio.to_thread(evaluate, self.val_batches)
         elif pending.carry is not None:
             worker.apply(result, carry=pending.carry)  # overlapped: the aborted Δ goes back into θ_local
         self._after_round(pending.round, result.committed, pending.loss, val_loss)

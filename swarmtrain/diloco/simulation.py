@@ -125,7 +125,8 @@ def simulate_diloco(
         assert len(hashes) == 1, f"round {r}: workers disagree on θ_global"
         bytes_sent += outcomes[0].bytes_sent
         record = RoundRecord(round=r, tokens=tokens, loss=sum(s.loss for s in stats) / num_workers,
-                             val_loss=workers[0].evaluate_global(val), bytes_sent=bytes_sent,
+                             val_loss=(workers[0].evaluate_global if cfg.diloco.overlap else workers[0].evaluate)(val),
+                             bytes_sent=bytes_sent,
                              compute_s=sum(s.compute_s for s in stats))
         result.rounds.append(record)
         if on_round is not None:

@@ -207,7 +207,6 @@ class DilocoWorker:
         if carry is not None and not carry.base.shape == carry.on_abort.shape == (self.numel,):
             raise ValueError(f"apply: carry has shapes {tuple(carry.base.shape)}/{tuple(carry.on_abort.shape)}, "
                              f"need ({self.numel},)")
-        progress = None if carry is None else flatten(self.params) - carry.base
         if result.committed:
             if result.mean is None:
                 raise ValueError(f"round {result.round} committed without a mean pseudo-gradient")
@@ -215,14 +214,14 @@ class DilocoWorker:
             if self._pending_residual is not None:
                 self.residual = self._pending_residual
             self.round += 1
-        elif progress is None:
+        elif carry is None:
             log.warning("round %d aborted (%s): keeping θ_global, dropping local progress", result.round, result.reason)
         self._pending_residual = None
-        if carry is None or progress is None:
+        if carry is None:
             assign_flat(self.theta_global, self.params)
-        else:
-            assign_flat((self.theta_global.detach().cpu() if result.committed else carry.on_abort) + progress,
-                        self.params)
+        else:  # the inner steps since Δ was sent, on top of the new θ_global (or back where Δ was taken)
+            base = self.theta_global.detach().cpu() if result.committed else carry.on_abort
+            assign_flat(base + (flatten(self.params) - carry.base), self.params)
         if self.after_round is not None:
             self.after_round(self)
         return result.committed
