@@ -87,8 +87,7 @@ def make_warm_start(workload: Workload, path: Path) -> Workload:
     from swarmtrain.diloco.simulation import simulate_ddp
     from swarmtrain.models import save_init_weights
 
-    done = workload if path.exists() else None
-    if done is None:
+    if not path.exists():
         if workload.warm_start_steps % workload.inner_steps:
             raise ValueError(f"warm_start_steps {workload.warm_start_steps} is not a multiple of H={workload.inner_steps}")
         cfg = workload.config().replace(diloco={"rounds": workload.warm_start_steps // workload.inner_steps})
