@@ -229,19 +229,26 @@ def test_peers_that_started_apart_meet_in_one_attempt(tmp_path: Path) -> None:
     asyncio.run(main())
 
 
+async def run_alone_then_stop(tmp_path: Path, run: list[str]) -> tuple[Out, Peer, InMemoryServices]:
+    """One peer (min_peers 1) trains until 2 rounds committed, then is stopped; it must leave on the signal."""
+    registry = InMemoryRegistry()
+    await _publish_run(registry, load_config(overrides=[*run, "diloco.rounds=50", "averaging.min_peers=1"]))
+    services = InMemoryServices(registry, window_s=0.1)
+    services.allreduce.min_peers = 1
+    out, stop = Out(), asyncio.Event()
+    peer = Peer(_local(tmp_path / "p"), writer=EventWriter(out), services=services)
+    task = asyncio.create_task(_run_peer(peer, stop))
+    await _until(lambda: len([e for e in out.rounds() if e.committed]) >= 2, timeout_s=60, what="2 rounds",
+                 tasks=[task])
+    stop.set()
+    assert await asyncio.wait_for(task, timeout=30) == "signal"
+    return out, peer, services
+
+
 def test_stop_checkpoints_and_a_restarted_peer_resumes_with_its_id(tmp_path: Path) -> None:
     async def main() -> None:
-        registry = InMemoryRegistry()
-        await _publish_run(registry, load_config(overrides=[*RUN, "diloco.rounds=50", "averaging.min_peers=1"]))
-        services = InMemoryServices(registry, window_s=0.1)
-        services.allreduce.min_peers = 1
-        out, stop = Out(), asyncio.Event()
-        peer = Peer(_local(tmp_path / "p"), writer=EventWriter(out), services=services)
-        task = asyncio.create_task(_run_peer(peer, stop))
-        await _until(lambda: len([e for e in out.rounds() if e.committed]) >= 2, timeout_s=60, what="2 rounds",
-                     tasks=[task])
-        stop.set()
-        assert await asyncio.wait_for(task, timeout=30) == "signal"
+        out, peer, services = await run_alone_then_stop(tmp_path, RUN)
+        registry = services.registry
         (leave,) = [e for e in out.events() if isinstance(e, LeaveEvent)]
         assert leave.reason == "signal" and Path(leave.checkpoint).is_file()
         assert await registry_live(registry, peer.cfg.train.run_id) == (), "leaving withdraws the peer record"

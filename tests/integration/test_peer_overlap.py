@@ -17,6 +17,7 @@ from test_peer_composition import (
     _publish_run,
     _run_peer,
     _until,
+    run_alone_then_stop,
     run_started_apart,
 )
 
@@ -87,17 +88,7 @@ def test_an_aborted_overlapped_round_is_sent_again_with_the_newer_progress(tmp_p
 
 def test_stop_during_an_overlapped_round_finishes_its_average_first(tmp_path: Path) -> None:
     async def main() -> None:
-        registry = InMemoryRegistry()
-        await _publish_run(registry, load_config(overrides=[*OVERLAP, "diloco.rounds=50", "averaging.min_peers=1"]))
-        services = InMemoryServices(registry, window_s=0.1)
-        services.allreduce.min_peers = 1
-        out, stop = Out(), asyncio.Event()
-        peer = Peer(_local(tmp_path / "p"), writer=EventWriter(out), services=services)
-        task = asyncio.create_task(_run_peer(peer, stop))
-        await _until(lambda: len([e for e in out.rounds() if e.committed]) >= 2, timeout_s=60, what="2 rounds",
-                     tasks=[task])
-        stop.set()
-        assert await asyncio.wait_for(task, timeout=30) == "signal"
+        out, _, _ = await run_alone_then_stop(tmp_path, OVERLAP)
         rounds = [e.round for e in out.rounds()]
         assert rounds == list(range(len(rounds))) and all(e.committed for e in out.rounds())
         (leave,) = [e for e in out.events() if isinstance(e, LeaveEvent)]
