@@ -167,19 +167,25 @@ def _local(tmp: Path | None) -> RunConfig:
     return load_config(overrides=[f"checkpoint.dir={str(tmp)!r}"] if tmp else [])
 
 
+async def run_with_late_joiner(tmp_path: Path, run: list[str]) -> tuple[dict[str, Out], dict[str, Peer]]:
+    """a and b train 5 rounds; c joins once round 1 committed; all three run to the end."""
+    registry = InMemoryRegistry()
+    await _publish_run(registry, load_config(overrides=[*run, "diloco.rounds=5"]))
+    services = InMemoryServices(registry, window_s=0.8)
+    outs = {n: Out() for n in "abc"}
+    stop = asyncio.Event()
+    peers = {n: Peer(_local(tmp_path / n), writer=EventWriter(outs[n]), services=services) for n in "abc"}
+    tasks = [asyncio.create_task(_run_peer(peers[n], stop)) for n in "ab"]
+    await _until(lambda: any(e.committed and e.round >= 1 for e in outs["a"].rounds()), timeout_s=60,
+                 what="round 1 committed", tasks=tasks)
+    tasks.append(asyncio.create_task(_run_peer(peers["c"], stop)))
+    assert await asyncio.wait_for(asyncio.gather(*tasks), timeout=90) == ["done", "done", "done"]
+    return outs, peers
+
+
 def test_peers_agree_and_a_late_joiner_heals_to_the_swarm(tmp_path: Path) -> None:
     async def main() -> None:
-        registry = InMemoryRegistry()
-        await _publish_run(registry, load_config(overrides=[*RUN, "diloco.rounds=5"]))
-        services = InMemoryServices(registry, window_s=0.8)
-        outs = {n: Out() for n in "abc"}
-        stop = asyncio.Event()
-        peers = {n: Peer(_local(tmp_path / n), writer=EventWriter(outs[n]), services=services) for n in "abc"}
-        tasks = [asyncio.create_task(_run_peer(peers[n], stop)) for n in "ab"]
-        await _until(lambda: any(e.committed and e.round >= 1 for e in outs["a"].rounds()), timeout_s=60,
-                     what="round 1 committed", tasks=tasks)
-        tasks.append(asyncio.create_task(_run_peer(peers["c"], stop)))
-        assert await asyncio.wait_for(asyncio.gather(*tasks), timeout=90) == ["done", "done", "done"]
+        outs, _ = await run_with_late_joiner(tmp_path, RUN)
 
         heal = [e for e in outs["c"].events() if isinstance(e, HealEvent)]
         assert heal and heal[0].from_round == 0 and heal[0].to_round >= 2

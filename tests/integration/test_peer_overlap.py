@@ -11,20 +11,13 @@ from pathlib import Path
 import pytest
 from test_peer_composition import (
     RUN,
-    InMemoryServices,
     Out,
-    _local,
-    _publish_run,
-    _run_peer,
-    _until,
     run_alone_then_stop,
     run_started_apart,
+    run_with_late_joiner,
 )
 
-from swarmtrain.config import load_config
-from swarmtrain.discovery import InMemoryRegistry
-from swarmtrain.peer import Peer
-from swarmtrain.telemetry import EventWriter, HealEvent, LeaveEvent, RoundEvent
+from swarmtrain.telemetry import HealEvent, LeaveEvent, RoundEvent
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -48,17 +41,7 @@ def _story(outs: dict[str, Out]) -> dict[str, list[object]]:
 
 def test_overlapped_peers_agree_and_a_late_joiner_heals(tmp_path: Path) -> None:
     async def main() -> None:
-        registry = InMemoryRegistry()
-        await _publish_run(registry, load_config(overrides=[*OVERLAP, "diloco.rounds=5"]))
-        services = InMemoryServices(registry, window_s=0.8)
-        outs = {n: Out() for n in "abc"}
-        stop = asyncio.Event()
-        peers = {n: Peer(_local(tmp_path / n), writer=EventWriter(outs[n]), services=services) for n in "abc"}
-        tasks = [asyncio.create_task(_run_peer(peers[n], stop)) for n in "ab"]
-        await _until(lambda: any(e.committed and e.round >= 1 for e in outs["a"].rounds()), timeout_s=60,
-                     what="round 1 committed", tasks=tasks)
-        tasks.append(asyncio.create_task(_run_peer(peers["c"], stop)))
-        assert await asyncio.wait_for(asyncio.gather(*tasks), timeout=90) == ["done", "done", "done"]
+        outs, peers = await run_with_late_joiner(tmp_path, OVERLAP)
 
         by_round = _committed_hashes(outs)
         assert sorted(by_round) == [0, 1, 2, 3, 4] and all(len(h) == 1 for h in by_round.values()), _story(outs)
