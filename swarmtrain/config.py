@@ -149,9 +149,16 @@ class DilocoConfig:
     # gets there waits for it. A longer lag made the correction overshoot (see README). Simulations
     # land every mean exactly here, the worst case.
     overlap_max_steps: int = 3
+    # "steps": every peer takes inner_steps steps per round, and the round waits for the slowest.
+    # "time": every peer trains for the same span per round, sized from the last round's group so
+    # that the swarm takes inner_steps steps per peer on average (inner_steps / the members' median
+    # step rate): a faster peer takes more steps, a slower one fewer (at least 1, at most
+    # PACE_MAX_STEPS_FACTOR x inner_steps), and all of them post at once.
+    pace: str = "steps"
 
     def __post_init__(self) -> None:
         _check(self.inner_steps >= 1, "diloco.inner_steps", "must be >= 1")
+        _check(self.pace in ("steps", "time"), "diloco.pace", f"{self.pace!r} is not 'steps' or 'time'")
         _check(self.rounds >= 1, "diloco.rounds", "must be >= 1")
         _check(self.eval_batches >= 1, "diloco.eval_batches", "must be >= 1")
         _check(self.overlap_max_steps >= 1, "diloco.overlap_max_steps", "must be >= 1")

@@ -18,7 +18,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ from swarmtrain.compress import Codec, codec_from_config
 from swarmtrain.config import ConfigError, RunConfig, to_dict
 from swarmtrain.data import ShardedBatches, eval_batches, load_corpus
 from swarmtrain.diloco import DilocoWorker, resolve_device
+from swarmtrain.diloco.pace import Pace
 from swarmtrain.diloco.worker import Carry, InnerStats
 from swarmtrain.discovery import Discovery, Heartbeat, PeerRecord
 from swarmtrain.models import build_model
@@ -64,8 +65,13 @@ class _Pending:
     delta: torch.Tensor
     loss: float
     compute_s: float
+    steps: int
     carry: Carry | None = None
     task: asyncio.Task[tuple[AverageResult, float]] | None = None
+    steps_per_s: float = field(init=False)  # announced with Δ on every attempt (diloco.pace)
+
+    def __post_init__(self) -> None:
+        self.steps_per_s = self.steps / self.compute_s if self.steps and self.compute_s > 0 else 0.0
 
 
 @dataclass
@@ -120,6 +126,7 @@ class Peer:
         self.cfg: RunConfig = local
         self.discovery: Discovery | None = None
         self.worker: DilocoWorker | None = None
+        self.pace = Pace(local.diloco)
         self.heartbeat: Heartbeat | None = None
         self.plane: DataPlane | None = None
         self.val_batches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -147,6 +154,7 @@ class Peer:
         self.cfg = merge_run_config(await self._fetch_run(), self.local, local_overrides=self.local_overrides)
         if self.cfg.train.threads:
             torch.set_num_threads(self.cfg.train.threads)
+        self.pace = Pace(self.cfg.diloco)
         codec = codec_from_config(self.cfg.compress, seed=_data_seed(self.cfg.train.seed + 2, discovery.peer_id))
         self.worker = await asyncio.to_thread(self._build_worker, discovery.peer_id, codec)
         self._resume()
@@ -241,11 +249,11 @@ class Peer:
             if worker.round >= self.cfg.diloco.rounds:
                 break
             if pending is None or pending.round != worker.round:  # nothing trained for this round yet
-                stats = await _interruptible(asyncio.to_thread(worker.train_inner), stop)
+                stats = await self._train_round(stop)
                 if stats is None:
                     return "signal"
                 pending = _Pending(round=worker.round, delta=worker.delta(), loss=stats.loss,
-                                   compute_s=stats.compute_s)
+                                   compute_s=stats.compute_s, steps=stats.steps)
             result = await self._average(pending)
             if result.committed:
                 pending = None
@@ -278,7 +286,7 @@ class Peer:
                 if worker.round >= rounds:
                     break
                 if not unsent.trained:
-                    stats = await _interruptible(asyncio.to_thread(worker.train_inner), stop)
+                    stats = await self._train_round(stop)
                     if stats is None:
                         return "signal"
                     unsent.add(stats)
@@ -312,21 +320,28 @@ class Peer:
         Returns its result if it was concluded, None if a stop came first.
         """
         assert self.worker is not None and pending.task is not None
-        steps, done = self.cfg.diloco.inner_steps, 0
-        chunk = max(1, math.ceil(steps / OVERLAP_CHUNKS))
+        budget, lag = self.pace.budget(), self.cfg.diloco.overlap_max_steps
+        chunk = max(1, math.ceil(self.cfg.diloco.inner_steps / OVERLAP_CHUNKS))
         result: AverageResult | None = None
-        while done < steps and not stop.is_set():
-            if result is None and (pending.task.done() or done >= self.cfg.diloco.overlap_max_steps):
+        while budget.steps_left() and not stop.is_set():
+            if result is None and (pending.task.done() or budget.steps >= lag):
                 result = await self._settle(pending)
-            limit = steps if result is not None else min(steps, self.cfg.diloco.overlap_max_steps)
-            stats = await _interruptible(asyncio.to_thread(self.worker.train_inner, min(chunk, limit - done)), stop)
+                budget.resize(self.pace.budget())  # the commit may have set a new span
+                continue
+            steps = min(chunk, budget.steps_left(), lag - budget.steps if result is None else chunk)
+            stats = await _interruptible(asyncio.to_thread(self.worker.train_inner, steps, budget=budget), stop)
             if stats is None:
                 break
             unsent.add(stats)
-            done += stats.steps
         if result is None and not stop.is_set():
             result = await self._settle(pending)
         return result
+
+    async def _train_round(self, stop: asyncio.Event) -> InnerStats | None:
+        """One round's inner steps, as `diloco.pace` budgets them (None: `stop` came first)."""
+        assert self.worker is not None
+        budget = self.pace.budget()
+        return await _interruptible(asyncio.to_thread(self.worker.train_inner, budget.max_steps, budget=budget), stop)
 
     async def _settle(self, pending: _Pending) -> AverageResult:
         assert pending.task is not None
@@ -339,11 +354,12 @@ class Peer:
         assert self.worker is not None and self.plane is not None
         worker, plane = self.worker, self.plane
         delta, carry = worker.send_overlapped()
-        pending = _Pending(round=worker.round, delta=delta, loss=unsent.loss, compute_s=unsent.compute_s, carry=carry)
+        pending = _Pending(round=worker.round, delta=delta, loss=unsent.loss, compute_s=unsent.compute_s,
+                           steps=unsent.steps, carry=carry)
 
         async def timed() -> tuple[AverageResult, float]:
             start = time.perf_counter()
-            result = await plane.average(pending.round, pending.delta)
+            result = await plane.average(pending.round, pending.delta, steps_per_s=pending.steps_per_s)
             return result, time.perf_counter() - start
 
         pending.task = asyncio.ensure_future(timed())
@@ -373,7 +389,7 @@ class Peer:
         assert self.plane is not None
         self.phase = "averaging"
         start = time.perf_counter()
-        result = await self.plane.average(pending.round, pending.delta)
+        result = await self.plane.average(pending.round, pending.delta, steps_per_s=pending.steps_per_s)
         await self._conclude(pending, result, comm_s=time.perf_counter() - start)
         return result
 
@@ -386,6 +402,7 @@ class Peer:
         if result.committed:
             # On the loop thread, never during inner steps: state transfers never see a half-applied step.
             worker.apply(result, carry=pending.carry)
+            self.pace.observe(result)
             self.plane.publish_state(self.current_state())
             await self._beat()  # now, before evaluating: peers that missed the round look for it
             # Overlapped, θ_local holds newer steps than θ_global: score θ_global (two model copies).
@@ -398,8 +415,8 @@ class Peer:
             round=pending.round, committed=result.committed, members=result.members, loss=pending.loss,
             val_loss=val_loss, hash=worker.global_hash(), bytes_sent=result.bytes_sent,
             bytes_received=result.bytes_received, compute_s=round(pending.compute_s, 4), comm_s=round(comm_s, 4),
-            peer=self._peer_id, reason=result.reason))
-        pending.compute_s = 0.0  # a retry of the round reports only its own communication
+            peer=self._peer_id, reason=result.reason, steps=pending.steps))
+        pending.compute_s, pending.steps = 0.0, 0  # a retry of the round reports only its own communication
         if result.committed and worker.round % self.cfg.checkpoint.every_rounds == 0:
             await self._checkpoint()
 

@@ -73,6 +73,7 @@ class NetworkPlane:
         # A client-mode peer accepts no calls, so it cannot serve state either.
         self.states = None if self.client_mode else StateServer(self.node)
         self._outcome: MatchOutcome | None = None
+        self._steps_per_s = 0.0  # announced in this round's match entry
         a, r = cfg.averaging, cfg.rpc
         self._match_timeout_s = 4 * a.matchmaking_timeout_s + 4 * r.call_timeout_s + 2.0
         self._fetch_timeout_s = 4 * max(r.call_timeout_s, a.allreduce_timeout_s)
@@ -86,7 +87,8 @@ class NetworkPlane:
 
     def _group(self, round_index: int) -> Group | None:
         """The averager's group provider: runs on its thread, matchmaking on the Peer's loop."""
-        member = Member(peer_id=self.discovery.peer_id, endpoint=self.endpoint, client_mode=self.client_mode)
+        member = Member(peer_id=self.discovery.peer_id, endpoint=self.endpoint, client_mode=self.client_mode,
+                        steps_per_s=self._steps_per_s)
         future = asyncio.run_coroutine_threadsafe(self.matchmaker.form_group(round_index, member), self.loop)
         try:
             self._outcome = future.result(timeout=self._match_timeout_s)
@@ -96,8 +98,8 @@ class NetworkPlane:
                                          reason=f"matchmaking took longer than {self._match_timeout_s:.1f}s")
         return self._outcome.group
 
-    async def average(self, round_index: int, delta: torch.Tensor) -> AverageResult:
-        self._outcome = None
+    async def average(self, round_index: int, delta: torch.Tensor, *, steps_per_s: float = 0.0) -> AverageResult:
+        self._outcome, self._steps_per_s = None, steps_per_s
         result = await asyncio.to_thread(self.averager.average, round_index, delta)
         outcome = self._outcome
         if result.committed or outcome is None:

@@ -35,7 +35,9 @@ class DataPlane(Protocol):
     @property
     def endpoint(self) -> str: ...
 
-    async def average(self, round_index: int, delta: torch.Tensor) -> AverageResult: ...
+    async def average(self, round_index: int, delta: torch.Tensor, *, steps_per_s: float = 0.0) -> AverageResult:
+        """Round `round_index`'s group mean of `delta`; `steps_per_s` is announced to the group (diloco.pace)."""
+        ...
 
     def publish_state(self, state: PeerState) -> None:
         """Serve `state` to joiners from now on (called after start, every commit and every heal)."""

@@ -16,6 +16,7 @@ class Member:
     endpoint: str  # host:port of its gRPC server; client-mode peers may leave it empty
     client_mode: bool = False  # behind NAT: dials out only, so it contributes but never reduces
     bandwidth_bytes_per_s: float = 0.0  # measured; sizes its share of shards (0 = unknown)
+    steps_per_s: float = 0.0  # its inner-step rate over the round it contributes (0 = unknown; diloco.pace)
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,7 @@ class Group:
         """A digest of (run, round, attempt, members) that every message of the round carries."""
         h = hashlib.sha256(f"{self.run_id}|{self.round}|{self.attempt}|".encode())
         for m in self.members:
-            h.update(f"{m.peer_id}|{m.endpoint}|{int(m.client_mode)};".encode())
+            h.update(f"{m.peer_id}|{m.endpoint}|{int(m.client_mode)}|{m.steps_per_s!r};".encode())
         return h.hexdigest()[:32]
 
     @property

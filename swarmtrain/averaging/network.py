@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -107,5 +108,4 @@ class NetworkAverager:
         log.info("%s: round %d %s in %.3fs (sent %d B, received %d B)", self.node.peer_id, round_index,
                  "committed" if result.committed else "aborted", time.monotonic() - started, sent1 - sent0,
                  received1 - received0)
-        return AverageResult(result.round, result.committed, result.mean, result.members, sent1 - sent0,
-                             received1 - received0, result.reason, result.failed)
+        return dataclasses.replace(result, bytes_sent=sent1 - sent0, bytes_received=received1 - received0)

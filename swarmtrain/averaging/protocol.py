@@ -27,6 +27,9 @@ class AverageResult:
     reason: str = ""  # why the round aborted, or who failed and was worked around
     failed: tuple[str, ...] = field(default=())
     retry_at: float = 0.0  # swarm clock: do not average this round again before then (0 = any time)
+    # The inner-step rate each of `members` announced for the Δ it sent (same order; 0 = unknown):
+    # with `diloco.pace` "time" every member sizes its next round from these (see diloco/pace.py).
+    steps_per_s: tuple[float, ...] = ()
 
 
 class Averager(Protocol):

@@ -249,6 +249,10 @@ def build_island_worker(cfg: RunConfig, island: Island, *, model: nn.Module, tra
         # sync_global re-installs θ_global on every rank after a round: it would drop the progress an
         # overlapped round keeps. Overlap on an island needs that progress broadcast too; not built.
         raise IslandError("diloco.overlap is not supported on a multi-GPU island yet; set diloco.overlap=false")
+    if cfg.diloco.pace != "steps":
+        # Every rank's DDP step is one collective: a rank that stopped on its own clock would hang the others.
+        raise IslandError(f"diloco.pace={cfg.diloco.pace!r} is not supported on a multi-GPU island yet; "
+                          "set diloco.pace=steps")
     worker_index, num_workers = island.worker_slot(peer_index=peer_index, num_peers=num_peers)
     batches = ShardedBatches(train_tokens, worker_index=worker_index, num_workers=num_workers,
                              batch_size=cfg.data.batch_size, seq_len=cfg.data.seq_len, seed=cfg.train.seed)

@@ -103,7 +103,8 @@ def simulate_diloco(
     `codec` is only needed for `compress.error_feedback` (it must be the one `average_all` uses).
     `init_theta` (flat fp32) replaces the seeded init and `start_step` skips that many steps of the
     data stream: a warm start from a checkpoint trained on the stream's first `start_step` steps.
-    Records count tokens and bytes from this call's start.
+    Records count tokens and bytes from this call's start. Simulated workers all run at one speed,
+    so `diloco.pace` "time" trains H steps each, as "steps" does.
     """
     start = time.perf_counter()
     workers = [_worker(cfg, train_tokens, index=k, num_workers=num_workers, batch_size=cfg.data.batch_size,

@@ -23,6 +23,7 @@ from swarmtrain.diloco.inner import (
     set_lr,
 )
 from swarmtrain.diloco.outer import OuterOptimizer
+from swarmtrain.diloco.pace import RoundBudget
 
 __all__ = ["BatchStream", "Carry", "DilocoWorker", "InnerStats", "RoundReport", "resolve_device"]
 
@@ -132,24 +133,37 @@ class DilocoWorker:
 
     # ------------------------------------------------------------------ the round
 
-    def train_inner(self, num_steps: int | None = None) -> InnerStats:
-        """Run `num_steps` (default `diloco.inner_steps`) inner optimizer steps on θ_local."""
+    def train_inner(self, num_steps: int | None = None, *, budget: RoundBudget | None = None) -> InnerStats:
+        """Run `num_steps` (default `diloco.inner_steps`) inner optimizer steps on θ_local.
+
+        With `budget` (a time-paced round, `diloco.pace`), each step is added to it and the call ends
+        early once the budget has no step left; at least one step runs.
+        """
         steps = self.cfg.diloco.inner_steps if num_steps is None else num_steps
         if steps < 1:
             raise ValueError(f"train_inner: num_steps must be >= 1, got {steps}")
         self.forward_module.train()
         loss_sum = torch.zeros((), device=self.device)
-        tokens = 0
-        start = time.perf_counter()
+        tokens = done = 0
+        start = last = time.perf_counter()
         with torch.random.fork_rng(devices=[]):
             torch.set_rng_state(self._rng_state)
-            for _ in range(steps):
+            while done < steps:
                 tokens += self._inner_step(loss_sum)
+                done += 1
+                if budget is not None:
+                    if self.device.type == "cuda" and budget.span_s is not None:
+                        torch.cuda.synchronize(self.device)  # the span is compute time, not queueing time
+                    now = time.perf_counter()
+                    budget.add(steps=1, compute_s=now - last)
+                    last = now
+                    if not budget.steps_left():
+                        break
             self._rng_state = torch.get_rng_state()
-        loss = float(loss_sum.item()) / steps
+        loss = float(loss_sum.item()) / done
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return InnerStats(steps=steps, loss=loss, tokens=tokens, compute_s=time.perf_counter() - start)
+        return InnerStats(steps=done, loss=loss, tokens=tokens, compute_s=time.perf_counter() - start)
 
     def _inner_step(self, loss_sum: torch.Tensor) -> int:
         x, y = next(self.batches)

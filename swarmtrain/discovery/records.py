@@ -92,12 +92,13 @@ def _member(kind: str, d: Any) -> Member:
     endpoint = _str(kind, d, "endpoint")
     check_endpoint(kind, endpoint, client_mode=client_mode)
     return Member(peer_id=_peer_id(kind, d, "peer_id"), endpoint=endpoint, client_mode=client_mode,
-                  bandwidth_bytes_per_s=_float(kind, d, "bandwidth_bytes_per_s"))
+                  bandwidth_bytes_per_s=_float(kind, d, "bandwidth_bytes_per_s"),
+                  steps_per_s=_float(kind, d, "steps_per_s"))
 
 
 def _member_dict(m: Member) -> dict[str, Any]:
     return {"peer_id": m.peer_id, "endpoint": m.endpoint, "client_mode": m.client_mode,
-            "bandwidth_bytes_per_s": m.bandwidth_bytes_per_s}
+            "bandwidth_bytes_per_s": m.bandwidth_bytes_per_s, "steps_per_s": m.steps_per_s}
 
 
 R = TypeVar("R", bound="Record")

@@ -47,6 +47,7 @@ class RoundEvent:
     comm_s: float
     peer: str = ""
     reason: str = ""  # why the round aborted, or who failed and was worked around
+    steps: int = 0  # inner steps in the Δ sent (reported on its first attempt only, like compute_s)
 
     event: str = field(default="round", init=False)
 

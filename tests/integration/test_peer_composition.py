@@ -37,6 +37,7 @@ RUN = [
 @dataclass
 class _Round:
     deltas: dict[str, torch.Tensor] = field(default_factory=dict)
+    rates: dict[str, float] = field(default_factory=dict)
     closed: bool = False
     closes_at: float = 0.0  # unix seconds, the swarm clock of InMemoryRegistry
     done: asyncio.Event = field(default_factory=asyncio.Event)
@@ -51,7 +52,8 @@ class WindowedAllReduce:
         self.min_peers = min_peers
         self.rounds: dict[int, _Round] = {}
 
-    async def average(self, peer_id: str, round_index: int, delta: torch.Tensor) -> AverageResult:
+    async def average(self, peer_id: str, round_index: int, delta: torch.Tensor, *,
+                      steps_per_s: float = 0.0) -> AverageResult:
         rd = self.rounds.setdefault(round_index, _Round())
         if rd.closed:  # like the matchmaker: a late peer waits out the attempt before trying the round again
             return AverageResult(round=round_index, committed=False, mean=None, reason="late",
@@ -59,7 +61,7 @@ class WindowedAllReduce:
         if not rd.deltas:
             asyncio.get_running_loop().call_later(self.window_s, self._close, round_index, rd)
             rd.closes_at = time.time() + self.window_s
-        rd.deltas[peer_id] = delta.clone()
+        rd.deltas[peer_id], rd.rates[peer_id] = delta.clone(), steps_per_s
         await rd.done.wait()
         assert rd.result is not None
         return rd.result
@@ -72,7 +74,8 @@ class WindowedAllReduce:
             for m in members:
                 mean += rd.deltas[m]
             rd.result = AverageResult(round=round_index, committed=True, mean=mean / len(members), members=members,
-                                      bytes_sent=mean.numel() * 4, bytes_received=mean.numel() * 4)
+                                      bytes_sent=mean.numel() * 4, bytes_received=mean.numel() * 4,
+                                      steps_per_s=tuple(rd.rates[m] for m in members))
         else:
             rd.result = AverageResult(round=round_index, committed=False, mean=None, members=members,
                                       reason=f"too few peers: {len(members)}")
@@ -95,8 +98,8 @@ class FakePlane:
     def publish_state(self, state: PeerState) -> None:
         self.published = state
 
-    async def average(self, round_index: int, delta: torch.Tensor) -> AverageResult:
-        return await self.services.allreduce.average(self.peer_id, round_index, delta)
+    async def average(self, round_index: int, delta: torch.Tensor, *, steps_per_s: float = 0.0) -> AverageResult:
+        return await self.services.allreduce.average(self.peer_id, round_index, delta, steps_per_s=steps_per_s)
 
     def unreported_bytes(self) -> tuple[int, int]:
         return 0, 0  # the double counts every byte in its round results

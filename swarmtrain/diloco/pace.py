@@ -1,0 +1,88 @@
+"""Round pace (`diloco.pace`): how many inner steps a peer takes in a round, or for how long it trains.
+
+With "steps" every peer takes H = `diloco.inner_steps` steps, and a synchronous round waits for
+the slowest peer. With "time" every member of a round's group trains the next round for the same
+span, H / (the group's median announced step rate), so the swarm still takes about H steps per
+peer but nobody waits: a faster peer takes more steps, a slower one fewer. The span comes from the
+group's records, which are identical on every member, so every member computes the same span. The
+median, not the mean, so that one member announcing an absurd rate cannot stretch or shrink every
+round. The mean Δ stays unweighted: Δ is a sum over a peer's steps, so a peer with more steps
+already moves the mean more, in proportion to the tokens it trained.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from swarmtrain.averaging.protocol import AverageResult
+from swarmtrain.config import DilocoConfig
+
+__all__ = ["PACE_MAX_STEPS_FACTOR", "Pace", "RoundBudget", "span_from_rates"]
+
+log = logging.getLogger(__name__)
+
+PACE_MAX_STEPS_FACTOR = 4  # with pace "time", a peer takes at most this many times H steps in a round
+
+
+@dataclass
+class RoundBudget:
+    """One round's inner steps: at most `max_steps`, and with a span, until `span_s` of compute is spent.
+
+    A timed round ends at the step boundary nearest the span: it stops once another step (at the
+    round's mean step time so far) would end further past the span than stopping now falls short.
+    """
+
+    max_steps: int
+    span_s: float | None = None
+    steps: int = 0
+    compute_s: float = 0.0
+
+    def add(self, *, steps: int, compute_s: float) -> None:
+        self.steps += steps
+        self.compute_s += compute_s
+
+    def resize(self, other: RoundBudget) -> None:
+        """Take `other`'s limits, keeping what was spent (a span learned mid-round applies to it)."""
+        self.max_steps, self.span_s = other.max_steps, other.span_s
+
+    def steps_left(self) -> int:
+        if self.steps >= self.max_steps:
+            return 0
+        if self.span_s is not None and self.steps and self.compute_s * (1 + 0.5 / self.steps) >= self.span_s:
+            return 0
+        return self.max_steps - self.steps
+
+
+def span_from_rates(rates: Sequence[float], *, inner_steps: int) -> float | None:
+    """The time-paced round span: `inner_steps` at the members' median rate (None: no rate known)."""
+    known = [r for r in rates if r > 0]
+    if not known:
+        return None
+    return inner_steps / statistics.median(known)
+
+
+class Pace:
+    """One peer's round budgets: fixed H steps, or a span learned from each committed round's group."""
+
+    def __init__(self, cfg: DilocoConfig) -> None:
+        self.inner_steps = cfg.inner_steps
+        self.timed = cfg.pace == "time"
+        self.span_s: float | None = None  # None until a committed round announced rates: H steps then
+
+    def budget(self) -> RoundBudget:
+        if not self.timed or self.span_s is None:
+            return RoundBudget(max_steps=self.inner_steps)
+        return RoundBudget(max_steps=PACE_MAX_STEPS_FACTOR * self.inner_steps, span_s=self.span_s)
+
+    def observe(self, result: AverageResult) -> None:
+        """Learn the next rounds' span from a committed round's group (kept when it announced none)."""
+        if not self.timed or not result.committed:
+            return
+        span = span_from_rates(result.steps_per_s, inner_steps=self.inner_steps)
+        if span is not None:
+            self.span_s = span
+            log.debug("round %d: next rounds train for %.3fs (median of %d rates)", result.round, span,
+                      len(result.steps_per_s))

@@ -1,0 +1,97 @@
+"""diloco.pace: the round budget's stopping rule, the span learned from a group, and train_inner under a budget."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from swarmtrain.averaging.group import Group, Member
+from swarmtrain.averaging.protocol import AverageResult
+from swarmtrain.config import ConfigError, load_config
+from swarmtrain.data import ShardedBatches
+from swarmtrain.diloco import DilocoWorker
+from swarmtrain.diloco.pace import PACE_MAX_STEPS_FACTOR, Pace, RoundBudget, span_from_rates
+from swarmtrain.discovery import GroupRecord, RecordError
+from swarmtrain.discovery.records import decode_record
+from swarmtrain.models import build_model
+
+pytestmark = pytest.mark.unit
+
+
+def test_span_is_h_steps_at_the_median_rate_and_ignores_unknown_rates() -> None:
+    assert span_from_rates([10.0, 20.0, 40.0], inner_steps=50) == pytest.approx(2.5)
+    assert span_from_rates([10.0, 0.0, 30.0], inner_steps=50) == pytest.approx(2.5)  # median of 10 and 30
+    assert span_from_rates([10.0, 20.0, 1e12], inner_steps=50) == pytest.approx(2.5), "one absurd rate is outvoted"
+    assert span_from_rates([0.0, 0.0], inner_steps=50) is None
+    assert span_from_rates([], inner_steps=50) is None
+
+
+def test_a_timed_budget_stops_at_the_step_boundary_nearest_its_span() -> None:
+    b = RoundBudget(max_steps=100, span_s=1.0)
+    for _ in range(9):
+        b.add(steps=1, compute_s=0.105)
+    assert b.steps_left() == 91  # 0.945 s spent: a 10th step ends at 1.05, 0.05 past; stopping is 0.055 short
+    b.add(steps=1, compute_s=0.105)
+    assert b.steps_left() == 0
+    capped = RoundBudget(max_steps=3, span_s=100.0)
+    capped.add(steps=3, compute_s=0.3)
+    assert capped.steps_left() == 0, "the step cap holds however much span is left"
+    plain = RoundBudget(max_steps=5)
+    plain.add(steps=4, compute_s=50.0)
+    assert plain.steps_left() == 1, "without a span only the step count matters"
+
+
+def _committed(rates: tuple[float, ...], *, committed: bool = True) -> AverageResult:
+    members = tuple(f"p{i}" for i in range(len(rates)))
+    return AverageResult(round=3, committed=committed, mean=None, members=members, steps_per_s=rates)
+
+
+def test_pace_learns_the_span_from_committed_rounds_only() -> None:
+    timed = Pace(load_config(overrides=["diloco.pace=time", "diloco.inner_steps=10"]).diloco)
+    assert timed.budget() == RoundBudget(max_steps=10), "H steps until a round announced rates"
+    timed.observe(_committed((4.0, 5.0, 6.0), committed=False))
+    assert timed.budget().span_s is None
+    timed.observe(_committed((4.0, 5.0, 6.0)))
+    assert timed.budget() == RoundBudget(max_steps=PACE_MAX_STEPS_FACTOR * 10, span_s=2.0)
+    timed.observe(_committed((0.0, 0.0)))
+    assert timed.budget().span_s == 2.0, "a round with no rates keeps the span"
+    fixed = Pace(load_config(overrides=["diloco.inner_steps=10"]).diloco)
+    fixed.observe(_committed((4.0, 5.0, 6.0)))
+    assert fixed.budget() == RoundBudget(max_steps=10)
+
+
+def test_pace_must_be_steps_or_time() -> None:
+    with pytest.raises(ConfigError, match=r"diloco\.pace"):
+        load_config(overrides=["diloco.pace=fast"])
+
+
+def test_members_announce_their_rate_in_the_signed_group_record() -> None:
+    members = (Member("a", "127.0.0.1:1", steps_per_s=12.5), Member("b", "127.0.0.1:2", steps_per_s=0.0))
+    record = GroupRecord(run_id="r", round=1, leader_id="a", members=members, window_close_at=5.0)
+    assert decode_record(GroupRecord, record.encode(), run_id="r", signer_id="a").members == members
+    lying = json.loads(record.encode())
+    lying["members"][0]["steps_per_s"] = -3.0
+    with pytest.raises(RecordError, match="steps_per_s"):
+        decode_record(GroupRecord, json.dumps(lying).encode(), run_id="r", signer_id="a")
+    other = (Member("a", "127.0.0.1:1", steps_per_s=13.0), members[1])
+    assert Group("r", 1, members).group_id != Group("r", 1, other).group_id
+
+
+def _worker() -> DilocoWorker:
+    cfg = load_config(overrides=["model.preset=tiny", "data.seq_len=16", "data.batch_size=2", "diloco.inner_steps=4"])
+    tokens = torch.randint(0, 256, (4096,), generator=torch.Generator().manual_seed(0))
+    batches = ShardedBatches(tokens, worker_index=0, num_workers=1, batch_size=2, seq_len=16, seed=0)
+    return DilocoWorker(cfg, model=build_model(cfg.model, seed=0), batches=batches, device=torch.device("cpu"))
+
+
+def test_train_inner_ends_when_its_budget_is_spent_and_counts_every_step() -> None:
+    worker = _worker()
+    spent = RoundBudget(max_steps=20, span_s=1e-9)
+    stats = worker.train_inner(20, budget=spent)
+    assert (stats.steps, spent.steps, worker.inner_step) == (1, 1, 1), "at least one step, then the span is spent"
+    roomy = RoundBudget(max_steps=5, span_s=1e9)
+    stats = worker.train_inner(20, budget=roomy)
+    assert (stats.steps, roomy.steps, worker.inner_step) == (5, 5, 6)
+    assert roomy.compute_s == pytest.approx(stats.compute_s, rel=0.5)
