@@ -5,6 +5,8 @@ Arms, each on a fresh testbed, the same model, seed and number of tokens:
   fp32  swarmtrain DiLoCo, H inner steps, fp32 pseudo-gradients
   int8  swarmtrain DiLoCo, int8 pseudo-gradients
   *-overlap  the same with diloco.overlap: round r is averaged while round r+1's inner steps run
+  *-time     the same with diloco.pace=time: each round every peer trains for one shared span (H steps at
+             the group's median rate) instead of exactly H steps, so no peer waits for the slowest
 Reported per arm: wall-clock, compute utilization (compute s / wall s per process), bytes on the wire
 (kernel htb counters: all traffic, the data-plane port's frames, their TCP payload) next to what
 swarmtrain counted, final validation loss of the trained weights. The machine has 2 cores for 4 hosts:
@@ -31,7 +33,7 @@ from wan_common import Workload, finish_diloco, heal_accounting, make_warm_start
 
 from swarmtrain.testbed import LinkSpec, Testbed, parse_rate, read_counters, require_root
 
-ARMS = ("ddp", "fp32", "int8", "fp32-overlap", "int8-overlap")
+ARMS = ("ddp", "fp32", "int8", "fp32-overlap", "int8-overlap", "int8-time", "int8-overlap-time")
 DEFAULT_ARMS = "ddp,fp32,int8"
 
 
@@ -73,10 +75,11 @@ def run_arm(arm: str, rate: str, workload: Workload, args: argparse.Namespace, o
         if arm == "ddp":
             return run_ddp(tb, workload, out_dir=out_dir, timeout_s=args.timeout_s)
         before = read_counters(tb.name)
-        codec, _, mode = arm.partition("-")
-        window_s = args.overlap_matchmaking_s if mode == "overlap" else args.matchmaking_s
-        extra = [f"averaging.matchmaking_timeout_s={window_s}", "averaging.min_peers=2", *args.diloco_overrides]
-        extra.append(f"diloco.overlap={'true' if mode == 'overlap' else 'false'}")
+        codec, *modes = arm.split("-")
+        window_s = args.overlap_matchmaking_s if "overlap" in modes else args.matchmaking_s
+        extra = [f"averaging.matchmaking_timeout_s={window_s}", "averaging.min_peers=2",
+                 f"diloco.overlap={'true' if 'overlap' in modes else 'false'}",
+                 f"diloco.pace={'time' if 'time' in modes else 'steps'}", *args.diloco_overrides]
         run = start_diloco(tb, workload, codec=codec, out_dir=out_dir, extra_run=extra)
         try:
             return {"arm": arm, **finish_diloco(run, workload, timeout_s=args.timeout_s, before=before)}
@@ -104,7 +107,8 @@ def print_table(results: list[dict[str, Any]]) -> None:
         for r in results:
             if ddp is None or r["rate"] != rate or r["arm"] == "ddp":
                 continue
-            print(f"{rate} {r['arm']}: wall {r['wall_s'] / ddp['wall_s']:.3f}x DDP's, "
+            tokens = f", tokens {r['tokens'] / ddp['tokens']:.3f}x DDP's" if "tokens" in r and "tokens" in ddp else ""
+            print(f"{rate} {r['arm']}: wall {r['wall_s'] / ddp['wall_s']:.3f}x DDP's{tokens}, "
                   f"val loss {100 * (r['val_loss'] / ddp['val_loss'] - 1):+.2f}% vs DDP, "
                   f"wire bytes {r['wire_bytes'] / ddp['wire_bytes']:.4f}x DDP's")
 

@@ -226,7 +226,8 @@ def finish_diloco(run: DilocoRun, workload: Workload, *, timeout_s: float, befor
         dump_events(swarm)
     counters = _counters_summary(before, read_counters(swarm.testbed.name))
     summary = summarize_rounds(swarm, list(run.hosts))
-    summary.update(heal_accounting(swarm.log_dir / "events.jsonl", workload), stopped_stragglers=stragglers)
+    summary.update(heal_accounting(swarm.log_dir / "events.jsonl", workload), stopped_stragglers=stragglers,
+                   tokens=sum(summary["steps_per_peer"]) * workload.batch_size * workload.seq_len)
     # The final weights of a peer that committed every round (a straggler may be a round short).
     done = [n for n in run.hosts if n not in stragglers]
     ckpt = load_latest_checkpoint(run.checkpoint_dirs[done[0]])
@@ -298,7 +299,7 @@ def _line_dict(line: Line) -> dict[str, Any]:
 def summarize_rounds(swarm: TestbedSwarm, names: list[str]) -> dict[str, Any]:
     """Per-peer wall/compute from its lines; per-round hash agreement across every peer and restart."""
     by_round: dict[int, set[str]] = {}
-    compute, wall, sent, received, rounds_done, attempted = [], [], 0, 0, [], 0
+    compute, wall, steps, sent, received, rounds_done, attempted = [], [], [], 0, 0, [], 0
     first_ready, last_round = float("inf"), 0.0
     for name in names:
         lines = swarm.lines_of(name)
@@ -310,6 +311,7 @@ def summarize_rounds(swarm: TestbedSwarm, names: list[str]) -> dict[str, Any]:
             if e.committed:
                 by_round.setdefault(e.round, set()).add(e.hash)
         compute.append(sum(e.compute_s for _, e in rounds))
+        steps.append(sum(e.steps for _, e in rounds))  # inner steps trained (a retried Δ counts once)
         wall.append(rounds[-1][0] - ready_t[0])
         first_ready, last_round = min(first_ready, ready_t[0]), max(last_round, rounds[-1][0])
         attempted += len(rounds)
@@ -320,7 +322,7 @@ def summarize_rounds(swarm: TestbedSwarm, names: list[str]) -> dict[str, Any]:
     disagree = {r: sorted(h) for r, h in by_round.items() if len(h) > 1}
     return {
         "wall_s": last_round - first_ready, "wall_s_per_peer": wall, "rounds_attempted": attempted, "compute_s": compute,
-        "utilization": [c / w for c, w in zip(compute, wall, strict=True)],
+        "utilization": [c / w for c, w in zip(compute, wall, strict=True)], "steps_per_peer": steps,
         "committed_rounds_per_peer": rounds_done, "rounds_committed": len(by_round),
         "rounds_with_disagreeing_hashes": disagree, "swarmtrain_bytes_sent": sent,
         "swarmtrain_bytes_received": received,
