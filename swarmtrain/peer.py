@@ -2,9 +2,10 @@
 
 Start: DHT node -> the run config from the coordinator's record -> worker (model, data, resume
 from checkpoint) -> gRPC server (all-reduce shards, state transfer) -> heartbeat -> READY.
-Each round: heal if the swarm is ahead, H inner steps (off the event loop), average Δ, apply,
-print one round line, checkpoint, refresh the peer record (with `diloco.overlap` the average runs
-during the next round's first inner steps). Stop (a signal via peer_process.py, rounds done or an
+Each round: heal if the swarm is ahead, inner steps off the event loop (H of them, or with
+`diloco.pace=time` a span shared by the group, whose matchmaking starts during the last steps),
+average Δ, apply, print one round line, checkpoint, refresh the peer record in the background
+(with `diloco.overlap` the average runs during the next round's first inner steps). Stop (a signal via peer_process.py, rounds done or an
 error): withdraw the peer record (departure), checkpoint, close the data plane, stop the DHT.
 """
 
@@ -18,7 +19,6 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +29,11 @@ from swarmtrain.compress import Codec, codec_from_config
 from swarmtrain.config import ConfigError, RunConfig, to_dict
 from swarmtrain.data import ShardedBatches, eval_batches, load_corpus
 from swarmtrain.diloco import DilocoWorker, resolve_device
-from swarmtrain.diloco.pace import Pace
-from swarmtrain.diloco.worker import Carry, InnerStats
+from swarmtrain.diloco.pace import Pace, RoundBudget
+from swarmtrain.diloco.worker import InnerStats
 from swarmtrain.discovery import Discovery, Heartbeat, PeerRecord
 from swarmtrain.models import build_model
+from swarmtrain.peer_rounds import PendingRound, UnsentSteps, interruptible
 from swarmtrain.peer_services import DataPlane, PeerError, PeerServices, PeerState
 from swarmtrain.sync.checkpoint import (
     DirectoryClaim,
@@ -51,42 +52,6 @@ LOCAL_SECTIONS = ("discovery", "rpc", "checkpoint")
 LOCAL_TRAIN_KEYS = ("device", "threads")
 RUN_FETCH_TIMEOUT_S = 60.0
 OVERLAP_CHUNKS = 25  # diloco.overlap: a round's inner steps run in this many chunks; an average lands between two
-
-
-@dataclass
-class _Pending:
-    """A round trained but not committed yet: its Δ is averaged again after an aborted attempt.
-
-    Under `diloco.overlap`, `carry` is what `apply` keeps the newer inner steps with and `task` the
-    average running while the next round trains.
-    """
-
-    round: int
-    delta: torch.Tensor
-    loss: float
-    compute_s: float
-    steps: int
-    carry: Carry | None = None
-    task: asyncio.Task[tuple[AverageResult, float]] | None = None
-    steps_per_s: float = field(init=False)  # announced with Δ on every attempt (diloco.pace)
-
-    def __post_init__(self) -> None:
-        self.steps_per_s = self.steps / self.compute_s if self.steps and self.compute_s > 0 else 0.0
-
-
-@dataclass
-class _Unsent:
-    """Inner steps in θ_local that no average carries yet (`diloco.overlap`)."""
-
-    trained: bool = False
-    loss: float = math.nan  # mean training loss of those steps
-    compute_s: float = 0.0
-    steps: int = 0
-
-    def add(self, stats: InnerStats) -> None:
-        total = self.steps + stats.steps
-        self.loss = stats.loss if not self.steps else (self.loss * self.steps + stats.loss * stats.steps) / total
-        self.trained, self.steps, self.compute_s = True, total, self.compute_s + stats.compute_s
 
 
 def merge_run_config(swarm: RunConfig, local: RunConfig, *, local_overrides: Sequence[str] = ()) -> RunConfig:
@@ -128,6 +93,7 @@ class Peer:
         self.worker: DilocoWorker | None = None
         self.pace = Pace(local.diloco)
         self.heartbeat: Heartbeat | None = None
+        self._beat_task: asyncio.Task[None] | None = None
         self.plane: DataPlane | None = None
         self.val_batches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.endpoint = ""
@@ -241,7 +207,7 @@ class Peer:
         if self.cfg.diloco.overlap:
             return await self._run_overlapped(stop)
         worker = self.worker
-        pending: _Pending | None = None
+        pending: PendingRound | None = None
         while worker.round < self.cfg.diloco.rounds:
             if stop.is_set():
                 return "signal"
@@ -252,7 +218,7 @@ class Peer:
                 stats = await self._train_round(stop)
                 if stats is None:
                     return "signal"
-                pending = _Pending(round=worker.round, delta=worker.delta(), loss=stats.loss,
+                pending = PendingRound(round=worker.round, delta=worker.delta(), loss=stats.loss,
                                    compute_s=stats.compute_s, steps=stats.steps)
             result = await self._average(pending)
             if result.committed:
@@ -274,15 +240,15 @@ class Peer:
         """
         assert self.worker is not None
         worker, rounds = self.worker, self.cfg.diloco.rounds
-        unsent = _Unsent(trained=worker.has_local_progress())  # a resumed peer sends what it had trained
-        pending: _Pending | None = None
+        unsent = UnsentSteps(trained=worker.has_local_progress())  # a resumed peer sends what it had trained
+        pending: PendingRound | None = None
         while worker.round < rounds:
             if stop.is_set() and pending is None:  # an average in flight is finished first
                 return "signal"
             if pending is None:
                 # One round late: its steps are kept and sent with the next round (not retrained).
                 if await self._heal_if_behind(keep_progress_rounds=1) and not worker.has_local_progress():
-                    unsent = _Unsent()
+                    unsent = UnsentSteps()
                 if worker.round >= rounds:
                     break
                 if not unsent.trained:
@@ -290,7 +256,7 @@ class Peer:
                     if stats is None:
                         return "signal"
                     unsent.add(stats)
-                pending, unsent = self._launch(unsent), _Unsent()
+                pending, unsent = self._launch(unsent), UnsentSteps()
             result = None
             if worker.round + 1 < rounds:  # a next round to contribute to: train it meanwhile
                 result = await self._train_while_averaging(pending, unsent, stop)
@@ -308,28 +274,34 @@ class Peer:
             else:
                 pending = self._launch(unsent) if unsent.trained and worker.round < rounds else None
                 if pending is not None:
-                    unsent = _Unsent()
+                    unsent = UnsentSteps()
         await self._linger_for_stragglers(stop)
         return "done"
 
-    async def _train_while_averaging(self, pending: _Pending, unsent: _Unsent,
+    async def _train_while_averaging(self, pending: PendingRound, unsent: UnsentSteps,
                                      stop: asyncio.Event) -> AverageResult | None:
         """H inner steps in short chunks; `pending` is concluded between two chunks once it is done.
 
         After `diloco.overlap_max_steps` steps the peer waits for `pending` if it has not landed.
         Returns its result if it was concluded, None if a stop came first.
         """
-        assert self.worker is not None and pending.task is not None
+        assert self.worker is not None and self.plane is not None and pending.task is not None
         budget, lag = self.pace.budget(), self.cfg.diloco.overlap_max_steps
         chunk = max(1, math.ceil(self.cfg.diloco.inner_steps / OVERLAP_CHUNKS))
         result: AverageResult | None = None
-        while budget.steps_left() and not stop.is_set():
-            if result is None and (pending.task.done() or budget.steps >= lag):
+        matched = False
+        while not stop.is_set():
+            if result is None and (pending.task.done() or budget.steps >= lag or not budget.steps_left()):
                 result = await self._settle(pending)
                 budget.resize(self.pace.budget())  # the commit may have set a new span
-                continue
-            steps = min(chunk, budget.steps_left(), lag - budget.steps if result is None else chunk)
-            stats = await _interruptible(asyncio.to_thread(self.worker.train_inner, steps, budget=budget), stop)
+            match_at = budget.match_at_s() if result is not None and result.committed and not matched else None
+            if match_at is not None and budget.compute_s >= match_at:
+                await self.plane.prematch(self.worker.round, steps_per_s=budget.rate())
+                matched, match_at = True, None
+            if not budget.steps_left():
+                break
+            steps = chunk if result is not None else min(chunk, lag - budget.steps)
+            stats = await self._train(budget, stop, max_steps=steps, until_s=match_at)
             if stats is None:
                 break
             unsent.add(stats)
@@ -338,23 +310,47 @@ class Peer:
         return result
 
     async def _train_round(self, stop: asyncio.Event) -> InnerStats | None:
-        """One round's inner steps, as `diloco.pace` budgets them (None: `stop` came first)."""
-        assert self.worker is not None
-        budget = self.pace.budget()
-        return await _interruptible(asyncio.to_thread(self.worker.train_inner, budget.max_steps, budget=budget), stop)
+        """One round's inner steps, as `diloco.pace` budgets them (None: `stop` came first).
 
-    async def _settle(self, pending: _Pending) -> AverageResult:
+        A timed round enters matchmaking shortly before its span ends (`RoundBudget.match_at_s`).
+        """
+        assert self.worker is not None and self.plane is not None
+        budget = self.pace.budget()
+        match_at = budget.match_at_s()
+        first = await self._train(budget, stop, until_s=match_at)
+        if first is None or match_at is None:
+            return first
+        await self.plane.prematch(self.worker.round, steps_per_s=budget.rate())
+        if not budget.steps_left():
+            return first
+        rest = await self._train(budget, stop)
+        return None if rest is None else first + rest
+
+    async def _train(self, budget: RoundBudget, stop: asyncio.Event, *, max_steps: int = 0,
+                     until_s: float | None = None) -> InnerStats | None:
+        """At least one inner step, off the loop, until `budget` is spent, `max_steps` ran, or (when
+        given) `until_s` of the round's compute time has passed; None if `stop` came first."""
+        assert self.worker is not None
+        span = budget.span_s
+        budget.span_s = span if until_s is None else until_s
+        try:
+            steps = min(max(1, budget.steps_left()), max_steps or budget.max_steps)
+            return await interruptible(asyncio.to_thread(self.worker.train_inner, steps, budget=budget), stop)
+        finally:
+            budget.span_s = span
+
+    async def _settle(self, pending: PendingRound) -> AverageResult:
         assert pending.task is not None
         result, comm_s = await pending.task
         await self._conclude(pending, result, comm_s=comm_s)
         return result
 
-    def _launch(self, unsent: _Unsent) -> _Pending:
+    def _launch(self, unsent: UnsentSteps) -> PendingRound:
         """Start averaging Δ = θ_global − θ_local for the current round in the background."""
         assert self.worker is not None and self.plane is not None
         worker, plane = self.worker, self.plane
         delta, carry = worker.send_overlapped()
-        pending = _Pending(round=worker.round, delta=delta, loss=unsent.loss, compute_s=unsent.compute_s,
+        pending = PendingRound(round=worker.round, delta=delta, loss=unsent.loss, compute_s=unsent.compute_s,
                            steps=unsent.steps, carry=carry)
 
         async def timed() -> tuple[AverageResult, float]:
@@ -384,7 +380,7 @@ class Peer:
 
         await self._watch_peers(nobody_behind, deadline=deadline, stop=stop)
 
-    async def _average(self, pending: _Pending) -> AverageResult:
+    async def _average(self, pending: PendingRound) -> AverageResult:
         """One averaging attempt of the pending round; applies, reports and checkpoints a commit."""
         assert self.plane is not None
         self.phase = "averaging"
@@ -393,7 +389,7 @@ class Peer:
         await self._conclude(pending, result, comm_s=time.perf_counter() - start)
         return result
 
-    async def _conclude(self, pending: _Pending, result: AverageResult, *, comm_s: float) -> None:
+    async def _conclude(self, pending: PendingRound, result: AverageResult, *, comm_s: float) -> None:
         """Apply a commit, report the round (one line), checkpoint on schedule."""
         assert self.worker is not None and self.plane is not None
         worker = self.worker
@@ -404,7 +400,7 @@ class Peer:
             worker.apply(result, carry=pending.carry)
             self.pace.observe(result)
             self.plane.publish_state(self.current_state())
-            await self._beat()  # now, before evaluating: peers that missed the round look for it
+            self._beat_soon()  # now, not at the next tick: peers that missed the round look for it
             # Overlapped, θ_local holds newer steps than θ_global: score θ_global (two model copies).
             evaluate = worker.evaluate if pending.carry is None else worker.evaluate_global
             val_loss = await asyncio.to_thread(evaluate, self.val_batches)
@@ -469,6 +465,17 @@ class Peer:
             self.rounds_aborted += 1
             log.info("round %d aborted on %s", attempted, self._peer_id)
 
+    def _beat_soon(self) -> None:
+        """Publish the peer record in the background: a DHT store (~0.1 s) must not hold up the next round."""
+        previous = self._beat_task
+
+        async def beat() -> None:
+            if previous is not None:
+                await previous  # records land in the order they were made
+            await self._beat()
+
+        self._beat_task = asyncio.ensure_future(beat())
+
     async def _beat(self) -> None:
         # Publish the new round now, not at the next tick: laggards and joiners look for it.
         assert self.heartbeat is not None
@@ -516,7 +523,9 @@ class Peer:
             self.phase = "training"
             # No checkpoint here: it would delay joining the round the others are starting now; the
             # next commit checkpoints, and a crash before it just heals again.
-            await self._beat()
+            self._beat_soon()
+            assert self._beat_task is not None
+            await self._beat_task
             return True
         self.phase = "training"
         log.warning("behind the swarm (round %d < %d) but no donor delivered its state", self.worker.round, newest)
@@ -537,6 +546,9 @@ class Peer:
         """Leave: withdraw the peer record (departure), checkpoint, then stop rpc and the DHT."""
         self.phase = "leaving"
         path: Path | None = None
+        if self._beat_task is not None:
+            await self._beat_task  # bounded by the heartbeat's timeout; a record stored after the withdrawal
+            # would announce a departed peer until it expires
         if self.heartbeat is not None:
             await self.heartbeat.aclose(withdraw=True)
         if self.worker is not None:
@@ -570,16 +582,3 @@ class Peer:
             peer_id=self._peer_id, run_id=self.cfg.train.run_id, phase=self.phase, round=w.round if w else 0,
             state_hash=w.global_hash() if w else "", loss=self.last_loss, val_loss=self.last_val_loss,
             rounds_committed=self.rounds_committed, rounds_aborted=self.rounds_aborted)
-
-
-async def _interruptible(aw: Any, stop: asyncio.Event) -> Any:
-    """Await `aw` unless `stop` is set first (then wait for `aw` to finish and return None)."""
-    task = asyncio.ensure_future(aw)
-    stopper = asyncio.ensure_future(stop.wait())
-    done, _ = await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
-    stopper.cancel()
-    if task in done:
-        return task.result()
-    with contextlib.suppress(Exception):
-        await task  # a thread cannot be cancelled: let the inner steps finish before leaving
-    return None

@@ -74,6 +74,7 @@ class NetworkPlane:
         self.states = None if self.client_mode else StateServer(self.node)
         self._outcome: MatchOutcome | None = None
         self._steps_per_s = 0.0  # announced in this round's match entry
+        self._prematch: tuple[int, asyncio.Task[MatchOutcome]] | None = None
         a, r = cfg.averaging, cfg.rpc
         self._match_timeout_s = 4 * a.matchmaking_timeout_s + 4 * r.call_timeout_s + 2.0
         self._fetch_timeout_s = 4 * max(r.call_timeout_s, a.allreduce_timeout_s)
@@ -85,11 +86,31 @@ class NetworkPlane:
     def endpoint(self) -> str:
         return self.node.endpoint
 
+    def _member(self, steps_per_s: float) -> Member:
+        return Member(peer_id=self.discovery.peer_id, endpoint=self.endpoint, client_mode=self.client_mode,
+                      steps_per_s=steps_per_s)
+
+    async def prematch(self, round_index: int, *, steps_per_s: float) -> None:
+        self._cancel_prematch()
+        task = asyncio.ensure_future(self.matchmaker.form_group(round_index, self._member(steps_per_s)))
+        self._prematch = (round_index, task)
+
+    def _cancel_prematch(self) -> None:
+        """Drop a background matchmaking no `average` call took (on the loop)."""
+        if self._prematch is not None:
+            self._prematch[1].cancel()
+            self._prematch = None
+
     def _group(self, round_index: int) -> Group | None:
         """The averager's group provider: runs on its thread, matchmaking on the Peer's loop."""
-        member = Member(peer_id=self.discovery.peer_id, endpoint=self.endpoint, client_mode=self.client_mode,
-                        steps_per_s=self._steps_per_s)
-        future = asyncio.run_coroutine_threadsafe(self.matchmaker.form_group(round_index, member), self.loop)
+        prematch, self._prematch = self._prematch, None
+        if prematch is not None and prematch[0] == round_index:
+            future = asyncio.run_coroutine_threadsafe(_outcome_of(prematch[1]), self.loop)
+        else:
+            if prematch is not None:  # matched a round this peer no longer averages (it healed meanwhile)
+                self.loop.call_soon_threadsafe(prematch[1].cancel)
+            member = self._member(self._steps_per_s)
+            future = asyncio.run_coroutine_threadsafe(self.matchmaker.form_group(round_index, member), self.loop)
         try:
             self._outcome = future.result(timeout=self._match_timeout_s)
         except TimeoutError:
@@ -132,9 +153,14 @@ class NetworkPlane:
         return PeerState(round=snap.round, theta_global=theta, outer_momentum=momentum)
 
     async def aclose(self) -> None:
+        self._cancel_prematch()
         # Serve the means this peer reduced until its group has them (bounded), then stop.
         await asyncio.to_thread(self.averager.drain, timeout_s=self.cfg.averaging.contribution_window_s)
         await asyncio.to_thread(self.node.close)
+
+
+async def _outcome_of(task: asyncio.Task[MatchOutcome]) -> MatchOutcome:
+    return await task
 
 
 def _split(flat: torch.Tensor, shapes: Sequence[tuple[str, tuple[int, ...]]]) -> dict[str, torch.Tensor]:

@@ -39,6 +39,11 @@ class DataPlane(Protocol):
         """Round `round_index`'s group mean of `delta`; `steps_per_s` is announced to the group (diloco.pace)."""
         ...
 
+    async def prematch(self, round_index: int, *, steps_per_s: float) -> None:
+        """Start forming round `round_index`'s group now, in the background; the round's next
+        `average` call adopts it (a time-paced peer matches while its last inner steps run)."""
+        ...
+
     def publish_state(self, state: PeerState) -> None:
         """Serve `state` to joiners from now on (called after start, every commit and every heal)."""
         ...

@@ -20,11 +20,15 @@ from dataclasses import dataclass
 from swarmtrain.averaging.protocol import AverageResult
 from swarmtrain.config import DilocoConfig
 
-__all__ = ["PACE_MAX_STEPS_FACTOR", "Pace", "RoundBudget", "span_from_rates"]
+__all__ = ["PACE_MAX_STEPS_FACTOR", "PREMATCH_LEAD_S", "Pace", "RoundBudget", "span_from_rates"]
 
 log = logging.getLogger(__name__)
 
 PACE_MAX_STEPS_FACTOR = 4  # with pace "time", a peer takes at most this many times H steps in a round
+# With pace "time" a peer enters matchmaking this long before its span ends (at most a quarter of the
+# span), so the round's group is formed while its last inner steps run; every member ends its span
+# within a step of the others, so none of them waits long for the others' shards.
+PREMATCH_LEAD_S = 1.0
 
 
 @dataclass
@@ -43,6 +47,16 @@ class RoundBudget:
     def add(self, *, steps: int, compute_s: float) -> None:
         self.steps += steps
         self.compute_s += compute_s
+
+    def match_at_s(self) -> float | None:
+        """Compute time after which matchmaking starts (None: at the end of the round's steps)."""
+        if self.span_s is None:
+            return None
+        return self.span_s - min(PREMATCH_LEAD_S, self.span_s / 4)
+
+    def rate(self) -> float:
+        """Inner steps per second so far (0 before the first step)."""
+        return self.steps / self.compute_s if self.steps and self.compute_s > 0 else 0.0
 
     def resize(self, other: RoundBudget) -> None:
         """Take `other`'s limits, keeping what was spent (a span learned mid-round applies to it)."""

@@ -81,11 +81,6 @@ def _worker(cfg: RunConfig, tokens: torch.Tensor, *, index: int, num_workers: in
                         codec=codec, rng_seed=cfg.train.seed * 1000 + index)
 
 
-def _merge(a: InnerStats, b: InnerStats) -> InnerStats:
-    return InnerStats(steps=a.steps + b.steps, loss=(a.loss * a.steps + b.loss * b.steps) / (a.steps + b.steps),
-                      tokens=a.tokens + b.tokens, compute_s=a.compute_s + b.compute_s)
-
-
 def simulate_diloco(
     cfg: RunConfig,
     *,
@@ -139,7 +134,7 @@ def simulate_diloco(
             early = [w.train_inner(delay) for w in workers]
             commit(*inflight)
             inflight = None
-            stats = [_merge(e, w.train_inner(H - delay)) for e, w in zip(early, workers, strict=True)]
+            stats = [e + w.train_inner(H - delay) for e, w in zip(early, workers, strict=True)]
         else:
             stats = [w.train_inner() for w in workers]
         tokens += sum(s.tokens for s in stats)

@@ -48,6 +48,12 @@ class InnerStats:
     tokens: int
     compute_s: float
 
+    def __add__(self, other: InnerStats) -> InnerStats:
+        """Both runs of steps as one (the loss is the mean over all of their steps)."""
+        steps = self.steps + other.steps
+        return InnerStats(steps=steps, loss=(self.loss * self.steps + other.loss * other.steps) / steps,
+                          tokens=self.tokens + other.tokens, compute_s=self.compute_s + other.compute_s)
+
 
 @dataclass(frozen=True)
 class Carry:

@@ -89,6 +89,7 @@ class FakePlane:
         self.peer_id = peer_id
         self.endpoint = f"127.0.0.1:{20000 + len(services.states)}"
         self.published: PeerState | None = None
+        self.prematched: list[int] = []
         services.states[self.endpoint] = self.served
 
     def served(self) -> PeerState:
@@ -100,6 +101,9 @@ class FakePlane:
 
     async def average(self, round_index: int, delta: torch.Tensor, *, steps_per_s: float = 0.0) -> AverageResult:
         return await self.services.allreduce.average(self.peer_id, round_index, delta, steps_per_s=steps_per_s)
+
+    async def prematch(self, round_index: int, *, steps_per_s: float) -> None:
+        self.prematched.append(round_index)  # the windowed double forms its group when Δ arrives
 
     def unreported_bytes(self) -> tuple[int, int]:
         return 0, 0  # the double counts every byte in its round results

@@ -54,6 +54,11 @@ def test_time_paced_peers_split_each_round_by_speed_and_agree(tmp_path: Path, ov
         tasks = [asyncio.create_task(_run_slowed(peers["a"], stop, extra_s=0.0)),
                  asyncio.create_task(_run_slowed(peers["b"], stop, extra_s=SLOW_STEP_S))]
         assert await asyncio.wait_for(asyncio.gather(*tasks), timeout=90) == ["done", "done"]
+        for n, peer in peers.items():
+            # every round sized by a span entered matchmaking before its Δ was ready
+            prematched = peer.plane.prematched  # type: ignore[union-attr]
+            assert prematched == sorted(set(prematched)) and set(range(2, ROUNDS)) <= set(prematched) \
+                <= set(range(1, ROUNDS)), (n, prematched)
         return {n: [e for e in out.rounds() if e.committed] for n, out in outs.items()}
 
     rounds = asyncio.run(main())
