@@ -15,6 +15,8 @@ every process runs 1 torch thread and compute is oversubscribed ~2x (it slows ev
   sudo .venv/bin/python benchmarks/wan.py                      # 8 rounds from scratch, both rates
   sudo .venv/bin/python benchmarks/wan.py --rates 100mbit --arms ddp,int8-overlap,int8 --rounds 128 \
       --warm-start-steps 400 --outer-lr 1.0 --out benchmarks/results/wan-128rounds.json   # warm start, 128 steps
+  sudo .venv/bin/python benchmarks/wan.py --rates 100mbit --arms int8-time,int8-overlap-time --rounds 128 \
+      --warm-start-steps 400 --outer-lr 1.0 --merge --out benchmarks/results/wan-128rounds.json  # time-paced arms
   sudo .venv/bin/python benchmarks/wan.py --rates 100mbit --arms int8 --rounds 2   # a quick look
 """
 
