@@ -62,6 +62,8 @@ class Workload:
             f"model.preset={self.preset}", f"data.batch_size={self.batch_size}", f"data.seq_len={self.seq_len}",
             f"data.max_corpus_bytes={self.corpus_bytes}", f"diloco.rounds={self.rounds}",
             f"diloco.inner_steps={self.inner_steps}", "diloco.eval_batches=1", f"compress.codec={codec}",
+            # like the DDP ranks, peers do not score every round: the harness evaluates the final weights
+            "diloco.eval_every_rounds=0",
             f"train.seed={self.seed}", "train.threads=1",
         ]
         if self.init_from:

@@ -141,6 +141,10 @@ class DilocoConfig:
     inner_steps: int = 50
     rounds: int = 10
     eval_batches: int = 8
+    # The peer daemon scores θ_global on eval_batches after every this many committed rounds (its round
+    # lines' val_loss); 0 = never (a benchmark that evaluates the final weights itself). `simulate`
+    # evaluates every round.
+    eval_every_rounds: int = 1
     # Average round r's Δ while the first inner steps of round r+1 run (communication hidden behind
     # compute): θ_local starts round r+1 from the outer step applied to its own Δ, and the swarm's
     # mean corrects it when it lands. Off = classic DiLoCo (train, then wait for the average).
@@ -161,6 +165,7 @@ class DilocoConfig:
         _check(self.pace in ("steps", "time"), "diloco.pace", f"{self.pace!r} is not 'steps' or 'time'")
         _check(self.rounds >= 1, "diloco.rounds", "must be >= 1")
         _check(self.eval_batches >= 1, "diloco.eval_batches", "must be >= 1")
+        _check(self.eval_every_rounds >= 0, "diloco.eval_every_rounds", "must be >= 0")
         _check(self.overlap_max_steps >= 1, "diloco.overlap_max_steps", "must be >= 1")
 
 

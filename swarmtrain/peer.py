@@ -5,8 +5,9 @@ from checkpoint) -> gRPC server (all-reduce shards, state transfer) -> heartbeat
 Each round: heal if the swarm is ahead, inner steps off the event loop (H of them, or with
 `diloco.pace=time` a span shared by the group, whose matchmaking starts during the last steps),
 average Δ, apply, print one round line, checkpoint, refresh the peer record in the background
-(with `diloco.overlap` the average runs during the next round's first inner steps). Stop (a signal via peer_process.py, rounds done or an
-error): withdraw the peer record (departure), checkpoint, close the data plane, stop the DHT.
+(with `diloco.overlap` the average runs during the next round's first inner steps).
+Stop (a signal via peer_process.py, rounds done or an error): withdraw the peer record
+(departure), checkpoint, close the data plane, stop the DHT.
 """
 
 from __future__ import annotations
@@ -301,7 +302,7 @@ class Peer:
                 budget.resize(self.pace.budget())  # the commit may have set a new span
             match_at = budget.match_at_s() if result is not None and result.committed and not matched else None
             if match_at is not None and budget.compute_s >= match_at:
-                await self.plane.prematch(self.worker.round, steps_per_s=budget.rate())
+                await self.plane.prematch(self.worker.round, steps_per_s=self.pace.prematch_rate(budget))
                 matched, match_at = True, None
             if not budget.steps_left():
                 break
@@ -325,7 +326,7 @@ class Peer:
         first = await self._train(budget, stop, until_s=match_at)
         if first is None or match_at is None:
             return first
-        await self.plane.prematch(self.worker.round, steps_per_s=budget.rate())
+        await self.plane.prematch(self.worker.round, steps_per_s=self.pace.prematch_rate(budget))
         if not budget.steps_left():
             return first
         rest = await self._train(budget, stop)
@@ -363,6 +364,7 @@ class Peer:
             result = await plane.average(pending.round, pending.delta, steps_per_s=pending.steps_per_s)
             return result, time.perf_counter() - start
 
+        self.pace.last_rate = pending.steps_per_s or self.pace.last_rate
         pending.task = asyncio.ensure_future(timed())
         return pending
 
@@ -389,6 +391,7 @@ class Peer:
         """One averaging attempt of the pending round; applies, reports and checkpoints a commit."""
         assert self.plane is not None
         self.phase = "averaging"
+        self.pace.last_rate = pending.steps_per_s or self.pace.last_rate
         start = time.perf_counter()
         result = await self.plane.average(pending.round, pending.delta, steps_per_s=pending.steps_per_s)
         await self._conclude(pending, result, comm_s=time.perf_counter() - start)
@@ -406,9 +409,11 @@ class Peer:
             self.pace.observe(result)
             self.plane.publish_state(self.current_state())
             self._beat_soon()  # now, not at the next tick: peers that missed the round look for it
-            # Overlapped, θ_local holds newer steps than θ_global: score θ_global (two model copies).
-            evaluate = worker.evaluate if pending.carry is None else worker.evaluate_global
-            val_loss = await asyncio.to_thread(evaluate, self.val_batches)
+            every = self.cfg.diloco.eval_every_rounds
+            if every and worker.round % every == 0:
+                # Overlapped, θ_local holds newer steps than θ_global: score θ_global (two model copies).
+                evaluate = worker.evaluate if pending.carry is None else worker.evaluate_global
+                val_loss = await asyncio.to_thread(evaluate, self.val_batches)
         elif pending.carry is not None:
             worker.apply(result, carry=pending.carry)  # overlapped: the aborted Δ goes back into θ_local
         self._after_round(pending.round, result.committed, pending.loss, val_loss)

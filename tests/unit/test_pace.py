@@ -62,6 +62,15 @@ def test_pace_learns_the_span_from_committed_rounds_only() -> None:
     assert fixed.budget() == RoundBudget(max_steps=10)
 
 
+def test_matching_early_announces_the_last_whole_rounds_rate() -> None:
+    pace = Pace(load_config(overrides=["diloco.pace=time"]).diloco)
+    budget = RoundBudget(max_steps=200, span_s=10.0)
+    budget.add(steps=40, compute_s=5.0)
+    assert pace.prematch_rate(budget) == 8.0, "no whole round yet: the rate so far"
+    pace.last_rate = 7.5
+    assert pace.prematch_rate(budget) == 7.5
+
+
 def test_pace_must_be_steps_or_time() -> None:
     with pytest.raises(ConfigError, match=r"diloco\.pace"):
         load_config(overrides=["diloco.pace=fast"])
