@@ -364,7 +364,6 @@ class Peer:
             result = await plane.average(pending.round, pending.delta, steps_per_s=pending.steps_per_s)
             return result, time.perf_counter() - start
 
-        self.pace.last_rate = pending.steps_per_s or self.pace.last_rate
         pending.task = asyncio.ensure_future(timed())
         return pending
 
@@ -391,7 +390,6 @@ class Peer:
         """One averaging attempt of the pending round; applies, reports and checkpoints a commit."""
         assert self.plane is not None
         self.phase = "averaging"
-        self.pace.last_rate = pending.steps_per_s or self.pace.last_rate
         start = time.perf_counter()
         result = await self.plane.average(pending.round, pending.delta, steps_per_s=pending.steps_per_s)
         await self._conclude(pending, result, comm_s=time.perf_counter() - start)
@@ -407,6 +405,7 @@ class Peer:
             # On the loop thread, never during inner steps: state transfers never see a half-applied step.
             worker.apply(result, carry=pending.carry)
             self.pace.observe(result)
+            self.pace.last_rate = pending.steps_per_s or self.pace.last_rate
             self.plane.publish_state(self.current_state())
             self._beat_soon()  # now, not at the next tick: peers that missed the round look for it
             every = self.cfg.diloco.eval_every_rounds
