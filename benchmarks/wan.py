@@ -55,6 +55,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--outer-lr", type=float, default=0.0, help="outer.lr of the DiLoCo arms (default: the config's)")
     p.add_argument("--diloco-set", dest="diloco_overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="extra run config of the DiLoCo arms, e.g. diloco.overlap_max_steps=8")
+    p.add_argument("--ddp-set", dest="ddp_overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="extra run config of the DDP arm (not of the warm start), e.g. inner.lr=6e-3")
     p.add_argument("--matchmaking-s", type=float, default=3.0,
                    help="averaging.matchmaking_timeout_s (with early close, only how long stragglers get)")
     p.add_argument("--overlap-matchmaking-s", type=float, default=20.0,
@@ -75,7 +77,8 @@ def run_arm(arm: str, rate: str, workload: Workload, args: argparse.Namespace, o
     link = LinkSpec(rate_bit_s=parse_rate(rate))
     with Testbed(args.name, num_hosts=args.hosts, link=link) as tb:
         if arm == "ddp":
-            return run_ddp(tb, workload, out_dir=out_dir, timeout_s=args.timeout_s)
+            return {"overrides": args.ddp_overrides,
+                    **run_ddp(tb, workload, out_dir=out_dir, timeout_s=args.timeout_s, extra_run=args.ddp_overrides)}
         before = read_counters(tb.name)
         codec, *modes = arm.split("-")
         window_s = args.overlap_matchmaking_s if "overlap" in modes else args.matchmaking_s
@@ -84,7 +87,7 @@ def run_arm(arm: str, rate: str, workload: Workload, args: argparse.Namespace, o
                  f"diloco.pace={'time' if 'time' in modes else 'steps'}", *args.diloco_overrides]
         run = start_diloco(tb, workload, codec=codec, out_dir=out_dir, extra_run=extra)
         try:
-            return {"arm": arm, **finish_diloco(run, workload, timeout_s=args.timeout_s, before=before)}
+            return {"arm": arm, "overrides": extra, **finish_diloco(run, workload, timeout_s=args.timeout_s, before=before)}
         finally:
             run.swarm.close()
 
@@ -196,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{time.strftime('%H:%M:%S')}] {rate} {arm} ...", flush=True)
             result = {"rate": rate, **run_arm(arm, rate, workload, args, work_dir / f"{rate}-{arm}")}
             result["harness_s"] = time.perf_counter() - t0
+            result["command"] = " ".join(sys.argv)  # --merge keeps other invocations' arms: each says how it ran
             results.append(result)
             out.write_text(json.dumps(doc, indent=1))  # after every arm: partial results survive
             print(f"  wall {result['wall_s']:.1f}s val {result['val_loss']:.4f}", flush=True)

@@ -130,12 +130,16 @@ def _counters_summary(before: dict[int, HostCounters], after: dict[int, HostCoun
 # ---------------------------------------------------------------------------------------------- DDP
 
 
-def run_ddp(tb: Testbed, workload: Workload, *, out_dir: Path, timeout_s: float) -> dict[str, Any]:
-    """K gloo ranks, one per host, `rounds x H` steps each; returns wall, utilization, bytes, val loss."""
+def run_ddp(tb: Testbed, workload: Workload, *, out_dir: Path, timeout_s: float,
+            extra_run: list[str] | None = None) -> dict[str, Any]:
+    """K gloo ranks, one per host, `rounds x H` steps each; returns wall, utilization, bytes, val loss.
+
+    `extra_run` is config for the ranks on top of the workload's (e.g. their own inner.lr); the warm
+    start they continue from is the workload's either way."""
     out_dir.mkdir(parents=True, exist_ok=True)
     weights = out_dir / "ddp_final.pt"
     steps = workload.rounds * workload.inner_steps
-    sets = [x for o in workload.run_overrides() for x in ("--set", o)]
+    sets = [x for o in [*workload.run_overrides(), *(extra_run or [])] for x in ("--set", o)]
     env = {"GLOO_SOCKET_IFNAME": tb.host(0).dev, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     before = read_counters(tb.name)
     start = time.perf_counter()
