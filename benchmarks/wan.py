@@ -17,6 +17,8 @@ every process runs 1 torch thread and compute is oversubscribed ~2x (it slows ev
       --warm-start-steps 400 --outer-lr 1.0 --out benchmarks/results/wan-128rounds.json   # warm start, 128 steps
   sudo .venv/bin/python benchmarks/wan.py --rates 100mbit --arms int8-time,int8-overlap-time --rounds 128 \
       --warm-start-steps 400 --outer-lr 1.0 --merge --out benchmarks/results/wan-128rounds.json  # time-paced arms
+  sudo .venv/bin/python benchmarks/wan.py --rates 100mbit --arms ddp --rounds 128 --warm-start-steps 400 \
+      --ddp-set inner.lr=6e-3 --out benchmarks/results/wan-ddp-lr6e-3.json   # DDP at its own tuned lr
   sudo .venv/bin/python benchmarks/wan.py --rates 100mbit --arms int8 --rounds 2   # a quick look
 """
 
