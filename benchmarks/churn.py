@@ -40,6 +40,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--inner-steps", type=int, default=50)
+    p.add_argument("--peer-data", choices=("sharded", "independent"), default="sharded",
+                   help="sharded (default): peer k reads DDP rank k's slot of the data; independent: each peer "
+                        "its own permutation, like an open swarm with no roster")
     p.add_argument("--kill-after", type=int, default=2, help="K1: SIGKILL p3 after this round commits")
     p.add_argument("--stop-after", type=int, default=5, help="K2: SIGSTOP p2 after this round commits")
     p.add_argument("--stop-rounds", type=int, default=2, help="rounds p0 commits while p2 is stopped")
@@ -132,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 < args.kill_after < args.stop_after < args.rounds - args.stop_rounds - 1:
         raise SystemExit("need 0 < --kill-after < --stop-after < --rounds - --stop-rounds - 1")
     workload = Workload(preset=args.preset, batch_size=args.batch_size, seq_len=args.seq_len, rounds=args.rounds,
-                        inner_steps=args.inner_steps, num_peers=4)
+                        inner_steps=args.inner_steps, num_peers=4, peer_data=args.peer_data)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     work = out.parent / f"{out.stem}-runs"

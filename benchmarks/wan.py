@@ -54,6 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hosts", type=int, default=4)
     p.add_argument("--warm-start-steps", type=int, default=0,
                    help="every arm continues from one checkpoint of this many DDP steps (made in-process first)")
+    p.add_argument("--peer-data", choices=("sharded", "independent"), default="sharded",
+                   help="sharded (default): peer k reads DDP rank k's slot of the data; independent: each peer "
+                        "its own permutation, like an open swarm with no roster")
     p.add_argument("--outer-lr", type=float, default=0.0, help="outer.lr of the DiLoCo arms (default: the config's)")
     p.add_argument("--diloco-set", dest="diloco_overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="extra run config of the DiLoCo arms, e.g. diloco.overlap_max_steps=8")
@@ -182,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--arms: unknown {sorted(set(arms) - set(ARMS))}; choose from {ARMS}")
     workload = Workload(preset=args.preset, batch_size=args.batch_size, seq_len=args.seq_len, rounds=args.rounds,
                         inner_steps=args.inner_steps, num_peers=args.hosts, warm_start_steps=args.warm_start_steps,
-                        outer_lr=args.outer_lr)
+                        outer_lr=args.outer_lr, peer_data=args.peer_data)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     work_dir = out.parent / f"{out.stem}-runs"

@@ -56,6 +56,9 @@ class Workload:
     warm_start_steps: int = 0
     init_from: str = ""  # the warm-start checkpoint (model.init_from), made by `make_warm_start`
     outer_lr: float = 0.0  # 0 = the config default
+    # "sharded": peer k reads DDP rank k's slot of the one permutation (data.num_shards, --shard-index),
+    # so every arm reads the same windows; "independent": each peer its own permutation (an open swarm).
+    peer_data: str = "sharded"
 
     def run_overrides(self, *, codec: str = "fp32") -> list[str]:
         out = [
@@ -66,8 +69,12 @@ class Workload:
             "diloco.eval_every_rounds=0",
             f"train.seed={self.seed}", "train.threads=1",
         ]
-        if self.init_from:
-            out.append(f"model.init_from={self.init_from}")
+        if self.init_from:  # peers go on from where the warm start left the stream, like the DDP ranks
+            out += [f"model.init_from={self.init_from}", f"data.start_step={self.warm_start_steps}"]
+        if self.peer_data == "sharded":
+            out.append(f"data.num_shards={self.num_peers}")
+        elif self.peer_data != "independent":
+            raise ValueError(f"peer_data {self.peer_data!r} is not 'sharded' or 'independent'")
         if self.outer_lr:
             out.append(f"outer.lr={self.outer_lr!r}")
         return out
@@ -183,10 +190,12 @@ class DilocoRun:
     hosts: dict[str, int]
     checkpoint_dirs: dict[str, Path]
     peer_args: list[str] = field(default_factory=list)
+    shards: dict[str, int] = field(default_factory=dict)  # a sharded run: each peer's slot, kept across restarts
 
     def restart(self, name: str) -> None:
+        shard = ["--shard-index", str(self.shards[name])] if name in self.shards else []
         self.swarm.start_peer(name, host=self.hosts[name], checkpoint_dir=self.checkpoint_dirs[name],
-                              extra=self.peer_args)
+                              extra=[*self.peer_args, *shard])
 
 
 def start_diloco(tb: Testbed, workload: Workload, *, codec: str, out_dir: Path,
@@ -205,7 +214,8 @@ def start_diloco(tb: Testbed, workload: Workload, *, codec: str, out_dir: Path,
     swarm.start_coordinator(host=0, timeout_s=120)
     names = {f"p{i}": i for i in range(workload.num_peers)}
     run = DilocoRun(swarm, names, {n: out_dir / f"ckpt-{n}" for n in names},
-                    peer_args=["--set", f"checkpoint.every_rounds={checkpoint_every}"])
+                    peer_args=["--set", f"checkpoint.every_rounds={checkpoint_every}"],
+                    shards=dict(names) if workload.peer_data == "sharded" else {})
     for name in names:
         run.restart(name)
     held = []

@@ -87,12 +87,25 @@ class DataConfig:
     batch_size: int = 8
     seq_len: int = 128
     max_corpus_bytes: int = 0  # 0 = no cap; tests and demos cap the stdlib corpus for speed
+    # How peers split the stream. 0: each peer reads its own seeded permutation (an open swarm, no
+    # roster). K > 0: one permutation of the run's seed cut into K disjoint slots, and each peer reads
+    # the slot its own (local) `shard_index` names, so K peers together read what data-parallel
+    # training over K ranks reads, never a window twice in an epoch.
+    num_shards: int = 0
+    shard_index: int = -1  # a peer's own setting; -1 = none (required when the run has num_shards > 0)
+    # Steps of its stream a fresh peer skips: those a `model.init_from` checkpoint was trained on.
+    start_step: int = 0
 
     def __post_init__(self) -> None:
         _check(0.0 < self.val_fraction < 1.0, "data.val_fraction", "must be in (0, 1)")
         _check(self.batch_size >= 1, "data.batch_size", "must be >= 1")
         _check(self.seq_len >= 1, "data.seq_len", "must be >= 1")
         _check(self.max_corpus_bytes >= 0, "data.max_corpus_bytes", "must be >= 0")
+        _check(self.num_shards >= 0, "data.num_shards", "must be >= 0 (0 = each peer its own permutation)")
+        _check(self.shard_index >= -1, "data.shard_index", "must be >= 0, or -1 for none")
+        _check(self.num_shards == 0 or self.shard_index < self.num_shards, "data.shard_index",
+               f"{self.shard_index} is not below data.num_shards={self.num_shards}")
+        _check(self.start_step >= 0, "data.start_step", "must be >= 0")
 
 
 @dataclass(frozen=True)

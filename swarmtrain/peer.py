@@ -51,12 +51,14 @@ log = logging.getLogger(__name__)
 # Sections a peer owns itself; every other section is the run's and comes from the coordinator.
 LOCAL_SECTIONS = ("discovery", "rpc", "checkpoint")
 LOCAL_TRAIN_KEYS = ("device", "threads")
+LOCAL_DATA_KEYS = ("shard_index",)  # which slot of a sharded run's stream this peer reads
 RUN_FETCH_TIMEOUT_S = 60.0
 OVERLAP_CHUNKS = 25  # diloco.overlap: a round's inner steps run in this many chunks; an average lands between two
 
 
 def merge_run_config(swarm: RunConfig, local: RunConfig, *, local_overrides: Sequence[str] = ()) -> RunConfig:
-    """The swarm's run config with this peer's local sections (discovery, rpc, checkpoint, device, threads).
+    """The swarm's run config with this peer's local sections (discovery, rpc, checkpoint, device, threads,
+    data.shard_index).
 
     A `--set` of a run-wide field (model, data, optimizers, ...) is an error: it would make this peer
     train a different model than the swarm, so it must be set on the coordinator instead.
@@ -64,13 +66,19 @@ def merge_run_config(swarm: RunConfig, local: RunConfig, *, local_overrides: Seq
     for text in local_overrides:
         section, _, rest = text.partition(".")
         key = rest.partition("=")[0].strip()
-        if section not in LOCAL_SECTIONS and not (section == "train" and key in LOCAL_TRAIN_KEYS):
+        if section not in LOCAL_SECTIONS and not (section == "train" and key in LOCAL_TRAIN_KEYS) \
+                and not (section == "data" and key in LOCAL_DATA_KEYS):
             raise ConfigError(f"{section}.{key}: comes from the swarm's run config; set it on the coordinator "
-                              f"(a peer may set {', '.join(LOCAL_SECTIONS)} and train.device/threads)")
+                              f"(a peer may set {', '.join(LOCAL_SECTIONS)}, train.device/threads and "
+                              "data.shard_index)")
     local_dict = to_dict(local)
     merged: dict[str, Any] = {s: local_dict[s] for s in LOCAL_SECTIONS}
     merged["train"] = {k: local_dict["train"][k] for k in LOCAL_TRAIN_KEYS}
-    return swarm.replace(**merged)
+    merged["data"] = {k: local_dict["data"][k] for k in LOCAL_DATA_KEYS}
+    try:
+        return swarm.replace(**merged)
+    except ConfigError as e:  # e.g. a shard index the run's data.num_shards does not have
+        raise ConfigError(f"this peer's settings do not fit the swarm's run: {e}") from e
 
 
 def _data_seed(run_seed: int, peer_id: str) -> int:
@@ -157,13 +165,27 @@ class Peer:
     def _build_worker(self, peer_id: str, codec: Codec) -> DilocoWorker:
         cfg = self.cfg
         corpus = load_corpus(cfg.data)
-        batches = ShardedBatches(corpus.train, worker_index=0, num_workers=1, batch_size=cfg.data.batch_size,
-                                 seq_len=cfg.data.seq_len, seed=_data_seed(cfg.train.seed, peer_id))
+        batches = self._batches(corpus.train, peer_id)
         self.val_batches = eval_batches(corpus.val, batch_size=cfg.data.batch_size, seq_len=cfg.data.seq_len,
                                         num_batches=cfg.diloco.eval_batches)
         model = build_model(cfg.model, seed=cfg.train.seed)  # every peer starts from the same θ
         return DilocoWorker(cfg, model=model, batches=batches, device=resolve_device(cfg.train.device),
                             codec=codec, rng_seed=_data_seed(cfg.train.seed + 1, peer_id))
+
+    def _batches(self, train: torch.Tensor, peer_id: str) -> ShardedBatches:
+        data = self.cfg.data
+        if data.num_shards == 0:
+            if data.shard_index >= 0:
+                raise PeerError(f"data.shard_index={data.shard_index} is set, but run {self.cfg.train.run_id!r} does "
+                                "not shard its data (data.num_shards=0): every peer reads its own permutation")
+            slot, slots, seed = 0, 1, _data_seed(self.cfg.train.seed, peer_id)
+        elif data.shard_index < 0:
+            raise PeerError(f"run {self.cfg.train.run_id!r} shards its data into data.num_shards={data.num_shards}: "
+                            f"start this peer with --set data.shard_index=K, K in [0, {data.num_shards})")
+        else:
+            slot, slots, seed = data.shard_index, data.num_shards, self.cfg.train.seed
+        return ShardedBatches(train, worker_index=slot, num_workers=slots, batch_size=data.batch_size,
+                              seq_len=data.seq_len, seed=seed, position=data.start_step)
 
     def _resume(self) -> None:
         assert self.worker is not None
@@ -178,7 +200,7 @@ class Peer:
         try:
             self.worker.load_state_dict(loaded.tensors, loaded.meta["worker"])
         except (KeyError, ValueError) as e:
-            raise PeerError(f"{loaded.path}: checkpoint does not fit this run's model: {e}") from e
+            raise PeerError(f"{loaded.path}: checkpoint does not fit this run (model or data layout): {e}") from e
         log.info("resumed from %s at round %d", loaded.path, self.worker.round)
 
     def current_state(self) -> PeerState:

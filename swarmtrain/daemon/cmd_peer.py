@@ -24,6 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="behind NAT: only dial out; contribute and receive but never reduce")
     parser.add_argument("--nat-port-map", action="store_true",
                         help="let the DHT ask the home router for a port mapping (UPnP/NAT-PMP)")
+    parser.add_argument("--shard-index", type=int, metavar="K",
+                        help="in a run with data.num_shards > 0: the slot of the data stream this peer reads")
     parser.add_argument("--coordinator-id", help="the coordinator's peer id, if several publish this run")
     add_config_options(parser)
 
@@ -49,6 +51,8 @@ def local_overrides(args: argparse.Namespace) -> list[str]:
         out.append("discovery.client_mode=true")
     if args.nat_port_map:
         out.append("discovery.nat_port_map=true")
+    if args.shard_index is not None:
+        out.append(f"data.shard_index={args.shard_index}")
     return out
 
 

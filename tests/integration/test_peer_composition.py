@@ -20,8 +20,10 @@ import torch
 from swarmtrain.averaging.protocol import AverageResult
 from swarmtrain.compress import Codec
 from swarmtrain.config import ConfigError, DiscoveryConfig, RunConfig, load_config, to_dict
+from swarmtrain.data import ShardedBatches, load_corpus
 from swarmtrain.discovery import Discovery, InMemoryDiscovery, InMemoryRegistry, PeerRecord, RunRecord
 from swarmtrain.peer import Peer, PeerState, merge_run_config
+from swarmtrain.peer_services import PeerError
 from swarmtrain.telemetry import EventWriter, HealEvent, LeaveEvent, ReadyLine, RoundEvent, parse_line
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -317,3 +319,49 @@ def test_merge_keeps_local_sections_and_refuses_run_wide_overrides() -> None:
     assert merged.train.threads == 1
     with pytest.raises(ConfigError, match=r"model\.preset"):
         merge_run_config(swarm, local, local_overrides=["model.preset=tiny"])
+
+
+def test_merge_takes_the_peers_shard_index_and_refuses_one_the_run_has_not() -> None:
+    swarm = load_config(overrides=["data.num_shards=4", "data.batch_size=2"])
+    local = load_config(overrides=["data.shard_index=3"])
+    merged = merge_run_config(swarm, local, local_overrides=["data.shard_index=3"])
+    assert (merged.data.num_shards, merged.data.shard_index, merged.data.batch_size) == (4, 3, 2)
+    with pytest.raises(ConfigError, match=r"data\.shard_index: 4 is not below data\.num_shards=4"):
+        merge_run_config(swarm, load_config(overrides=["data.shard_index=4"]), local_overrides=["data.shard_index=4"])
+    with pytest.raises(ConfigError, match=r"data\.batch_size"):
+        merge_run_config(swarm, local, local_overrides=["data.batch_size=8"])
+
+
+def test_peers_of_a_sharded_run_read_the_data_parallel_slots_from_the_start_step(tmp_path: Path) -> None:
+    """num_shards=2, start_step=7: peer k reads DDP rank k's windows from step 7 on; the slots never overlap."""
+
+    async def main() -> None:
+        registry = InMemoryRegistry()
+        cfg = load_config(overrides=[*RUN, "data.num_shards=2", "data.start_step=7", "train.seed=3"])
+        await _publish_run(registry, cfg)
+        services = InMemoryServices(registry, window_s=0.1)
+        train = load_corpus(cfg.data).train
+        seen: list[set[int]] = []
+        for k in (0, 1):
+            mine = f"data.shard_index={k}"
+            peer = Peer(load_config(overrides=[mine]), writer=EventWriter(Out()), services=services,
+                        local_overrides=[mine])
+            await peer.start()
+            try:
+                assert peer.worker is not None
+                batches = peer.worker.batches
+                assert isinstance(batches, ShardedBatches) and batches.position == 7
+                rank = ShardedBatches(train, worker_index=k, num_workers=2, batch_size=4, seq_len=32, seed=3)
+                for step in range(7, 40):
+                    assert torch.equal(batches.windows_at(step), rank.windows_at(step))
+                seen.append({int(w) for step in range(7, 40) for w in batches.windows_at(step)})
+            finally:
+                await peer.aclose("signal")
+        assert len(seen[0]) == len(seen[1]) == 33 * 4 and not seen[0] & seen[1]
+
+        no_index = Peer(_local(None), writer=EventWriter(Out()), services=services)
+        with pytest.raises(PeerError, match=r"data\.num_shards=2: start this peer with --set data\.shard_index"):
+            await no_index.start()
+        await no_index.aclose("error")
+
+    asyncio.run(main())

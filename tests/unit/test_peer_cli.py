@@ -15,7 +15,7 @@ def test_peer_flags_become_local_config_overrides() -> None:
     args = build_parser().parse_args([
         "peer", "--join", "/ip4/1.2.3.4/tcp/1/p2p/QmX", "--join", "/ip4/5.6.7.8/tcp/2/p2p/QmY",
         "--host", "0.0.0.0", "--port", "5000", "--dht-port", "6000", "--announce", "203.0.113.7:5000",
-        "--checkpoint-dir", "/tmp/ck", "--client-mode", "--set", "train.threads=2",
+        "--checkpoint-dir", "/tmp/ck", "--client-mode", "--shard-index", "2", "--set", "train.threads=2",
     ])
     cfg = load_config(overrides=[*local_overrides(args), *args.overrides])
     assert cfg.discovery.initial_peers == ("/ip4/1.2.3.4/tcp/1/p2p/QmX", "/ip4/5.6.7.8/tcp/2/p2p/QmY")
@@ -23,7 +23,7 @@ def test_peer_flags_become_local_config_overrides() -> None:
     assert (cfg.discovery.host, cfg.discovery.port) == ("0.0.0.0", 6000)
     assert cfg.discovery.announce_maddrs == ("/ip4/203.0.113.7/tcp/6000",)
     assert cfg.checkpoint.dir == "/tmp/ck" and cfg.discovery.client_mode and not cfg.discovery.nat_port_map
-    assert cfg.train.threads == 2
+    assert cfg.train.threads == 2 and cfg.data.shard_index == 2
 
 
 def test_peer_needs_join_and_defaults_stay_loopback() -> None:
