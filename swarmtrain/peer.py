@@ -129,6 +129,7 @@ class Peer:
         self.cfg = merge_run_config(await self._fetch_run(), self.local, local_overrides=self.local_overrides)
         if self.cfg.train.threads:
             torch.set_num_threads(self.cfg.train.threads)
+        await self._check_shard_free(discovery)
         self.pace = Pace(self.cfg.diloco)
         codec = codec_from_config(self.cfg.compress, seed=_data_seed(self.cfg.train.seed + 2, discovery.peer_id))
         self.worker = await asyncio.to_thread(self._build_worker, discovery.peer_id, codec)
@@ -161,6 +162,17 @@ class Peer:
                 raise PeerError(f"no run record for run {self.local.train.run_id!r} found in the swarm within "
                                 f"{RUN_FETCH_TIMEOUT_S:.0f}s (is --join a live coordinator, is train.run_id right?)")
             await asyncio.sleep(0.5)
+
+    async def _check_shard_free(self, discovery: Discovery) -> None:
+        # Two peers on one slot would read the same windows. Best effort: two starting at once both pass.
+        mine = self.cfg.data.shard_index
+        if self.cfg.data.num_shards == 0 or mine < 0:
+            return
+        peers = await discovery.live_peers(timeout_s=self.cfg.rpc.call_timeout_s)
+        taken = sorted(p.peer_id for p in peers if p.shard_index == mine and p.peer_id != discovery.peer_id)
+        if taken:
+            raise PeerError(f"data shard {mine} of {self.cfg.data.num_shards} is already read by live peer "
+                            f"{taken[0]}: start this peer with another --shard-index")
 
     def _build_worker(self, peer_id: str, codec: Codec) -> DilocoWorker:
         cfg = self.cfg
@@ -215,7 +227,7 @@ class Peer:
         return PeerRecord(run_id=self.cfg.train.run_id, peer_id=self.discovery.peer_id,
                           endpoint="" if self.cfg.discovery.client_mode else self.endpoint, role="worker",
                           client_mode=self.cfg.discovery.client_mode, round=self.worker.round,
-                          state_hash=self.worker.global_hash())
+                          state_hash=self.worker.global_hash(), shard_index=self.cfg.data.shard_index)
 
     # ------------------------------------------------------------------ rounds
 

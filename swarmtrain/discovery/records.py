@@ -62,6 +62,13 @@ def _float(kind: str, d: Mapping[str, Any], name: str) -> float:
     return float(v)
 
 
+def _shard_index(kind: str, d: Mapping[str, Any]) -> int:
+    v = d.get("shard_index", -1)  # absent in records of peers from before data shards
+    if not isinstance(v, int) or isinstance(v, bool) or v < -1:
+        raise _field(kind, "shard_index", f"expected an int >= -1, got {v!r}")
+    return v
+
+
 def _bool(kind: str, d: Mapping[str, Any], name: str) -> bool:
     v = d.get(name)
     if not isinstance(v, bool):
@@ -209,8 +216,11 @@ class PeerRecord(Record):
     throughput_tokens_per_s: float = 0.0
     bandwidth_bytes_per_s: float = 0.0
     heartbeat_at: float = 0.0  # unix seconds
+    shard_index: int = -1  # the data slot it reads in a run with data.num_shards > 0; -1 = none
 
     def __post_init__(self) -> None:
+        if self.shard_index < -1:
+            raise _field(self.KIND, "shard_index", f"expected an int >= -1, got {self.shard_index}")
         if self.role not in ROLES:
             raise _field(self.KIND, "role", f"{self.role!r} is not one of {ROLES}")
         if not _HEX_RE.match(self.state_hash):
@@ -229,7 +239,8 @@ class PeerRecord(Record):
         return {"run_id": self.run_id, "peer_id": self.peer_id, "endpoint": self.endpoint, "role": self.role,
                 "client_mode": self.client_mode, "round": self.round, "state_hash": self.state_hash,
                 "throughput_tokens_per_s": self.throughput_tokens_per_s,
-                "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s, "heartbeat_at": self.heartbeat_at}
+                "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s, "heartbeat_at": self.heartbeat_at,
+                "shard_index": self.shard_index}
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> PeerRecord:
@@ -239,7 +250,7 @@ class PeerRecord(Record):
                    state_hash=_str(k, d, "state_hash"),
                    throughput_tokens_per_s=_float(k, d, "throughput_tokens_per_s"),
                    bandwidth_bytes_per_s=_float(k, d, "bandwidth_bytes_per_s"),
-                   heartbeat_at=_float(k, d, "heartbeat_at"))
+                   heartbeat_at=_float(k, d, "heartbeat_at"), shard_index=_shard_index(k, d))
 
 
 @dataclass(frozen=True)

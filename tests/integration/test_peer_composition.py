@@ -333,7 +333,9 @@ def test_merge_takes_the_peers_shard_index_and_refuses_one_the_run_has_not() -> 
 
 
 def test_peers_of_a_sharded_run_read_the_data_parallel_slots_from_the_start_step(tmp_path: Path) -> None:
-    """num_shards=2, start_step=7: peer k reads DDP rank k's windows from step 7 on; the slots never overlap."""
+    """num_shards=2, start_step=7: peer k reads DDP rank k's windows from step 7 on; the slots never overlap.
+
+    A peer is refused a slot that a live peer reads, and a sharded run refuses a peer with no slot."""
 
     async def main() -> None:
         registry = InMemoryRegistry()
@@ -358,6 +360,16 @@ def test_peers_of_a_sharded_run_read_the_data_parallel_slots_from_the_start_step
             finally:
                 await peer.aclose("signal")
         assert len(seen[0]) == len(seen[1]) == 33 * 4 and not seen[0] & seen[1]
+
+        first = Peer(load_config(overrides=["data.shard_index=1"]), writer=EventWriter(Out()), services=services)
+        await first.start()
+        try:  # a second peer on a slot a live peer reads is refused
+            again = Peer(load_config(overrides=["data.shard_index=1"]), writer=EventWriter(Out()), services=services)
+            with pytest.raises(PeerError, match=rf"data shard 1 of 2 is already read by live peer {first._peer_id}"):
+                await again.start()
+            await again.aclose("error")
+        finally:
+            await first.aclose("signal")
 
         no_index = Peer(_local(None), writer=EventWriter(Out()), services=services)
         with pytest.raises(PeerError, match=r"data\.num_shards=2: start this peer with --set data\.shard_index"):

@@ -47,6 +47,7 @@ def test_every_record_kind_round_trips_through_bytes() -> None:
     records = [
         RunRecord(run_id=RUN, coordinator_id="a", config=to_dict(RunConfig()), round=3, updated_at=5.0),
         _peer("a", 1.0, role="coordinator", state_hash="ab01", round=2, throughput_tokens_per_s=3.5),
+        _peer("c", 1.0, shard_index=3),
         MatchEntry(run_id=RUN, round=4, member=c, posted_at=2.5, attempt=2),
         GroupRecord(run_id=RUN, round=4, leader_id="a", members=(m, c), window_close_at=3.0, attempt=2),
     ]
@@ -66,6 +67,8 @@ def test_every_record_kind_round_trips_through_bytes() -> None:
     (lambda d: d.update(state_hash="XYZ"), "state_hash"),
     (lambda d: d.update(peer_id="bad id!"), "peer_id"),
     (lambda d: d.pop("client_mode"), "client_mode"),
+    (lambda d: d.update(shard_index=-2), "peer.shard_index"),
+    (lambda d: d.update(shard_index="1"), "peer.shard_index"),
     (lambda d: d.update(kind="run"), "kind"),
 ])
 def test_malformed_peer_records_are_rejected_naming_the_field(mutate, match) -> None:
@@ -73,6 +76,12 @@ def test_malformed_peer_records_are_rejected_naming_the_field(mutate, match) -> 
     mutate(d)
     with pytest.raises(RecordError, match=match):
         decode_record(PeerRecord, json.dumps(d).encode(), run_id=RUN, signer_id="a")
+
+
+def test_a_peer_record_from_before_data_shards_reads_as_no_shard() -> None:
+    d = json.loads(_peer("a", 1.0, shard_index=2).encode())
+    del d["shard_index"]
+    assert decode_record(PeerRecord, json.dumps(d).encode(), run_id=RUN, signer_id="a").shard_index == -1
 
 
 @pytest.mark.parametrize("data", [b"\xff\xfe garbage", b"[1,2]", b'{"kind": "peer"', b"x" * (2 << 20), "str", None,
