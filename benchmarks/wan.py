@@ -11,6 +11,8 @@ Reported per arm: wall-clock, compute utilization (compute s / wall s per proces
 (kernel htb counters: all traffic, the data-plane port's frames, their TCP payload) next to what
 swarmtrain counted, final validation loss of the trained weights. The machine has 2 cores for 4 hosts:
 every process runs 1 torch thread and compute is oversubscribed ~2x (it slows every arm alike).
+DiLoCo peer k reads DDP rank k's slot of the data (data.num_shards, --shard-index) unless
+--peer-data independent gives each peer its own permutation, as in an open swarm.
 
   sudo .venv/bin/python benchmarks/wan.py                      # 8 rounds from scratch, both rates
   sudo .venv/bin/python benchmarks/wan.py --rates 100mbit --arms ddp,int8-overlap,int8 --rounds 128 \
@@ -19,6 +21,9 @@ every process runs 1 torch thread and compute is oversubscribed ~2x (it slows ev
       --warm-start-steps 400 --outer-lr 1.0 --merge --out benchmarks/results/wan-128rounds.json  # time-paced arms
   sudo .venv/bin/python benchmarks/wan.py --rates 100mbit --arms ddp --rounds 128 --warm-start-steps 400 \
       --ddp-set inner.lr=6e-3 --out benchmarks/results/wan-ddp-lr6e-3.json   # DDP at its own tuned lr
+  sudo .venv/bin/python benchmarks/wan.py --rates 100mbit --arms int8-time --rounds 128 --warm-start-steps 400 \
+      --outer-lr 1.0 --diloco-set inner.lr=1.5e-3 --diloco-set outer.momentum=0.8 \
+      --out benchmarks/results/wan-sharded.json   # the tuned DiLoCo setting
   sudo .venv/bin/python benchmarks/wan.py --rates 100mbit --arms int8 --rounds 2   # a quick look
 """
 
