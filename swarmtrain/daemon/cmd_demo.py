@@ -73,10 +73,15 @@ class DemoOutcome:
 
 
 def run(args: argparse.Namespace) -> int:
-    overrides = [*DEMO_OVERRIDES, f"diloco.rounds={args.rounds}",
+    # The demo knows its peers, so they read disjoint slots of the data (--set data.num_shards=0: each
+    # its own permutation, as in an open swarm).
+    overrides = [*DEMO_OVERRIDES, f"diloco.rounds={args.rounds}", f"data.num_shards={args.peers}",
                  f"averaging.min_peers={min(2, args.peers)}", *args.overrides]
     config_args = ["--config", args.config] if args.config else []
     cfg = config_from_args(argparse.Namespace(config=args.config, overrides=overrides))  # fail fast on bad --set
+    if cfg.data.num_shards not in (0, args.peers):
+        _say(f"demo: data.num_shards={cfg.data.num_shards} must be 0 or --peers ({args.peers})")
+        return 2
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="swarmtrain-demo-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     lines: queue.Queue[tuple[str, Line]] = queue.Queue()
@@ -93,8 +98,9 @@ def run(args: argparse.Namespace) -> int:
         children.append(coord)
         join = _join_addr(coord.wait_ready(timeout_s=args.start_timeout_s))
         _say(f"coordinator ready at {join}")
-        peers = [Child(f"peer{i}", swarmtrain_argv("peer", "--join", join), log_path=log_dir / f"peer{i}.log",
-                       on_line=lambda name, line: lines.put((name, line)))
+        peers = [Child(f"peer{i}", swarmtrain_argv("peer", "--join", join,
+                                                   *(["--shard-index", str(i)] if cfg.data.num_shards else [])),
+                       log_path=log_dir / f"peer{i}.log", on_line=lambda name, line: lines.put((name, line)))
                  for i in range(args.peers)]
         children.extend(peers)
         for p in peers:

@@ -45,3 +45,11 @@ def test_demo_refuses_non_positive_counts(flag: str, value: str) -> None:
 def test_demo_defaults() -> None:
     args = build_parser().parse_args(["demo"])
     assert (args.peers, args.rounds, args.overrides) == (3, 8, [])
+
+
+def test_demo_refuses_shards_that_do_not_match_its_peers(capsys: pytest.CaptureFixture[str]) -> None:
+    from swarmtrain.daemon import cmd_demo
+
+    args = build_parser().parse_args(["demo", "--peers", "3", "--set", "data.num_shards=5"])
+    assert cmd_demo.run(args) == 2
+    assert "data.num_shards=5 must be 0 or --peers (3)" in capsys.readouterr().out
