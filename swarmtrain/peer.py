@@ -129,7 +129,7 @@ class Peer:
         self.cfg = merge_run_config(await self._fetch_run(), self.local, local_overrides=self.local_overrides)
         if self.cfg.train.threads:
             torch.set_num_threads(self.cfg.train.threads)
-        await self._check_shard_free(discovery)
+        await self._check_shard(discovery)
         self.pace = Pace(self.cfg.diloco)
         codec = codec_from_config(self.cfg.compress, seed=_data_seed(self.cfg.train.seed + 2, discovery.peer_id))
         self.worker = await asyncio.to_thread(self._build_worker, discovery.peer_id, codec)
@@ -163,15 +163,22 @@ class Peer:
                                 f"{RUN_FETCH_TIMEOUT_S:.0f}s (is --join a live coordinator, is train.run_id right?)")
             await asyncio.sleep(0.5)
 
-    async def _check_shard_free(self, discovery: Discovery) -> None:
-        # Two peers on one slot would read the same windows. Best effort: two starting at once both pass.
-        mine = self.cfg.data.shard_index
-        if self.cfg.data.num_shards == 0 or mine < 0:
+    async def _check_shard(self, discovery: Discovery) -> None:
+        """A sharded run needs this peer's slot, one no live peer reads; an unsharded run must not get one."""
+        data, run_id = self.cfg.data, self.cfg.train.run_id
+        if data.num_shards == 0:
+            if data.shard_index >= 0:
+                raise PeerError(f"data.shard_index={data.shard_index} is set, but run {run_id!r} does not shard "
+                                "its data (data.num_shards=0): every peer reads its own permutation")
             return
+        if data.shard_index < 0:
+            raise PeerError(f"run {run_id!r} shards its data into data.num_shards={data.num_shards}: "
+                            f"start this peer with --shard-index K, K in [0, {data.num_shards})")
+        # Two peers on one slot would read the same windows. Best effort: two starting at once both pass.
         peers = await discovery.live_peers(timeout_s=self.cfg.rpc.call_timeout_s)
-        taken = sorted(p.peer_id for p in peers if p.shard_index == mine and p.peer_id != discovery.peer_id)
+        taken = sorted(p.peer_id for p in peers if p.shard_index == data.shard_index and p.peer_id != discovery.peer_id)
         if taken:
-            raise PeerError(f"data shard {mine} of {self.cfg.data.num_shards} is already read by live peer "
+            raise PeerError(f"data shard {data.shard_index} of {data.num_shards} is already read by live peer "
                             f"{taken[0]}: start this peer with another --shard-index")
 
     def _build_worker(self, peer_id: str, codec: Codec) -> DilocoWorker:
@@ -186,16 +193,10 @@ class Peer:
 
     def _batches(self, train: torch.Tensor, peer_id: str) -> ShardedBatches:
         data = self.cfg.data
-        if data.num_shards == 0:
-            if data.shard_index >= 0:
-                raise PeerError(f"data.shard_index={data.shard_index} is set, but run {self.cfg.train.run_id!r} does "
-                                "not shard its data (data.num_shards=0): every peer reads its own permutation")
-            slot, slots, seed = 0, 1, _data_seed(self.cfg.train.seed, peer_id)
-        elif data.shard_index < 0:
-            raise PeerError(f"run {self.cfg.train.run_id!r} shards its data into data.num_shards={data.num_shards}: "
-                            f"start this peer with --set data.shard_index=K, K in [0, {data.num_shards})")
-        else:
+        if data.num_shards:  # slot shard_index of the run's one permutation (`_check_shard` vetted it)
             slot, slots, seed = data.shard_index, data.num_shards, self.cfg.train.seed
+        else:
+            slot, slots, seed = 0, 1, _data_seed(self.cfg.train.seed, peer_id)
         return ShardedBatches(train, worker_index=slot, num_workers=slots, batch_size=data.batch_size,
                               seq_len=data.seq_len, seed=seed, position=data.start_step)
 

@@ -372,8 +372,21 @@ def test_peers_of_a_sharded_run_read_the_data_parallel_slots_from_the_start_step
             await first.aclose("signal")
 
         no_index = Peer(_local(None), writer=EventWriter(Out()), services=services)
-        with pytest.raises(PeerError, match=r"data\.num_shards=2: start this peer with --set data\.shard_index"):
+        with pytest.raises(PeerError, match=r"data\.num_shards=2: start this peer with --shard-index K"):
             await no_index.start()
         await no_index.aclose("error")
+
+    asyncio.run(main())
+
+
+def test_a_run_that_does_not_shard_refuses_a_peer_with_a_shard_index() -> None:
+    async def main() -> None:
+        registry = InMemoryRegistry()
+        await _publish_run(registry, load_config(overrides=RUN))
+        peer = Peer(load_config(overrides=["data.shard_index=0"]), writer=EventWriter(Out()),
+                    services=InMemoryServices(registry, window_s=0.1), local_overrides=["data.shard_index=0"])
+        with pytest.raises(PeerError, match=r"data\.shard_index=0 is set, but run 'swarmtrain' does not shard"):
+            await peer.start()
+        await peer.aclose("error")
 
     asyncio.run(main())
