@@ -390,3 +390,25 @@ def test_a_run_that_does_not_shard_refuses_a_peer_with_a_shard_index() -> None:
         await peer.aclose("error")
 
     asyncio.run(main())
+
+
+def test_a_peer_restarted_on_another_slot_refuses_its_checkpoint(tmp_path: Path) -> None:
+    async def main() -> None:
+        registry = InMemoryRegistry()
+        await _publish_run(registry, load_config(overrides=[*RUN, "data.num_shards=2"]))
+        services = InMemoryServices(registry, window_s=0.1)
+
+        def peer(slot: int) -> Peer:
+            local = [f"checkpoint.dir={str(tmp_path / 'p')!r}", f"data.shard_index={slot}"]
+            return Peer(load_config(overrides=local), writer=EventWriter(Out()), services=services,
+                        local_overrides=local)
+
+        first = peer(0)
+        await first.start()
+        await first.aclose("signal")  # leaves a checkpoint of slot 0
+        moved = peer(1)
+        with pytest.raises(PeerError, match=r"data layout.*worker_index=0, this stream has 1"):
+            await moved.start()
+        await moved.aclose("error")
+
+    asyncio.run(main())
