@@ -92,7 +92,7 @@ class DataConfig:
     # the slot its own (local) `shard_index` names, so K peers together read what data-parallel
     # training over K ranks reads, never a window twice in an epoch.
     num_shards: int = 0
-    shard_index: int = -1  # a peer's own setting; -1 = none (required when the run has num_shards > 0)
+    shard_index: int = -1  # a peer's own setting; -1 = its checkpoint's slot, else the lowest free one
     # Steps of its stream a fresh peer skips: those a `model.init_from` checkpoint was trained on.
     start_step: int = 0
 

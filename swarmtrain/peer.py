@@ -28,16 +28,18 @@ import torch
 from swarmtrain.averaging.protocol import AverageResult
 from swarmtrain.compress import Codec, codec_from_config
 from swarmtrain.config import ConfigError, RunConfig, to_dict
-from swarmtrain.data import ShardedBatches, eval_batches, load_corpus
+from swarmtrain.data import eval_batches, load_corpus
 from swarmtrain.diloco import DilocoWorker, resolve_device
 from swarmtrain.diloco.pace import Pace, RoundBudget
 from swarmtrain.diloco.worker import InnerStats
 from swarmtrain.discovery import Discovery, Heartbeat, PeerRecord
 from swarmtrain.models import build_model
+from swarmtrain.peer_data import choose_shard, peer_batches, peer_seed, saved_slot
 from swarmtrain.peer_rounds import PendingRound, UnsentSteps, interruptible
 from swarmtrain.peer_services import DataPlane, PeerError, PeerServices, PeerState
 from swarmtrain.sync.checkpoint import (
     DirectoryClaim,
+    LoadedCheckpoint,
     claim_directory,
     load_latest_checkpoint,
     save_checkpoint,
@@ -79,12 +81,6 @@ def merge_run_config(swarm: RunConfig, local: RunConfig, *, local_overrides: Seq
         return swarm.replace(**merged)
     except ConfigError as e:  # e.g. a shard index the run's data.num_shards does not have
         raise ConfigError(f"this peer's settings do not fit the swarm's run: {e}") from e
-
-
-def _data_seed(run_seed: int, peer_id: str) -> int:
-    # Peers of an open swarm have no fixed index: each reads its own seeded permutation of the corpus.
-    digest = hashlib.sha256(f"{run_seed}|{peer_id}".encode()).digest()
-    return int.from_bytes(digest[:4], "big")  # ShardedBatches multiplies it by ~1e6 into an int64
 
 
 class Peer:
@@ -129,11 +125,14 @@ class Peer:
         self.cfg = merge_run_config(await self._fetch_run(), self.local, local_overrides=self.local_overrides)
         if self.cfg.train.threads:
             torch.set_num_threads(self.cfg.train.threads)
-        await self._check_shard(discovery)
+        loaded = self._load_checkpoint()
+        self.cfg = await choose_shard(self.cfg, discovery, saved=saved_slot(
+            loaded.meta.get("worker") if loaded else None, num_shards=self.cfg.data.num_shards))
         self.pace = Pace(self.cfg.diloco)
-        codec = codec_from_config(self.cfg.compress, seed=_data_seed(self.cfg.train.seed + 2, discovery.peer_id))
+        codec = codec_from_config(self.cfg.compress, seed=peer_seed(self.cfg.train.seed + 2, discovery.peer_id))
         self.worker = await asyncio.to_thread(self._build_worker, discovery.peer_id, codec)
-        self._resume()
+        if loaded is not None:
+            self._resume(loaded)
         shapes = [(name, tuple(p.shape)) for name, p in self.worker.model.named_parameters()]
         self.plane = await self.services.open_data_plane(self.cfg, discovery=discovery, codec=codec,
                                                          param_shapes=shapes)
@@ -163,53 +162,28 @@ class Peer:
                                 f"{RUN_FETCH_TIMEOUT_S:.0f}s (is --join a live coordinator, is train.run_id right?)")
             await asyncio.sleep(0.5)
 
-    async def _check_shard(self, discovery: Discovery) -> None:
-        """A sharded run needs this peer's slot, one no live peer reads; an unsharded run must not get one."""
-        data, run_id = self.cfg.data, self.cfg.train.run_id
-        if data.num_shards == 0:
-            if data.shard_index >= 0:
-                raise PeerError(f"data.shard_index={data.shard_index} is set, but run {run_id!r} does not shard "
-                                "its data (data.num_shards=0): every peer reads its own permutation")
-            return
-        if data.shard_index < 0:
-            raise PeerError(f"run {run_id!r} shards its data into data.num_shards={data.num_shards}: "
-                            f"start this peer with --shard-index K, K in [0, {data.num_shards})")
-        # Two peers on one slot would read the same windows. Best effort: two starting at once both pass.
-        peers = await discovery.live_peers(timeout_s=self.cfg.rpc.call_timeout_s)
-        taken = sorted(p.peer_id for p in peers if p.shard_index == data.shard_index and p.peer_id != discovery.peer_id)
-        if taken:
-            raise PeerError(f"data shard {data.shard_index} of {data.num_shards} is already read by live peer "
-                            f"{taken[0]}: start this peer with another --shard-index")
-
     def _build_worker(self, peer_id: str, codec: Codec) -> DilocoWorker:
         cfg = self.cfg
         corpus = load_corpus(cfg.data)
-        batches = self._batches(corpus.train, peer_id)
+        batches = peer_batches(cfg, corpus.train, peer_id)
         self.val_batches = eval_batches(corpus.val, batch_size=cfg.data.batch_size, seq_len=cfg.data.seq_len,
                                         num_batches=cfg.diloco.eval_batches)
         model = build_model(cfg.model, seed=cfg.train.seed)  # every peer starts from the same θ
         return DilocoWorker(cfg, model=model, batches=batches, device=resolve_device(cfg.train.device),
-                            codec=codec, rng_seed=_data_seed(cfg.train.seed + 1, peer_id))
+                            codec=codec, rng_seed=peer_seed(cfg.train.seed + 1, peer_id))
 
-    def _batches(self, train: torch.Tensor, peer_id: str) -> ShardedBatches:
-        data = self.cfg.data
-        if data.num_shards:  # slot shard_index of the run's one permutation (`_check_shard` vetted it)
-            slot, slots, seed = data.shard_index, data.num_shards, self.cfg.train.seed
-        else:
-            slot, slots, seed = 0, 1, _data_seed(self.cfg.train.seed, peer_id)
-        return ShardedBatches(train, worker_index=slot, num_workers=slots, batch_size=data.batch_size,
-                              seq_len=data.seq_len, seed=seed, position=data.start_step)
-
-    def _resume(self) -> None:
-        assert self.worker is not None
+    def _load_checkpoint(self) -> LoadedCheckpoint | None:
+        """The newest good checkpoint in checkpoint.dir, if any; one of another run is an error."""
         if not self.cfg.checkpoint.dir:
-            return
+            return None
         loaded = load_latest_checkpoint(self.cfg.checkpoint.dir)
-        if loaded is None:
-            return
-        if loaded.meta.get("run_id") != self.cfg.train.run_id:
+        if loaded is not None and loaded.meta.get("run_id") != self.cfg.train.run_id:
             raise PeerError(f"{loaded.path}: checkpoint is of run {loaded.meta.get('run_id')!r}, "
                             f"not {self.cfg.train.run_id!r}; use another --checkpoint-dir")
+        return loaded
+
+    def _resume(self, loaded: LoadedCheckpoint) -> None:
+        assert self.worker is not None
         try:
             self.worker.load_state_dict(loaded.tensors, loaded.meta["worker"])
         except (KeyError, ValueError) as e:

@@ -25,7 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nat-port-map", action="store_true",
                         help="let the DHT ask the home router for a port mapping (UPnP/NAT-PMP)")
     parser.add_argument("--shard-index", type=int, metavar="K",
-                        help="in a run with data.num_shards > 0: the slot of the data stream this peer reads")
+                        help="in a run with data.num_shards > 0: the slot of the data stream this peer reads "
+                             "(default: its checkpoint's slot, else the lowest slot no live peer reads)")
     parser.add_argument("--coordinator-id", help="the coordinator's peer id, if several publish this run")
     add_config_options(parser)
 

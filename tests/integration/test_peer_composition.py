@@ -335,7 +335,8 @@ def test_merge_takes_the_peers_shard_index_and_refuses_one_the_run_has_not() -> 
 def test_peers_of_a_sharded_run_read_the_data_parallel_slots_from_the_start_step(tmp_path: Path) -> None:
     """num_shards=2, start_step=7: peer k reads DDP rank k's windows from step 7 on; the slots never overlap.
 
-    A peer is refused a slot that a live peer reads, and a sharded run refuses a peer with no slot."""
+    A peer is refused a slot that a live peer reads; a peer given no slot takes the lowest free one,
+    and is refused when there is none."""
 
     async def main() -> None:
         registry = InMemoryRegistry()
@@ -363,18 +364,22 @@ def test_peers_of_a_sharded_run_read_the_data_parallel_slots_from_the_start_step
 
         first = Peer(load_config(overrides=["data.shard_index=1"]), writer=EventWriter(Out()), services=services)
         await first.start()
+        auto = Peer(_local(None), writer=EventWriter(Out()), services=services)
         try:  # a second peer on a slot a live peer reads is refused
             again = Peer(load_config(overrides=["data.shard_index=1"]), writer=EventWriter(Out()), services=services)
             with pytest.raises(PeerError, match=rf"data shard 1 of 2 is already read by live peer {first._peer_id}"):
                 await again.start()
             await again.aclose("error")
+            await auto.start()  # no slot given: the lowest free one
+            assert auto.cfg.data.shard_index == 0 and auto.worker is not None
+            assert auto.worker.batches.state_dict()["worker_index"] == 0  # type: ignore[attr-defined]
+            full = Peer(_local(None), writer=EventWriter(Out()), services=services)
+            with pytest.raises(PeerError, match=r"all 2 data shards of run 'swarmtrain' are read by live peers"):
+                await full.start()
+            await full.aclose("error")
         finally:
+            await auto.aclose("signal")
             await first.aclose("signal")
-
-        no_index = Peer(_local(None), writer=EventWriter(Out()), services=services)
-        with pytest.raises(PeerError, match=r"data\.num_shards=2: start this peer with --shard-index K"):
-            await no_index.start()
-        await no_index.aclose("error")
 
     asyncio.run(main())
 
@@ -410,5 +415,24 @@ def test_a_peer_restarted_on_another_slot_refuses_its_checkpoint(tmp_path: Path)
         with pytest.raises(PeerError, match=r"data layout.*worker_index=0, this stream has 1"):
             await moved.start()
         await moved.aclose("error")
+
+    asyncio.run(main())
+
+
+def test_a_restarted_peer_given_no_slot_goes_on_in_its_checkpoints_slot(tmp_path: Path) -> None:
+    async def main() -> None:
+        registry = InMemoryRegistry()
+        await _publish_run(registry, load_config(overrides=[*RUN, "data.num_shards=3"]))
+        services = InMemoryServices(registry, window_s=0.1)
+        local = [f"checkpoint.dir={str(tmp_path / 'p')!r}", "data.shard_index=2"]
+        first = Peer(load_config(overrides=local), writer=EventWriter(Out()), services=services, local_overrides=local)
+        await first.start()
+        await first.aclose("signal")
+        again = Peer(_local(tmp_path / "p"), writer=EventWriter(Out()), services=services)
+        await again.start()  # slots 0 and 1 are free, but its checkpoint read slot 2
+        try:
+            assert again.cfg.data.shard_index == 2
+        finally:
+            await again.aclose("signal")
 
     asyncio.run(main())
