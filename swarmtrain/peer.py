@@ -83,6 +83,14 @@ def merge_run_config(swarm: RunConfig, local: RunConfig, *, local_overrides: Seq
         raise ConfigError(f"this peer's settings do not fit the swarm's run: {e}") from e
 
 
+def _resume(worker: DilocoWorker, loaded: LoadedCheckpoint) -> None:
+    try:
+        worker.load_state_dict(loaded.tensors, loaded.meta["worker"])
+    except (KeyError, ValueError) as e:
+        raise PeerError(f"{loaded.path}: checkpoint does not fit this run (model or data layout): {e}") from e
+    log.info("resumed from %s at round %d", loaded.path, worker.round)
+
+
 class Peer:
     """One DiLoCo peer of a swarm. `await start()`, `await run(stop)`, `await aclose(reason)`."""
 
@@ -130,9 +138,12 @@ class Peer:
             loaded.meta.get("worker") if loaded else None, num_shards=self.cfg.data.num_shards))
         self.pace = Pace(self.cfg.diloco)
         codec = codec_from_config(self.cfg.compress, seed=peer_seed(self.cfg.train.seed + 2, discovery.peer_id))
-        self.worker = await asyncio.to_thread(self._build_worker, discovery.peer_id, codec)
+        worker = await asyncio.to_thread(self._build_worker, discovery.peer_id, codec)
         if loaded is not None:
-            self._resume(loaded)
+            _resume(worker, loaded)
+        # Only now: a peer leaves with a checkpoint of its worker, and one whose checkpoint did not
+        # load must not write a fresh state over the run's newest.
+        self.worker = worker
         shapes = [(name, tuple(p.shape)) for name, p in self.worker.model.named_parameters()]
         self.plane = await self.services.open_data_plane(self.cfg, discovery=discovery, codec=codec,
                                                          param_shapes=shapes)
@@ -181,14 +192,6 @@ class Peer:
             raise PeerError(f"{loaded.path}: checkpoint is of run {loaded.meta.get('run_id')!r}, "
                             f"not {self.cfg.train.run_id!r}; use another --checkpoint-dir")
         return loaded
-
-    def _resume(self, loaded: LoadedCheckpoint) -> None:
-        assert self.worker is not None
-        try:
-            self.worker.load_state_dict(loaded.tensors, loaded.meta["worker"])
-        except (KeyError, ValueError) as e:
-            raise PeerError(f"{loaded.path}: checkpoint does not fit this run (model or data layout): {e}") from e
-        log.info("resumed from %s at round %d", loaded.path, self.worker.round)
 
     def current_state(self) -> PeerState:
         """A copy of the state joiners download (call on the event loop: `apply` and heals run there)."""

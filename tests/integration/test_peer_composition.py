@@ -397,39 +397,26 @@ def test_a_run_that_does_not_shard_refuses_a_peer_with_a_shard_index() -> None:
     asyncio.run(main())
 
 
-def test_a_peer_restarted_on_another_slot_refuses_its_checkpoint(tmp_path: Path) -> None:
-    async def main() -> None:
-        registry = InMemoryRegistry()
-        await _publish_run(registry, load_config(overrides=[*RUN, "data.num_shards=2"]))
-        services = InMemoryServices(registry, window_s=0.1)
-
-        def peer(slot: int) -> Peer:
-            local = [f"checkpoint.dir={str(tmp_path / 'p')!r}", f"data.shard_index={slot}"]
-            return Peer(load_config(overrides=local), writer=EventWriter(Out()), services=services,
-                        local_overrides=local)
-
-        first = peer(0)
-        await first.start()
-        await first.aclose("signal")  # leaves a checkpoint of slot 0
-        moved = peer(1)
-        with pytest.raises(PeerError, match=r"data layout.*worker_index=0, this stream has 1"):
-            await moved.start()
-        await moved.aclose("error")
-
-    asyncio.run(main())
-
-
-def test_a_restarted_peer_given_no_slot_goes_on_in_its_checkpoints_slot(tmp_path: Path) -> None:
+def test_a_restarted_peer_goes_on_in_its_checkpoints_slot_and_refuses_another(tmp_path: Path) -> None:
     async def main() -> None:
         registry = InMemoryRegistry()
         await _publish_run(registry, load_config(overrides=[*RUN, "data.num_shards=3"]))
         services = InMemoryServices(registry, window_s=0.1)
-        local = [f"checkpoint.dir={str(tmp_path / 'p')!r}", "data.shard_index=2"]
-        first = Peer(load_config(overrides=local), writer=EventWriter(Out()), services=services, local_overrides=local)
+
+        def peer(*slot: str) -> Peer:
+            local = [f"checkpoint.dir={str(tmp_path / 'p')!r}", *slot]
+            return Peer(load_config(overrides=local), writer=EventWriter(Out()), services=services,
+                        local_overrides=local)
+
+        first = peer("data.shard_index=2")
         await first.start()
-        await first.aclose("signal")
-        again = Peer(_local(tmp_path / "p"), writer=EventWriter(Out()), services=services)
-        await again.start()  # slots 0 and 1 are free, but its checkpoint read slot 2
+        await first.aclose("signal")  # leaves a checkpoint of slot 2
+        moved = peer("data.shard_index=1")
+        with pytest.raises(PeerError, match=r"data layout.*worker_index=2, this stream has 1"):
+            await moved.start()
+        await moved.aclose("error")  # must not leave a fresh state as the newest checkpoint
+        again = peer()
+        await again.start()  # no slot given: slots 0 and 1 are free, but its checkpoint read slot 2
         try:
             assert again.cfg.data.shard_index == 2
         finally:
