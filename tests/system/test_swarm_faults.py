@@ -83,8 +83,11 @@ def test_swarm_survives_kill_and_stop_and_the_killed_peer_heals(procs: ProcessSe
     assert isinstance(heal, HealEvent) and heal.to_round >= swarm_round_at_restart
     _, back = wait_round(c2, lambda e: e.committed, timeout_s=ROUND_S, what="c's first committed round")
     assert back.round <= heal.to_round + 2, f"c healed to {heal.to_round} but first committed {back.round}"
-    _, same_a = wait_round(a, lambda e: e.round == back.round, timeout_s=ROUND_S, what=f"a's round {back.round}")
-    assert same_a.committed and same_a.hash == back.hash
+    # a's round may show an aborted attempt first (a shard that missed its window on a loaded box)
+    # before the retry commits: the commit is what must agree.
+    _, same_a = wait_round(a, lambda e: e.round == back.round and e.committed, timeout_s=ROUND_S,
+                           what=f"a's round {back.round} committed")
+    assert same_a.hash == back.hash
 
     # 4. SIGSTOP b past every deadline (3 rounds > record TTL and all-reduce timeout): a and c keep
     #    committing without it; SIGCONT, b heals and rejoins.
