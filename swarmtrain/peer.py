@@ -27,13 +27,14 @@ import torch
 
 from swarmtrain.averaging.protocol import AverageResult
 from swarmtrain.compress import Codec, codec_from_config
-from swarmtrain.config import ConfigError, RunConfig, to_dict
+from swarmtrain.config import RunConfig
 from swarmtrain.data import eval_batches, load_corpus
 from swarmtrain.diloco import DilocoWorker, resolve_device
 from swarmtrain.diloco.pace import Pace, RoundBudget
 from swarmtrain.diloco.worker import InnerStats
 from swarmtrain.discovery import Discovery, Heartbeat, PeerRecord
 from swarmtrain.models import build_model
+from swarmtrain.peer_config import merge_run_config
 from swarmtrain.peer_data import choose_shard, peer_batches, peer_seed, saved_slot
 from swarmtrain.peer_rounds import PendingRound, UnsentSteps, interruptible
 from swarmtrain.peer_services import DataPlane, PeerError, PeerServices, PeerState
@@ -50,37 +51,8 @@ __all__ = ["DataPlane", "Peer", "PeerError", "PeerServices", "PeerState", "merge
 
 log = logging.getLogger(__name__)
 
-# Sections a peer owns itself; every other section is the run's and comes from the coordinator.
-LOCAL_SECTIONS = ("discovery", "rpc", "checkpoint")
-LOCAL_TRAIN_KEYS = ("device", "threads")
-LOCAL_DATA_KEYS = ("shard_index",)  # which slot of a sharded run's stream this peer reads
 RUN_FETCH_TIMEOUT_S = 60.0
 OVERLAP_CHUNKS = 25  # diloco.overlap: a round's inner steps run in this many chunks; an average lands between two
-
-
-def merge_run_config(swarm: RunConfig, local: RunConfig, *, local_overrides: Sequence[str] = ()) -> RunConfig:
-    """The swarm's run config with this peer's local sections (discovery, rpc, checkpoint, device, threads,
-    data.shard_index).
-
-    A `--set` of a run-wide field (model, data, optimizers, ...) is an error: it would make this peer
-    train a different model than the swarm, so it must be set on the coordinator instead.
-    """
-    for text in local_overrides:
-        section, _, rest = text.partition(".")
-        key = rest.partition("=")[0].strip()
-        if section not in LOCAL_SECTIONS and not (section == "train" and key in LOCAL_TRAIN_KEYS) \
-                and not (section == "data" and key in LOCAL_DATA_KEYS):
-            raise ConfigError(f"{section}.{key}: comes from the swarm's run config; set it on the coordinator "
-                              f"(a peer may set {', '.join(LOCAL_SECTIONS)}, train.device/threads and "
-                              "data.shard_index)")
-    local_dict = to_dict(local)
-    merged: dict[str, Any] = {s: local_dict[s] for s in LOCAL_SECTIONS}
-    merged["train"] = {k: local_dict["train"][k] for k in LOCAL_TRAIN_KEYS}
-    merged["data"] = {k: local_dict["data"][k] for k in LOCAL_DATA_KEYS}
-    try:
-        return swarm.replace(**merged)
-    except ConfigError as e:  # e.g. a shard index the run's data.num_shards does not have
-        raise ConfigError(f"this peer's settings do not fit the swarm's run: {e}") from e
 
 
 def _resume(worker: DilocoWorker, loaded: LoadedCheckpoint) -> None:
