@@ -93,6 +93,8 @@ class AllReduce:
                 break
             log.warning("%s: round %d attempt %d failed (%s); retrying without %s", self.peer_id, group.round,
                         attempt, outcome.reason, sorted(outcome.dead))
+        if not outcome.committed:
+            await self.registry.abandon_round(group)
         return _result(group, outcome, tuple(sorted(dead)))
 
     async def _attempt(self, group: Group, me: Member, attempt: int, reducers: tuple[Member, ...],

@@ -109,6 +109,7 @@ class ReducerRegistry:
         self._rounds: dict[int, _Round] = {}
         self._sessions: dict[str, _Session] = {}
         self._served: dict[int, str] = {}
+        self._abandoned: dict[int, set[str]] = {}  # groups the local member gave up on, per round
         self._min_round = 0
         self._changed: asyncio.Condition | None = None
         self._dead = False
@@ -130,8 +131,23 @@ class ReducerRegistry:
         for r in [r for r in self._rounds if r < self._min_round]:
             del self._rounds[r]
             self._served.pop(r, None)
+        for r in [r for r in self._abandoned if r < self._min_round]:
+            del self._abandoned[r]
         async with self.changed:
             self.changed.notify_all()
+
+    async def abandon_round(self, group: Group) -> None:
+        """Called by the local member when its all-reduce with `group` ended without a commit.
+
+        The member may try the round again with a new group. Until it opens that group here, pushes
+        for an unknown group of the round wait (bounded) as they do before a round's first group is
+        known, instead of being refused against the abandoned one: the other members of the new
+        group may learn of it first. Pushes for the abandoned group are refused from now on.
+        """
+        rnd = self._rounds.get(group.round)
+        if rnd is not None and rnd.group.group_id == group.group_id:
+            del self._rounds[group.round]
+        self._abandoned.setdefault(group.round, set()).add(group.group_id)
 
     async def open_session(self, key: SessionKey) -> None:
         """Open this peer's reducer session for `key` (its own member is about to push)."""
@@ -167,6 +183,9 @@ class ReducerRegistry:
         session = self._sessions.get(key.session_id)
         if session is not None:
             return session
+        if key.group_id in self._abandoned.get(key.round, ()):
+            raise Rejected(f"group {key.group_id} of round {key.round} was abandoned by this peer",
+                           kind="precondition")
         rnd = self._rounds.get(key.round)
         if rnd is None:
             return None
