@@ -24,6 +24,7 @@ __all__ = ["Child", "ChildExitedError", "group_alive", "swarmtrain_argv"]
 
 log = logging.getLogger(__name__)
 RAW_TAIL_LINES = 200
+GROUP_EXIT_S = 10.0  # how long a SIGKILLed process group may take to disappear
 
 
 class ChildExitedError(RuntimeError):
@@ -147,18 +148,32 @@ class Child:
         return rc
 
     def kill(self) -> None:
-        """SIGKILL the whole process group and reap the child (a crash, or cleanup)."""
+        """SIGKILL the whole process group, reap the child and wait for the rest of the group to go
+        (a crash, or cleanup)."""
         self.signal_group(signal.SIGCONT)  # a stopped group must run to die cleanly under wait()
         self.signal_group(signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=10.0)
+            self.proc.wait(timeout=GROUP_EXIT_S)
+        self._wait_group_gone()
         self.close()
 
     def _reap_group(self) -> None:
         # The group outlives its leader when the DHT process or p2pd lingers: never leave them behind.
         if group_alive(self.pgid):
             self.signal_group(signal.SIGKILL)
+            self._wait_group_gone()
         self.close()
+
+    def _wait_group_gone(self, timeout_s: float = GROUP_EXIT_S) -> None:
+        """SIGKILL is delivered asynchronously, and the group's other members (the DHT process, p2pd)
+        are orphans reaped by init, not by us: the group exists for a moment after the leader's wait()
+        returns. Wait (bounded) until it is gone, so "stopped" means no process is left."""
+        deadline = time.monotonic() + timeout_s
+        while group_alive(self.pgid):
+            if time.monotonic() >= deadline:
+                log.warning("%s: process group %d still exists %.1fs after SIGKILL", self.name, self.pgid, timeout_s)
+                return
+            time.sleep(0.02)
 
     def close(self) -> None:
         self._reader.join(timeout=5.0)
