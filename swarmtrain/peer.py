@@ -36,7 +36,7 @@ from swarmtrain.discovery import Discovery, Heartbeat, PeerRecord
 from swarmtrain.models import build_model
 from swarmtrain.peer_config import merge_run_config
 from swarmtrain.peer_data import choose_shard, peer_batches, peer_seed, saved_slot
-from swarmtrain.peer_rounds import PendingRound, UnsentSteps, interruptible
+from swarmtrain.peer_rounds import PendingRound, UnsentSteps, interruptible, swarm_round_end
 from swarmtrain.peer_services import DataPlane, PeerError, PeerServices, PeerState
 from swarmtrain.sync.checkpoint import (
     DirectoryClaim,
@@ -79,6 +79,8 @@ class Peer:
         self.pace = Pace(local.diloco)
         self.heartbeat: Heartbeat | None = None
         self._beat_task: asyncio.Task[None] | None = None
+        self._round_ends_at = 0.0  # swarm clock: when this round's inner steps should end (peer record)
+        self._join_by: tuple[int, float] | None = None  # (round healed into, monotonic time its steps end)
         self.plane: DataPlane | None = None
         self.val_batches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.endpoint = ""
@@ -177,7 +179,8 @@ class Peer:
         return PeerRecord(run_id=self.cfg.train.run_id, peer_id=self.discovery.peer_id,
                           endpoint="" if self.cfg.discovery.client_mode else self.endpoint, role="worker",
                           client_mode=self.cfg.discovery.client_mode, round=self.worker.round,
-                          state_hash=self.worker.global_hash(), shard_index=self.cfg.data.shard_index)
+                          state_hash=self.worker.global_hash(), shard_index=self.cfg.data.shard_index,
+                          round_ends_at=self._round_ends_at)
 
     # ------------------------------------------------------------------ rounds
 
@@ -306,6 +309,9 @@ class Peer:
         """
         assert self.worker is not None and self.plane is not None
         budget = self.pace.budget()
+        join, self._join_by = self._join_by, None
+        if join is not None and join[0] == self.worker.round:  # healed into a round under way: end with the swarm
+            budget.cut_to(max(0.0, join[1] - time.monotonic()))
         match_at = budget.match_at_s()
         first = await self._train(budget, stop, until_s=match_at)
         if first is None or match_at is None:
@@ -390,6 +396,8 @@ class Peer:
             worker.apply(result, carry=pending.carry)
             self.pace.observe(result)
             self.pace.last_rate = pending.steps_per_s or self.pace.last_rate
+            expected_s = self.pace.expected_round_s()
+            self._round_ends_at = self._now() + expected_s if expected_s > 0 else 0.0
             self.plane.publish_state(self.current_state())
             self._beat_soon()  # now, not at the next tick: peers that missed the round look for it
             every = self.cfg.diloco.eval_every_rounds
@@ -509,6 +517,9 @@ class Peer:
             keep = state.round - self.worker.round <= keep_progress_rounds
             self.worker.adopt_global(round_index=state.round, theta_global=state.theta_global,
                                      outer_momentum=state.outer_momentum, keep_progress=keep)
+            ends = swarm_round_end(ahead, state.round)
+            self._round_ends_at = ends or 0.0
+            self._join_by = None if ends is None else (state.round, time.monotonic() + ends - self._now())
             self.plane.publish_state(self.current_state())
             self.writer.emit(HealEvent(from_round=from_round, to_round=state.round, source=donor.peer_id,
                                        hash=self.worker.global_hash(), peer=self._peer_id,

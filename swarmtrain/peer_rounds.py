@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,8 +14,9 @@ import torch
 
 from swarmtrain.averaging.protocol import AverageResult
 from swarmtrain.diloco.worker import Carry, InnerStats
+from swarmtrain.discovery import PeerRecord
 
-__all__ = ["PendingRound", "UnsentSteps", "interruptible"]
+__all__ = ["PendingRound", "UnsentSteps", "interruptible", "swarm_round_end"]
 
 
 @dataclass
@@ -63,3 +66,14 @@ async def interruptible(aw: Any, stop: asyncio.Event) -> Any:
     with contextlib.suppress(Exception):
         await task  # a thread cannot be cancelled: let the inner steps finish before leaving
     return None
+
+
+def swarm_round_end(peers: Sequence[PeerRecord], round_index: int) -> float | None:
+    """When the live peers at `round_index` expect their inner steps of it to end (swarm clock; the
+    median, so one peer's absurd estimate moves nothing), or None when none of them said.
+
+    A peer that heals into a round the others are already training stops its own steps then, so it
+    reaches the round's matchmaking with them instead of a span later, when the round has closed.
+    """
+    ends = [p.round_ends_at for p in peers if p.round == round_index and p.round_ends_at > 0]
+    return statistics.median(ends) if ends else None

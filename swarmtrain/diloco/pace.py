@@ -62,6 +62,10 @@ class RoundBudget:
         """Take `other`'s limits, keeping what was spent (a span learned mid-round applies to it)."""
         self.max_steps, self.span_s = other.max_steps, other.span_s
 
+    def cut_to(self, span_s: float) -> None:
+        """End the round after at most `span_s` of compute (a peer joining a round already under way)."""
+        self.span_s = span_s if self.span_s is None else min(self.span_s, span_s)
+
     def steps_left(self) -> int:
         if self.steps >= self.max_steps:
             return 0
@@ -92,6 +96,12 @@ class Pace:
         round's. The part of a round before matchmaking runs faster than its last second, during
         which matchmaking competes for the CPU; spans sized from that part came out ~2% short."""
         return self.last_rate or budget.rate()
+
+    def expected_round_s(self) -> float:
+        """Compute seconds this peer's next round should take (0: unknown): the span, else H at its last rate."""
+        if self.timed and self.span_s is not None:
+            return self.span_s
+        return self.inner_steps / self.last_rate if self.last_rate > 0 else 0.0
 
     def budget(self) -> RoundBudget:
         if not self.timed or self.span_s is None:

@@ -69,6 +69,11 @@ def _shard_index(kind: str, d: Mapping[str, Any]) -> int:
     return v
 
 
+def _optional_float(kind: str, d: Mapping[str, Any], name: str) -> float:
+    """A field newer peers add: absent in older peers' records, where it reads as 0 (unknown)."""
+    return _float(kind, d, name) if name in d else 0.0
+
+
 def _bool(kind: str, d: Mapping[str, Any], name: str) -> bool:
     v = d.get(name)
     if not isinstance(v, bool):
@@ -217,8 +222,11 @@ class PeerRecord(Record):
     bandwidth_bytes_per_s: float = 0.0
     heartbeat_at: float = 0.0  # unix seconds
     shard_index: int = -1  # the data slot it reads in a run with data.num_shards > 0; -1 = none
+    round_ends_at: float = 0.0  # unix seconds it expects its inner steps of `round` to end; 0 = unknown
 
     def __post_init__(self) -> None:
+        if not math.isfinite(self.round_ends_at) or self.round_ends_at < 0:
+            raise _field(self.KIND, "round_ends_at", f"expected a finite number >= 0, got {self.round_ends_at}")
         if self.shard_index < -1:
             raise _field(self.KIND, "shard_index", f"expected an int >= -1, got {self.shard_index}")
         if self.role not in ROLES:
@@ -240,7 +248,7 @@ class PeerRecord(Record):
                 "client_mode": self.client_mode, "round": self.round, "state_hash": self.state_hash,
                 "throughput_tokens_per_s": self.throughput_tokens_per_s,
                 "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s, "heartbeat_at": self.heartbeat_at,
-                "shard_index": self.shard_index}
+                "shard_index": self.shard_index, "round_ends_at": self.round_ends_at}
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> PeerRecord:
@@ -250,7 +258,8 @@ class PeerRecord(Record):
                    state_hash=_str(k, d, "state_hash"),
                    throughput_tokens_per_s=_float(k, d, "throughput_tokens_per_s"),
                    bandwidth_bytes_per_s=_float(k, d, "bandwidth_bytes_per_s"),
-                   heartbeat_at=_float(k, d, "heartbeat_at"), shard_index=_shard_index(k, d))
+                   heartbeat_at=_float(k, d, "heartbeat_at"), shard_index=_shard_index(k, d),
+                   round_ends_at=_optional_float(k, d, "round_ends_at"))
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ def test_every_record_kind_round_trips_through_bytes() -> None:
     records = [
         RunRecord(run_id=RUN, coordinator_id="a", config=to_dict(RunConfig()), round=3, updated_at=5.0),
         _peer("a", 1.0, role="coordinator", state_hash="ab01", round=2, throughput_tokens_per_s=3.5),
-        _peer("c", 1.0, shard_index=3),
+        _peer("c", 1.0, shard_index=3, round_ends_at=12.5),
         MatchEntry(run_id=RUN, round=4, member=c, posted_at=2.5, attempt=2),
         GroupRecord(run_id=RUN, round=4, leader_id="a", members=(m, c), window_close_at=3.0, attempt=2),
     ]
@@ -69,6 +69,8 @@ def test_every_record_kind_round_trips_through_bytes() -> None:
     (lambda d: d.pop("client_mode"), "client_mode"),
     (lambda d: d.update(shard_index=-2), "peer.shard_index"),
     (lambda d: d.update(shard_index="1"), "peer.shard_index"),
+    (lambda d: d.update(round_ends_at=-1.0), "peer.round_ends_at"),
+    (lambda d: d.update(round_ends_at="soon"), "peer.round_ends_at"),
     (lambda d: d.update(kind="run"), "kind"),
 ])
 def test_malformed_peer_records_are_rejected_naming_the_field(mutate, match) -> None:
@@ -78,10 +80,13 @@ def test_malformed_peer_records_are_rejected_naming_the_field(mutate, match) -> 
         decode_record(PeerRecord, json.dumps(d).encode(), run_id=RUN, signer_id="a")
 
 
-def test_a_peer_record_from_before_data_shards_reads_as_no_shard() -> None:
-    d = json.loads(_peer("a", 1.0, shard_index=2).encode())
-    del d["shard_index"]
-    assert decode_record(PeerRecord, json.dumps(d).encode(), run_id=RUN, signer_id="a").shard_index == -1
+def test_a_peer_record_from_an_older_peer_reads_as_no_shard_and_no_round_end() -> None:
+    d = json.loads(_peer("a", 1.0, shard_index=2, round_ends_at=3.0).encode())
+    del d["shard_index"], d["round_ends_at"]
+    record = decode_record(PeerRecord, json.dumps(d).encode(), run_id=RUN, signer_id="a")
+    assert record.shard_index == -1 and record.round_ends_at == 0.0
+    with pytest.raises(RecordError, match="round_ends_at"):
+        _peer("a", 1.0, round_ends_at=float("nan"))
 
 
 @pytest.mark.parametrize("data", [b"\xff\xfe garbage", b"[1,2]", b'{"kind": "peer"', b"x" * (2 << 20), "str", None,
