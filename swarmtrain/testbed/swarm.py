@@ -99,8 +99,12 @@ class TestbedSwarm:
         """Every round line peer `name` printed (across restarts only the current process's)."""
         return [x for x in self.peers[name].snapshot() if isinstance(x, RoundEvent)]
 
-    def close(self, *, timeout_s: float = 15.0) -> None:
-        """SIGTERM every process (peers first), SIGKILL what outlives `timeout_s`."""
+    def close(self, *, timeout_s: float = 30.0) -> None:
+        """SIGTERM every process (peers first), SIGKILL what outlives `timeout_s`.
+
+        A leaving peer first serves the means its last group still needs (up to
+        `averaging.contribution_window_s`, 15 s by default), then stops its DHT (up to 3 s): the
+        default grace is docker-compose's `stop_grace_period` for the same reason."""
         for child in reversed(self._children):
             if child.alive:
                 child.terminate(timeout_s=timeout_s)
