@@ -125,6 +125,7 @@ class ReducerRegistry:
     async def open_round(self, group: Group, *, numel: int) -> None:
         """Called by the local member when it starts round `group.round`; forgets rounds < round - 1."""
         self._rounds[group.round] = _Round(group, numel)
+        self._abandoned.get(group.round, set()).discard(group.group_id)  # opened again: live again
         self._min_round = max(self._min_round, group.round - 1)
         for sid in [sid for sid, s in self._sessions.items() if s.key.round < self._min_round]:
             self._drop(sid)

@@ -23,9 +23,9 @@ def _group(attempt: int) -> Group:
     return Group(RUN, 0, MEMBERS, attempt=attempt)
 
 
-def _push(group: Group) -> PushHeader:
-    """b's push of shard 0 (reduced by a) for `group`."""
-    key = SessionKey(RUN, 0, group.group_id, 0, ("a", "b"))
+def _push(group: Group, attempt: int = 0) -> PushHeader:
+    """b's push of shard 0 (reduced by a) for `group`, in all-reduce attempt `attempt`."""
+    key = SessionKey(RUN, 0, group.group_id, attempt, ("a", "b"))
     return PushHeader(key, "b", 0, NUMEL // 2, 0, "fp32")
 
 
@@ -55,6 +55,10 @@ def test_a_push_for_the_retry_group_waits_until_the_member_opens_it() -> None:
         assert await asyncio.wait_for(early, 5) == max_encoded_bytes(NUMEL // 2)
         with pytest.raises(Rejected, match="abandoned"):
             await reg.check_push(_push(first), peer="b")
+        # a group its member opens again (the same members and attempt) is live again
+        await reg.abandon_round(second)
+        await reg.open_round(second, numel=NUMEL)
+        assert await reg.check_push(_push(second, attempt=1), peer="b") == max_encoded_bytes(NUMEL // 2)
 
     asyncio.run(main())
 
