@@ -1,7 +1,7 @@
 """The peer's network services: a hivemind DHT for control, the gRPC node (all-reduce, state transfer) for data.
 
-`NetworkServices` is the `PeerServices` a real `swarmtrain peer` uses; `NetworkPlane` adapts C2's
-blocking `NetworkAverager`/`fetch_state` and C1's async `Matchmaker` to the Peer's event loop:
+`NetworkServices` is the `PeerServices` a real `swarmtrain peer` uses; `NetworkPlane` adapts the
+blocking `NetworkAverager`/`fetch_state` and the async `Matchmaker` to the Peer's event loop:
 the averager runs on a worker thread, and its group provider hops back onto the Peer's loop (where
 the discovery lives) for matchmaking.
 """

@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-HELP = "a WAN twin on this Linux box: hosts as network namespaces on a shaped bridge (needs root)"
+HELP = "a WAN twin on this Linux machine: hosts as network namespaces on a shaped bridge (needs root)"
 
 _NAME_HELP = "testbed name; its namespaces are NAME-sw and NAME-h0.. (default: swt)"
 

@@ -7,7 +7,7 @@ pace.py        diloco.pace: a round's inner-step budget, fixed H or a span share
 worker.py      DilocoWorker: inner steps, Δ, outer step, eval, hash, state_dict (talks to an Averager)
 traffic.py     bytes per peer of one all-reduce (what simulations report)
 simulation.py  K workers in one process: DiLoCo rounds or the data-parallel baseline
-island.py      (engineer A2) several local ranks with DDP behind one peer
+island.py      several local ranks with DDP behind one peer
 """
 
 from swarmtrain.diloco.outer import OuterOptimizer

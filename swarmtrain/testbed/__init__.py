@@ -1,4 +1,4 @@
-"""A WAN twin on one Linux box: hosts as network namespaces on a shaped bridge (needs root).
+"""A WAN twin on one Linux machine: hosts as network namespaces on a shaped bridge (needs root).
 
 Map: shaping.py (rates, the htb tree, netem options) · netns.py (Testbed: namespaces, bridge,
 veths, processes inside hosts; teardown by name) · counters.py (kernel byte counters per host)

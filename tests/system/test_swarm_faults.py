@@ -1,6 +1,6 @@
 """Coordinator + 3 real peer processes: SIGKILL one mid-round, SIGSTOP one past the deadline, heal both.
 
-Asserts the issue's contract: the survivors keep committing rounds, every committed round has one
+Asserts the fault-tolerance contract: the survivors keep committing rounds, every committed round has one
 θ_global hash on every committed peer, and the killed peer restarts from its checkpoint, heals and
 reports the swarm's hash within 2 rounds. Synchronisation is by reading the peers' stdout lines
 with deadlines only.
