@@ -31,7 +31,7 @@ from swarmtrain.config import RunConfig
 from swarmtrain.data import eval_batches, load_corpus
 from swarmtrain.diloco import DilocoWorker, resolve_device
 from swarmtrain.diloco.pace import Pace, RoundBudget
-from swarmtrain.diloco.worker import InnerStats
+from swarmtrain.diloco.worker import InnerStats, InnerStep
 from swarmtrain.discovery import Discovery, Heartbeat, PeerRecord
 from swarmtrain.models import build_model
 from swarmtrain.peer_config import merge_run_config
@@ -64,13 +64,18 @@ def _resume(worker: DilocoWorker, loaded: LoadedCheckpoint) -> None:
 
 
 class Peer:
-    """One DiLoCo peer of a swarm. `await start()`, `await run(stop)`, `await aclose(reason)`."""
+    """One DiLoCo peer of a swarm. `await start()`, `await run(stop)`, `await aclose(reason)`.
+
+    `on_step` sees every inner step, on the training thread (the console progress display).
+    """
 
     def __init__(self, local: RunConfig, *, writer: EventWriter, services: PeerServices,
-                 local_overrides: Sequence[str] = (), coordinator_id: str | None = None) -> None:
+                 local_overrides: Sequence[str] = (), coordinator_id: str | None = None,
+                 on_step: Callable[[InnerStep], None] | None = None) -> None:
         self.local = local
         self.services = services
         self.writer = writer
+        self.on_step = on_step
         self.local_overrides = tuple(local_overrides)
         self.coordinator_id = coordinator_id
         self.cfg: RunConfig = local
@@ -155,7 +160,7 @@ class Peer:
                                         num_batches=cfg.diloco.eval_batches)
         model = build_model(cfg.model, seed=cfg.train.seed)  # every peer starts from the same θ
         return DilocoWorker(cfg, model=model, batches=batches, device=resolve_device(cfg.train.device),
-                            codec=codec, rng_seed=peer_seed(cfg.train.seed + 1, peer_id))
+                            codec=codec, rng_seed=peer_seed(cfg.train.seed + 1, peer_id), on_step=self.on_step)
 
     def _load_checkpoint(self) -> LoadedCheckpoint | None:
         """The newest good checkpoint in checkpoint.dir, if any; one of another run is an error."""

@@ -12,20 +12,26 @@ from collections.abc import Sequence
 from swarmtrain.config import RunConfig
 from swarmtrain.peer import Peer
 from swarmtrain.telemetry import EventWriter
+from swarmtrain.telemetry.console import ConsoleEventWriter, ConsoleProgress
 
 __all__ = ["run_peer_process"]
 
 log = logging.getLogger(__name__)
 
 
-def run_peer_process(local: RunConfig, *, local_overrides: Sequence[str] = (), coordinator_id: str | None = None) -> int:
-    """`swarmtrain peer`: one peer on uvloop until its rounds are done or it is signalled; 0 on a clean leave."""
+def run_peer_process(local: RunConfig, *, local_overrides: Sequence[str] = (), coordinator_id: str | None = None,
+                     progress: ConsoleProgress | None = None) -> int:
+    """`swarmtrain peer`: one peer on uvloop until its rounds are done or it is signalled; 0 on a clean leave.
+
+    With `progress`, the peer's events and inner steps are also rendered there (stdout is unchanged).
+    """
     import uvloop
 
     from swarmtrain.peer_network import NetworkServices
 
-    peer = Peer(local, writer=EventWriter(sys.stdout), services=NetworkServices(),
-                local_overrides=local_overrides, coordinator_id=coordinator_id)
+    writer = EventWriter(sys.stdout) if progress is None else ConsoleEventWriter(sys.stdout, progress)
+    peer = Peer(local, writer=writer, services=NetworkServices(), local_overrides=local_overrides,
+                coordinator_id=coordinator_id, on_step=None if progress is None else progress.on_step)
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         return runner.run(_main(peer))
 

@@ -28,6 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="in a run with data.num_shards > 0: the slot of the data stream this peer reads "
                              "(default: its checkpoint's slot, else the lowest slot no live peer reads)")
     parser.add_argument("--coordinator-id", help="the coordinator's peer id, if several publish this run")
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                        help="human-readable progress on stderr: a status line per second, a line per round, "
+                             "heal and leave (default: on when stderr is a terminal); stdout is unchanged")
     add_config_options(parser)
 
 
@@ -57,6 +60,11 @@ def local_overrides(args: argparse.Namespace) -> list[str]:
     return out
 
 
+def progress_enabled(args: argparse.Namespace, *, stderr_is_tty: bool) -> bool:
+    """--progress / --no-progress, else on exactly when stderr is a terminal."""
+    return stderr_is_tty if args.progress is None else bool(args.progress)
+
+
 def _toml_str(s: str) -> str:
     return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
@@ -66,15 +74,22 @@ def _toml_list(items: list[str]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    import contextlib
     import sys
 
     from swarmtrain.daemon.options import config_from_args
     from swarmtrain.peer import PeerError
     from swarmtrain.peer_process import run_peer_process
+    from swarmtrain.telemetry.console import ConsoleProgress
 
     local = config_from_args(args, extra=local_overrides(args))
+    progress = None
+    if progress_enabled(args, stderr_is_tty=sys.stderr.isatty()):
+        progress = ConsoleProgress(sys.stderr, in_place=sys.stderr.isatty())
     try:
-        return run_peer_process(local, local_overrides=args.overrides, coordinator_id=args.coordinator_id)
+        with progress.active() if progress is not None else contextlib.nullcontext():
+            return run_peer_process(local, local_overrides=args.overrides, coordinator_id=args.coordinator_id,
+                                    progress=progress)
     except PeerError as e:
         print(f"swarmtrain peer: error: {e}", file=sys.stderr)
         return 1

@@ -25,7 +25,7 @@ from swarmtrain.diloco.inner import (
 from swarmtrain.diloco.outer import OuterOptimizer
 from swarmtrain.diloco.pace import RoundBudget
 
-__all__ = ["BatchStream", "Carry", "DilocoWorker", "InnerStats", "RoundReport", "resolve_device"]
+__all__ = ["BatchStream", "Carry", "DilocoWorker", "InnerStats", "InnerStep", "RoundReport", "resolve_device"]
 
 log = logging.getLogger(__name__)
 STATE_FORMAT = 1
@@ -53,6 +53,20 @@ class InnerStats:
         steps = self.steps + other.steps
         return InnerStats(steps=steps, loss=(self.loss * self.steps + other.loss * other.steps) / steps,
                           tokens=self.tokens + other.tokens, compute_s=self.compute_s + other.compute_s)
+
+
+@dataclass(frozen=True)
+class InnerStep:
+    """One inner step as an `on_step` observer (a progress display) sees it, on the training thread."""
+
+    round: int  # θ_global's round (with diloco.overlap, one less until the previous round's average lands)
+    step: int  # inner steps of this round so far (with a budget; else of this `train_inner` call)
+    max_steps: int  # the round's step limit: H, or the cap of a time-paced round
+    span_s: float | None  # time-paced: the compute seconds the round trains for (None: step-paced)
+    compute_s: float  # compute seconds of the round so far
+    tokens: int  # tokens of this step
+    step_s: float  # wall seconds of this step (on CUDA mostly queueing, unless the device was synchronized)
+    loss: torch.Tensor  # 0-d, detached; float(loss) waits for the device, so read it at a bounded rate
 
 
 @dataclass(frozen=True)
@@ -102,6 +116,7 @@ class DilocoWorker:
     For a local island, `forward_module` (e.g. `DistributedDataParallel(model)`) is what the inner
     steps call, `model` the module whose parameters form θ; `after_round(worker)` runs after every
     `apply` (e.g. to broadcast θ_global from local rank 0) and `adopt_global` installs a received θ.
+    `on_step(InnerStep)` runs after every inner step (a progress display).
     """
 
     def __init__(
@@ -115,6 +130,7 @@ class DilocoWorker:
         rng_seed: int = 0,
         forward_module: nn.Module | None = None,
         after_round: Callable[[DilocoWorker], None] | None = None,
+        on_step: Callable[[InnerStep], None] | None = None,
     ) -> None:
         self.cfg = cfg
         self.device = device if device is not None else resolve_device(cfg.train.device)
@@ -123,6 +139,7 @@ class DilocoWorker:
         self.params: list[nn.Parameter] = list(self.model.parameters())
         self.batches = batches
         self.after_round = after_round
+        self.on_step = on_step
         self.total_inner_steps = cfg.diloco.rounds * cfg.diloco.inner_steps
         self.theta_global = snapshot(self.params, pin=self.device.type == "cuda")
         self.numel = self.theta_global.numel()
@@ -155,21 +172,36 @@ class DilocoWorker:
         with torch.random.fork_rng(devices=[]):
             torch.set_rng_state(self._rng_state)
             while done < steps:
-                tokens += self._inner_step(loss_sum)
+                before = loss_sum.clone() if self.on_step is not None else None
+                step_tokens = self._inner_step(loss_sum)
+                tokens += step_tokens
                 done += 1
+                if budget is not None and self.device.type == "cuda" and budget.span_s is not None:
+                    torch.cuda.synchronize(self.device)  # the span is compute time, not queueing time
+                now = time.perf_counter()
                 if budget is not None:
-                    if self.device.type == "cuda" and budget.span_s is not None:
-                        torch.cuda.synchronize(self.device)  # the span is compute time, not queueing time
-                    now = time.perf_counter()
                     budget.add(steps=1, compute_s=now - last)
-                    last = now
-                    if not budget.steps_left():
-                        break
+                if before is not None:
+                    self._report_step(loss_sum - before, tokens=step_tokens, step_s=now - last, budget=budget,
+                                      call_steps=done, call_limit=steps, call_s=now - start)
+                last = now
+                if budget is not None and not budget.steps_left():
+                    break
             self._rng_state = torch.get_rng_state()
         loss = float(loss_sum.item()) / done
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return InnerStats(steps=done, loss=loss, tokens=tokens, compute_s=time.perf_counter() - start)
+
+    def _report_step(self, loss: torch.Tensor, *, tokens: int, step_s: float, budget: RoundBudget | None,
+                     call_steps: int, call_limit: int, call_s: float) -> None:
+        assert self.on_step is not None
+        if budget is None:
+            step, max_steps, span_s, compute_s = call_steps, call_limit, None, call_s
+        else:
+            step, max_steps, span_s, compute_s = budget.steps, budget.max_steps, budget.span_s, budget.compute_s
+        self.on_step(InnerStep(round=self.round, step=step, max_steps=max_steps, span_s=span_s, compute_s=compute_s,
+                               tokens=tokens, step_s=step_s, loss=loss))
 
     def _inner_step(self, loss_sum: torch.Tensor) -> int:
         x, y = next(self.batches)

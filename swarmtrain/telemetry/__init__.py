@@ -1,4 +1,6 @@
-"""Metrics and status. events.py: the READY/JSON-line stdout protocol; counters.py: per-round costs, StatusSnapshot."""
+"""Metrics and status. events.py: the READY/JSON-line stdout protocol; counters.py: per-round costs, StatusSnapshot;
+progress.py: a swarm's rounds from its peers' lines; console.py: one peer's progress on a terminal (stderr).
+"""
 
 from swarmtrain.telemetry.counters import RoundCounters, RoundTotals, StatusSnapshot
 from swarmtrain.telemetry.events import (

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from swarmtrain.config import load_config
 from swarmtrain.daemon.cli import build_parser
-from swarmtrain.daemon.cmd_peer import local_overrides
+from swarmtrain.daemon.cmd_peer import local_overrides, progress_enabled
 
 pytestmark = pytest.mark.unit
 
@@ -53,3 +55,33 @@ def test_demo_refuses_shards_that_do_not_match_its_peers(capsys: pytest.CaptureF
     args = build_parser().parse_args(["demo", "--peers", "3", "--set", "data.num_shards=5"])
     assert cmd_demo.run(args) == 2
     assert "data.num_shards=5 must be 0 or --peers (3)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("argv", "tty", "enabled"), [
+    ([], True, True), ([], False, False), (["--no-progress"], True, False), (["--progress"], False, True)])
+def test_peer_progress_flag_and_its_terminal_default(argv: list[str], tty: bool, enabled: bool) -> None:
+    args = build_parser().parse_args(["peer", "--join", "/ip4/127.0.0.1/tcp/1/p2p/QmX", *argv])
+    assert progress_enabled(args, stderr_is_tty=tty) is enabled
+
+
+@pytest.mark.parametrize("flag", ["--progress", "--no-progress"])
+def test_peer_progress_goes_to_stderr_only_when_on(flag: str, monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    import swarmtrain.peer_process
+    from swarmtrain.daemon import cmd_peer
+    from swarmtrain.telemetry import EventWriter, LeaveEvent
+    from swarmtrain.telemetry.console import ConsoleEventWriter, ConsoleProgress
+
+    def fake_run_peer_process(local: object, *, local_overrides: object, coordinator_id: object,
+                              progress: ConsoleProgress | None) -> int:
+        writer = EventWriter(sys.stdout) if progress is None else ConsoleEventWriter(sys.stdout, progress)
+        writer.emit(LeaveEvent(round=3, reason="done"))
+        return 0
+
+    monkeypatch.setattr(swarmtrain.peer_process, "run_peer_process", fake_run_peer_process)
+    args = build_parser().parse_args(["peer", "--join", "/ip4/127.0.0.1/tcp/1/p2p/QmX", flag])
+    assert cmd_peer.run(args) == 0
+    out, err = capsys.readouterr()
+    assert out == '{"event": "leave", "round": 3, "reason": "done", "hash": "", "peer": "", "checkpoint": "", ' \
+                  '"bytes_sent": 0, "bytes_received": 0}\n'
+    assert err == ("left at round 3: done\n" if flag == "--progress" else "")
