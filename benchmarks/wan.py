@@ -51,7 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rates", default="100mbit,20mbit", help="comma-separated link rates (default: 100mbit,20mbit)")
     p.add_argument("--arms", default=DEFAULT_ARMS, help=f"comma-separated subset of {','.join(ARMS)} "
                    f"(default: {DEFAULT_ARMS})")
-    p.add_argument("--preset", default="small", help="model preset (default: small, ~0.83M parameters)")
+    p.add_argument("--preset", default="small", help="model preset (default: small, ~0.85M parameters)")
     p.add_argument("--batch-size", type=int, default=4, help="per-peer batch (default: 4)")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--rounds", type=int, default=8, help="DiLoCo rounds; DDP runs rounds x H steps (default: 8)")

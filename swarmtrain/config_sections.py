@@ -1,0 +1,386 @@
+"""The run config's sections: one frozen, validated dataclass per component, each field documented.
+
+The string literal under each field is its meaning; `swarmtrain config reference` (config_reference.py)
+reads these attribute docstrings from this source and turns them into docs/configuration.md, and a
+unit test fails on a field without one. `swarmtrain.config` composes the sections into `RunConfig`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = [
+    "AveragingConfig",
+    "CheckpointConfig",
+    "CompressConfig",
+    "ConfigError",
+    "DataConfig",
+    "DilocoConfig",
+    "DiscoveryConfig",
+    "InnerConfig",
+    "ModelConfig",
+    "OuterConfig",
+    "RpcConfig",
+    "TrainConfig",
+    "check",
+]
+
+
+class ConfigError(ValueError):
+    """A config value, key or file is wrong; the message names which."""
+
+
+def check(cond: bool, name: str, msg: str) -> None:
+    """Raise `ConfigError("{name}: {msg}")` unless `cond`."""
+    if not cond:
+        raise ConfigError(f"{name}: {msg}")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The run's identity and seed, and the device and threads of each process."""
+
+    run_id: str = "swarmtrain"
+    """Name of the run (`[A-Za-z0-9._-]`): peers find the run's records under it, and refuse records and
+    state of another run."""
+    seed: int = 0
+    """Seed of the run: the initial weights and the data permutation; mixed with each peer's id, that
+    peer's own data order (unsharded runs), dropout and stochastic rounding."""
+    device: str = "auto"
+    """Where a peer trains: `auto` (CUDA when available, else CPU), `cpu`, `cuda` or `cuda:N`."""
+    threads: int = 0
+    """torch intra-op threads of the process; 0 = torch's default."""
+
+    def __post_init__(self) -> None:
+        check(bool(self.run_id) and all(c.isalnum() or c in "-_." for c in self.run_id), "train.run_id", "must be non-empty [A-Za-z0-9._-]")
+        check(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"), "train.device", f"{self.device!r} is not auto, cpu or cuda[:N]")
+        check(self.threads >= 0, "train.threads", "must be >= 0")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which GPT to build: `preset` picks the shape, and each shape field > 0 overrides the preset's value."""
+
+    preset: str = "tiny"
+    """Named shape (swarmtrain/models/presets.py): `tiny` (~0.12M parameters), `small` (~0.85M), `base`
+    (~4.8M), `medium` (~25M) or `gpt2-124m` (~86M with the byte vocabulary)."""
+    n_layer: int = 0
+    """Transformer blocks; 0 = the preset's."""
+    n_head: int = 0
+    """Attention heads per block; 0 = the preset's. `n_embd` must be divisible by it."""
+    n_embd: int = 0
+    """Width of the embeddings and the residual stream; 0 = the preset's."""
+    context_len: int = 0
+    """Longest sequence in tokens (rows of the learned position embedding); 0 = the preset's. At least
+    `data.seq_len`."""
+    vocab_size: int = 256
+    """Rows of the token embedding (tied with the output head); at least 256, the byte-level tokens the
+    data produces."""
+    dropout: float = 0.0
+    """Dropout probability on the embeddings, the attention weights and each MLP's output while training; 0
+    = off."""
+    init_from: str = ""
+    """A safetensors file of the model's state_dict (e.g. a pretrained or warm-start checkpoint) to start
+    from instead of the seeded init; every peer must hold the same file. Empty = the seeded init."""
+
+    def __post_init__(self) -> None:
+        from swarmtrain.models.presets import PRESETS
+
+        check(self.preset in PRESETS, "model.preset", f"unknown preset {self.preset!r}; one of {sorted(PRESETS)}")
+        for k in ("n_layer", "n_head", "n_embd", "context_len"):
+            check(getattr(self, k) >= 0, f"model.{k}", "must be >= 0 (0 = the preset's value)")
+        check(self.vocab_size >= 2, "model.vocab_size", "must be >= 2")
+        check(0.0 <= self.dropout < 1.0, "model.dropout", "must be in [0, 1)")
+        n_embd, n_head = self.n_embd or PRESETS[self.preset].n_embd, self.n_head or PRESETS[self.preset].n_head
+        check(n_embd % n_head == 0, "model.n_embd", f"{n_embd} must be divisible by model.n_head ({n_head})")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where tokens come from (bytes of text files, one token per byte) and how peers divide the stream."""
+
+    paths: tuple[str, ...] = ()
+    """Text files to train on; empty = the `.py` files of the Python standard library of the machine."""
+    val_fraction: float = 0.1
+    """Fraction held out for validation: each file is held out with this probability, by a hash of its name
+    (a single file: its last `val_fraction` of bytes)."""
+    batch_size: int = 8
+    """Sequences per inner step on each peer."""
+    seq_len: int = 128
+    """Tokens per training sequence; at most the model's context length."""
+    max_corpus_bytes: int = 0
+    """Read at most this many bytes of the corpus (files in order, the last one cut); 0 = all. Tests and
+    demos cap the standard-library corpus for speed."""
+    num_shards: int = 0
+    """How peers split the stream. 0: each peer reads its own seeded permutation (an open swarm, no
+    roster). K > 0: one permutation of the run's seed cut into K disjoint slots; each peer reads the slot
+    its `shard_index` names, so K peers together read what data-parallel training over K ranks reads, never
+    a window twice in an epoch."""
+    shard_index: int = -1
+    """With `num_shards` > 0: the slot this peer reads (`swarmtrain peer --shard-index`); -1 = the slot of
+    its checkpoint, else the lowest slot no live peer reads. A slot a live peer reads is refused."""
+    start_step: int = 0
+    """Steps of its stream a fresh peer skips: those a `model.init_from` checkpoint was trained on (a
+    resumed peer continues from its checkpoint's position)."""
+
+    def __post_init__(self) -> None:
+        check(0.0 < self.val_fraction < 1.0, "data.val_fraction", "must be in (0, 1)")
+        check(self.batch_size >= 1, "data.batch_size", "must be >= 1")
+        check(self.seq_len >= 1, "data.seq_len", "must be >= 1")
+        check(self.max_corpus_bytes >= 0, "data.max_corpus_bytes", "must be >= 0")
+        check(self.num_shards >= 0, "data.num_shards", "must be >= 0 (0 = each peer its own permutation)")
+        check(self.shard_index >= -1, "data.shard_index", "must be >= 0, or -1 for none")
+        check(self.num_shards == 0 or self.shard_index < self.num_shards, "data.shard_index",
+              f"{self.shard_index} is not below data.num_shards={self.num_shards}")
+        check(self.start_step >= 0, "data.start_step", "must be >= 0")
+
+
+@dataclass(frozen=True)
+class InnerConfig:
+    """The inner (local) optimizer each peer runs between two averagings, and its learning-rate schedule."""
+
+    optimizer: str = "adamw"
+    """`adamw` or `sgd`."""
+    lr: float = 3e-3
+    """Peak learning rate: linear warmup over `warmup_steps`, then cosine decay to `lr × min_lr_ratio` at
+    step `diloco.rounds × diloco.inner_steps`."""
+    weight_decay: float = 0.1
+    """Weight decay of the matrices and embeddings (parameters with >= 2 dimensions; decoupled for AdamW);
+    biases and LayerNorm weights get none."""
+    beta1: float = 0.9
+    """AdamW's first-moment decay rate β1."""
+    beta2: float = 0.95
+    """AdamW's second-moment decay rate β2."""
+    warmup_steps: int = 50
+    """Inner steps of linear warmup from `lr / warmup_steps` to `lr`."""
+    min_lr_ratio: float = 0.1
+    """Where the cosine decay ends, as a fraction of `lr`."""
+    grad_clip: float = 1.0
+    """Clip the gradient's global L2 norm to this before each inner step; 0 = no clipping."""
+    momentum: float = 0.0
+    """SGD momentum (`optimizer = "sgd"` only); 0 = plain SGD."""
+
+    def __post_init__(self) -> None:
+        check(self.optimizer in ("adamw", "sgd"), "inner.optimizer", f"{self.optimizer!r} is not 'adamw' or 'sgd'")
+        check(self.lr > 0, "inner.lr", "must be > 0")
+        check(self.weight_decay >= 0, "inner.weight_decay", "must be >= 0")
+        check(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "inner.beta1/beta2", "must be in [0, 1)")
+        check(self.warmup_steps >= 0, "inner.warmup_steps", "must be >= 0")
+        check(0 <= self.min_lr_ratio <= 1, "inner.min_lr_ratio", "must be in [0, 1]")
+        check(self.grad_clip >= 0, "inner.grad_clip", "must be >= 0")
+        check(0 <= self.momentum < 1, "inner.momentum", "must be in [0, 1)")
+
+
+@dataclass(frozen=True)
+class OuterConfig:
+    """The outer optimizer: SGD with momentum on θ_global, with the averaged pseudo-gradient Δ = θ_global −
+    θ_local as its gradient."""
+
+    lr: float = 0.7
+    """Outer learning rate; 1 with `momentum` 0 makes θ_global the plain mean of the peers' θ_local."""
+    momentum: float = 0.9
+    """Momentum μ of the outer step (buffer ← μ·buffer + Δ); 0 = none."""
+    nesterov: bool = True
+    """Nesterov momentum (θ ← θ − lr·(Δ + μ·buffer)) instead of heavy ball (θ ← θ − lr·buffer); needs
+    `momentum` > 0."""
+
+    def __post_init__(self) -> None:
+        check(self.lr > 0, "outer.lr", "must be > 0")
+        check(0 <= self.momentum < 1, "outer.momentum", "must be in [0, 1)")
+        check(not (self.nesterov and self.momentum == 0), "outer.nesterov", "needs outer.momentum > 0")
+
+
+@dataclass(frozen=True)
+class DilocoConfig:
+    """The outer loop: inner steps per round, rounds to run, evaluation, pacing and overlap."""
+
+    inner_steps: int = 50
+    """H: inner steps each peer takes per round (with `pace = "time"`: the swarm's average per peer)."""
+    rounds: int = 10
+    """Outer rounds of the run: a peer leaves once this many have committed. Also sets the inner schedule's
+    length (`rounds × inner_steps` steps)."""
+    eval_batches: int = 8
+    """Validation batches (`data.batch_size` sequences of `data.seq_len` tokens, spread evenly over the
+    validation split) an evaluation averages its loss over."""
+    eval_every_rounds: int = 1
+    """A peer scores θ_global on the validation batches after every this many committed rounds (its round
+    lines' `val_loss`); 0 = never. `swarmtrain simulate` evaluates every round."""
+    overlap: bool = False
+    """Average round r's Δ while the first inner steps of round r+1 run (communication hidden behind
+    compute): θ_local starts round r+1 from the outer step applied to its own Δ, and the swarm's mean
+    corrects it when it lands. Off = classic DiLoCo (train, then wait for the average)."""
+    overlap_max_steps: int = 3
+    """With `overlap`: at most this many inner steps of round r+1 run before round r's mean has landed; a
+    peer that gets there waits for it (a longer lag makes the correction overshoot; benchmarks/overlap.py
+    measures it). Simulations land every mean exactly here, the worst case."""
+    pace: str = "steps"
+    """`steps`: every peer takes `inner_steps` steps per round, and the round waits for the slowest.
+    `time`: every peer trains for the same span per round, sized from the last round's group so that the
+    swarm takes `inner_steps` steps per peer on average (`inner_steps` / the members' median step rate): a
+    faster peer takes more steps, a slower one fewer (at least 1, at most 4 × `inner_steps`), and all of
+    them post at once."""
+
+    def __post_init__(self) -> None:
+        check(self.inner_steps >= 1, "diloco.inner_steps", "must be >= 1")
+        check(self.pace in ("steps", "time"), "diloco.pace", f"{self.pace!r} is not 'steps' or 'time'")
+        check(self.rounds >= 1, "diloco.rounds", "must be >= 1")
+        check(self.eval_batches >= 1, "diloco.eval_batches", "must be >= 1")
+        check(self.eval_every_rounds >= 0, "diloco.eval_every_rounds", "must be >= 0")
+        check(self.overlap_max_steps >= 1, "diloco.overlap_max_steps", "must be >= 1")
+
+
+@dataclass(frozen=True)
+class CompressConfig:
+    """How pseudo-gradients are encoded on the wire: every contribution to a reducer and every mean it
+    sends back."""
+
+    codec: str = "int8"
+    """`int8` or `int4` (blockwise absmax quantization: 1 or 0.5 bytes per value plus a scale per block),
+    `fp16` or `bf16` (2 bytes) or `fp32` (4 bytes, lossless)."""
+    block_size: int = 64
+    """`int8`/`int4`: values per quantization block, each with its own scale (even, >= 2)."""
+    scale_dtype: str = "fp32"
+    """`int8`/`int4`: type of the per-block scales on the wire, `fp32` or `fp16` (other codecs need
+    `fp32`)."""
+    stochastic_rounding: bool = False
+    """`int8`/`int4`: round each value up or down at random, unbiased in expectation, instead of to the
+    nearest level (other codecs need `false`)."""
+    zstd_level: int = 0
+    """zstd level (1–22) applied to each encoded message; 0 = no zstd stage."""
+    error_feedback: bool = False
+    """Keep what the codec lost of this peer's Δ (Δ − decode(encode(Δ))) and add it to its next Δ once the
+    round commits."""
+
+    def __post_init__(self) -> None:
+        codecs = ("fp32", "fp16", "bf16", "int8", "int4")
+        check(self.codec in codecs, "compress.codec", f"{self.codec!r} is not one of {codecs}")
+        check(self.block_size >= 2 and self.block_size % 2 == 0, "compress.block_size", "must be even and >= 2")
+        check(self.scale_dtype in ("fp32", "fp16"), "compress.scale_dtype", "must be 'fp32' or 'fp16'")
+        check(0 <= self.zstd_level <= 22, "compress.zstd_level", "must be in [0, 22]")
+
+
+@dataclass(frozen=True)
+class DiscoveryConfig:
+    """The control plane: this process's node of the hivemind DHT, which holds the run record, peer records
+    and matchmaking."""
+
+    initial_peers: tuple[str, ...] = ()
+    """Multiaddrs of DHT nodes to join through, e.g. the coordinator's (`swarmtrain peer --join`); empty =
+    start a new DHT."""
+    host: str = "127.0.0.1"
+    """Address the DHT node listens on (`0.0.0.0` on a public machine)."""
+    port: int = 0
+    """DHT (libp2p TCP) port; 0 = any free port."""
+    announce_maddrs: tuple[str, ...] = ()
+    """Multiaddrs others should dial to reach this DHT node, when they differ from the bound ones (NAT,
+    containers); empty = the bound addresses."""
+    client_mode: bool = False
+    """Behind NAT: only dial out, so no port of this peer needs to be reachable. The peer contributes to
+    every round and receives every mean, but never reduces a shard or serves state to joiners."""
+    nat_port_map: bool = False
+    """Let libp2p ask the home router for a port mapping (UPnP/NAT-PMP)."""
+    use_auto_relay: bool = False
+    """Let libp2p look for relays through which this node becomes reachable behind NAT or a firewall
+    (hivemind's `use_auto_relay`)."""
+    identity_path: str = ""
+    """File holding this node's libp2p RSA key, created if missing; it keeps the peer id across restarts.
+    Empty = `identity.key` in `checkpoint.dir` when that is set, else a fresh identity each start."""
+    heartbeat_s: float = 2.0
+    """Seconds between two announcements of this peer's record (the coordinator: between two refreshes of
+    the run record)."""
+    record_ttl_s: float = 10.0
+    """Seconds a peer record stays live after its heartbeat; a peer silent for longer counts as gone. Must
+    exceed `heartbeat_s`."""
+
+    def __post_init__(self) -> None:
+        check(0 <= self.port < 65536, "discovery.port", "must be in [0, 65535]")
+        check(self.heartbeat_s > 0, "discovery.heartbeat_s", "must be > 0")
+        check(self.record_ttl_s > self.heartbeat_s, "discovery.record_ttl_s", "must exceed discovery.heartbeat_s")
+
+
+@dataclass(frozen=True)
+class RpcConfig:
+    """The data plane: this peer's gRPC server and bulk TCP port (all-reduce payloads, state for joiners)."""
+
+    host: str = "127.0.0.1"
+    """Address the gRPC server and the bulk port bind (`0.0.0.0` on a public machine)."""
+    port: int = 0
+    """gRPC port; 0 = any free port."""
+    announce: str = ""
+    """HOST:PORT other peers dial to reach this gRPC server; empty = the bound address (127.0.0.1 when
+    bound to all interfaces)."""
+    run_key: str = ""
+    """Shared secret of the run: every call carries it, and a peer refuses calls with another key. The
+    environment variable `SWARMTRAIN_RUN_KEY`, when set, takes its place; it is blanked in the run config
+    the coordinator publishes."""
+    call_timeout_s: float = 30.0
+    """Deadline in seconds of one data-plane call and of a read of the live peers from the DHT."""
+    chunk_bytes: int = 1 << 20
+    """Bytes per message when a payload is streamed over gRPC (state for joiners; all-reduce payloads with
+    `bulk_transport = "grpc"`); in [1024, `max_message_bytes`]."""
+    max_message_bytes: int = 8 << 20
+    """Largest gRPC message this peer sends or accepts, in bytes."""
+    retries: int = 3
+    """Retries of an idempotent call that found its peer unavailable, never past the call's deadline."""
+    backoff_s: float = 0.2
+    """Delay in seconds before the first retry; doubles with each retry, jittered by ×0.5–1.5."""
+    bulk_transport: str = "tcp"
+    """`tcp`: all-reduce payloads move over a second, raw TCP port (`bulk_port`; open it too behind a
+    firewall). `grpc`: everything through `port`. Others adapt to what this peer serves."""
+    bulk_port: int = 0
+    """TCP port of the bulk data path (with `bulk_transport = "tcp"`); 0 = any free port. Peers learn it
+    from the gRPC call that precedes each transfer."""
+
+    def __post_init__(self) -> None:
+        check(0 <= self.port < 65536, "rpc.port", "must be in [0, 65535]")
+        check(self.bulk_transport in ("tcp", "grpc"), "rpc.bulk_transport", "must be 'tcp' or 'grpc'")
+        check(0 <= self.bulk_port < 65536, "rpc.bulk_port", "must be in [0, 65535]")
+        check(self.call_timeout_s > 0, "rpc.call_timeout_s", "must be > 0")
+        check(1024 <= self.chunk_bytes <= self.max_message_bytes, "rpc.chunk_bytes", "must be in [1024, rpc.max_message_bytes]")
+        check(self.retries >= 0, "rpc.retries", "must be >= 0")
+        check(self.backoff_s >= 0, "rpc.backoff_s", "must be >= 0")
+
+
+@dataclass(frozen=True)
+class AveragingConfig:
+    """Matchmaking and the fault-tolerant all-reduce of each round's pseudo-gradients."""
+
+    min_peers: int = 2
+    """Fewest members a round needs: matchmaking forms no smaller group, and a round commits only when at
+    least this many members (and more than half of its group) delivered their Δ."""
+    matchmaking_timeout_s: float = 5.0
+    """Matchmaking window in seconds: peers that post for a round within this span of the first one form
+    its group (it closes early once every live peer at that round has posted and they are at least
+    `min_peers`)."""
+    allreduce_timeout_s: float = 60.0
+    """Deadline in seconds of a round's all-reduce, retries included, from the moment its group is known."""
+    max_retries: int = 1
+    """Further all-reduce attempts of a round after one that lost a reducer, each without the reducers that
+    failed."""
+    contribution_window_s: float = 15.0
+    """Seconds a reducer collects contributions to its shard after its round opens; later ones are left out
+    of the mean."""
+
+    def __post_init__(self) -> None:
+        check(self.min_peers >= 1, "averaging.min_peers", "must be >= 1")
+        check(self.contribution_window_s > 0, "averaging.contribution_window_s", "must be > 0")
+        check(self.matchmaking_timeout_s > 0, "averaging.matchmaking_timeout_s", "must be > 0")
+        check(self.allreduce_timeout_s > 0, "averaging.allreduce_timeout_s", "must be > 0")
+        check(self.max_retries >= 0, "averaging.max_retries", "must be >= 0")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Where and how often a peer saves its state (it resumes from the newest good checkpoint on restart)."""
+
+    dir: str = ""
+    """Directory of this peer's checkpoints and its DHT identity key; one live peer per directory. Empty =
+    no checkpoints."""
+    every_rounds: int = 1
+    """Save after every this many committed rounds, and on leaving."""
+    keep: int = 2
+    """Checkpoints kept: the newest this many; older ones are deleted."""
+
+    def __post_init__(self) -> None:
+        check(self.every_rounds >= 1, "checkpoint.every_rounds", "must be >= 1")
+        check(self.keep >= 1, "checkpoint.keep", "must be >= 1")
