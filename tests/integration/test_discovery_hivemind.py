@@ -70,7 +70,7 @@ def test_peer_id_is_the_libp2p_identity_of_the_signing_key(swarm: Swarm) -> None
 
 
 def test_run_config_round_trip_over_the_dht(swarm: Swarm) -> None:
-    cfg = RunConfig().replace(averaging={"min_peers": 3}, compress={"codec": "int8"})
+    cfg = RunConfig().replace(averaging={"min_peers": 3}, compress={"codec": "int4"})
     coord = swarm["coord"]
     swarm.run(coord.publish_run(RunRecord(run_id=RUN, coordinator_id=coord.peer_id, config=to_dict(cfg), round=2,
                                           updated_at=coord.now()), timeout_s=IO_S))

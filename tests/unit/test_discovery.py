@@ -124,7 +124,7 @@ def test_run_config_round_trip_and_conflicts() -> None:
         coord = InMemoryDiscovery(reg, run_id=RUN, record_ttl_s=5)
         peer = InMemoryDiscovery(reg, run_id=RUN, record_ttl_s=5)
         assert await peer.fetch_run(timeout_s=1) is None
-        cfg = load_config(overrides=["averaging.min_peers=3", "compress.codec=int8", "data.paths=['a.txt']"])
+        cfg = load_config(overrides=["averaging.min_peers=3", "compress.codec=int4", "data.paths=['a.txt']"])
         await coord.publish_run(RunRecord(run_id=RUN, coordinator_id=coord.peer_id, config=to_dict(cfg), round=7),
                                 timeout_s=1)
         got = await peer.fetch_run(timeout_s=1)
