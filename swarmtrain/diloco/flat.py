@@ -52,5 +52,5 @@ def flat_hash(flat: torch.Tensor) -> str:
     """Hex sha256 of a flat fp32 vector's bytes: equal hashes mean bit-identical weights."""
     if flat.dtype != torch.float32 or flat.dim() != 1:
         raise ValueError(f"flat_hash needs a 1-D fp32 tensor, got {flat.dtype} with shape {tuple(flat.shape)}")
-    data = flat.detach().cpu().contiguous().numpy().tobytes()
-    return hashlib.sha256(data).hexdigest()
+    # hashlib reads the array's buffer in place (no copy of θ) and releases the GIL while it hashes.
+    return hashlib.sha256(flat.detach().cpu().contiguous().numpy()).hexdigest()

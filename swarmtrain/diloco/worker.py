@@ -25,10 +25,14 @@ from swarmtrain.diloco.inner import (
 from swarmtrain.diloco.outer import OuterOptimizer
 from swarmtrain.diloco.pace import RoundBudget
 
-__all__ = ["BatchStream", "Carry", "DilocoWorker", "InnerStats", "InnerStep", "RoundReport", "resolve_device"]
+__all__ = ["BatchStream", "Carry", "DeltaError", "DilocoWorker", "InnerStats", "InnerStep", "RoundReport", "resolve_device"]
 
 log = logging.getLogger(__name__)
 STATE_FORMAT = 1
+
+
+class DeltaError(ValueError):
+    """This worker's own Δ cannot be sent (NaN or Inf after a diverged inner step); the message says why."""
 
 
 class BatchStream(Protocol):
@@ -146,7 +150,11 @@ class DilocoWorker:
         self.outer = OuterOptimizer(cfg.outer, numel=self.numel)
         self.inner = build_inner_optimizer(self.model, cfg.inner)
         self.round = 0
-        self.inner_step = 0
+        self.inner_step = 0  # inner steps this worker took in all (statistics and checkpoints)
+        self.round_step = 0  # inner steps taken at `round` (the schedule's position within the round)
+        self._sent_early = False  # overlapped: Δ of `round` is out, and the steps now taken are round + 1's
+        self._hash: tuple[int, str] | None = None  # (θ_global version, its hash): hashed once per change
+        self._theta_version = 0
         if cfg.compress.error_feedback and codec is None:
             raise ValueError("compress.error_feedback needs the codec the averager uses (codec=None given)")
         self.codec = codec
@@ -211,13 +219,49 @@ class DilocoWorker:
         loss.backward()
         if self.cfg.inner.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.params, self.cfg.inner.grad_clip)
-        factor = lr_factor(self.inner_step, cfg=self.cfg.inner, total_steps=self.total_inner_steps)
+        factor = lr_factor(self.schedule_step(), cfg=self.cfg.inner, total_steps=self.total_inner_steps)
         set_lr(self.inner, self.cfg.inner.lr * factor)
         self.inner.step()
         self.inner.zero_grad(set_to_none=True)
         self.inner_step += 1
+        self.round_step += 1
         loss_sum += loss.detach().float()
         return y.numel()
+
+    def schedule_step(self) -> int:
+        """The inner schedule's position: the swarm's progress, not this peer's step count.
+
+        round × H + the steps taken at this round (at most H − 1). Every peer at round r trains at the
+        same learning rate whenever it joined, healed or however fast it steps: a joiner at 80% of the
+        run trains at the swarm's rate instead of warming up from the peak, and a time-paced peer that
+        takes more than H steps in a round holds the round's last rate instead of running ahead.
+        """
+        h = self.cfg.diloco.inner_steps
+        return (self.round + self._sent_early) * h + min(self.round_step, h - 1)
+
+    def delta_problem(self, delta: torch.Tensor) -> str:
+        """Why `delta` must not be sent ("" when it may): NaN or Inf from a diverged inner step."""
+        finite = torch.isfinite(delta)
+        if bool(finite.all()):
+            return ""
+        bad = int(finite.numel() - finite.sum())
+        return f"non-finite pseudo-gradient: {bad} of {delta.numel()} values are NaN or Inf"
+
+    def resync(self) -> None:
+        """Drop this round's local progress after a local failure (a non-finite Δ, a codec error).
+
+        θ_local restarts from θ_global; inner-optimizer moments and the error-feedback residual that
+        hold NaN or Inf are reset (the swarm's weights are untouched: θ_global never took the bad Δ).
+        """
+        assign_flat(self.theta_global, self.params)
+        self._pending_residual = None
+        self._sent_early = False
+        if self.residual is not None and not bool(torch.isfinite(self.residual).all()):
+            self.residual.zero_()
+        if any(not bool(torch.isfinite(v).all()) for st in self.inner.state.values() for v in st.values()
+               if isinstance(v, torch.Tensor)):
+            log.warning("inner optimizer state holds NaN/Inf after a failed round: starting it afresh")
+            self.inner.state.clear()
 
     def delta(self) -> torch.Tensor:
         """This round's contribution: Δ = θ_global − θ_local (+ the error-feedback residual)."""
@@ -232,14 +276,20 @@ class DilocoWorker:
     def send_overlapped(self) -> tuple[torch.Tensor, Carry]:
         """`diloco.overlap`: this round's Δ, and θ_local moved to where θ_global lands if the mean is Δ.
 
+        DeltaError (θ_local untouched) when Δ holds NaN or Inf.
+
         The next round's inner steps start from that eager estimate of θ_global(new) (the outer
         step, momentum included, applied to this peer's own Δ) instead of waiting for the swarm's
         mean; `apply(result, carry=...)` later shifts θ_local by the estimate's error.
         """
         since = flatten(self.params)
         delta = self.delta()
+        problem = self.delta_problem(delta)
+        if problem:
+            raise DeltaError(problem)
         estimate = self.outer.preview(self.theta_global.detach().cpu(), delta)
         assign_flat(estimate, self.params)
+        self._sent_early, self.round_step = True, 0
         return delta, Carry(base=estimate, on_abort=since)
 
     def has_local_progress(self) -> bool:
@@ -263,12 +313,16 @@ class DilocoWorker:
             if result.mean is None:
                 raise ValueError(f"round {result.round} committed without a mean pseudo-gradient")
             self.outer.step(self.theta_global, result.mean.reshape(-1))
+            self._theta_version += 1
             if self._pending_residual is not None:
                 self.residual = self._pending_residual
             self.round += 1
+            if carry is None:  # overlapped, the steps taken since Δ was sent were already the new round's
+                self.round_step = 0
         elif carry is None:
             log.warning("round %d aborted (%s): keeping θ_global, dropping local progress", result.round, result.reason)
         self._pending_residual = None
+        self._sent_early = False
         if carry is None:
             assign_flat(self.theta_global, self.params)
         else:  # the inner steps since Δ was sent, on top of the new θ_global (or back where Δ was taken)
@@ -318,8 +372,19 @@ class DilocoWorker:
             assign_flat(local, self.params)
 
     def global_hash(self) -> str:
-        """Hex sha256 of θ_global's fp32 bytes: committed peers must agree bit for bit."""
-        return flat_hash(self.theta_global)
+        """Hex sha256 of θ_global's fp32 bytes: committed peers must agree bit for bit.
+
+        Hashed once per change of θ_global (an outer step, a heal, a resume) and cached: heartbeats,
+        round lines and checkpoints read the cache. Safe to call from a worker thread right after a
+        change, so that the hashing runs off the event loop.
+        """
+        version = self._theta_version
+        cached = self._hash
+        if cached is not None and cached[0] == version:
+            return cached[1]
+        digest = flat_hash(self.theta_global)
+        self._hash = (version, digest)
+        return digest
 
     def adopt_global(self, *, round_index: int, theta_global: torch.Tensor, outer_momentum: torch.Tensor | None,
                      keep_progress: bool = False) -> None:
@@ -334,8 +399,11 @@ class DilocoWorker:
             raise ValueError(f"adopt_global: round must be >= 0, got {round_index}")
         progress = flatten(self.params) - self.theta_global.detach().cpu() if keep_progress else None
         self.theta_global.copy_(theta_global.detach().to(torch.float32).reshape(-1))
+        self._theta_version += 1
         self.outer.load_state_tensors({} if outer_momentum is None else {"momentum": outer_momentum})
-        self.round = round_index
+        if round_index != self.round:
+            self.round_step = 0
+        self.round, self._sent_early = round_index, False
         self._pending_residual = None
         assign_flat(self.theta_global if progress is None else self.theta_global.detach().cpu() + progress, self.params)
 
@@ -360,7 +428,8 @@ class DilocoWorker:
         tensors.update(inner_tensors)
         data_state = self.batches.state_dict() if hasattr(self.batches, "state_dict") else None
         meta: dict[str, Any] = {
-            "format": STATE_FORMAT, "round": self.round, "inner_step": self.inner_step, "numel": self.numel,
+            "format": STATE_FORMAT, "round": self.round, "inner_step": self.inner_step,
+            "round_step": self.round_step, "numel": self.numel,
             "inner_optimizer": inner_meta, "data": data_state,
         }
         return tensors, meta
@@ -375,6 +444,7 @@ class DilocoWorker:
             if key not in tensors:
                 raise ValueError(f"worker state is missing tensor {key!r}")
         self.theta_global.copy_(tensors["theta_global"])
+        self._theta_version += 1
         assign_flat(tensors["theta_local"], self.params)
         self.outer.load_state_tensors({k[len("outer."):]: v for k, v in tensors.items() if k.startswith("outer.")})
         if self.residual is not None:
@@ -389,4 +459,6 @@ class DilocoWorker:
         self._rng_state = tensors["rng.cpu"].clone()
         self.round = int(meta["round"])
         self.inner_step = int(meta["inner_step"])
+        # A checkpoint written before the schedule followed the round resumes at the round's first position.
+        self.round_step = int(meta.get("round_step", 0))
         self._pending_residual = None

@@ -1,0 +1,128 @@
+"""DilocoWorker's round state: the inner schedule follows the swarm's round, θ is hashed once per change,
+and a non-finite Δ is detected and resynchronised from θ_global."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from swarmtrain.averaging.protocol import AverageResult
+from swarmtrain.config import RunConfig
+from swarmtrain.data import ShardedBatches, load_corpus
+from swarmtrain.diloco import DilocoWorker
+from swarmtrain.diloco import worker as worker_module
+from swarmtrain.diloco.flat import flatten
+from swarmtrain.diloco.inner import lr_factor
+from swarmtrain.models import build_model
+
+pytestmark = pytest.mark.unit
+
+H, ROUNDS = 4, 10
+
+
+@pytest.fixture
+def cfg(tiny_config: RunConfig) -> RunConfig:
+    return tiny_config.replace(diloco={"inner_steps": H, "rounds": ROUNDS},
+                               inner={"warmup_steps": 3, "min_lr_ratio": 0.1, "lr": 1e-3})
+
+
+def _worker(cfg: RunConfig, index: int = 0) -> DilocoWorker:
+    batches = ShardedBatches(load_corpus(cfg.data).train, worker_index=index, num_workers=2,
+                             batch_size=cfg.data.batch_size, seq_len=cfg.data.seq_len, seed=cfg.train.seed)
+    return DilocoWorker(cfg, model=build_model(cfg.model, seed=cfg.train.seed), batches=batches,
+                        device=torch.device("cpu"), rng_seed=index)
+
+
+def _commit(w: DilocoWorker) -> AverageResult:
+    return AverageResult(round=w.round, committed=True, mean=w.delta(), members=("a",))
+
+
+def _lr(w: DilocoWorker) -> float:
+    return float(w.inner.param_groups[0]["lr"])
+
+
+def _expected_lr(cfg: RunConfig, step: int) -> float:
+    return cfg.inner.lr * lr_factor(step, cfg=cfg.inner, total_steps=ROUNDS * H)
+
+
+def test_a_joiner_at_80_percent_of_the_run_trains_at_the_swarms_learning_rate(cfg: RunConfig) -> None:
+    veteran = _worker(cfg, 0)
+    for _ in range(8):
+        veteran.train_inner()
+        veteran.apply(_commit(veteran))
+    joiner = _worker(cfg, 1)
+    joiner.adopt_global(round_index=veteran.round, theta_global=veteran.theta_global.clone(),
+                        outer_momentum=veteran.outer.state_tensors().get("momentum"))
+    for k in range(H):
+        veteran.train_inner(1)
+        joiner.train_inner(1)
+        assert _lr(joiner) == _lr(veteran) == pytest.approx(_expected_lr(cfg, 8 * H + k))
+    # without the swarm's clock the joiner would have been warming up: its step 0 of the schedule
+    assert _lr(joiner) != pytest.approx(_expected_lr(cfg, 0))
+
+
+def test_a_peer_taking_more_than_h_steps_holds_the_rounds_last_rate(cfg: RunConfig) -> None:
+    w = _worker(cfg)
+    w.train_inner(3 * H)  # a fast time-paced peer: three rounds' worth of steps in round 0
+    assert w.schedule_step() == H - 1 and _lr(w) == pytest.approx(_expected_lr(cfg, H - 1))
+    w.apply(_commit(w))
+    w.train_inner(1)
+    assert _lr(w) == pytest.approx(_expected_lr(cfg, H))
+
+
+def test_steps_after_an_overlapped_send_count_for_the_next_round(cfg: RunConfig) -> None:
+    w = _worker(cfg)
+    w.train_inner()
+    _, carry = w.send_overlapped()
+    w.train_inner(2)  # round 1's first steps, before round 0's mean landed
+    assert _lr(w) == pytest.approx(_expected_lr(cfg, H + 1))
+    w.apply(AverageResult(round=0, committed=True, mean=carry.base * 0, members=("a",)), carry=carry)
+    w.train_inner(1)
+    assert w.schedule_step() == H + 3 and _lr(w) == pytest.approx(_expected_lr(cfg, H + 2))
+
+
+def test_theta_is_hashed_once_per_change(cfg: RunConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    real = worker_module.flat_hash
+
+    def counting(flat: torch.Tensor) -> str:
+        calls.append(flat.numel())
+        return real(flat)
+
+    monkeypatch.setattr(worker_module, "flat_hash", counting)
+    w = _worker(cfg)
+    first = w.global_hash()
+    assert [w.global_hash() for _ in range(50)] == [first] * 50 and len(calls) == 1  # heartbeats read the cache
+    w.train_inner()
+    assert w.global_hash() == first and len(calls) == 1  # inner steps move θ_local, not θ_global
+    w.apply(_commit(w))
+    second = w.global_hash()
+    assert second != first and len(calls) == 2
+    assert second == real(w.theta_global)
+    w.adopt_global(round_index=5, theta_global=torch.zeros_like(w.theta_global),
+                   outer_momentum=torch.zeros_like(w.theta_global))
+    assert w.global_hash() == real(torch.zeros_like(w.theta_global)) and len(calls) == 3
+    tensors, meta = w.state_dict()
+    other = _worker(cfg)
+    other.global_hash()
+    other.load_state_dict(tensors, meta)
+    assert other.global_hash() == w.global_hash()
+
+
+def test_a_non_finite_delta_is_named_and_resync_drops_the_poisoned_progress(cfg: RunConfig) -> None:
+    w = _worker(cfg)
+    w.train_inner()
+    assert w.delta_problem(w.delta()) == ""
+    before = w.global_hash()
+    with torch.no_grad():
+        w.params[0].view(-1)[:3] = float("nan")
+    w.train_inner(1)  # the NaN spreads into the AdamW moments
+    assert any(not torch.isfinite(v).all() for st in w.inner.state.values() for v in st.values()
+               if isinstance(v, torch.Tensor))
+    problem = w.delta_problem(w.delta())
+    assert problem.startswith("non-finite pseudo-gradient:") and "NaN or Inf" in problem
+    w.resync()
+    assert torch.equal(flatten(w.params), w.theta_global) and w.global_hash() == before
+    assert not w.inner.state, "poisoned moments start afresh"
+    w.train_inner()
+    assert w.delta_problem(w.delta()) == ""
