@@ -31,12 +31,12 @@ from swarmtrain.config import RunConfig
 from swarmtrain.data import eval_batches, load_corpus
 from swarmtrain.diloco import DilocoWorker, resolve_device
 from swarmtrain.diloco.pace import Pace, RoundBudget
-from swarmtrain.diloco.worker import InnerStats, InnerStep
+from swarmtrain.diloco.worker import DeltaError, InnerStats, InnerStep
 from swarmtrain.discovery import Discovery, Heartbeat, PeerRecord
 from swarmtrain.models import build_model
 from swarmtrain.peer_config import merge_run_config
 from swarmtrain.peer_data import choose_shard, peer_batches, peer_seed, saved_slot
-from swarmtrain.peer_rounds import PendingRound, UnsentSteps, interruptible, swarm_round_end
+from swarmtrain.peer_rounds import LocalRoundError, PendingRound, UnsentSteps, interruptible, swarm_round_end
 from swarmtrain.peer_services import DataPlane, PeerError, PeerServices, PeerState
 from swarmtrain.sync.checkpoint import (
     DirectoryClaim,
@@ -217,7 +217,12 @@ class Peer:
                     return "signal"
                 pending = PendingRound(round=worker.round, delta=worker.delta(), loss=stats.loss,
                                        compute_s=stats.compute_s, steps=stats.steps)
-            result = await self._average(pending)
+            try:
+                result = await self._average(pending)
+            except LocalRoundError as e:  # this peer's own Δ or code failed: the swarm goes on without it
+                self._abort_locally(pending, str(e))
+                pending, committed = None, False
+                continue
             committed = result.committed
             if result.committed:
                 pending = None
@@ -255,6 +260,8 @@ class Peer:
                         return "signal"
                     unsent.add(stats)
                 pending, unsent = self._launch(unsent), UnsentSteps()
+                if pending is None:  # its Δ was unusable: dropped, and the round is trained again
+                    continue
             result = None
             if worker.round + 1 < rounds:  # a next round to contribute to: train it meanwhile
                 result = await self._train_while_averaging(pending, unsent, stop)
@@ -269,10 +276,10 @@ class Peer:
                     return "signal"
             elif stop.is_set():
                 return "signal"
+            elif unsent.trained and worker.round < rounds:
+                pending, unsent = self._launch(unsent), UnsentSteps()
             else:
-                pending = self._launch(unsent) if unsent.trained and worker.round < rounds else None
-                if pending is not None:
-                    unsent = UnsentSteps()
+                pending = None
         await self._linger_for_stragglers(stop)
         return "done"
 
@@ -346,17 +353,31 @@ class Peer:
         await self._conclude(pending, result, comm_s=comm_s)
         return result
 
-    def _launch(self, unsent: UnsentSteps) -> PendingRound:
-        """Start averaging Δ = θ_global − θ_local for the current round in the background."""
+    def _launch(self, unsent: UnsentSteps) -> PendingRound | None:
+        """Start averaging Δ = θ_global − θ_local for the current round in the background.
+
+        None when Δ is unusable (NaN/Inf): the round is aborted here and the peer resynchronised.
+        """
         assert self.worker is not None and self.plane is not None
         worker, plane = self.worker, self.plane
-        delta, carry = worker.send_overlapped()
+        try:
+            delta, carry = worker.send_overlapped()
+        except DeltaError as e:
+            self._abort_locally(PendingRound(round=worker.round, delta=torch.empty(0), loss=unsent.loss,
+                                             compute_s=unsent.compute_s, steps=unsent.steps), str(e))
+            return None
         pending = PendingRound(round=worker.round, delta=delta, loss=unsent.loss, compute_s=unsent.compute_s,
                               steps=unsent.steps, carry=carry)
+        window_s = self.cfg.averaging.matchmaking_timeout_s
 
         async def timed() -> tuple[AverageResult, float]:
             start = time.perf_counter()
-            result = await plane.average(pending.round, pending.delta, steps_per_s=pending.steps_per_s)
+            try:
+                result = await plane.average(pending.round, pending.delta, steps_per_s=pending.steps_per_s)
+            except Exception as e:  # a fault of this peer's own: abort the attempt, try again a window later
+                log.exception("round %d: the all-reduce failed on this peer", pending.round)
+                result = AverageResult(round=pending.round, committed=False, mean=None, retry_at=self._now() + window_s,
+                                       reason=f"local error in the all-reduce: {type(e).__name__}: {e}")
             return result, time.perf_counter() - start
 
         pending.task = asyncio.ensure_future(timed())
@@ -382,13 +403,40 @@ class Peer:
         await self._watch_peers(nobody_behind, deadline=deadline, stop=stop)
 
     async def _average(self, pending: PendingRound) -> AverageResult:
-        """One averaging attempt of the pending round; applies, reports and checkpoints a commit."""
-        assert self.plane is not None
+        """One averaging attempt of the pending round; applies, reports and checkpoints a commit.
+
+        LocalRoundError when this peer's own Δ is unusable (NaN/Inf) or its side of the all-reduce
+        failed with an error of its own (a codec or a bug), not of the network.
+        """
+        assert self.plane is not None and self.worker is not None
+        problem = self.worker.delta_problem(pending.delta)
+        if problem:
+            raise LocalRoundError(problem)
         self.phase = "averaging"
         start = time.perf_counter()
-        result = await self.plane.average(pending.round, pending.delta, steps_per_s=pending.steps_per_s)
+        try:
+            result = await self.plane.average(pending.round, pending.delta, steps_per_s=pending.steps_per_s)
+        except Exception as e:
+            log.exception("round %d: the all-reduce failed on this peer", pending.round)
+            raise LocalRoundError(f"local error in the all-reduce: {type(e).__name__}: {e}") from e
         await self._conclude(pending, result, comm_s=time.perf_counter() - start)
         return result
+
+    def _abort_locally(self, pending: PendingRound, reason: str) -> None:
+        """End this peer's attempt at a round for a fault of its own: report it, resync from θ_global.
+
+        The round's local progress is dropped (θ_local ← θ_global, poisoned optimizer moments reset);
+        the swarm commits the round without this peer, and the next heal check brings it back.
+        """
+        assert self.worker is not None
+        log.warning("round %d aborted on this peer: %s; resynchronising from θ_global", pending.round, reason)
+        self.worker.resync()
+        self.phase = "training"
+        self._after_round(pending.round, False, pending.loss, None)
+        self.writer.emit(RoundEvent(
+            round=pending.round, committed=False, members=(), loss=pending.loss, val_loss=None,
+            hash=self.worker.global_hash(), bytes_sent=0, bytes_received=0, compute_s=round(pending.compute_s, 4),
+            comm_s=0.0, peer=self._peer_id, reason=reason, steps=pending.steps))
 
     async def _conclude(self, pending: PendingRound, result: AverageResult, *, comm_s: float) -> None:
         """Apply a commit, report the round (one line), checkpoint on schedule."""
@@ -403,7 +451,7 @@ class Peer:
             self.pace.last_rate = pending.steps_per_s or self.pace.last_rate
             expected_s = self.pace.expected_round_s()
             self._round_ends_at = self._now() + expected_s if expected_s > 0 else 0.0
-            self.plane.publish_state(self.current_state())
+            await self._publish_committed_state()
             self._beat_soon()  # now, not at the next tick: peers that missed the round look for it
             every = self.cfg.diloco.eval_every_rounds
             if every and worker.round % every == 0:
@@ -421,6 +469,17 @@ class Peer:
         pending.compute_s, pending.steps = 0.0, 0  # a retry of the round reports only its own communication
         if result.committed and worker.round % self.cfg.checkpoint.every_rounds == 0:
             await self._checkpoint()
+
+    async def _publish_committed_state(self) -> None:
+        """After θ_global changed: hash it once and serialize it for joiners, both off the event loop.
+
+        The copy is taken on the loop (where `apply` and heals run, so it is never half-updated); the
+        hash is cached in the worker, so heartbeats, round lines and checkpoints only read it.
+        """
+        assert self.worker is not None and self.plane is not None
+        state = self.current_state()
+        await asyncio.to_thread(self.worker.global_hash)
+        await asyncio.to_thread(self.plane.publish_state, state)
 
     def _now(self) -> float:
         assert self.discovery is not None
@@ -525,7 +584,7 @@ class Peer:
             ends = swarm_round_end(ahead, state.round)
             self._round_ends_at = ends or 0.0
             self._join_by = None if ends is None else (state.round, time.monotonic() + ends - self._now())
-            self.plane.publish_state(self.current_state())
+            await self._publish_committed_state()
             self.writer.emit(HealEvent(from_round=from_round, to_round=state.round, source=donor.peer_id,
                                        hash=self.worker.global_hash(), peer=self._peer_id,
                                        transfer_s=round(time.perf_counter() - start, 4)))

@@ -16,7 +16,12 @@ from swarmtrain.averaging.protocol import AverageResult
 from swarmtrain.diloco.worker import Carry, InnerStats
 from swarmtrain.discovery import PeerRecord
 
-__all__ = ["PendingRound", "UnsentSteps", "interruptible", "swarm_round_end"]
+__all__ = ["LocalRoundError", "PendingRound", "UnsentSteps", "interruptible", "swarm_round_end"]
+
+
+class LocalRoundError(RuntimeError):
+    """This peer cannot take part in a round for a fault of its own (a NaN Δ, a codec error): the
+    round aborts here, the peer resynchronises and goes on; the message says why."""
 
 
 @dataclass

@@ -1,0 +1,123 @@
+"""A peer whose own round fails (a NaN Δ, an error in its side of the all-reduce) aborts that round,
+resynchronises and commits later with the swarm's hash; it never exits and never poisons θ_global.
+
+In-process peers over the in-memory twins of tests/integration/test_peer_composition.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from swarmtrain.config import load_config
+from swarmtrain.diloco.worker import InnerStats
+from swarmtrain.discovery import InMemoryRegistry
+from swarmtrain.peer import Peer
+from swarmtrain.telemetry import EventWriter, HealEvent, RoundEvent
+from tests.integration.test_peer_composition import (
+    RUN,
+    InMemoryServices,
+    Out,
+    _local,
+    _publish_run,
+    _run_peer,
+)
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+ROUNDS, BAD_ROUND = 5, 1
+
+
+def _poison_once(peer: Peer) -> None:
+    """The first time the peer trains round BAD_ROUND, its weights turn NaN (a diverged step)."""
+    assert peer.worker is not None
+    worker, train = peer.worker, peer.worker.train_inner
+    done = False
+
+    def poisoned(*args: object, **kwargs: object) -> InnerStats:
+        nonlocal done
+        stats = train(*args, **kwargs)  # type: ignore[arg-type]
+        if worker.round == BAD_ROUND and not done:
+            done = True
+            with torch.no_grad():
+                worker.params[0].view(-1)[0] = float("nan")
+        return stats
+
+    worker.train_inner = poisoned  # type: ignore[method-assign]
+
+
+def _fail_average_once(peer: Peer) -> None:
+    """The peer's first all-reduce of round BAD_ROUND raises, as a codec or a bug in its own code would."""
+    assert peer.plane is not None
+    plane, average = peer.plane, peer.plane.average
+    done = False
+
+    async def failing(round_index: int, delta: torch.Tensor, **kwargs: float) -> object:
+        nonlocal done
+        if round_index == BAD_ROUND and not done:
+            done = True
+            raise RuntimeError("codec exploded")
+        return await average(round_index, delta, **kwargs)
+
+    plane.average = failing  # type: ignore[method-assign]
+
+
+async def _run_three(tmp_path: Path, run: list[str], fault: Callable[[Peer], None] = _poison_once) -> dict[str, Out]:
+    registry = InMemoryRegistry()
+    await _publish_run(registry, load_config(overrides=[*run, f"diloco.rounds={ROUNDS}"]))
+    services = InMemoryServices(registry, window_s=0.8)
+    outs = {n: Out() for n in "abc"}
+    stop = asyncio.Event()
+    peers = {n: Peer(_local(tmp_path / n), writer=EventWriter(outs[n]), services=services) for n in "abc"}
+
+    async def run_c() -> str:
+        await peers["c"].start()
+        fault(peers["c"])
+        reason = "error"
+        try:
+            reason = await peers["c"].run(stop)
+        finally:
+            await peers["c"].aclose(reason)
+        return reason
+
+    tasks = [asyncio.create_task(_run_peer(peers[n], stop)) for n in "ab"] + [asyncio.create_task(run_c())]
+    assert await asyncio.wait_for(asyncio.gather(*tasks), timeout=100) == ["done", "done", "done"]
+    return outs
+
+
+def _trace(outs: dict[str, Out]) -> dict[str, list[object]]:
+    return {n: [(e.round, e.committed, len(e.members), e.hash[:8], e.reason) if isinstance(e, RoundEvent)
+                else ("heal", e.from_round, e.to_round) for e in out.events() if isinstance(e, (RoundEvent, HealEvent))]
+            for n, out in outs.items()}
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["classic", "overlapped"])
+def test_a_nan_delta_aborts_that_peers_round_and_it_commits_later(tmp_path: Path, overlap: bool) -> None:
+    outs = asyncio.run(_run_three(tmp_path, [*RUN, f"diloco.overlap={'true' if overlap else 'false'}"]))
+    trace = _trace(outs)
+    bad = [e for e in outs["c"].rounds() if not e.committed and e.reason.startswith("non-finite pseudo-gradient")]
+    # overlapped, the steps trained while round BAD_ROUND averages are the next round's: its Δ is the bad one
+    assert len(bad) == 1 and bad[0].round == BAD_ROUND + overlap and bad[0].members == (), trace
+    by_round: dict[int, set[str]] = {}
+    for out in outs.values():
+        for e in out.rounds():
+            if e.committed:
+                by_round.setdefault(e.round, set()).add(e.hash)
+    assert sorted(by_round) == list(range(ROUNDS)) and all(len(h) == 1 for h in by_round.values()), trace
+    assert any(e.committed and e.round > bad[0].round for e in outs["c"].rounds()), f"c never committed again: {trace}"
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["classic", "overlapped"])
+def test_an_error_in_a_peers_own_all_reduce_aborts_its_round_and_it_goes_on(tmp_path: Path, overlap: bool) -> None:
+    outs = asyncio.run(_run_three(tmp_path, [*RUN, f"diloco.overlap={'true' if overlap else 'false'}"],
+                                  fault=_fail_average_once))
+    trace = _trace(outs)
+    failed = [e for e in outs["c"].rounds() if "local error in the all-reduce: RuntimeError: codec exploded" in e.reason]
+    assert len(failed) == 1 and failed[0].round == BAD_ROUND and not failed[0].committed, trace
+    committed = {(e.round, e.hash) for out in outs.values() for e in out.rounds() if e.committed}
+    assert sorted(r for r, _ in committed) == list(range(ROUNDS)), trace  # one hash per round
+    assert any(e.committed and e.round > BAD_ROUND for e in outs["c"].rounds()), trace
