@@ -74,6 +74,7 @@ class NetworkPlane:
         self.states = None if self.client_mode else StateServer(self.node)
         self._outcome: MatchOutcome | None = None
         self._steps_per_s = 0.0  # announced in this round's match entry
+        self._state_hash = ""  # of the θ_global last published: a group's members share one
         self._prematch: tuple[int, asyncio.Task[MatchOutcome]] | None = None
         a, r = cfg.averaging, cfg.rpc
         self._match_timeout_s = 4 * a.matchmaking_timeout_s + 4 * r.call_timeout_s + 2.0
@@ -88,7 +89,7 @@ class NetworkPlane:
 
     def _member(self, steps_per_s: float) -> Member:
         return Member(peer_id=self.discovery.peer_id, endpoint=self.endpoint, client_mode=self.client_mode,
-                      steps_per_s=steps_per_s)
+                      steps_per_s=steps_per_s, state_hash=self._state_hash)
 
     async def prematch(self, round_index: int, *, steps_per_s: float) -> None:
         self._cancel_prematch()
@@ -126,9 +127,11 @@ class NetworkPlane:
         if result.committed or outcome is None:
             return result
         reason = result.reason if outcome.group is not None else f"no group: {outcome.reason}"
-        return dataclasses.replace(result, reason=reason, retry_at=outcome.retry_at)
+        return dataclasses.replace(result, reason=reason, retry_at=outcome.retry_at,
+                                   heal_to_hash=outcome.heal_to_hash)
 
     def publish_state(self, state: PeerState) -> None:
+        self._state_hash = state.state_hash  # what this peer's next match entries announce
         if self.states is None:
             return
         params = _split(state.theta_global, self.param_shapes)

@@ -27,6 +27,7 @@ class PeerState:
     round: int
     theta_global: torch.Tensor  # (numel,) fp32
     outer_momentum: torch.Tensor | None  # (numel,) fp32; None when outer.momentum is 0
+    state_hash: str = ""  # sha256 of theta_global (announced with this peer's Δ: a group shares one θ)
 
 
 class DataPlane(Protocol):

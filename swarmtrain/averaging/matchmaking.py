@@ -22,6 +22,13 @@ one peer and round r (all times are unix seconds on the posting peer's clock):
    other peer waits (until `decision_timeout_s` after its settle) for a GroupRecord from the
    leader *it* computed and adopts exactly that member list, or nothing.
 
+θ_global is part of a group's identity: every entry announces the hash of the θ_global its Δ was
+taken from, and a group holds only the eligible entries that announce the hash most of them
+announce (ties: the hash of the smallest peer id). Its leader is the smallest peer id among those.
+A peer announcing another hash is left out with `heal_to_hash` set (a bad heal or a split made its
+θ_global differ): averaging with it would apply one mean to different weights, and the peers would
+stay apart for good. It heals to a peer holding that hash instead.
+
 Why attempts are sequential and records outlive them: a round number must map to at most one
 θ_global. If a late peer could open a fresh window for r while an earlier group of r is still
 all-reducing (its records expired, or a retry used a separate window), two disjoint groups could
@@ -43,6 +50,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -71,6 +79,7 @@ class MatchOutcome:
     late: bool = False  # the attempt went on without this peer, or the round is already past
     attempt: int = 0
     retry_at: float = 0.0
+    heal_to_hash: str = ""  # left out for its θ_global: the hash the attempt's group averages from
 
 
 class Matchmaker:
@@ -146,10 +155,12 @@ class Matchmaker:
         close_at = _close_at(entries, self.window_s)  # an earlier anchor may have surfaced meanwhile
         if own.posted_at > close_at:
             return self._late(round_index, attempt, close_at, own.posted_at)
-        eligible = [e for e in entries if e.posted_at <= close_at]
-        leader_id = eligible[0].member.peer_id
+        group_hash, agreeing = _agreeing([e for e in entries if e.posted_at <= close_at])
+        if member.state_hash != group_hash:
+            return self._diverged(round_index, attempt, member.state_hash, group_hash, close_at)
+        leader_id = agreeing[0].member.peer_id
         if leader_id == self._d.peer_id:
-            return await self._lead(round_index, attempt, eligible, close_at)
+            return await self._lead(round_index, attempt, agreeing, close_at)
         return await self._follow(round_index, attempt, leader_id, close_at)
 
     async def _await_close(self, round_index: int, attempt: int, own: MatchEntry,
@@ -201,7 +212,7 @@ class Matchmaker:
         """A closed attempt can no longer commit: its end passed, or its leader's group is too small."""
         if self._now() >= close_at + self.attempt_span_s:
             return True
-        leader_id = min(e.member.peer_id for e in entries if e.posted_at <= close_at)
+        leader_id = _agreeing([e for e in entries if e.posted_at <= close_at])[1][0].member.peer_id
         groups = await self._d.round_groups(round_index, attempt, timeout_s=self.io_timeout_s)
         return any(g.leader_id == leader_id and len(g.members) < self.min_peers for g in groups)
 
@@ -272,6 +283,14 @@ class Matchmaker:
         return MatchOutcome(round=round_index, group=None, leader_id=leader_id, reason=reason, attempt=attempt,
                             retry_at=retry_at)
 
+    def _diverged(self, round_index: int, attempt: int, own_hash: str, group_hash: str,
+                  close_at: float) -> MatchOutcome:
+        reason = (f"θ_global differs from the round's group (this peer {own_hash[:12] or 'none'}, "
+                  f"group {group_hash[:12] or 'none'}): left out; heal to the group's state")
+        log.warning("round %d attempt %d: %s", round_index, attempt, reason)
+        return MatchOutcome(round=round_index, group=None, reason=reason, attempt=attempt,
+                            retry_at=close_at + self.attempt_span_s, heal_to_hash=group_hash)
+
     def _late(self, round_index: int, attempt: int, close_at: float, at: float) -> MatchOutcome:
         retry_at = close_at + self.attempt_span_s
         reason = (f"late: {at - close_at:.3f}s after attempt {attempt}'s window closed; it may commit until "
@@ -279,6 +298,14 @@ class Matchmaker:
         log.info("round %d: %s is %s", round_index, self._d.peer_id, reason)
         return MatchOutcome(round=round_index, group=None, reason=reason, late=True, attempt=attempt,
                             retry_at=retry_at)
+
+
+def _agreeing(eligible: Sequence[MatchEntry]) -> tuple[str, list[MatchEntry]]:
+    """The θ hash most of `eligible` (sorted by peer id) announce, ties to the smallest id's, and its entries."""
+    counts = Counter(e.member.state_hash for e in eligible)
+    top = max(counts.values())
+    group_hash = next(e.member.state_hash for e in eligible if counts[e.member.state_hash] == top)
+    return group_hash, [e for e in eligible if e.member.state_hash == group_hash]
 
 
 def _close_at(entries: Sequence[MatchEntry], window_s: float) -> float:

@@ -103,14 +103,17 @@ def _member(kind: str, d: Any) -> Member:
     client_mode = _bool(kind, d, "client_mode")
     endpoint = _str(kind, d, "endpoint")
     check_endpoint(kind, endpoint, client_mode=client_mode)
+    state_hash = d.get("state_hash", "")  # absent in entries of peers from before θ-hash groups
+    if not isinstance(state_hash, str) or not _HEX_RE.match(state_hash):
+        raise _field(kind, "state_hash", f"{str(state_hash)[:40]!r} is not lowercase hex")
     return Member(peer_id=_peer_id(kind, d, "peer_id"), endpoint=endpoint, client_mode=client_mode,
                   bandwidth_bytes_per_s=_float(kind, d, "bandwidth_bytes_per_s"),
-                  steps_per_s=_float(kind, d, "steps_per_s"))
+                  steps_per_s=_float(kind, d, "steps_per_s"), state_hash=state_hash)
 
 
 def _member_dict(m: Member) -> dict[str, Any]:
     return {"peer_id": m.peer_id, "endpoint": m.endpoint, "client_mode": m.client_mode,
-            "bandwidth_bytes_per_s": m.bandwidth_bytes_per_s, "steps_per_s": m.steps_per_s}
+            "bandwidth_bytes_per_s": m.bandwidth_bytes_per_s, "steps_per_s": m.steps_per_s, "state_hash": m.state_hash}
 
 
 R = TypeVar("R", bound="Record")
@@ -241,7 +244,7 @@ class PeerRecord(Record):
 
     def to_member(self) -> Member:
         return Member(peer_id=self.peer_id, endpoint=self.endpoint, client_mode=self.client_mode,
-                      bandwidth_bytes_per_s=self.bandwidth_bytes_per_s)
+                      bandwidth_bytes_per_s=self.bandwidth_bytes_per_s, state_hash=self.state_hash)
 
     def to_json(self) -> dict[str, Any]:
         return {"run_id": self.run_id, "peer_id": self.peer_id, "endpoint": self.endpoint, "role": self.role,

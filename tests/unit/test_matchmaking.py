@@ -261,3 +261,46 @@ def test_a_peer_behind_the_round_keeps_the_window_open_for_its_heal() -> None:
     outs, elapsed_s = asyncio.run(main())
     assert len({o.group for o in outs}) == 1 and outs[0].group is not None and len(outs[0].group.members) == 2
     assert elapsed_s >= 0.5  # the whole window, waiting for the healing peer
+
+
+def _hashed(d: InMemoryDiscovery, i: int, state_hash: str) -> Member:
+    return Member(peer_id=d.peer_id, endpoint=f"127.0.0.1:{5000 + i}", state_hash=state_hash)
+
+
+async def _match_hashed(peers: list[InMemoryDiscovery], hashes: list[str]) -> list[MatchOutcome]:
+    return list(await asyncio.gather(*(_mm(d).form_group(0, _hashed(d, i, h))
+                                       for i, (d, h) in enumerate(zip(peers, hashes, strict=True)))))
+
+
+def test_a_member_whose_theta_differs_is_left_out_and_told_which_hash_to_heal_to() -> None:
+    _, peers = _swarm(4)
+    good, bad = "ab" * 32, "cd" * 32
+    hashes = [good] * 4
+    smallest = min(range(4), key=lambda i: peers[i].peer_id)
+    hashes[smallest] = bad  # the peer that would lead: the group must neither follow nor include it
+    outcomes = asyncio.run(_match_hashed(peers, hashes))
+    out = outcomes[smallest]
+    assert out.group is None and out.heal_to_hash == good and "θ_global differs" in out.reason, out
+    groups = {o.group for i, o in enumerate(outcomes) if i != smallest}
+    assert len(groups) == 1
+    (g,) = groups
+    assert g is not None and {m.state_hash for m in g.members} == {good}
+    assert sorted(m.peer_id for m in g.members) == sorted(d.peer_id for i, d in enumerate(peers) if i != smallest)
+    assert {o.leader_id for i, o in enumerate(outcomes) if i != smallest} == {g.members[0].peer_id}
+
+
+def test_a_tie_between_two_hashes_goes_to_the_smallest_peer_ids_and_the_hash_is_part_of_the_group_id() -> None:
+    _, peers = _swarm(4)
+    order = sorted(range(4), key=lambda i: peers[i].peer_id)
+    hashes = [""] * 4
+    for rank, i in enumerate(order):
+        hashes[i] = "11" * 32 if rank in (0, 3) else "22" * 32
+    outcomes = asyncio.run(_match_hashed(peers, hashes))
+    assert [outcomes[i].group is not None for i in order] == [True, False, False, True]
+    assert {outcomes[i].heal_to_hash for i in order[1:3]} == {"11" * 32}
+    g = outcomes[order[0]].group
+    assert g is not None
+    other = type(g)(run_id=g.run_id, round=g.round, attempt=g.attempt,
+                    members=tuple(Member(peer_id=m.peer_id, endpoint=m.endpoint, state_hash="22" * 32)
+                                  for m in g.members))
+    assert other.group_id != g.group_id  # the same peers averaging from another θ are another group

@@ -1,0 +1,95 @@
+"""θ_global agreement at run time, on the in-process cluster (real matchmaking, real all-reduce over
+loopback gRPC, in-memory DHT): a peer whose θ_global went astray is left out of the next group and
+heals to the swarm's, instead of averaging with it and staying apart for good."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+from pathlib import Path
+
+import pytest
+
+from swarmtrain.config import load_config
+from swarmtrain.peer import Peer
+from swarmtrain.telemetry import EventWriter, HealEvent, RoundEvent, parse_line
+from swarmtrain.testing.cluster import LoopbackServices, publish_run
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+
+ROUNDS, BAD_ROUND = 5, 2
+RUN = [
+    "model.preset=tiny", "data.max_corpus_bytes=300000", "data.seq_len=32", "data.batch_size=4",
+    "inner.warmup_steps=1", "diloco.inner_steps=3", "diloco.eval_batches=1", "averaging.min_peers=2",
+    "averaging.matchmaking_timeout_s=1.0", "averaging.allreduce_timeout_s=10", "averaging.contribution_window_s=3",
+    "discovery.heartbeat_s=0.2", "discovery.record_ttl_s=3.0", "rpc.call_timeout_s=3.0", "compress.codec=int8",
+    f"diloco.rounds={ROUNDS}",
+]
+
+
+class Out(io.StringIO):
+    def events(self) -> list[object]:
+        return [parse_line(x) for x in self.getvalue().splitlines()]
+
+
+def _corrupt_at(peer: Peer, round_index: int) -> None:
+    """When `peer` reaches `round_index`, its θ_global is perturbed in place (as a bad heal would leave it)."""
+    assert peer.worker is not None
+    worker, train = peer.worker, peer.worker.train_inner
+    done = False
+
+    def train_then_corrupt(*args: object, **kwargs: object) -> object:
+        nonlocal done
+        if worker.round == round_index and not done:
+            done = True
+            bad = worker.theta_global.clone()
+            bad[:100] += 0.01
+            worker.adopt_global(round_index=worker.round, theta_global=bad,
+                                outer_momentum=worker.outer.state_tensors().get("momentum"))
+            peer.plane.publish_state(peer.current_state())  # type: ignore[union-attr]
+        return train(*args, **kwargs)  # type: ignore[arg-type]
+
+    worker.train_inner = train_then_corrupt  # type: ignore[method-assign,assignment]
+
+
+async def _run(peer: Peer, stop: asyncio.Event, *, corrupt: bool) -> str:
+    reason = "error"
+    try:
+        await peer.start()
+        if corrupt:
+            _corrupt_at(peer, BAD_ROUND)
+        reason = await peer.run(stop)
+    finally:
+        await peer.aclose(reason)
+    return reason
+
+
+def test_a_peer_with_a_corrupted_theta_is_left_out_and_heals(tmp_path: Path) -> None:
+    async def main() -> dict[str, Out]:
+        services = LoopbackServices()
+        await publish_run(services.registry, RUN)
+        outs = {n: Out() for n in "abc"}
+        stop = asyncio.Event()
+        peers = {n: Peer(load_config(overrides=[f"checkpoint.dir={str(tmp_path / n)!r}"]),
+                         writer=EventWriter(outs[n]), services=services) for n in "abc"}
+        tasks = [asyncio.create_task(_run(peers[n], stop, corrupt=n == "c")) for n in "abc"]
+        assert await asyncio.wait_for(asyncio.gather(*tasks), timeout=150) == ["done"] * 3
+        return outs
+
+    outs = asyncio.run(main())
+    story = {n: [(e.round, e.committed, len(e.members), e.hash[:8], e.reason[:60]) if isinstance(e, RoundEvent)
+                 else ("heal", e.from_round, e.to_round, e.hash[:8]) for e in out.events()
+                 if isinstance(e, (RoundEvent, HealEvent))] for n, out in outs.items()}
+    rounds = {n: [e for e in out.events() if isinstance(e, RoundEvent)] for n, out in outs.items()}
+    left_out = [e for e in rounds["c"] if not e.committed and "θ_global differs" in e.reason]
+    assert left_out and left_out[0].round == BAD_ROUND, story
+    heals = [e for e in outs["c"].events() if isinstance(e, HealEvent)]
+    assert heals and heals[0].from_round == BAD_ROUND, story
+    by_round: dict[int, set[str]] = {}
+    for events in rounds.values():
+        for e in events:
+            if e.committed:
+                by_round.setdefault(e.round, set()).add(e.hash)
+    assert sorted(by_round) == list(range(ROUNDS)) and all(len(h) == 1 for h in by_round.values()), story
+    assert any(e.committed and e.round > BAD_ROUND and len(e.members) == 3 for e in rounds["c"]), \
+        f"c never averaged with the swarm again: {story}"
