@@ -291,11 +291,19 @@ class DiscoveryConfig:
     record_ttl_s: float = 10.0
     """Seconds a peer record stays live after its heartbeat; a peer silent for longer counts as gone. Must
     exceed `heartbeat_s`."""
+    alone_warning_s: float = 60.0
+    """Seconds without seeing any other live peer of the run after which a peer says so: one warning log
+    line, and `alone_s` in its round lines, until it sees one again. 0 = never."""
+    shutdown_timeout_s: float = 5.0
+    """Seconds this process's DHT node is given to stop when it closes; past them it is killed (with its
+    `p2pd`), so closing takes at most this plus 3 s even when the DHT process hangs."""
 
     def __post_init__(self) -> None:
         check(0 <= self.port < 65536, "discovery.port", "must be in [0, 65535]")
         check(self.heartbeat_s > 0, "discovery.heartbeat_s", "must be > 0")
         check(self.record_ttl_s > self.heartbeat_s, "discovery.record_ttl_s", "must exceed discovery.heartbeat_s")
+        check(self.alone_warning_s >= 0, "discovery.alone_warning_s", "must be >= 0 (0 = never)")
+        check(self.shutdown_timeout_s > 0, "discovery.shutdown_timeout_s", "must be > 0")
 
 
 @dataclass(frozen=True)

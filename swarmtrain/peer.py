@@ -30,6 +30,7 @@ from swarmtrain.compress import Codec, codec_from_config
 from swarmtrain.config import RunConfig
 from swarmtrain.data import eval_batches, load_corpus
 from swarmtrain.diloco import DilocoWorker, resolve_device
+from swarmtrain.diloco.flat import flat_hash
 from swarmtrain.diloco.pace import Pace, RoundBudget
 from swarmtrain.diloco.worker import DeltaError, InnerStats, InnerStep
 from swarmtrain.discovery import Discovery, Heartbeat, PeerRecord
@@ -94,6 +95,8 @@ class Peer:
         self.last_val_loss: float | None = None
         self.rounds_committed = 0
         self.rounds_aborted = 0
+        self._last_saw_peer = time.monotonic()  # when a live record of another peer was last read
+        self._said_alone = False
         self._claim: DirectoryClaim | None = None
 
     # ------------------------------------------------------------------ start
@@ -177,7 +180,8 @@ class Peer:
         assert self.worker is not None
         momentum = self.worker.outer.state_tensors().get("momentum")
         return PeerState(round=self.worker.round, theta_global=self.worker.theta_global.detach().cpu().clone(),
-                         outer_momentum=None if momentum is None else momentum.detach().cpu().clone())
+                         outer_momentum=None if momentum is None else momentum.detach().cpu().clone(),
+                         state_hash=self.worker.global_hash())
 
     def _record(self) -> PeerRecord:
         assert self.discovery is not None and self.worker is not None
@@ -226,6 +230,8 @@ class Peer:
             committed = result.committed
             if result.committed:
                 pending = None
+            elif result.heal_to_hash and await self._heal_if_behind(want_hash=result.heal_to_hash):
+                pending = None  # its Δ was taken from a θ_global the swarm does not hold
             elif not await self._await_swarm_past(result.round, until=result.retry_at, stop=stop):
                 return "signal"
         await self._linger_for_stragglers(stop)
@@ -272,7 +278,9 @@ class Peer:
                 if math.isnan(unsent.loss):
                     unsent.loss = pending.loss
                 pending = None
-                if not await self._await_swarm_past(result.round, until=result.retry_at, stop=stop):
+                if result.heal_to_hash and await self._heal_if_behind(want_hash=result.heal_to_hash):
+                    unsent = UnsentSteps()  # progress from a θ_global the swarm does not hold is dropped
+                elif not await self._await_swarm_past(result.round, until=result.retry_at, stop=stop):
                     return "signal"
             elif stop.is_set():
                 return "signal"
@@ -436,7 +444,7 @@ class Peer:
         self.writer.emit(RoundEvent(
             round=pending.round, committed=False, members=(), loss=pending.loss, val_loss=None,
             hash=self.worker.global_hash(), bytes_sent=0, bytes_received=0, compute_s=round(pending.compute_s, 4),
-            comm_s=0.0, peer=self._peer_id, reason=reason, steps=pending.steps))
+            comm_s=0.0, peer=self._peer_id, reason=reason, steps=pending.steps, alone_s=self._alone_s()))
 
     async def _conclude(self, pending: PendingRound, result: AverageResult, *, comm_s: float) -> None:
         """Apply a commit, report the round (one line), checkpoint on schedule."""
@@ -444,6 +452,8 @@ class Peer:
         worker = self.worker
         self.phase = "training"
         val_loss = None
+        if len(result.members) > 1:
+            self._last_saw_peer = time.monotonic()
         if result.committed:
             # On the loop thread, never during inner steps: state transfers never see a half-applied step.
             worker.apply(result, carry=pending.carry)
@@ -465,7 +475,8 @@ class Peer:
             round=pending.round, committed=result.committed, members=result.members, loss=pending.loss,
             val_loss=val_loss, hash=worker.global_hash(), bytes_sent=result.bytes_sent,
             bytes_received=result.bytes_received, compute_s=round(pending.compute_s, 4), comm_s=round(comm_s, 4),
-            peer=self._peer_id, reason=result.reason, steps=pending.steps))
+            peer=self._peer_id, reason=result.reason, steps=pending.steps,
+            alone_s=0.0 if len(result.members) > 1 else self._alone_s()))
         pending.compute_s, pending.steps = 0.0, 0  # a retry of the round reports only its own communication
         if result.committed and worker.round % self.cfg.checkpoint.every_rounds == 0:
             await self._checkpoint()
@@ -477,9 +488,8 @@ class Peer:
         hash is cached in the worker, so heartbeats, round lines and checkpoints only read it.
         """
         assert self.worker is not None and self.plane is not None
-        state = self.current_state()
         await asyncio.to_thread(self.worker.global_hash)
-        await asyncio.to_thread(self.plane.publish_state, state)
+        await asyncio.to_thread(self.plane.publish_state, self.current_state())
 
     def _now(self) -> float:
         assert self.discovery is not None
@@ -517,9 +527,32 @@ class Peer:
             except Exception as e:
                 log.warning("could not list live peers (%s)", e)
                 peers = ()
+            self._note_peers(peers)
             if done([p for p in peers if p.peer_id != self._peer_id]):
                 return
             await self._wait_until(min(deadline, time.monotonic() + self.cfg.discovery.heartbeat_s / 2), stop)
+
+    def _note_peers(self, peers: Sequence[PeerRecord]) -> None:
+        """Track when another live peer was last seen; say once when the swarm is found again."""
+        others = sum(p.peer_id != self._peer_id for p in peers)
+        if others:
+            if self._said_alone:
+                log.info("sees %d other live peer(s) of run %s again", others, self.cfg.train.run_id)
+            self._last_saw_peer, self._said_alone = time.monotonic(), False
+
+    def _alone_s(self) -> float:
+        """Seconds without another live peer once past discovery.alone_warning_s (said once), else 0."""
+        limit = self.cfg.discovery.alone_warning_s
+        alone = time.monotonic() - self._last_saw_peer
+        if not limit or alone < limit:
+            return 0.0
+        if not self._said_alone:
+            self._said_alone = True
+            log.warning("has seen no other live peer of run %s for %.0f s: no one to average with. Check that "
+                        "--join names a live coordinator, that the DHT and gRPC ports are reachable, and that "
+                        "this machine's clock is synced (records from a skewed clock look expired)",
+                        self.cfg.train.run_id, alone)
+        return round(alone, 1)
 
     def _after_round(self, attempted: int, committed: bool, loss: float, val_loss: float | None) -> None:
         self.last_loss = loss if math.isfinite(loss) else None
@@ -549,10 +582,12 @@ class Peer:
         except Exception as e:  # the periodic beat retries; a failed early beat only delays visibility
             log.warning("peer record refresh failed: %s", e)
 
-    async def _heal_if_behind(self, *, keep_progress_rounds: int = 0) -> bool:
+    async def _heal_if_behind(self, *, keep_progress_rounds: int = 0, want_hash: str = "") -> bool:
         """If live peers are at a newer round, download their state and join at the next boundary (True).
 
         A heal of at most `keep_progress_rounds` rounds keeps θ_local's unsent steps (overlap mode).
+        With `want_hash` (this peer was left out of a group for its θ_global), peers at this peer's
+        round that announce that hash are donors too, and what they serve must hash to it.
         """
         assert self.discovery is not None and self.worker is not None and self.plane is not None
         try:
@@ -560,8 +595,10 @@ class Peer:
         except Exception as e:  # a slow control plane must not stop training; the next round looks again
             log.warning("could not list live peers (%s); not healing this round", e)
             return False
-        ahead = [p for p in peers if p.peer_id != self._peer_id and p.role == "worker"
-                 and p.round > self.worker.round and p.endpoint]
+        self._note_peers(peers)
+        own = self.worker.round
+        ahead = [p for p in peers if p.peer_id != self._peer_id and p.role == "worker" and p.endpoint
+                 and (p.round > own or (want_hash and p.round == own and p.state_hash == want_hash))]
         if not ahead:
             return False
         newest = max(p.round for p in ahead)
@@ -576,11 +613,17 @@ class Peer:
             except Exception as e:
                 log.warning("state download from %s (%s) failed: %s", donor.peer_id, donor.endpoint, e)
                 continue
-            if state.round <= self.worker.round:
+            if state.round < own or (state.round == own and not want_hash):
                 continue
-            keep = state.round - self.worker.round <= keep_progress_rounds
+            if state.round == own and await asyncio.to_thread(flat_hash, state.theta_global) != want_hash:
+                log.warning("%s served round %d with another θ_global than the group's %s", donor.peer_id,
+                            state.round, want_hash[:12])
+                continue
+            keep = state.round - self.worker.round <= keep_progress_rounds and not want_hash
             self.worker.adopt_global(round_index=state.round, theta_global=state.theta_global,
                                      outer_momentum=state.outer_momentum, keep_progress=keep)
+            if not keep:
+                self.worker.forget_residual()
             ends = swarm_round_end(ahead, state.round)
             self._round_ends_at = ends or 0.0
             self._join_by = None if ends is None else (state.round, time.monotonic() + ends - self._now())

@@ -407,6 +407,19 @@ class DilocoWorker:
         self._pending_residual = None
         assign_flat(self.theta_global if progress is None else self.theta_global.detach().cpu() + progress, self.params)
 
+    def forget_residual(self) -> None:
+        """After a heal: drop the error-feedback residual (the inner optimizer's moments are kept).
+
+        The residual is what the codec lost of this peer's Δs in rounds the swarm went on without; it
+        was measured against a θ_global the swarm no longer holds, and adding it to a later Δ would
+        push stale progress into the mean. AdamW's moments describe the loss surface near θ_global
+        and stay useful after a heal, so they are kept (a fresh joiner starts with none, and bias
+        correction makes its first steps full-size at the swarm's learning rate).
+        """
+        if self.residual is not None:
+            self.residual.zero_()
+        self._pending_residual = None
+
     # ------------------------------------------------------------------ resumable state
 
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

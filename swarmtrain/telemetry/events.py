@@ -48,6 +48,7 @@ class RoundEvent:
     peer: str = ""
     reason: str = ""  # why the round aborted, or who failed and was worked around
     steps: int = 0  # inner steps in the Δ sent (reported on its first attempt only, like compute_s)
+    alone_s: float = 0.0  # seconds this peer has seen no other live peer (0 until discovery.alone_warning_s)
 
     event: str = field(default="round", init=False)
 

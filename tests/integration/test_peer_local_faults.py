@@ -7,6 +7,7 @@ In-process peers over the in-memory twins of tests/integration/test_peer_composi
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,11 +26,13 @@ from tests.integration.test_peer_composition import (
     _local,
     _publish_run,
     _run_peer,
+    _until,
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 ROUNDS, BAD_ROUND = 5, 1
+ALONE_S = 1.0
 
 
 def _poison_once(peer: Peer) -> None:
@@ -121,3 +124,34 @@ def test_an_error_in_a_peers_own_all_reduce_aborts_its_round_and_it_goes_on(tmp_
     committed = {(e.round, e.hash) for out in outs.values() for e in out.rounds() if e.committed}
     assert sorted(r for r, _ in committed) == list(range(ROUNDS)), trace  # one hash per round
     assert any(e.committed and e.round > BAD_ROUND for e in outs["c"].rounds()), trace
+
+
+def test_a_peer_that_sees_no_one_says_so_once_and_in_its_round_lines(tmp_path: Path,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """Alone past discovery.alone_warning_s: one warning and alone_s > 0 in round lines; a second peer
+    arriving resets it."""
+
+    async def main() -> dict[str, Out]:
+        registry = InMemoryRegistry()
+        await _publish_run(registry, load_config(overrides=[*RUN, "diloco.rounds=3"]))
+        services = InMemoryServices(registry, window_s=0.3)
+        outs = {n: Out() for n in "ab"}
+        stop = asyncio.Event()
+        local = [f"discovery.alone_warning_s={ALONE_S}"]
+        peers = {n: Peer(load_config(overrides=[*local, f"checkpoint.dir={str(tmp_path / n)!r}"]),
+                         writer=EventWriter(outs[n]), services=services) for n in "ab"}
+        tasks = [asyncio.create_task(_run_peer(peers["a"], stop))]
+        await _until(lambda: any(e.alone_s > 0 for e in outs["a"].rounds()), timeout_s=60,
+                     what="a says it is alone", tasks=tasks)
+        tasks.append(asyncio.create_task(_run_peer(peers["b"], stop)))
+        assert await asyncio.wait_for(asyncio.gather(*tasks), timeout=90) == ["done", "done"]
+        return outs
+
+    with caplog.at_level(logging.INFO, logger="swarmtrain.peer"):
+        outs = asyncio.run(main())
+    lonely = [e for e in outs["a"].rounds() if e.alone_s > 0]
+    assert lonely and all(not e.committed and e.alone_s >= ALONE_S for e in lonely)
+    assert all(e.alone_s == 0 for e in outs["a"].rounds() if e.committed)
+    said = [r.getMessage() for r in caplog.records if "has seen no other live peer" in r.getMessage()]
+    assert len(said) == 1 and "clock is synced" in said[0], said
+    assert any("again" in r.getMessage() for r in caplog.records if r.name == "swarmtrain.peer")

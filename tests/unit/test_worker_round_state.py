@@ -126,3 +126,20 @@ def test_a_non_finite_delta_is_named_and_resync_drops_the_poisoned_progress(cfg:
     assert not w.inner.state, "poisoned moments start afresh"
     w.train_inner()
     assert w.delta_problem(w.delta()) == ""
+
+
+def test_a_heal_forgets_the_error_feedback_residual_and_keeps_the_adamw_moments(cfg: RunConfig) -> None:
+    from swarmtrain.compress import get_codec
+
+    w = DilocoWorker(cfg.replace(compress={"error_feedback": True}), model=build_model(cfg.model, seed=0),
+                     batches=ShardedBatches(load_corpus(cfg.data).train, worker_index=0, num_workers=1,
+                                            batch_size=cfg.data.batch_size, seq_len=cfg.data.seq_len, seed=0),
+                     device=torch.device("cpu"), codec=get_codec("int8"))
+    w.train_inner()
+    w.apply(_commit(w))
+    assert w.residual is not None and bool(w.residual.abs().sum() > 0)
+    moments = {k: v.clone() for k, v in w.inner.state[w.params[0]].items() if isinstance(v, torch.Tensor)}
+    w.adopt_global(round_index=7, theta_global=w.theta_global.clone(), outer_momentum=torch.zeros_like(w.theta_global))
+    w.forget_residual()
+    assert not bool(w.residual.abs().sum() > 0)
+    assert all(torch.equal(w.inner.state[w.params[0]][k], v) for k, v in moments.items())
