@@ -291,6 +291,10 @@ class DiscoveryConfig:
     record_ttl_s: float = 10.0
     """Seconds a peer record stays live after its heartbeat; a peer silent for longer counts as gone. Must
     exceed `heartbeat_s`."""
+    max_clock_skew_s: float = 2.0
+    """Seconds this peer's clock may differ from the swarm's (estimated from live peers' heartbeats, to
+    within about half a heartbeat) before it says so in one warning line; its record always carries the
+    estimate (`clock_offset_s`). Matchmaking compares timestamps across machines: keep clocks synced."""
     alone_warning_s: float = 60.0
     """Seconds without seeing any other live peer of the run after which a peer says so: one warning log
     line, and `alone_s` in its round lines, until it sees one again. 0 = never."""
@@ -302,6 +306,7 @@ class DiscoveryConfig:
         check(0 <= self.port < 65536, "discovery.port", "must be in [0, 65535]")
         check(self.heartbeat_s > 0, "discovery.heartbeat_s", "must be > 0")
         check(self.record_ttl_s > self.heartbeat_s, "discovery.record_ttl_s", "must exceed discovery.heartbeat_s")
+        check(self.max_clock_skew_s > 0, "discovery.max_clock_skew_s", "must be > 0")
         check(self.alone_warning_s >= 0, "discovery.alone_warning_s", "must be >= 0 (0 = never)")
         check(self.shutdown_timeout_s > 0, "discovery.shutdown_timeout_s", "must be > 0")
 

@@ -33,7 +33,7 @@ from swarmtrain.diloco import DilocoWorker, resolve_device
 from swarmtrain.diloco.flat import flat_hash
 from swarmtrain.diloco.pace import Pace, RoundBudget
 from swarmtrain.diloco.worker import DeltaError, InnerStats, InnerStep
-from swarmtrain.discovery import Discovery, Heartbeat, PeerRecord
+from swarmtrain.discovery import Discovery, Heartbeat, PeerRecord, estimate_clock_offset_s
 from swarmtrain.models import build_model
 from swarmtrain.peer_config import merge_run_config
 from swarmtrain.peer_data import choose_shard, peer_batches, peer_seed, saved_slot
@@ -97,6 +97,8 @@ class Peer:
         self.rounds_aborted = 0
         self._last_saw_peer = time.monotonic()  # when a live record of another peer was last read
         self._said_alone = False
+        self.clock_offset_s = 0.0  # estimated (swarm clock − this clock), announced in the peer record
+        self._said_skew = False
         self._claim: DirectoryClaim | None = None
 
     # ------------------------------------------------------------------ start
@@ -189,7 +191,7 @@ class Peer:
                           endpoint="" if self.cfg.discovery.client_mode else self.endpoint, role="worker",
                           client_mode=self.cfg.discovery.client_mode, round=self.worker.round,
                           state_hash=self.worker.global_hash(), shard_index=self.cfg.data.shard_index,
-                          round_ends_at=self._round_ends_at)
+                          round_ends_at=self._round_ends_at, clock_offset_s=self.clock_offset_s)
 
     # ------------------------------------------------------------------ rounds
 
@@ -539,6 +541,20 @@ class Peer:
             if self._said_alone:
                 log.info("sees %d other live peer(s) of run %s again", others, self.cfg.train.run_id)
             self._last_saw_peer, self._said_alone = time.monotonic(), False
+        offset = estimate_clock_offset_s(peers, own_id=self._peer_id, now=self._now(),
+                                         heartbeat_s=self.cfg.discovery.heartbeat_s)
+        if offset is None:
+            return
+        self.clock_offset_s = round(offset, 3)
+        skewed = abs(offset) > self.cfg.discovery.max_clock_skew_s
+        if skewed and not self._said_skew:
+            log.warning("this machine's clock is about %.1f s %s the swarm's (median of %d peers' heartbeats; "
+                        "discovery.max_clock_skew_s=%g): matchmaking compares timestamps across machines, so "
+                        "rounds may abort as 'late'. Sync the clock (NTP)", abs(offset),
+                        "behind" if offset > 0 else "ahead of", others, self.cfg.discovery.max_clock_skew_s)
+        elif not skewed and self._said_skew:
+            log.info("clock within %.1f s of the swarm's again", abs(offset))
+        self._said_skew = skewed
 
     def _alone_s(self) -> float:
         """Seconds without another live peer once past discovery.alone_warning_s (said once), else 0."""

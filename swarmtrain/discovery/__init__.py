@@ -5,10 +5,12 @@ protocol.py   the Discovery protocol and RecordDirectory (typed records over own
 memory.py     InMemoryRegistry + InMemoryDiscovery (no sockets)
 hivemind_dht.py  HivemindDiscovery: one hivemind.DHT per peer, RSA owner-signed subkeys (import it
               explicitly: importing hivemind is heavy, so this package does not)
+clock.py      estimate_clock_offset_s: this clock against the swarm's, from heartbeat times
 heartbeat.py  Heartbeat: keep this peer's record alive, withdraw on leave
 coordinator.py  RunPublisher: the coordinator publishes the run record and keeps its round current
 """
 
+from swarmtrain.discovery.clock import estimate_clock_offset_s
 from swarmtrain.discovery.heartbeat import Heartbeat
 from swarmtrain.discovery.memory import InMemoryDiscovery, InMemoryRegistry
 from swarmtrain.discovery.protocol import Discovery, DiscoveryError, RecordDirectory, RunConflictError
@@ -27,4 +29,5 @@ __all__ = [
     "RecordError",
     "RunConflictError",
     "RunRecord",
+    "estimate_clock_offset_s",
 ]

@@ -30,6 +30,7 @@ MAX_RECORD_BYTES = 1 << 20  # a run config is a few KiB; anything near this is h
 MAX_GROUP_MEMBERS = 4096
 _PEER_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 _HEX_RE = re.compile(r"^[0-9a-f]{0,128}$")
+MAX_CLOCK_OFFSET_S = 86400.0  # a day: past that a clock estimate is nonsense, not skew
 _ENDPOINT_RE = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]{1,253}):(\d{1,5})$")
 
 
@@ -72,6 +73,14 @@ def _shard_index(kind: str, d: Mapping[str, Any]) -> int:
 def _optional_float(kind: str, d: Mapping[str, Any], name: str) -> float:
     """A field newer peers add: absent in older peers' records, where it reads as 0 (unknown)."""
     return _float(kind, d, name) if name in d else 0.0
+
+
+def _clock_offset(kind: str, d: Mapping[str, Any]) -> float:
+    """Signed seconds; absent in records of peers from before clock estimates (reads as 0)."""
+    v = d.get("clock_offset_s", 0.0)
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        raise _field(kind, "clock_offset_s", f"expected a number, got {v!r}")
+    return float(v)
 
 
 def _bool(kind: str, d: Mapping[str, Any], name: str) -> bool:
@@ -226,8 +235,12 @@ class PeerRecord(Record):
     heartbeat_at: float = 0.0  # unix seconds
     shard_index: int = -1  # the data slot it reads in a run with data.num_shards > 0; -1 = none
     round_ends_at: float = 0.0  # unix seconds it expects its inner steps of `round` to end; 0 = unknown
+    clock_offset_s: float = 0.0  # its estimate of (swarm clock − its clock); 0 = none (discovery/clock.py)
 
     def __post_init__(self) -> None:
+        if not math.isfinite(self.clock_offset_s) or abs(self.clock_offset_s) > MAX_CLOCK_OFFSET_S:
+            raise _field(self.KIND, "clock_offset_s", f"expected a number within ±{MAX_CLOCK_OFFSET_S:.0f}, "
+                                                      f"got {self.clock_offset_s}")
         if not math.isfinite(self.round_ends_at) or self.round_ends_at < 0:
             raise _field(self.KIND, "round_ends_at", f"expected a finite number >= 0, got {self.round_ends_at}")
         if self.shard_index < -1:
@@ -251,7 +264,8 @@ class PeerRecord(Record):
                 "client_mode": self.client_mode, "round": self.round, "state_hash": self.state_hash,
                 "throughput_tokens_per_s": self.throughput_tokens_per_s,
                 "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s, "heartbeat_at": self.heartbeat_at,
-                "shard_index": self.shard_index, "round_ends_at": self.round_ends_at}
+                "shard_index": self.shard_index, "round_ends_at": self.round_ends_at,
+                "clock_offset_s": self.clock_offset_s}
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> PeerRecord:
@@ -262,7 +276,7 @@ class PeerRecord(Record):
                    throughput_tokens_per_s=_float(k, d, "throughput_tokens_per_s"),
                    bandwidth_bytes_per_s=_float(k, d, "bandwidth_bytes_per_s"),
                    heartbeat_at=_float(k, d, "heartbeat_at"), shard_index=_shard_index(k, d),
-                   round_ends_at=_optional_float(k, d, "round_ends_at"))
+                   round_ends_at=_optional_float(k, d, "round_ends_at"), clock_offset_s=_clock_offset(k, d))
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import torch
 
 from swarmtrain.config import load_config
 from swarmtrain.diloco.worker import InnerStats
-from swarmtrain.discovery import InMemoryRegistry
+from swarmtrain.discovery import InMemoryDiscovery, InMemoryRegistry, PeerRecord
 from swarmtrain.peer import Peer
 from swarmtrain.telemetry import EventWriter, HealEvent, RoundEvent
 from tests.integration.test_peer_composition import (
@@ -155,3 +155,41 @@ def test_a_peer_that_sees_no_one_says_so_once_and_in_its_round_lines(tmp_path: P
     said = [r.getMessage() for r in caplog.records if "has seen no other live peer" in r.getMessage()]
     assert len(said) == 1 and "clock is synced" in said[0], said
     assert any("again" in r.getMessage() for r in caplog.records if r.name == "swarmtrain.peer")
+
+
+def test_a_peer_whose_clock_is_behind_the_swarms_says_so_and_announces_the_offset(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Another live peer's heartbeats come from a clock 10 s ahead: this peer reports its own clock as
+    ~10 s behind in one warning line and in its peer record."""
+    skew_s = 10.0
+
+    async def main() -> Peer:
+        registry = InMemoryRegistry()
+        cfg = load_config(overrides=[*RUN, "diloco.rounds=3", "averaging.min_peers=1"])
+        await _publish_run(registry, cfg)
+        services = InMemoryServices(registry, window_s=0.1)
+        services.allreduce.min_peers = 1
+        ahead = InMemoryDiscovery(registry, run_id=cfg.train.run_id, record_ttl_s=60.0, peer_id="ahead")
+        stop = asyncio.Event()
+        peer = Peer(_local(tmp_path / "p"), writer=EventWriter(Out()), services=services)
+        task = asyncio.create_task(_run_peer(peer, stop))
+
+        async def beat() -> None:
+            while not task.done():
+                # a trainer: it counts for the clock but is nobody to heal from or to wait for
+                await ahead.announce(PeerRecord(run_id=cfg.train.run_id, peer_id="ahead", endpoint="127.0.0.1:1",
+                                                role="trainer", heartbeat_at=registry.clock() + skew_s), timeout_s=1.0)
+                await asyncio.sleep(cfg.discovery.heartbeat_s)
+
+        beats = asyncio.create_task(beat())
+        assert await asyncio.wait_for(task, timeout=60) == "done"
+        beats.cancel()
+        return peer
+
+    with caplog.at_level(logging.WARNING, logger="swarmtrain.peer"):
+        peer = asyncio.run(main())
+    said = [r.getMessage() for r in caplog.records if "clock is about" in r.getMessage()]
+    assert len(said) == 1 and "behind the swarm's" in said[0], said
+    heartbeat_s = peer.cfg.discovery.heartbeat_s
+    assert abs(peer.clock_offset_s - skew_s) <= heartbeat_s, peer.clock_offset_s
+    assert peer._record().clock_offset_s == peer.clock_offset_s

@@ -1,0 +1,49 @@
+"""Clock skew against the swarm, estimated from live peers' heartbeat times, and its field in peer records."""
+
+from __future__ import annotations
+
+import pytest
+
+from swarmtrain.discovery import PeerRecord, RecordError, estimate_clock_offset_s
+from swarmtrain.discovery.records import decode_record
+
+pytestmark = pytest.mark.unit
+
+H = 2.0
+
+
+def _rec(peer_id: str, heartbeat_at: float, **kw: float) -> PeerRecord:
+    return PeerRecord(run_id="r", peer_id=peer_id, endpoint="127.0.0.1:1", heartbeat_at=heartbeat_at, **kw)
+
+
+@pytest.mark.parametrize("skew_s", [-7.0, -1.0, 0.0, 3.0, 12.5])
+def test_the_estimate_is_within_half_a_heartbeat_of_the_true_skew(skew_s: float) -> None:
+    now = 1_000_000.0
+    # other peers' clocks read (now + skew) and their records are between 0 and one heartbeat old
+    peers = [_rec(f"p{i}", now + skew_s - age) for i, age in enumerate((0.1, 0.7, 1.2, 1.9, 0.4))]
+    offset = estimate_clock_offset_s([*peers, _rec("me", now)], own_id="me", now=now, heartbeat_s=H)
+    assert offset is not None and abs(offset - skew_s) <= H / 2
+
+
+def test_one_peer_with_a_wild_clock_does_not_move_the_median() -> None:
+    now = 5_000.0
+    peers = [_rec("a", now - 1.0), _rec("b", now - 0.9), _rec("liar", now + 3000.0)]
+    offset = estimate_clock_offset_s(peers, own_id="me", now=now, heartbeat_s=H)
+    assert offset is not None and abs(offset) <= H / 2
+
+
+def test_no_other_peer_gives_no_estimate() -> None:
+    assert estimate_clock_offset_s([_rec("me", 10.0)], own_id="me", now=10.0, heartbeat_s=H) is None
+
+
+def test_peer_records_carry_a_signed_offset_and_older_records_read_as_zero() -> None:
+    rec = _rec("a", 100.0, clock_offset_s=-4.25)
+    assert decode_record(PeerRecord, rec.encode(), run_id="r", signer_id="a").clock_offset_s == -4.25
+    body = rec.to_json()
+    del body["clock_offset_s"]
+    assert PeerRecord.from_json(body).clock_offset_s == 0.0
+    for bad in (float("nan"), 1e9):
+        with pytest.raises(RecordError, match="clock_offset_s"):
+            _rec("a", 100.0, clock_offset_s=bad)
+    with pytest.raises(RecordError, match="clock_offset_s"):
+        PeerRecord.from_json({**rec.to_json(), "clock_offset_s": "soon"})
