@@ -454,8 +454,7 @@ class Peer:
         worker = self.worker
         self.phase = "training"
         val_loss = None
-        if len(result.members) > 1:
-            self._last_saw_peer = time.monotonic()
+        self._saw_others(len(result.members) - 1)
         if result.committed:
             # On the loop thread, never during inner steps: state transfers never see a half-applied step.
             worker.apply(result, carry=pending.carry)
@@ -537,10 +536,7 @@ class Peer:
     def _note_peers(self, peers: Sequence[PeerRecord]) -> None:
         """Track when another live peer was last seen; say once when the swarm is found again."""
         others = sum(p.peer_id != self._peer_id for p in peers)
-        if others:
-            if self._said_alone:
-                log.info("sees %d other live peer(s) of run %s again", others, self.cfg.train.run_id)
-            self._last_saw_peer, self._said_alone = time.monotonic(), False
+        self._saw_others(others)
         offset = estimate_clock_offset_s(peers, own_id=self._peer_id, now=self._now(),
                                          heartbeat_s=self.cfg.discovery.heartbeat_s)
         if offset is None:
@@ -555,6 +551,12 @@ class Peer:
         elif not skewed and self._said_skew:
             log.info("clock within %.1f s of the swarm's again", abs(offset))
         self._said_skew = skewed
+
+    def _saw_others(self, others: int) -> None:
+        if others:
+            if self._said_alone:
+                log.info("sees %d other live peer(s) of run %s again", others, self.cfg.train.run_id)
+            self._last_saw_peer, self._said_alone = time.monotonic(), False
 
     def _alone_s(self) -> float:
         """Seconds without another live peer once past discovery.alone_warning_s (said once), else 0."""
