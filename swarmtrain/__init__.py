@@ -5,7 +5,8 @@ component) + config_reference.py (docs/configuration.md from those docs) · mode
 loop, pure torch) · compress/ (codecs, kernels) · averaging/ (matchmaking, all-reduce) ·
 discovery/ (hivemind DHT) · rpc/ (gRPC) · sync/ (state transfer, checkpoints) · telemetry/ (event
 lines, counters, StatusSnapshot, console progress) · peer.py + peer_services.py + peer_network.py (the composition
-root) · peer_process.py (`swarmtrain peer` as a process) · daemon/ (CLI) ·
+root) · peer_process.py (`swarmtrain peer` as a process) · daemon/ (CLI, signals) · proctree.py
+(descendants of a process, signalled and awaited through pidfds) ·
 testbed/ (network-namespace WAN twin: shaped links, kernel byte counters; needs root) ·
 testing/ (test helpers; never imported by the library).
 """

@@ -1,22 +1,23 @@
-"""`swarmtrain peer` as a process: one Peer on uvloop, SIGTERM/SIGINT leave at the next round boundary."""
+"""`swarmtrain peer` as a process: one Peer on uvloop, SIGTERM/SIGINT leave at the next round boundary.
+
+The leave then checkpoints and closes the DHT node within `discovery.shutdown_timeout_s` + 3 s (killed
+if it does not answer). A second signal kills this process's children (DHT, p2pd) and exits at once with
+128 + the signal number, without a checkpoint.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import logging
-import os
-import signal
 import sys
 from collections.abc import Sequence
 
 from swarmtrain.config import RunConfig
+from swarmtrain.daemon.signals import StopSignals
 from swarmtrain.peer import Peer
 from swarmtrain.telemetry import EventWriter
 from swarmtrain.telemetry.console import ConsoleEventWriter, ConsoleProgress
 
 __all__ = ["run_peer_process"]
-
-log = logging.getLogger(__name__)
 
 
 def run_peer_process(local: RunConfig, *, local_overrides: Sequence[str] = (), coordinator_id: str | None = None,
@@ -38,9 +39,8 @@ def run_peer_process(local: RunConfig, *, local_overrides: Sequence[str] = (), c
 
 async def _main(peer: Peer) -> int:
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, _on_signal, sig, stop)
+    # Never uninstalled: a second signal must work until the process is gone (interpreter exit included).
+    StopSignals(leaving="leaving gracefully at the next round boundary").install(stop)
     reason = "error"
     try:
         await peer.start()
@@ -50,15 +50,4 @@ async def _main(peer: Peer) -> int:
         raise
     finally:
         await peer.aclose(reason)
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
     return 0
-
-
-def _on_signal(sig: signal.Signals, stop: asyncio.Event) -> None:
-    if stop.is_set():
-        # A second signal: the operator does not want to wait for the round to finish.
-        log.error("%s again: exiting now without a checkpoint", sig.name)
-        os._exit(128 + sig)
-    log.warning("%s: leaving gracefully at the next round boundary", sig.name)
-    stop.set()

@@ -1,16 +1,30 @@
-"""`swarmtrain coordinator`: the run's first DHT node; publishes the run config and serves until a signal."""
+"""`swarmtrain coordinator`: the run's first DHT node; publishes the run config and serves until a signal.
+
+SIGTERM or SIGINT: it stops publishing and closes its DHT node (killed if it does not answer) within
+`discovery.shutdown_timeout_s` + SHUTDOWN_MARGIN_S, then exits 0; a shutdown that outlives that bound is
+cut short with status 1, and a second signal exits at once with 128 + the signal number.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
-import signal
 import sys
+from collections.abc import Awaitable
 
+from swarmtrain.config import DiscoveryConfig
 from swarmtrain.daemon.options import add_config_options, config_from_args
+from swarmtrain.daemon.signals import OVERRUN_STATUS, StopSignals
 
 HELP = "start a run: the first DHT node, publishes the run config, prints READY {json} with its multiaddrs"
+# Past discovery.shutdown_timeout_s: the DHT's forced stop (at most 3 s) and this process's own exit.
+SHUTDOWN_MARGIN_S = 5.0
+CANCEL_WAIT_S = 1.0  # a cancelled refresh only has to unwind its awaits
+EPILOG = (f"SIGTERM or SIGINT stops it within discovery.shutdown_timeout_s + {SHUTDOWN_MARGIN_S:.0f} s "
+          f"({DiscoveryConfig().shutdown_timeout_s + SHUTDOWN_MARGIN_S:.0f} s by default; a DHT process that "
+          f"does not answer is killed) with status 0; a shutdown past that bound is cut short with status "
+          f"{OVERRUN_STATUS}; a second signal exits at once with status 128 + its number.")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -21,6 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nat-port-map", action="store_true",
                         help="let the DHT ask the home router for a port mapping (UPnP/NAT-PMP)")
     add_config_options(parser)
+    parser.epilog = EPILOG
 
 
 def local_overrides(args: argparse.Namespace) -> list[str]:
@@ -44,9 +59,9 @@ async def _serve(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args, extra=local_overrides(args))
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    # Never uninstalled: a second signal must work until the process is gone (interpreter exit included).
+    StopSignals(leaving="stopping the coordinator",
+                deadline_s=cfg.discovery.shutdown_timeout_s + SHUTDOWN_MARGIN_S).install(stop)
     discovery = await HivemindDiscovery.create(cfg.discovery, run_id=cfg.train.run_id)
     try:
         publisher = RunPublisher(discovery, cfg)
@@ -55,10 +70,25 @@ async def _serve(args: argparse.Namespace) -> int:
             "role": "coordinator", "peer_id": discovery.peer_id, "run_id": cfg.train.run_id,
             "maddrs": await discovery.visible_maddrs(),
         })
-        await publisher.serve(stop)
+        await _until(stop, publisher.serve(stop))
     finally:
         await discovery.aclose()
     return 0
+
+
+async def _until(stop: asyncio.Event, work: Awaitable[None]) -> None:
+    """Run `work` until it returns or `stop` is set, then cancel it: an in-flight run record refresh (DHT
+    calls with deadlines of several heartbeats) must not delay the leave."""
+    working = asyncio.ensure_future(work)
+    stopping = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({working, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (working, stopping):
+            task.cancel()
+        await asyncio.wait({working, stopping}, timeout=CANCEL_WAIT_S)
+    if working.done() and not working.cancelled():
+        working.result()  # its exception, if it failed
 
 
 def run(args: argparse.Namespace) -> int:

@@ -15,7 +15,9 @@ import hashlib
 import logging
 import os
 import re
+import signal
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -39,13 +41,20 @@ torch_mp.set_sharing_strategy(_SHARING_STRATEGY)
 
 from swarmtrain.config import ConfigError, DiscoveryConfig  # noqa: E402
 from swarmtrain.discovery.protocol import DiscoveryError, RawSlot, RecordDirectory  # noqa: E402
+from swarmtrain.proctree import open_tree  # noqa: E402
 
-__all__ = ["HivemindDiscovery", "signer_id_of"]
+__all__ = ["CLOSE_MARGIN_S", "HivemindDiscovery", "signer_id_of"]
 
 log = logging.getLogger(__name__)
 STORE_ATTEMPTS = 3  # a store no node accepted is retried: seen transiently with hivemind 1.1 under load
 STORE_BACKOFF_S = 0.1
 _OWNER_RE = re.compile(rb"\[owner:(.+?)\]")
+# Closing a DHT: asked for `discovery.shutdown_timeout_s`, then SIGTERM for TERM_GRACE_S, then SIGKILL (to
+# it and its p2pd) and KILL_WAIT_S for the kernel to finish them. SIGTERM rarely helps: the DHT process
+# inherits its daemon's Python SIGTERM handler through fork, and that handler leaves a forked child running.
+TERM_GRACE_S = 1.0
+KILL_WAIT_S = 2.0
+CLOSE_MARGIN_S = TERM_GRACE_S + KILL_WAIT_S  # aclose() returns within discovery.shutdown_timeout_s + this
 
 
 def _peer_id_of_public_key(ssh_public_key: bytes) -> str:
@@ -137,9 +146,11 @@ def dht_kwargs(cfg: DiscoveryConfig) -> dict[str, Any]:
 class HivemindDiscovery(RecordDirectory):
     """One peer's DHT node. Build with `await HivemindDiscovery.create(cfg, run_id=...)`; `aclose()` stops it."""
 
-    def __init__(self, dht: DHT, key: RSAPrivateKey, *, run_id: str, record_ttl_s: float) -> None:
+    def __init__(self, dht: DHT, key: RSAPrivateKey, *, run_id: str, record_ttl_s: float,
+                 shutdown_timeout_s: float = 5.0) -> None:
         super().__init__(run_id=run_id, record_ttl_s=record_ttl_s, clock=get_dht_time)
         self._dht = dht
+        self._shutdown_timeout_s = shutdown_timeout_s
         self._owner = RSASignatureValidator.PUBLIC_KEY_FORMAT.replace(b"_key_", key.get_public_key().to_bytes())
         self._peer_id = dht.peer_id.to_base58()
         derived = signer_id_of(self._owner)
@@ -171,10 +182,11 @@ class HivemindDiscovery(RecordDirectory):
                 await asyncio.wait_for(asyncio.to_thread(dht.wait_until_ready, start_timeout_s),
                                        timeout=start_timeout_s + 1)
             except BaseException as e:
-                await asyncio.to_thread(dht.shutdown)
+                await _stop_dht(dht, name="(starting)", grace_s=cfg.shutdown_timeout_s)
                 raise DiscoveryError(f"DHT did not start within {start_timeout_s:.0f}s: {e!r}") from e
             peer_id = await asyncio.to_thread(lambda: dht.peer_id)
-        self = cls(dht, key, run_id=run_id, record_ttl_s=cfg.record_ttl_s)
+        self = cls(dht, key, run_id=run_id, record_ttl_s=cfg.record_ttl_s,
+                   shutdown_timeout_s=cfg.shutdown_timeout_s)
         log.info("DHT %s up at %s", peer_id, [str(a) for a in await self.visible_maddrs()])
         return self
 
@@ -238,8 +250,53 @@ class HivemindDiscovery(RecordDirectory):
             await self._put(key, b"", expires_at=self._expiry[key] + 1e-3, timeout_s=timeout_s)
 
     async def aclose(self) -> None:
-        if self._dht.is_alive():
-            await asyncio.to_thread(self._dht.shutdown)
-        with contextlib.suppress(ValueError):
-            self._dht.join(timeout=0)
+        """Stop the DHT node within `discovery.shutdown_timeout_s` + CLOSE_MARGIN_S; killed if it hangs."""
+        await _stop_dht(self._dht, name=self._peer_id, grace_s=self._shutdown_timeout_s)
         log.info("DHT %s stopped (pid %s)", self._peer_id, os.getpid())
+
+
+async def _stop_dht(dht: DHT, *, name: str, grace_s: float) -> None:
+    """Ask the DHT process to stop; SIGTERM it after `grace_s`, SIGKILL it and its p2pd TERM_GRACE_S later.
+
+    Returns within `grace_s` + CLOSE_MARGIN_S whatever the process does (stopped, deadlocked), and never
+    leaves it running: a cancelled close kills it before re-raising. The process is reaped, so the
+    interpreter's exit (which joins live multiprocessing children without a timeout) cannot hang on it.
+    """
+    tree = open_tree(dht.pid) if dht.pid is not None and dht.is_alive() else []
+    if not tree:
+        return
+    # p2pd is captured now: a killed DHT process orphans it. hivemind's shutdown() blocks (a pipe send, a
+    # join); it runs on a daemon thread so a hung one holds neither the event loop nor the interpreter's
+    # exit, and with a timeout past ours its own terminate() never races our escalation.
+    dht.shutdown_timeout = grace_s + CLOSE_MARGIN_S + 1.0
+    threading.Thread(target=dht.shutdown, name=f"dht-shutdown-{name[:12]}", daemon=True).start()
+    proc, p2pd = tree[0], tree[1:]
+    forced: list[str] = []
+    try:
+        if not await proc.wait(grace_s):
+            forced.append("SIGTERM")
+            proc.send(signal.SIGTERM)
+            if not await proc.wait(TERM_GRACE_S):
+                forced.append("SIGKILL")
+                proc.send(signal.SIGKILL)
+        orphans = [p for p in p2pd if not p.exited()]  # a DHT that stopped by itself stopped its p2pd first
+        for p in orphans:
+            p.send(signal.SIGKILL)
+        if orphans:
+            forced.append(f"SIGKILL to p2pd (pid {', '.join(str(p.pid) for p in orphans)})")
+        deadline = time.monotonic() + KILL_WAIT_S
+        for p in tree:
+            await p.wait(deadline - time.monotonic())
+        running = [p.pid for p in tree if not p.exited()]
+    except BaseException:
+        for p in tree:
+            p.send(signal.SIGKILL)
+        raise
+    finally:
+        with contextlib.suppress(ValueError, AssertionError):
+            dht.join(timeout=0)  # reaps the exited process (unless the shutdown thread already has)
+        for p in tree:
+            p.close()
+    if forced or running:
+        log.warning("DHT %s (pid %d) did not stop within %.1fs of being asked: forced %s; %s", name, proc.pid,
+                    grace_s, ", ".join(forced), f"still running: {running}" if running else "all gone")

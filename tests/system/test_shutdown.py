@@ -1,0 +1,81 @@
+"""`swarmtrain coordinator` and `swarmtrain peer` leave within their stated bounds when their DHT hangs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from swarmtrain.daemon.children import Child
+from swarmtrain.daemon.cmd_coordinator import SHUTDOWN_MARGIN_S
+from swarmtrain.proctree import descendants, running
+from swarmtrain.testing.procs import ProcessSet
+from swarmtrain.testing.wait import wait_until
+
+pytestmark = pytest.mark.system
+
+SHUTDOWN_TIMEOUT_S = 1.0
+SETS = [f"discovery.shutdown_timeout_s={SHUTDOWN_TIMEOUT_S}", "discovery.heartbeat_s=0.3",
+        "discovery.record_ttl_s=5"]
+BOUND_S = SHUTDOWN_TIMEOUT_S + SHUTDOWN_MARGIN_S  # what `swarmtrain coordinator --help` promises
+
+
+
+def _hang_children(child: Child) -> list[int]:
+    """SIGSTOP every process below `child` (its DHT process, p2pd): sockets open, nothing answers."""
+    pids = descendants(child.proc.pid)
+    assert len(pids) >= 2, f"expected a DHT process and its p2pd below {child.name}, found {pids}"
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    return pids
+
+
+def _assert_gone(pids: list[int]) -> None:
+    wait_until(lambda: not any(running(p) for p in pids), timeout_s=5, what=f"processes {pids} gone")
+
+
+def test_sigterm_stops_a_coordinator_whose_dht_hangs_within_the_bound(procs: ProcessSet) -> None:
+    coord, _ = procs.coordinator(SETS, timeout_s=90.0)
+    pids = _hang_children(coord)
+    t0 = time.monotonic()
+    coord.proc.send_signal(signal.SIGTERM)
+    assert coord.proc.wait(timeout=BOUND_S + 10) == 0
+    elapsed = time.monotonic() - t0
+    assert SHUTDOWN_TIMEOUT_S <= elapsed < BOUND_S, f"left {elapsed:.1f}s after SIGTERM, bound {BOUND_S:.0f}s"
+    _assert_gone(pids)
+    log = coord.log_path.read_text()
+    assert "forced SIGTERM, SIGKILL, SIGKILL to p2pd" in log and "Traceback" not in log
+
+
+def test_a_second_sigterm_exits_the_coordinator_at_once(procs: ProcessSet) -> None:
+    coord, _ = procs.coordinator([*SETS[1:], "discovery.shutdown_timeout_s=60"], timeout_s=90.0)
+    pids = _hang_children(coord)
+    coord.proc.send_signal(signal.SIGTERM)
+    wait_until(lambda: "SIGTERM: stopping the coordinator" in coord.log_path.read_text(), timeout_s=10,
+               what="the first SIGTERM handled")
+    t0 = time.monotonic()
+    coord.proc.send_signal(signal.SIGTERM)
+    assert coord.proc.wait(timeout=10) == 128 + signal.SIGTERM
+    assert time.monotonic() - t0 < 2.0
+    _assert_gone(pids)
+    assert "SIGTERM again: exiting now" in coord.log_path.read_text()
+
+
+def test_a_second_sigterm_exits_a_peer_at_once_and_kills_its_dht(procs: ProcessSet, tmp_path: Path) -> None:
+    run = ["model.preset=tiny", "data.seq_len=32", "data.batch_size=2", "data.max_corpus_bytes=200000",
+           "diloco.inner_steps=1000000", "train.threads=1"]
+    _, join = procs.coordinator([*run, *SETS], timeout_s=90.0)
+    peer = procs.peer("peer", join, "--set", "discovery.shutdown_timeout_s=60")
+    peer.wait_ready(timeout_s=90.0)
+    pids = _hang_children(peer)
+    peer.proc.send_signal(signal.SIGTERM)
+    wait_until(lambda: "SIGTERM: leaving gracefully" in peer.log_path.read_text(), timeout_s=10,
+               what="the first SIGTERM handled")
+    t0 = time.monotonic()
+    peer.proc.send_signal(signal.SIGTERM)
+    assert peer.proc.wait(timeout=10) == 128 + signal.SIGTERM
+    assert time.monotonic() - t0 < 2.0
+    _assert_gone(pids)
