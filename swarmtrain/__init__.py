@@ -1,13 +1,13 @@
 """swarmtrain: train one model on many far-apart peers with DiLoCo.
 
 Map: config.py (RunConfig, loading, TOML) + config_sections.py (one documented dataclass per
-component) + config_reference.py (docs/configuration.md from those docs) · models/ (GPT) · data/ (corpora, sharding) · diloco/ (outer
-loop, pure torch) · compress/ (codecs, kernels) · averaging/ (matchmaking, all-reduce) ·
-discovery/ (hivemind DHT) · rpc/ (gRPC) · sync/ (state transfer, checkpoints) · telemetry/ (event
-lines, counters, StatusSnapshot, console progress) · peer.py + peer_services.py + peer_network.py (the composition
-root) · peer_process.py (`swarmtrain peer` as a process) · daemon/ (CLI, signals) · proctree.py
-(descendants of a process, signalled and awaited through pidfds) ·
-testbed/ (network-namespace WAN twin: shaped links, kernel byte counters; needs root) ·
+component) + config_reference.py (docs/configuration.md from those docs) · models/ (GPT) · data/
+(corpora, sharding) · diloco/ (outer loop, pure torch) · compress/ (codecs, kernels) · averaging/
+(matchmaking, all-reduce) · discovery/ (hivemind DHT) · rpc/ (gRPC) · sync/ (state transfer,
+checkpoints) · telemetry/ (event lines, counters, StatusSnapshot, console progress) · peer/ (the
+peer daemon: composition root, round loops, network services, `swarmtrain peer` as a process) ·
+daemon/ (CLI, signals) · proctree.py (descendants of a process, signalled and awaited through
+pidfds) · testbed/ (network-namespace WAN twin: shaped links, kernel byte counters; needs root) ·
 testing/ (test helpers; never imported by the library).
 """
 

@@ -16,7 +16,7 @@ import typing
 from typing import Any
 
 from swarmtrain.config import RunConfig, to_dict, toml_value
-from swarmtrain.peer_config import LOCAL_KEYS, LOCAL_SECTIONS
+from swarmtrain.peer.config import LOCAL_KEYS, LOCAL_SECTIONS
 
 __all__ = ["field_docs", "render_reference", "undocumented_fields"]
 

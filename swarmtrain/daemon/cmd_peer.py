@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
 
     from swarmtrain.daemon.options import config_from_args
     from swarmtrain.peer import PeerError
-    from swarmtrain.peer_process import run_peer_process
+    from swarmtrain.peer.process import run_peer_process
     from swarmtrain.telemetry.console import ConsoleProgress
 
     local = config_from_args(args, extra=local_overrides(args))

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from swarmtrain.compress import Codec
 from swarmtrain.config import DiscoveryConfig, RunConfig, load_config, to_dict
 from swarmtrain.discovery import Discovery, InMemoryDiscovery, InMemoryRegistry, RunRecord
-from swarmtrain.peer_network import NetworkPlane
+from swarmtrain.peer.network import NetworkPlane
 
 __all__ = ["LoopbackServices", "publish_run"]
 

@@ -23,7 +23,7 @@ from swarmtrain.config import ConfigError, DiscoveryConfig, RunConfig, load_conf
 from swarmtrain.data import ShardedBatches, load_corpus
 from swarmtrain.discovery import Discovery, InMemoryDiscovery, InMemoryRegistry, PeerRecord, RunRecord
 from swarmtrain.peer import Peer, PeerState, merge_run_config
-from swarmtrain.peer_services import PeerError
+from swarmtrain.peer.services import PeerError
 from swarmtrain.telemetry import EventWriter, HealEvent, LeaveEvent, ReadyLine, RoundEvent, parse_line
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]

@@ -1,10 +1,10 @@
-"""Which slot a checkpoint's worker state was reading (`swarmtrain.peer_data.saved_slot`)."""
+"""Which slot a checkpoint's worker state was reading (`swarmtrain.peer.data.saved_slot`)."""
 
 from __future__ import annotations
 
 import pytest
 
-from swarmtrain.peer_data import saved_slot
+from swarmtrain.peer.data import saved_slot
 
 pytestmark = pytest.mark.unit
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from swarmtrain.config import RunConfig
 from swarmtrain.daemon.signals import StopSignals
-from swarmtrain.peer import Peer
+from swarmtrain.peer.root import Peer
 from swarmtrain.telemetry import EventWriter
 from swarmtrain.telemetry.console import ConsoleEventWriter, ConsoleProgress
 
@@ -28,7 +28,7 @@ def run_peer_process(local: RunConfig, *, local_overrides: Sequence[str] = (), c
     """
     import uvloop
 
-    from swarmtrain.peer_network import NetworkServices
+    from swarmtrain.peer.network import NetworkServices
 
     writer = EventWriter(sys.stdout) if progress is None else ConsoleEventWriter(sys.stdout, progress)
     peer = Peer(local, writer=writer, services=NetworkServices(), local_overrides=local_overrides,

@@ -5,8 +5,8 @@ from checkpoint) -> gRPC server (all-reduce shards, state transfer) -> heartbeat
 Each round: heal if the swarm is ahead, inner steps off the event loop (H of them, or with
 `diloco.pace=time` a span shared by the group, whose matchmaking starts during the last steps),
 average Δ, apply, print one round line, checkpoint, refresh the peer record in the background
-(with `diloco.overlap` the average runs during the next round's first inner steps).
-Stop (a signal via peer_process.py, rounds done or an error): withdraw the peer record
+(with `diloco.overlap` the average runs during the next round's first inner steps: overlap.py).
+Stop (a signal via process.py, rounds done or an error): withdraw the peer record
 (departure), checkpoint, close the data plane, stop the DHT.
 """
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import logging
 import math
@@ -32,13 +33,15 @@ from swarmtrain.data import eval_batches, load_corpus
 from swarmtrain.diloco import DilocoWorker, resolve_device
 from swarmtrain.diloco.flat import flat_hash
 from swarmtrain.diloco.pace import Pace, RoundBudget
-from swarmtrain.diloco.worker import DeltaError, InnerStats, InnerStep
-from swarmtrain.discovery import Discovery, Heartbeat, PeerRecord, estimate_clock_offset_s
+from swarmtrain.diloco.worker import InnerStats, InnerStep
+from swarmtrain.discovery import Discovery, Heartbeat, PeerRecord
 from swarmtrain.models import build_model
-from swarmtrain.peer_config import merge_run_config
-from swarmtrain.peer_data import choose_shard, peer_batches, peer_seed, saved_slot
-from swarmtrain.peer_rounds import LocalRoundError, PendingRound, UnsentSteps, interruptible, swarm_round_end
-from swarmtrain.peer_services import DataPlane, PeerError, PeerServices, PeerState
+from swarmtrain.peer.config import merge_run_config
+from swarmtrain.peer.data import choose_shard, peer_batches, peer_seed, saved_slot
+from swarmtrain.peer.overlap import OverlappedRounds
+from swarmtrain.peer.presence import Presence
+from swarmtrain.peer.rounds import LocalRoundError, PendingRound, interruptible, swarm_round_end
+from swarmtrain.peer.services import DataPlane, PeerError, PeerServices, PeerState
 from swarmtrain.sync.checkpoint import (
     DirectoryClaim,
     LoadedCheckpoint,
@@ -53,7 +56,6 @@ __all__ = ["DataPlane", "Peer", "PeerError", "PeerServices", "PeerState", "merge
 log = logging.getLogger(__name__)
 
 RUN_FETCH_TIMEOUT_S = 60.0
-OVERLAP_CHUNKS = 25  # diloco.overlap: a round's inner steps run in this many chunks; an average lands between two
 
 
 def _resume(worker: DilocoWorker, loaded: LoadedCheckpoint) -> None:
@@ -64,7 +66,7 @@ def _resume(worker: DilocoWorker, loaded: LoadedCheckpoint) -> None:
     log.info("resumed from %s at round %d", loaded.path, worker.round)
 
 
-class Peer:
+class Peer(OverlappedRounds):
     """One DiLoCo peer of a swarm. `await start()`, `await run(stop)`, `await aclose(reason)`.
 
     `on_step` sees every inner step, on the training thread (the console progress display).
@@ -95,10 +97,10 @@ class Peer:
         self.last_val_loss: float | None = None
         self.rounds_committed = 0
         self.rounds_aborted = 0
-        self._last_saw_peer = time.monotonic()  # when a live record of another peer was last read
-        self._said_alone = False
-        self.clock_offset_s = 0.0  # estimated (swarm clock − this clock), announced in the peer record
-        self._said_skew = False
+        self.presence: Presence | None = None  # made once the run's discovery settings are known
+        # (round, hash of θ_global) as last published: heartbeats announce this pair, never a θ half-way
+        # through an outer step or a hash not computed yet
+        self._announced: tuple[int, str] = (0, "")
         self._claim: DirectoryClaim | None = None
 
     # ------------------------------------------------------------------ start
@@ -131,14 +133,14 @@ class Peer:
         shapes = [(name, tuple(p.shape)) for name, p in self.worker.model.named_parameters()]
         self.plane = await self.services.open_data_plane(self.cfg, discovery=discovery, codec=codec,
                                                          param_shapes=shapes)
-        self.plane.publish_state(self.current_state())
+        await self._publish_committed_state()
         self.endpoint = self.plane.endpoint
         self.heartbeat = Heartbeat(discovery, current=self._record, heartbeat_s=self.cfg.discovery.heartbeat_s,
                                    now=discovery.now, timeout_s=self.cfg.rpc.call_timeout_s)
         await self.heartbeat.start()
         info = {"peer_id": discovery.peer_id, "endpoint": self.endpoint, "run_id": self.cfg.train.run_id,
                 "maddrs": await self.services.visible_maddrs(discovery), "round": self.worker.round,
-                "hash": self.worker.global_hash(), "num_params": self.worker.numel}
+                "hash": self._announced[1], "num_params": self.worker.numel}
         self.writer.ready(info)
         self.phase = "training"
         return info
@@ -189,9 +191,9 @@ class Peer:
         assert self.discovery is not None and self.worker is not None
         return PeerRecord(run_id=self.cfg.train.run_id, peer_id=self.discovery.peer_id,
                           endpoint="" if self.cfg.discovery.client_mode else self.endpoint, role="worker",
-                          client_mode=self.cfg.discovery.client_mode, round=self.worker.round,
-                          state_hash=self.worker.global_hash(), shard_index=self.cfg.data.shard_index,
-                          round_ends_at=self._round_ends_at, clock_offset_s=self.clock_offset_s)
+                          client_mode=self.cfg.discovery.client_mode, round=self._announced[0],
+                          state_hash=self._announced[1], shard_index=self.cfg.data.shard_index,
+                          round_ends_at=self._round_ends_at, clock_offset_s=self._presence().clock_offset_s)
 
     # ------------------------------------------------------------------ rounds
 
@@ -221,7 +223,7 @@ class Peer:
                 stats = await self._train_round(stop)
                 if stats is None:
                     return "signal"
-                pending = PendingRound(round=worker.round, delta=worker.delta(), loss=stats.loss,
+                pending = PendingRound(round=worker.round, delta=await asyncio.to_thread(worker.delta), loss=stats.loss,
                                        compute_s=stats.compute_s, steps=stats.steps)
             try:
                 result = await self._average(pending)
@@ -238,91 +240,6 @@ class Peer:
                 return "signal"
         await self._linger_for_stragglers(stop)
         return "done"
-
-    async def _run_overlapped(self, stop: asyncio.Event) -> str:
-        """`diloco.overlap`: round r's average runs while the inner steps of round r+1 do.
-
-        When Δ is sent, θ_local jumps to the eager estimate of the new θ_global (the outer step on
-        its own Δ: `send_overlapped`); the swarm's mean is applied the moment it lands, between two
-        short chunks of inner steps, and shifts θ_local by the estimate's error. Between rounds
-        θ_local = θ_global − (own progress not yet in θ_global): a commit keeps the steps taken
-        since Δ was sent, an abort puts Δ back so the next attempt carries it with them, and a heal
-        starts again from the donor's θ (or keeps the unsent steps on top of it when one round late).
-        """
-        assert self.worker is not None
-        worker, rounds = self.worker, self.cfg.diloco.rounds
-        unsent = UnsentSteps(trained=worker.has_local_progress())  # a resumed peer sends what it had trained
-        pending: PendingRound | None = None
-        while worker.round < rounds:
-            if stop.is_set() and pending is None:  # an average in flight is finished first
-                return "signal"
-            if pending is None:
-                # One round late: its steps are kept and sent with the next round (not retrained).
-                if await self._heal_if_behind(keep_progress_rounds=1) and not worker.has_local_progress():
-                    unsent = UnsentSteps()
-                if worker.round >= rounds:
-                    break
-                if not unsent.trained:
-                    stats = await self._train_round(stop)
-                    if stats is None:
-                        return "signal"
-                    unsent.add(stats)
-                pending, unsent = self._launch(unsent), UnsentSteps()
-                if pending is None:  # its Δ was unusable: dropped, and the round is trained again
-                    continue
-            result = None
-            if worker.round + 1 < rounds:  # a next round to contribute to: train it meanwhile
-                result = await self._train_while_averaging(pending, unsent, stop)
-            if result is None:
-                result = await self._settle(pending)
-            if not result.committed:
-                unsent.trained = True  # θ_local still holds the aborted round's progress
-                if math.isnan(unsent.loss):
-                    unsent.loss = pending.loss
-                pending = None
-                if result.heal_to_hash and await self._heal_if_behind(want_hash=result.heal_to_hash):
-                    unsent = UnsentSteps()  # progress from a θ_global the swarm does not hold is dropped
-                elif not await self._await_swarm_past(result.round, until=result.retry_at, stop=stop):
-                    return "signal"
-            elif stop.is_set():
-                return "signal"
-            elif unsent.trained and worker.round < rounds:
-                pending, unsent = self._launch(unsent), UnsentSteps()
-            else:
-                pending = None
-        await self._linger_for_stragglers(stop)
-        return "done"
-
-    async def _train_while_averaging(self, pending: PendingRound, unsent: UnsentSteps,
-                                     stop: asyncio.Event) -> AverageResult | None:
-        """H inner steps in short chunks; `pending` is concluded between two chunks once it is done.
-
-        After `diloco.overlap_max_steps` steps the peer waits for `pending` if it has not landed.
-        Returns its result if it was concluded, None if a stop came first.
-        """
-        assert self.worker is not None and self.plane is not None and pending.task is not None
-        budget, lag = self.pace.budget(), self.cfg.diloco.overlap_max_steps
-        chunk = max(1, math.ceil(self.cfg.diloco.inner_steps / OVERLAP_CHUNKS))
-        result: AverageResult | None = None
-        matched = False
-        while not stop.is_set():
-            if result is None and (pending.task.done() or budget.steps >= lag or not budget.steps_left()):
-                result = await self._settle(pending)
-                budget.resize(self.pace.budget())  # the commit may have set a new span
-            match_at = budget.match_at_s() if result is not None and result.committed and not matched else None
-            if match_at is not None and budget.compute_s >= match_at:
-                await self.plane.prematch(self.worker.round, steps_per_s=self.pace.prematch_rate(budget))
-                matched, match_at = True, None
-            if not budget.steps_left():
-                break
-            steps = chunk if result is not None else min(chunk, lag - budget.steps)
-            stats = await self._train(budget, stop, max_steps=steps, until_s=match_at)
-            if stats is None:
-                break
-            unsent.add(stats)
-        if result is None and not stop.is_set():
-            result = await self._settle(pending)
-        return result
 
     async def _train_round(self, stop: asyncio.Event) -> InnerStats | None:
         """One round's inner steps, as `diloco.pace` budgets them (None: `stop` came first).
@@ -363,36 +280,6 @@ class Peer:
         await self._conclude(pending, result, comm_s=comm_s)
         return result
 
-    def _launch(self, unsent: UnsentSteps) -> PendingRound | None:
-        """Start averaging Δ = θ_global − θ_local for the current round in the background.
-
-        None when Δ is unusable (NaN/Inf): the round is aborted here and the peer resynchronised.
-        """
-        assert self.worker is not None and self.plane is not None
-        worker, plane = self.worker, self.plane
-        try:
-            delta, carry = worker.send_overlapped()
-        except DeltaError as e:
-            self._abort_locally(PendingRound(round=worker.round, delta=torch.empty(0), loss=unsent.loss,
-                                             compute_s=unsent.compute_s, steps=unsent.steps), str(e))
-            return None
-        pending = PendingRound(round=worker.round, delta=delta, loss=unsent.loss, compute_s=unsent.compute_s,
-                              steps=unsent.steps, carry=carry)
-        window_s = self.cfg.averaging.matchmaking_timeout_s
-
-        async def timed() -> tuple[AverageResult, float]:
-            start = time.perf_counter()
-            try:
-                result = await plane.average(pending.round, pending.delta, steps_per_s=pending.steps_per_s)
-            except Exception as e:  # a fault of this peer's own: abort the attempt, try again a window later
-                log.exception("round %d: the all-reduce failed on this peer", pending.round)
-                result = AverageResult(round=pending.round, committed=False, mean=None, retry_at=self._now() + window_s,
-                                       reason=f"local error in the all-reduce: {type(e).__name__}: {e}")
-            return result, time.perf_counter() - start
-
-        pending.task = asyncio.ensure_future(timed())
-        return pending
-
     async def _linger_for_stragglers(self, stop: asyncio.Event) -> None:
         """Run done: keep serving state while a live peer is still behind the last round (bounded).
 
@@ -419,7 +306,7 @@ class Peer:
         failed with an error of its own (a codec or a bug), not of the network.
         """
         assert self.plane is not None and self.worker is not None
-        problem = self.worker.delta_problem(pending.delta)
+        problem = await asyncio.to_thread(self.worker.delta_problem, pending.delta)
         if problem:
             raise LocalRoundError(problem)
         self.phase = "averaging"
@@ -446,7 +333,7 @@ class Peer:
         self.writer.emit(RoundEvent(
             round=pending.round, committed=False, members=(), loss=pending.loss, val_loss=None,
             hash=self.worker.global_hash(), bytes_sent=0, bytes_received=0, compute_s=round(pending.compute_s, 4),
-            comm_s=0.0, peer=self._peer_id, reason=reason, steps=pending.steps, alone_s=self._alone_s()))
+            comm_s=0.0, peer=self._peer_id, reason=reason, steps=pending.steps, alone_s=self._presence().alone_s()))
 
     async def _conclude(self, pending: PendingRound, result: AverageResult, *, comm_s: float) -> None:
         """Apply a commit, report the round (one line), checkpoint on schedule."""
@@ -454,10 +341,11 @@ class Peer:
         worker = self.worker
         self.phase = "training"
         val_loss = None
-        self._saw_others(len(result.members) - 1)
+        self._presence().saw_others(len(result.members) - 1)
         if result.committed:
-            # On the loop thread, never during inner steps: state transfers never see a half-applied step.
-            worker.apply(result, carry=pending.carry)
+            # Off the loop (an outer step over θ takes seconds at 100M+ parameters) but never during inner
+            # steps; heartbeats announce the previous (round, hash) until the new one is published.
+            await asyncio.to_thread(worker.apply, result, carry=pending.carry)
             self.pace.observe(result)
             self.pace.last_rate = pending.steps_per_s or self.pace.last_rate
             expected_s = self.pace.expected_round_s()
@@ -470,27 +358,31 @@ class Peer:
                 evaluate = worker.evaluate if pending.carry is None else worker.evaluate_global
                 val_loss = await asyncio.to_thread(evaluate, self.val_batches)
         elif pending.carry is not None:
-            worker.apply(result, carry=pending.carry)  # overlapped: the aborted Δ goes back into θ_local
+            # overlapped: the aborted Δ goes back into θ_local
+            await asyncio.to_thread(worker.apply, result, carry=pending.carry)
         self._after_round(pending.round, result.committed, pending.loss, val_loss)
         self.writer.emit(RoundEvent(
             round=pending.round, committed=result.committed, members=result.members, loss=pending.loss,
             val_loss=val_loss, hash=worker.global_hash(), bytes_sent=result.bytes_sent,
             bytes_received=result.bytes_received, compute_s=round(pending.compute_s, 4), comm_s=round(comm_s, 4),
             peer=self._peer_id, reason=result.reason, steps=pending.steps,
-            alone_s=0.0 if len(result.members) > 1 else self._alone_s()))
+            alone_s=0.0 if len(result.members) > 1 else self._presence().alone_s()))
         pending.compute_s, pending.steps = 0.0, 0  # a retry of the round reports only its own communication
         if result.committed and worker.round % self.cfg.checkpoint.every_rounds == 0:
             await self._checkpoint()
 
     async def _publish_committed_state(self) -> None:
-        """After θ_global changed: hash it once and serialize it for joiners, both off the event loop.
+        """After θ_global changed: hash it once, copy and serialize it for joiners, all off the event loop.
 
-        The copy is taken on the loop (where `apply` and heals run, so it is never half-updated); the
-        hash is cached in the worker, so heartbeats, round lines and checkpoints only read it.
+        Nothing changes θ_global meanwhile (outer steps and heals are awaited by the round loop). The
+        hash is cached in the worker: round lines and checkpoints only read it, and heartbeats announce
+        the (round, hash) pair published here.
         """
         assert self.worker is not None and self.plane is not None
-        await asyncio.to_thread(self.worker.global_hash)
-        await asyncio.to_thread(self.plane.publish_state, self.current_state())
+        digest = await asyncio.to_thread(self.worker.global_hash)
+        state = await asyncio.to_thread(self.current_state)
+        await asyncio.to_thread(self.plane.publish_state, state)
+        self._announced = (state.round, digest)
 
     def _now(self) -> float:
         assert self.discovery is not None
@@ -528,49 +420,15 @@ class Peer:
             except Exception as e:
                 log.warning("could not list live peers (%s)", e)
                 peers = ()
-            self._note_peers(peers)
+            self._presence().note(peers, own_id=self._peer_id, now=self._now())
             if done([p for p in peers if p.peer_id != self._peer_id]):
                 return
             await self._wait_until(min(deadline, time.monotonic() + self.cfg.discovery.heartbeat_s / 2), stop)
 
-    def _note_peers(self, peers: Sequence[PeerRecord]) -> None:
-        """Track when another live peer was last seen; say once when the swarm is found again."""
-        others = sum(p.peer_id != self._peer_id for p in peers)
-        self._saw_others(others)
-        offset = estimate_clock_offset_s(peers, own_id=self._peer_id, now=self._now(),
-                                         heartbeat_s=self.cfg.discovery.heartbeat_s)
-        if offset is None:
-            return
-        self.clock_offset_s = round(offset, 3)
-        skewed = abs(offset) > self.cfg.discovery.max_clock_skew_s
-        if skewed and not self._said_skew:
-            log.warning("this machine's clock is about %.1f s %s the swarm's (median of %d peers' heartbeats; "
-                        "discovery.max_clock_skew_s=%g): matchmaking compares timestamps across machines, so "
-                        "rounds may abort as 'late'. Sync the clock (NTP)", abs(offset),
-                        "behind" if offset > 0 else "ahead of", others, self.cfg.discovery.max_clock_skew_s)
-        elif not skewed and self._said_skew:
-            log.info("clock within %.1f s of the swarm's again", abs(offset))
-        self._said_skew = skewed
-
-    def _saw_others(self, others: int) -> None:
-        if others:
-            if self._said_alone:
-                log.info("sees %d other live peer(s) of run %s again", others, self.cfg.train.run_id)
-            self._last_saw_peer, self._said_alone = time.monotonic(), False
-
-    def _alone_s(self) -> float:
-        """Seconds without another live peer once past discovery.alone_warning_s (said once), else 0."""
-        limit = self.cfg.discovery.alone_warning_s
-        alone = time.monotonic() - self._last_saw_peer
-        if not limit or alone < limit:
-            return 0.0
-        if not self._said_alone:
-            self._said_alone = True
-            log.warning("has seen no other live peer of run %s for %.0f s: no one to average with. Check that "
-                        "--join names a live coordinator, that the DHT and gRPC ports are reachable, and that "
-                        "this machine's clock is synced (records from a skewed clock look expired)",
-                        self.cfg.train.run_id, alone)
-        return round(alone, 1)
+    def _presence(self) -> Presence:
+        if self.presence is None:
+            self.presence = Presence(self.cfg.discovery, run_id=self.cfg.train.run_id)
+        return self.presence
 
     def _after_round(self, attempted: int, committed: bool, loss: float, val_loss: float | None) -> None:
         self.last_loss = loss if math.isfinite(loss) else None
@@ -613,7 +471,7 @@ class Peer:
         except Exception as e:  # a slow control plane must not stop training; the next round looks again
             log.warning("could not list live peers (%s); not healing this round", e)
             return False
-        self._note_peers(peers)
+        self._presence().note(peers, own_id=self._peer_id, now=self._now())
         own = self.worker.round
         ahead = [p for p in peers if p.peer_id != self._peer_id and p.role == "worker" and p.endpoint
                  and (p.round > own or (want_hash and p.round == own and p.state_hash == want_hash))]
@@ -638,8 +496,9 @@ class Peer:
                             state.round, want_hash[:12])
                 continue
             keep = state.round - self.worker.round <= keep_progress_rounds and not want_hash
-            self.worker.adopt_global(round_index=state.round, theta_global=state.theta_global,
-                                     outer_momentum=state.outer_momentum, keep_progress=keep)
+            await asyncio.to_thread(functools.partial(
+                self.worker.adopt_global, round_index=state.round, theta_global=state.theta_global,
+                outer_momentum=state.outer_momentum, keep_progress=keep))
             if not keep:
                 self.worker.forget_residual()
             ends = swarm_round_end(ahead, state.round)
@@ -709,5 +568,5 @@ class Peer:
         w = self.worker
         return StatusSnapshot(
             peer_id=self._peer_id, run_id=self.cfg.train.run_id, phase=self.phase, round=w.round if w else 0,
-            state_hash=w.global_hash() if w else "", loss=self.last_loss, val_loss=self.last_val_loss,
+            state_hash=self._announced[1], loss=self.last_loss, val_loss=self.last_val_loss,
             rounds_committed=self.rounds_committed, rounds_aborted=self.rounds_aborted)

@@ -19,7 +19,7 @@ import torch
 from swarmtrain.config import RunConfig
 from swarmtrain.data import ShardedBatches
 from swarmtrain.discovery import Discovery
-from swarmtrain.peer_services import PeerError
+from swarmtrain.peer.services import PeerError
 
 __all__ = ["choose_shard", "peer_batches", "peer_seed", "saved_slot"]
 

@@ -23,7 +23,7 @@ from swarmtrain.averaging.protocol import AverageResult
 from swarmtrain.compress import Codec
 from swarmtrain.config import DiscoveryConfig, RunConfig, to_dict
 from swarmtrain.discovery import Discovery
-from swarmtrain.peer import PeerError, PeerState
+from swarmtrain.peer.services import PeerError, PeerState
 from swarmtrain.rpc.node import RpcNode
 from swarmtrain.sync.transfer import StateServer, StateSnapshot, fetch_state
 

@@ -1,0 +1,143 @@
+"""`diloco.overlap`: round r's average runs while the inner steps of round r+1 do (the Peer's rounds in that mode).
+
+A mixin of `Peer` (swarmtrain/peer/root.py), which owns the state and the classic round loop this
+mode shares its steps with (training, averaging, concluding, healing).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+
+import torch
+
+from swarmtrain.averaging.protocol import AverageResult
+from swarmtrain.diloco.worker import DeltaError
+from swarmtrain.peer.rounds import PendingRound, UnsentSteps
+
+__all__ = ["OVERLAP_CHUNKS", "OverlappedRounds"]
+
+log = logging.getLogger(__name__)
+
+OVERLAP_CHUNKS = 25  # diloco.overlap: a round's inner steps run in this many chunks; an average lands between two
+
+
+class OverlappedRounds:
+    """The overlapped round loop; mixed into `Peer`, whose attributes and steps it uses."""
+
+    async def _run_overlapped(self, stop: asyncio.Event) -> str:
+        """`diloco.overlap`: round r's average runs while the inner steps of round r+1 do.
+
+        When Δ is sent, θ_local jumps to the eager estimate of the new θ_global (the outer step on
+        its own Δ: `send_overlapped`); the swarm's mean is applied the moment it lands, between two
+        short chunks of inner steps, and shifts θ_local by the estimate's error. Between rounds
+        θ_local = θ_global − (own progress not yet in θ_global): a commit keeps the steps taken
+        since Δ was sent, an abort puts Δ back so the next attempt carries it with them, and a heal
+        starts again from the donor's θ (or keeps the unsent steps on top of it when one round late).
+        """
+        assert self.worker is not None
+        worker, rounds = self.worker, self.cfg.diloco.rounds
+        unsent = UnsentSteps(trained=worker.has_local_progress())  # a resumed peer sends what it had trained
+        pending: PendingRound | None = None
+        while worker.round < rounds:
+            if stop.is_set() and pending is None:  # an average in flight is finished first
+                return "signal"
+            if pending is None:
+                # One round late: its steps are kept and sent with the next round (not retrained).
+                if await self._heal_if_behind(keep_progress_rounds=1) and not worker.has_local_progress():
+                    unsent = UnsentSteps()
+                if worker.round >= rounds:
+                    break
+                if not unsent.trained:
+                    stats = await self._train_round(stop)
+                    if stats is None:
+                        return "signal"
+                    unsent.add(stats)
+                pending, unsent = await self._launch(unsent), UnsentSteps()
+                if pending is None:  # its Δ was unusable: dropped, and the round is trained again
+                    continue
+            result = None
+            if worker.round + 1 < rounds:  # a next round to contribute to: train it meanwhile
+                result = await self._train_while_averaging(pending, unsent, stop)
+            if result is None:
+                result = await self._settle(pending)
+            if not result.committed:
+                unsent.trained = True  # θ_local still holds the aborted round's progress
+                if math.isnan(unsent.loss):
+                    unsent.loss = pending.loss
+                pending = None
+                if result.heal_to_hash and await self._heal_if_behind(want_hash=result.heal_to_hash):
+                    unsent = UnsentSteps()  # progress from a θ_global the swarm does not hold is dropped
+                elif not await self._await_swarm_past(result.round, until=result.retry_at, stop=stop):
+                    return "signal"
+            elif stop.is_set():
+                return "signal"
+            elif unsent.trained and worker.round < rounds:
+                pending, unsent = await self._launch(unsent), UnsentSteps()
+            else:
+                pending = None
+        await self._linger_for_stragglers(stop)
+        return "done"
+
+    async def _train_while_averaging(self, pending: PendingRound, unsent: UnsentSteps,
+                                     stop: asyncio.Event) -> AverageResult | None:
+        """H inner steps in short chunks; `pending` is concluded between two chunks once it is done.
+
+        After `diloco.overlap_max_steps` steps the peer waits for `pending` if it has not landed.
+        Returns its result if it was concluded, None if a stop came first.
+        """
+        assert self.worker is not None and self.plane is not None and pending.task is not None
+        budget, lag = self.pace.budget(), self.cfg.diloco.overlap_max_steps
+        chunk = max(1, math.ceil(self.cfg.diloco.inner_steps / OVERLAP_CHUNKS))
+        result: AverageResult | None = None
+        matched = False
+        while not stop.is_set():
+            if result is None and (pending.task.done() or budget.steps >= lag or not budget.steps_left()):
+                result = await self._settle(pending)
+                budget.resize(self.pace.budget())  # the commit may have set a new span
+            match_at = budget.match_at_s() if result is not None and result.committed and not matched else None
+            if match_at is not None and budget.compute_s >= match_at:
+                await self.plane.prematch(self.worker.round, steps_per_s=self.pace.prematch_rate(budget))
+                matched, match_at = True, None
+            if not budget.steps_left():
+                break
+            steps = chunk if result is not None else min(chunk, lag - budget.steps)
+            stats = await self._train(budget, stop, max_steps=steps, until_s=match_at)
+            if stats is None:
+                break
+            unsent.add(stats)
+        if result is None and not stop.is_set():
+            result = await self._settle(pending)
+        return result
+
+    async def _launch(self, unsent: UnsentSteps) -> PendingRound | None:
+        """Start averaging Δ = θ_global − θ_local for the current round in the background.
+
+        None when Δ is unusable (NaN/Inf): the round is aborted here and the peer resynchronised.
+        """
+        assert self.worker is not None and self.plane is not None
+        worker, plane = self.worker, self.plane
+        try:
+            delta, carry = await asyncio.to_thread(worker.send_overlapped)
+        except DeltaError as e:
+            self._abort_locally(PendingRound(round=worker.round, delta=torch.empty(0), loss=unsent.loss,
+                                             compute_s=unsent.compute_s, steps=unsent.steps), str(e))
+            return None
+        pending = PendingRound(round=worker.round, delta=delta, loss=unsent.loss, compute_s=unsent.compute_s,
+                              steps=unsent.steps, carry=carry)
+        window_s = self.cfg.averaging.matchmaking_timeout_s
+
+        async def timed() -> tuple[AverageResult, float]:
+            start = time.perf_counter()
+            try:
+                result = await plane.average(pending.round, pending.delta, steps_per_s=pending.steps_per_s)
+            except Exception as e:  # a fault of this peer's own: abort the attempt, try again a window later
+                log.exception("round %d: the all-reduce failed on this peer", pending.round)
+                result = AverageResult(round=pending.round, committed=False, mean=None, retry_at=self._now() + window_s,
+                                       reason=f"local error in the all-reduce: {type(e).__name__}: {e}")
+            return result, time.perf_counter() - start
+
+        pending.task = asyncio.ensure_future(timed())
+        return pending

@@ -1,0 +1,67 @@
+"""What a peer knows of the others' presence: when it last saw one (and says when it has seen no one for
+long), and how far its clock is from theirs (and says when it is too far)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+from swarmtrain.config import DiscoveryConfig
+from swarmtrain.discovery import PeerRecord, estimate_clock_offset_s
+
+__all__ = ["Presence"]
+
+log = logging.getLogger(__name__)
+
+
+class Presence:
+    """Fed with every read of the live peers (`note`) and every group (`saw_others`); each problem is
+    said once per episode, and once more when it is over."""
+
+    def __init__(self, cfg: DiscoveryConfig, *, run_id: str) -> None:
+        self.cfg = cfg
+        self.run_id = run_id
+        self.clock_offset_s = 0.0  # estimated (swarm clock − this clock), announced in the peer record
+        self._last_saw_peer = time.monotonic()
+        self._said_alone = False
+        self._said_skew = False
+
+    def note(self, peers: Sequence[PeerRecord], *, own_id: str, now: float) -> None:
+        """A read of the live peer records (this peer's own among them or not), at swarm clock `now`."""
+        others = sum(p.peer_id != own_id for p in peers)
+        self.saw_others(others)
+        offset = estimate_clock_offset_s(peers, own_id=own_id, now=now, heartbeat_s=self.cfg.heartbeat_s)
+        if offset is None:
+            return
+        self.clock_offset_s = round(offset, 3)
+        skewed = abs(offset) > self.cfg.max_clock_skew_s
+        if skewed and not self._said_skew:
+            log.warning("this machine's clock is about %.1f s %s the swarm's (median of %d peers' heartbeats; "
+                        "discovery.max_clock_skew_s=%g): matchmaking compares timestamps across machines, so "
+                        "rounds may abort as 'late'. Sync the clock (NTP)", abs(offset),
+                        "behind" if offset > 0 else "ahead of", others, self.cfg.max_clock_skew_s)
+        elif not skewed and self._said_skew:
+            log.info("clock within %.1f s of the swarm's again", abs(offset))
+        self._said_skew = skewed
+
+    def saw_others(self, others: int) -> None:
+        """`others` other peers were seen just now (in a record read or in a round's group)."""
+        if others:
+            if self._said_alone:
+                log.info("sees %d other live peer(s) of run %s again", others, self.run_id)
+            self._last_saw_peer, self._said_alone = time.monotonic(), False
+
+    def alone_s(self) -> float:
+        """Seconds without another live peer once past discovery.alone_warning_s (said once), else 0."""
+        limit = self.cfg.alone_warning_s
+        alone = time.monotonic() - self._last_saw_peer
+        if not limit or alone < limit:
+            return 0.0
+        if not self._said_alone:
+            self._said_alone = True
+            log.warning("has seen no other live peer of run %s for %.0f s: no one to average with. Check that "
+                        "--join names a live coordinator, that the DHT and gRPC ports are reachable, and that "
+                        "this machine's clock is synced (records from a skewed clock look expired)",
+                        self.run_id, alone)
+        return round(alone, 1)
