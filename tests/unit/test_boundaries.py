@@ -56,3 +56,12 @@ def test_library_never_imports_testing() -> None:
     for rel, imports in _modules():
         if not rel.startswith("testing/"):
             assert not {i for i in imports if i.startswith("swarmtrain.testing")}, f"{rel} imports swarmtrain.testing"
+
+
+def test_test_modules_have_unique_names() -> None:
+    """tests/ has no __init__.py, so pytest imports test modules by basename: two alike stop collection."""
+    tests = Path(__file__).resolve().parents[1]
+    seen: dict[str, list[str]] = {}
+    for path in tests.rglob("test_*.py"):
+        seen.setdefault(path.name, []).append(str(path.relative_to(tests)))
+    assert not {name: paths for name, paths in seen.items() if len(paths) > 1}
