@@ -151,6 +151,9 @@ class HivemindDiscovery(RecordDirectory):
         super().__init__(run_id=run_id, record_ttl_s=record_ttl_s, clock=get_dht_time)
         self._dht = dht
         self._shutdown_timeout_s = shutdown_timeout_s
+        # Set by aclose: the DHT process's is_alive() can read True for a moment after it was reaped by
+        # hivemind's shutdown thread, and a call then would hit the closed pipe instead of this error.
+        self._closed = False
         self._owner = RSASignatureValidator.PUBLIC_KEY_FORMAT.replace(b"_key_", key.get_public_key().to_bytes())
         self._peer_id = dht.peer_id.to_base58()
         derived = signer_id_of(self._owner)
@@ -216,7 +219,7 @@ class HivemindDiscovery(RecordDirectory):
             raise DiscoveryError(f"DHT {what} did not finish within {timeout_s:.2f}s") from e
 
     async def _put(self, key: str, value: bytes, *, expires_at: float, timeout_s: float) -> None:
-        if not self._dht.is_alive():
+        if self._closed or not self._dht.is_alive():
             raise DiscoveryError(f"DHT of {self._peer_id} is not running")
         deadline = time.monotonic() + timeout_s
         for attempt in range(STORE_ATTEMPTS):
@@ -236,7 +239,7 @@ class HivemindDiscovery(RecordDirectory):
         raise DiscoveryError(f"DHT refused to store {key} (no reachable node accepted it)")
 
     async def _get(self, key: str, *, timeout_s: float) -> Sequence[RawSlot]:
-        if not self._dht.is_alive():
+        if self._closed or not self._dht.is_alive():
             raise DiscoveryError(f"DHT of {self._peer_id} is not running")
         found = await self._wait(self._dht.get(key, latest=True, return_future=True), f"get of {key}", timeout_s)
         if found is None or not isinstance(found.value, dict):
@@ -251,6 +254,7 @@ class HivemindDiscovery(RecordDirectory):
 
     async def aclose(self) -> None:
         """Stop the DHT node within `discovery.shutdown_timeout_s` + CLOSE_MARGIN_S; killed if it hangs."""
+        self._closed = True
         await _stop_dht(self._dht, name=self._peer_id, grace_s=self._shutdown_timeout_s)
         log.info("DHT %s stopped (pid %s)", self._peer_id, os.getpid())
 
