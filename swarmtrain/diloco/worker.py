@@ -231,13 +231,15 @@ class DilocoWorker:
     def schedule_step(self) -> int:
         """The inner schedule's position: the swarm's progress, not this peer's step count.
 
-        round × H + the steps taken at this round (at most H − 1). Every peer at round r trains at the
-        same learning rate whenever it joined, healed or however fast it steps: a joiner at 80% of the
-        run trains at the swarm's rate instead of warming up from the peak, and a time-paced peer that
-        takes more than H steps in a round holds the round's last rate instead of running ahead.
+        round × H + the steps taken at this round. Every peer at round r trains at the same learning
+        rate whenever it joined or healed: a joiner at 80% of the run trains at the swarm's rate
+        instead of warming up from the peak. With `diloco.pace = "time"` a fast peer takes more than
+        H steps in a round; it holds the round's last rate (H − 1) instead of running ahead. A worker
+        that never commits a round (the data-parallel baseline of `simulate`) walks the whole schedule.
         """
         h = self.cfg.diloco.inner_steps
-        return (self.round + self._sent_early) * h + min(self.round_step, h - 1)
+        step = self.round_step if self.cfg.diloco.pace == "steps" else min(self.round_step, h - 1)
+        return (self.round + self._sent_early) * h + step
 
     def delta_problem(self, delta: torch.Tensor) -> str:
         """Why `delta` must not be sent ("" when it may): NaN or Inf from a diverged inner step."""

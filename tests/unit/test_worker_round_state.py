@@ -61,8 +61,8 @@ def test_a_joiner_at_80_percent_of_the_run_trains_at_the_swarms_learning_rate(cf
     assert _lr(joiner) != pytest.approx(_expected_lr(cfg, 0))
 
 
-def test_a_peer_taking_more_than_h_steps_holds_the_rounds_last_rate(cfg: RunConfig) -> None:
-    w = _worker(cfg)
+def test_a_time_paced_peer_taking_more_than_h_steps_holds_the_rounds_last_rate(cfg: RunConfig) -> None:
+    w = _worker(cfg.replace(diloco={"pace": "time"}))
     w.train_inner(3 * H)  # a fast time-paced peer: three rounds' worth of steps in round 0
     assert w.schedule_step() == H - 1 and _lr(w) == pytest.approx(_expected_lr(cfg, H - 1))
     w.apply(_commit(w))
@@ -143,3 +143,20 @@ def test_a_heal_forgets_the_error_feedback_residual_and_keeps_the_adamw_moments(
     w.forget_residual()
     assert not bool(w.residual.abs().sum() > 0)
     assert all(torch.equal(w.inner.state[w.params[0]][k], v) for k, v in moments.items())
+
+
+def test_the_data_parallel_baseline_walks_the_whole_schedule(cfg: RunConfig) -> None:
+    """simulate's DDP mode trains one worker for rounds × H steps and never commits a round."""
+    from swarmtrain.diloco.simulation import simulate_ddp
+
+    seen: list[float] = []
+    w = _worker(cfg)
+    for step in range(ROUNDS * H):
+        w.train_inner(1)
+        seen.append(_lr(w))
+        assert _lr(w) == pytest.approx(_expected_lr(cfg, step))
+    assert seen[-1] < seen[H] and max(seen) == pytest.approx(cfg.inner.lr)
+    data = load_corpus(cfg.data)
+    result = simulate_ddp(cfg.replace(diloco={"rounds": 2}), train_tokens=data.train, val_tokens=data.val,
+                          num_workers=2)
+    assert result.rounds[-1].val_loss < result.initial_val_loss
