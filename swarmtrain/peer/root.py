@@ -223,8 +223,9 @@ class Peer(OverlappedRounds):
                 stats = await self._train_round(stop)
                 if stats is None:
                     return "signal"
-                pending = PendingRound(round=worker.round, delta=await asyncio.to_thread(worker.delta), loss=stats.loss,
-                                       compute_s=stats.compute_s, steps=stats.steps)
+                delta = await asyncio.to_thread(worker.delta)
+                pending = PendingRound(round=worker.round, delta=delta, loss=stats.loss, compute_s=stats.compute_s,
+                                       steps=stats.steps)
             try:
                 result = await self._average(pending)
             except LocalRoundError as e:  # this peer's own Δ or code failed: the swarm goes on without it

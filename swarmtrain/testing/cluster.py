@@ -3,39 +3,29 @@ on an in-memory DHT twin (no hivemind processes), for tests that need the whole 
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
-from swarmtrain.compress import Codec
 from swarmtrain.config import DiscoveryConfig, RunConfig, load_config, to_dict
 from swarmtrain.discovery import Discovery, InMemoryDiscovery, InMemoryRegistry, RunRecord
-from swarmtrain.peer.network import NetworkPlane
+from swarmtrain.peer.network import NetworkServices
 
 __all__ = ["LoopbackServices", "publish_run"]
 
 
-@dataclass
-class LoopbackServices:
+class LoopbackServices(NetworkServices):
     """`PeerServices` of the in-process cluster: one shared `InMemoryRegistry` as the DHT, and for
-    each peer a real `NetworkPlane` (RpcNode on 127.0.0.1, port 0) as its data plane.
+    each peer the real data plane of `NetworkServices` (a `NetworkPlane`: RpcNode on 127.0.0.1).
 
     A restarted peer keeps its id through `discovery.identity_path`, as with the real DHT.
     """
 
-    registry: InMemoryRegistry = field(default_factory=InMemoryRegistry)
-    ids: dict[str, str] = field(default_factory=dict)
+    def __init__(self, registry: InMemoryRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else InMemoryRegistry()
+        self.ids: dict[str, str] = {}
 
     async def open_discovery(self, cfg: DiscoveryConfig, *, run_id: str) -> Discovery:
         peer_id = self.ids.setdefault(cfg.identity_path, self.registry.new_peer_id()) if cfg.identity_path else None
         return InMemoryDiscovery(self.registry, run_id=run_id, record_ttl_s=cfg.record_ttl_s, peer_id=peer_id)
-
-    async def open_data_plane(self, cfg: RunConfig, *, discovery: Discovery, codec: Codec,
-                              param_shapes: Sequence[tuple[str, tuple[int, ...]]]) -> NetworkPlane:
-        plane = NetworkPlane(cfg, discovery=discovery, codec=codec, param_shapes=param_shapes,
-                             loop=asyncio.get_running_loop())
-        await asyncio.to_thread(plane.start)
-        return plane
 
     async def visible_maddrs(self, discovery: Discovery) -> list[str]:
         return [f"/memory/{discovery.peer_id}"]
