@@ -226,6 +226,12 @@ class Peer(OverlappedRounds):
                 delta = await asyncio.to_thread(worker.delta)
                 pending = PendingRound(round=worker.round, delta=delta, loss=stats.loss, compute_s=stats.compute_s,
                                        steps=stats.steps)
+                # Checked once per trained Δ (a retry averages the same Δ again).
+                problem = await asyncio.to_thread(worker.delta_problem, delta)
+                if problem:
+                    self._abort_locally(pending, problem)
+                    pending, committed = None, False
+                    continue
             try:
                 result = await self._average(pending)
             except LocalRoundError as e:  # this peer's own Δ or code failed: the swarm goes on without it
@@ -303,13 +309,10 @@ class Peer(OverlappedRounds):
     async def _average(self, pending: PendingRound) -> AverageResult:
         """One averaging attempt of the pending round; applies, reports and checkpoints a commit.
 
-        LocalRoundError when this peer's own Δ is unusable (NaN/Inf) or its side of the all-reduce
-        failed with an error of its own (a codec or a bug), not of the network.
+        LocalRoundError when this peer's side of the all-reduce failed with an error of its own (a
+        codec or a bug), not of the network.
         """
-        assert self.plane is not None and self.worker is not None
-        problem = await asyncio.to_thread(self.worker.delta_problem, pending.delta)
-        if problem:
-            raise LocalRoundError(problem)
+        assert self.plane is not None
         self.phase = "averaging"
         start = time.perf_counter()
         try:
