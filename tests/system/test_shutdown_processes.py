@@ -53,13 +53,7 @@ def test_sigterm_stops_a_coordinator_whose_dht_hangs_within_the_bound(procs: Pro
 def test_a_second_sigterm_exits_the_coordinator_at_once(procs: ProcessSet) -> None:
     coord, _ = procs.coordinator([*SETS[1:], "discovery.shutdown_timeout_s=60"], timeout_s=90.0)
     pids = _hang_children(coord)
-    coord.proc.send_signal(signal.SIGTERM)
-    wait_until(lambda: "SIGTERM: stopping the coordinator" in coord.log_path.read_text(), timeout_s=10,
-               what="the first SIGTERM handled")
-    t0 = time.monotonic()
-    coord.proc.send_signal(signal.SIGTERM)
-    assert coord.proc.wait(timeout=10) == 128 + signal.SIGTERM
-    assert time.monotonic() - t0 < 2.0
+    _second_sigterm_exits_at_once(coord, first_line="SIGTERM: stopping the coordinator")
     _assert_gone(pids)
     assert "SIGTERM again: exiting now" in coord.log_path.read_text()
 
@@ -71,11 +65,15 @@ def test_a_second_sigterm_exits_a_peer_at_once_and_kills_its_dht(procs: ProcessS
     peer = procs.peer("peer", join, "--set", "discovery.shutdown_timeout_s=60")
     peer.wait_ready(timeout_s=90.0)
     pids = _hang_children(peer)
-    peer.proc.send_signal(signal.SIGTERM)
-    wait_until(lambda: "SIGTERM: leaving gracefully" in peer.log_path.read_text(), timeout_s=10,
-               what="the first SIGTERM handled")
-    t0 = time.monotonic()
-    peer.proc.send_signal(signal.SIGTERM)
-    assert peer.proc.wait(timeout=10) == 128 + signal.SIGTERM
-    assert time.monotonic() - t0 < 2.0
+    _second_sigterm_exits_at_once(peer, first_line="SIGTERM: leaving gracefully")
     _assert_gone(pids)
+
+
+def _second_sigterm_exits_at_once(child: Child, *, first_line: str) -> None:
+    """SIGTERM, wait until `child` logged `first_line`, SIGTERM again: it must exit 128+15 within 2 s."""
+    child.proc.send_signal(signal.SIGTERM)
+    wait_until(lambda: first_line in child.log_path.read_text(), timeout_s=10, what="the first SIGTERM handled")
+    t0 = time.monotonic()
+    child.proc.send_signal(signal.SIGTERM)
+    assert child.proc.wait(timeout=10) == 128 + signal.SIGTERM
+    assert time.monotonic() - t0 < 2.0
