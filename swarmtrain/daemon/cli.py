@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import faulthandler
 import importlib
+import io
 import logging
+import os
+import signal
 import sys
 from collections.abc import Sequence
 
 from swarmtrain.config import ConfigError
 
-__all__ = ["main"]
+__all__ = ["LOG_LEVEL_ENV", "main"]
+
+LOG_LEVEL_ENV = "SWARMTRAIN_LOG_LEVEL"
 
 # subcommand -> module exposing HELP, add_arguments(parser) and run(args) -> int.
 COMMANDS: dict[str, str] = {
@@ -25,7 +32,8 @@ COMMANDS: dict[str, str] = {
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="swarmtrain", description="Decentralized DiLoCo training over the internet.")
-    parser.add_argument("--log-level", default="WARNING", help="logging level for the library (default: WARNING)")
+    parser.add_argument("--log-level", default=os.environ.get(LOG_LEVEL_ENV, "WARNING"),
+                        help=f"logging level for the library (default: ${LOG_LEVEL_ENV}, else WARNING)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, module_name in COMMANDS.items():
         module = importlib.import_module(module_name)
@@ -40,6 +48,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # `kill -USR1 PID` prints every thread's stack to stderr: what a hung daemon is waiting on. (Not when
+    # stderr is no file, as when main() runs inside a test that captures it.)
+    with contextlib.suppress(io.UnsupportedOperation, ValueError):
+        faulthandler.register(signal.SIGUSR1, file=sys.stderr.fileno(), all_threads=True)
     try:
         return int(args._module.run(args) or 0)
     except (ValueError, OSError) as e:

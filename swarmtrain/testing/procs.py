@@ -12,12 +12,15 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from swarmtrain.daemon.children import Child, group_alive, swarmtrain_argv
+from swarmtrain.daemon.cli import LOG_LEVEL_ENV
 from swarmtrain.telemetry.events import Line, RoundEvent
 from swarmtrain.testing.wait import wait_until
 
 __all__ = ["ProcessSet", "round_events", "sigcont", "sigkill", "sigstop", "wait_round"]
 
 log = logging.getLogger(__name__)
+
+STACK_DUMP_S = 2.0  # how long diagnostics() waits for a live child's stack dump to start
 
 
 class ProcessSet:
@@ -42,7 +45,8 @@ class ProcessSet:
         n = self._starts.get(name, 0)
         self._starts[name] = n + 1
         log_path = self.log_dir / (f"{name}.log" if n == 0 else f"{name}.{n}.log")
-        child = Child(name, swarmtrain_argv(*args), log_path=log_path, env=env)
+        # INFO logs: a failed system test leaves each process's account of what it was doing.
+        child = Child(name, swarmtrain_argv(*args), log_path=log_path, env={LOG_LEVEL_ENV: "INFO", **(env or {})})
         self.children.append(child)
         return child
 
@@ -80,9 +84,29 @@ class ProcessSet:
             raise AssertionError(f"processes left behind by: {leftovers}")
 
     def diagnostics(self) -> str:
-        """Per child: its events in short form, then its stderr tail."""
-        return "\n\n".join(f"== {c.name} (rc={c.proc.poll()}) ==\nevents: {_brief(c)}\n{c.diagnostics()}"
-                             for c in self.children)
+        """Per child: its events in short form, then its stderr tail.
+
+        A child still running is asked for its threads' stacks first (SIGUSR1, see `swarmtrain.daemon.cli`):
+        after a timeout they say what it was waiting on.
+        """
+        live = [c for c in self.children if c.alive]
+        for child in live:
+            before = _log_size(child)
+            with contextlib.suppress(ProcessLookupError):
+                child.proc.send_signal(signal.SIGUSR1)
+            with contextlib.suppress(TimeoutError):  # a child too stuck to dump still gets its log tail
+                wait_until(lambda c=child, n=before: _log_size(c) > n, timeout_s=STACK_DUMP_S,  # type: ignore[misc]
+                           what=f"{child.name}'s stack dump")
+        return "\n\n".join(
+            f"== {c.name} (rc={c.proc.poll()}) ==\nevents: {_brief(c)}\n"
+            f"{c.diagnostics(tail_lines=150 if c in live else 25)}" for c in self.children)
+
+
+def _log_size(child: Child) -> int:
+    try:
+        return child.log_path.stat().st_size
+    except OSError:
+        return 0
 
 
 def _brief(child: Child) -> str:
