@@ -18,7 +18,9 @@ __all__ = ["InMemoryDiscovery", "InMemoryRegistry"]
 class InMemoryRegistry:
     """A shared DHT stand-in: `key -> owner -> (value, expires_at)`; thread-safe, expiry by `clock`.
 
-    `latency_s` delays every read and write so tests can mimic a slow control plane.
+    `latency_s` delays every read and write so tests can mimic a slow control plane. `partition()`
+    splits it as a network partition splits a DHT: each side reads and writes its own copy of what was
+    stored before, until `heal()` merges the copies (the later expiry of each slot wins, as in hivemind).
     """
 
     clock: Callable[[], float] = time.time
@@ -26,23 +28,57 @@ class InMemoryRegistry:
     _slots: dict[str, dict[str | None, tuple[object, float]]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _ids: itertools.count = field(default_factory=lambda: itertools.count(1))
+    _side_of: dict[str, int] = field(default_factory=dict)  # peer id -> side, while partitioned
+    _sides: list[dict[str, dict[str | None, tuple[object, float]]]] = field(default_factory=list)
+
+    def partition(self, *sides: Sequence[str]) -> None:
+        """Split the registry: the peers of each side see only what their side stores from now on.
+        A peer on no side (a coordinator) reads side 0 and writes to every side."""
+        with self._lock:
+            if self._sides:
+                raise RuntimeError("InMemoryRegistry.partition: already partitioned; heal() first")
+            self._side_of = {p: i for i, side in enumerate(sides) for p in side}
+            self._sides = [{k: dict(v) for k, v in self._slots.items()} for _ in sides]
+
+    def heal(self) -> None:
+        """End the partition: every slot keeps the copy with the later expiry."""
+        with self._lock:
+            merged: dict[str, dict[str | None, tuple[object, float]]] = {}
+            for side in self._sides:
+                for key, slots in side.items():
+                    into = merged.setdefault(key, {})
+                    for owner, item in slots.items():
+                        if owner not in into or item[1] > into[owner][1]:
+                            into[owner] = item
+            if self._sides:
+                self._slots = merged
+            self._sides, self._side_of = [], {}
+
+    def _stores(self, peer: str | None) -> list[dict[str, dict[str | None, tuple[object, float]]]]:
+        if not self._sides:
+            return [self._slots]
+        side = self._side_of.get(peer or "")
+        return self._sides if side is None else [self._sides[side]]
 
     def put(self, key: str, owner: str | None, value: object, *, expires_at: float) -> None:
         """Write `owner`'s slot; `owner=None` models an unsigned record injected by a hostile peer."""
         with self._lock:
-            self._slots.setdefault(key, {})[owner] = (value, expires_at)
+            for store in self._stores(owner):
+                store.setdefault(key, {})[owner] = (value, expires_at)
 
-    def get(self, key: str) -> list[RawSlot]:
+    def get(self, key: str, *, reader: str | None = None) -> list[RawSlot]:
+        """The live slots of `key` as `reader` sees them (its side's copy while partitioned)."""
         now = self.clock()
         with self._lock:
-            slots = self._slots.get(key, {})
+            slots = self._stores(reader)[0].get(key, {})
             for owner in [o for o, (_, exp) in slots.items() if exp <= now]:
                 del slots[owner]
             return [RawSlot(signer_id=o, value=v, expires_at=exp) for o, (v, exp) in slots.items()]
 
     def delete(self, key: str, owner: str) -> None:
         with self._lock:
-            self._slots.get(key, {}).pop(owner, None)
+            for store in self._stores(owner):
+                store.get(key, {}).pop(owner, None)
 
     def new_peer_id(self) -> str:
         return f"mem-{next(self._ids):04d}"
@@ -77,7 +113,7 @@ class InMemoryDiscovery(RecordDirectory):
 
     async def _get(self, key: str, *, timeout_s: float) -> Sequence[RawSlot]:
         await self._io(timeout_s)
-        return self._registry.get(key)
+        return self._registry.get(key, reader=self._peer_id)
 
     async def _delete(self, key: str, *, timeout_s: float) -> None:
         await self._io(timeout_s)

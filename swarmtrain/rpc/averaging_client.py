@@ -63,7 +63,7 @@ class AveragingClient:
                     return
             await self._grpc_push(endpoint, target, wire_header.SerializeToString(), payload, deadline=deadline)
 
-        await self.node.retrying(once, deadline=deadline, what=f"push shard {h.shard} to {target}")
+        await self.node.retrying(once, endpoint=endpoint, deadline=deadline, what=f"push shard {h.shard} to {target}")
 
     async def _grpc_push(self, endpoint: str, target: str, wire_header: bytes, payload: bytes, *,
                          deadline: float) -> None:
@@ -93,7 +93,7 @@ class AveragingClient:
                 raise translate(e) from None
             return tuple(reply.contributors)
 
-        return await self.node.retrying(once, deadline=deadline, what=f"contributors of shard {shard} from {target}")
+        return await self.node.retrying(once, endpoint=endpoint, deadline=deadline, what=f"contributors of shard {shard} from {target}")
 
     async def fetch(self, endpoint: str, target: str, key: SessionKey, shard: int, contributors: tuple[str, ...], *,
                     max_bytes: int, deadline: float) -> bytearray | memoryview:
@@ -114,7 +114,19 @@ class AveragingClient:
                                                peer=target, pool=self.node.buffers)
             return await self._grpc_fetch(endpoint, target, request, shard, max_bytes=max_bytes, deadline=deadline)
 
-        return await self.node.retrying(once, deadline=deadline, what=f"fetch shard {shard} from {target}")
+        return await self.node.retrying(once, endpoint=endpoint, deadline=deadline, what=f"fetch shard {shard} from {target}")
+
+    async def vote(self, endpoint: str, target: str, key: SessionKey, *, deadline: float) -> tuple[bool, str]:
+        """Ask `target` for its vote of `key.round` for session `key`: (granted, the session it voted for)."""
+        async def once() -> tuple[bool, str]:
+            try:
+                reply = await self._stub(endpoint).Vote(pb.VoteRequest(session=key.to_wire()),
+                                                        timeout=remaining_s(deadline), metadata=self.node.metadata())
+            except aio.AioRpcError as e:
+                raise translate(e) from None
+            return bool(reply.granted), str(reply.voted_for)
+
+        return await self.node.retrying(once, endpoint=endpoint, deadline=deadline, what=f"vote from {target}")
 
     def release(self, data: bytes | bytearray | memoryview) -> None:
         """Hand a fetched mean's buffer back for reuse; nothing may refer to its memory any more."""
@@ -164,6 +176,8 @@ class _Stub:
         self.FetchTicket = channel.unary_unary(f"/{SERVICE}/FetchTicket",
                                                request_serializer=pb.FetchRequest.SerializeToString,
                                                response_deserializer=pb.BulkTicket.FromString)
+        self.Vote = channel.unary_unary(f"/{SERVICE}/Vote", request_serializer=pb.VoteRequest.SerializeToString,
+                                        response_deserializer=pb.VoteReply.FromString)
 
 
 def _host(endpoint: str) -> str:

@@ -86,6 +86,10 @@ class ReducerSink(Protocol):
         """`peer` has received the whole mean of `shard` (a leaving reducer waits for this)."""
         ...
 
+    async def vote(self, key: SessionKey, *, peer: str) -> tuple[bool, str]:
+        """Give this peer's vote of `key.round` to session `key` unless it went to another: (granted, voted_for)."""
+        ...
+
 
 class _Servicer(pb_grpc.AveragingServicer):
     def __init__(self, node: RpcNode, sink: ReducerSink) -> None:
@@ -148,6 +152,15 @@ class _Servicer(pb_grpc.AveragingServicer):
             await self._reject(context, "Contributors", peer, e)
             raise AssertionError("unreachable") from e
         return pb.ContributorsReply(contributors=list(names))
+
+    async def Vote(self, request: pb.VoteRequest, context: aio.ServicerContext) -> pb.VoteReply:
+        peer = peer_of(context)
+        try:
+            granted, voted_for = await self.sink.vote(SessionKey.from_wire(request.session), peer=peer)
+        except Rejected as e:
+            await self._reject(context, "Vote", peer, e)
+            raise AssertionError("unreachable") from e
+        return pb.VoteReply(granted=granted, voted_for=voted_for)
 
     async def Fetch(self, request: pb.FetchRequest, context: aio.ServicerContext) -> AsyncIterator[bytes]:
         peer = peer_of(context)
@@ -242,5 +255,8 @@ def serve_averaging(node: RpcNode, sink: ReducerSink) -> None:
         "FetchTicket": grpc.unary_unary_rpc_method_handler(
             servicer.FetchTicket, request_deserializer=pb.FetchRequest.FromString,
             response_serializer=pb.BulkTicket.SerializeToString),
+        "Vote": grpc.unary_unary_rpc_method_handler(
+            servicer.Vote, request_deserializer=pb.VoteRequest.FromString,
+            response_serializer=pb.VoteReply.SerializeToString),
     })
     node.add_service(lambda server: server.add_generic_rpc_handlers((handler,)))

@@ -108,4 +108,4 @@ class StateClient:
             self.node.counters.add_received(endpoint, received)
             return StateBlob(header.run_id, header.round, header.config_json, bytes(buf), bytes(header.sha256))
 
-        return await self.node.retrying(once, deadline=deadline, what=f"state from {endpoint}")
+        return await self.node.retrying(once, endpoint=endpoint, deadline=deadline, what=f"state from {endpoint}")

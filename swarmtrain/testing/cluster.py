@@ -3,13 +3,48 @@ on an in-memory DHT twin (no hivemind processes), for tests that need the whole 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+import io
+import threading
+from collections.abc import Callable, Sequence
 
+from swarmtrain.compress import Codec
 from swarmtrain.config import DiscoveryConfig, RunConfig, load_config, to_dict
 from swarmtrain.discovery import Discovery, InMemoryDiscovery, InMemoryRegistry, RunRecord
-from swarmtrain.peer.network import NetworkServices
+from swarmtrain.peer import Peer
+from swarmtrain.peer.network import NetworkPlane, NetworkServices
+from swarmtrain.telemetry.events import Line, parse_line
+from swarmtrain.testing.faults import FaultPlan
 
-__all__ = ["LoopbackServices", "publish_run"]
+__all__ = ["EventLog", "LoopbackServices", "Partition", "publish_run", "run_peer"]
+
+
+class Partition:
+    """A network partition of the in-process cluster: the DHT twin splits into one copy per side
+    (`InMemoryRegistry.partition`), and every data-plane call across sides fails as an unreachable peer's
+    would (the `RpcNode.links` seam). Peers on no side reach everyone."""
+
+    def __init__(self, registry: InMemoryRegistry) -> None:
+        self.registry = registry
+        self.peer_at: dict[str, str] = {}  # endpoint -> peer id, filled as data planes start
+        self._side_of: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def split(self, *sides: Sequence[str]) -> None:
+        with self._lock:
+            self._side_of = {p: i for i, side in enumerate(sides) for p in side}
+        self.registry.partition(*sides)
+
+    def heal(self) -> None:
+        with self._lock:
+            self._side_of = {}
+        self.registry.heal()
+
+    def __call__(self, source: str, endpoint: str) -> bool:
+        """The `LinkHook`: whether `source` reaches the peer serving `endpoint`."""
+        with self._lock:
+            a, b = self._side_of.get(source), self._side_of.get(self.peer_at.get(endpoint, ""))
+        return a is None or b is None or a == b
 
 
 class LoopbackServices(NetworkServices):
@@ -19,9 +54,21 @@ class LoopbackServices(NetworkServices):
     A restarted peer keeps its id through `discovery.identity_path`, as with the real DHT.
     """
 
-    def __init__(self, registry: InMemoryRegistry | None = None) -> None:
+    def __init__(self, registry: InMemoryRegistry | None = None, *, faults: FaultPlan | None = None) -> None:
         self.registry = registry if registry is not None else InMemoryRegistry()
         self.ids: dict[str, str] = {}
+        self.partition = Partition(self.registry)
+        self.faults = faults  # consulted at every data-plane site of every peer (rpc/faults.py)
+
+    async def open_data_plane(self, cfg: RunConfig, *, discovery: Discovery, codec: Codec,
+                              param_shapes: Sequence[tuple[str, tuple[int, ...]]]) -> NetworkPlane:
+        plane = await super().open_data_plane(cfg, discovery=discovery, codec=codec, param_shapes=param_shapes)
+        self.partition.peer_at[plane.endpoint] = discovery.peer_id
+        plane.node.links = self.partition
+        if self.faults is not None:
+            plane.averager.registry.fault_hook = self.faults
+            plane.averager.allreduce.fault_hook = self.faults
+        return plane
 
     async def open_discovery(self, cfg: DiscoveryConfig, *, run_id: str) -> Discovery:
         peer_id = self.ids.setdefault(cfg.identity_path, self.registry.new_peer_id()) if cfg.identity_path else None
@@ -38,3 +85,24 @@ async def publish_run(registry: InMemoryRegistry, overrides: Sequence[str]) -> R
     await coordinator.publish_run(RunRecord(run_id=cfg.train.run_id, coordinator_id="coordinator",
                                             config=to_dict(cfg), updated_at=registry.clock()), timeout_s=1.0)
     return cfg
+
+
+class EventLog(io.StringIO):
+    """A peer's stdout in memory (give it to `EventWriter`); `events()` parses what was written so far."""
+
+    def events(self) -> list[Line]:
+        return [e for x in self.getvalue().splitlines() if (e := parse_line(x)) is not None]
+
+
+async def run_peer(peer: Peer, stop: asyncio.Event, *, started: Callable[[Peer], None] | None = None) -> str:
+    """Start `peer`, run it until done or `stop`, and always close it; returns why it ended.
+    `started(peer)` runs between start and the rounds (a test installs its faults there)."""
+    reason = "error"
+    try:
+        await peer.start()
+        if started is not None:
+            started(peer)
+        reason = await peer.run(stop)
+    finally:
+        await peer.aclose(reason)
+    return reason

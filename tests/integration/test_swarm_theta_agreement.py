@@ -5,15 +5,15 @@ heals to the swarm's, instead of averaging with it and staying apart for good.""
 from __future__ import annotations
 
 import asyncio
-import io
+import functools
 from pathlib import Path
 
 import pytest
 
 from swarmtrain.config import load_config
 from swarmtrain.peer import Peer
-from swarmtrain.telemetry import EventWriter, HealEvent, RoundEvent, parse_line
-from swarmtrain.testing.cluster import LoopbackServices, publish_run
+from swarmtrain.telemetry import EventWriter, HealEvent, RoundEvent
+from swarmtrain.testing.cluster import EventLog, LoopbackServices, publish_run, run_peer
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -25,11 +25,6 @@ RUN = [
     "discovery.heartbeat_s=0.2", "discovery.record_ttl_s=3.0", "rpc.call_timeout_s=3.0", "compress.codec=int8",
     f"diloco.rounds={ROUNDS}",
 ]
-
-
-class Out(io.StringIO):
-    def events(self) -> list[object]:
-        return [parse_line(x) for x in self.getvalue().splitlines()]
 
 
 def _corrupt_at(peer: Peer, round_index: int) -> None:
@@ -52,27 +47,16 @@ def _corrupt_at(peer: Peer, round_index: int) -> None:
     worker.train_inner = train_then_corrupt  # type: ignore[method-assign,assignment]
 
 
-async def _run(peer: Peer, stop: asyncio.Event, *, corrupt: bool) -> str:
-    reason = "error"
-    try:
-        await peer.start()
-        if corrupt:
-            _corrupt_at(peer, BAD_ROUND)
-        reason = await peer.run(stop)
-    finally:
-        await peer.aclose(reason)
-    return reason
-
-
 def test_a_peer_with_a_corrupted_theta_is_left_out_and_heals(tmp_path: Path) -> None:
-    async def main() -> dict[str, Out]:
+    async def main() -> dict[str, EventLog]:
         services = LoopbackServices()
         await publish_run(services.registry, RUN)
-        outs = {n: Out() for n in "abc"}
+        outs = {n: EventLog() for n in "abc"}
         stop = asyncio.Event()
         peers = {n: Peer(load_config(overrides=[f"checkpoint.dir={str(tmp_path / n)!r}"]),
                          writer=EventWriter(outs[n]), services=services) for n in "abc"}
-        tasks = [asyncio.create_task(_run(peers[n], stop, corrupt=n == "c")) for n in "abc"]
+        corrupt = functools.partial(_corrupt_at, round_index=BAD_ROUND)
+        tasks = [asyncio.create_task(run_peer(peers[n], stop, started=corrupt if n == "c" else None)) for n in "abc"]
         assert await asyncio.wait_for(asyncio.gather(*tasks), timeout=150) == ["done"] * 3
         return outs
 
