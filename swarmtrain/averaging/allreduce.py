@@ -4,17 +4,27 @@ One round, attempt a, reducers R_a (the group's non-client members minus those t
   1. push: shard j of this member's encoded Δ streams to reducer j (shard sizes by bandwidth);
   2. agree: ask every reducer for its contributors S_j (fixed when its window closed) and take
      C = ∩ S_j in group order — every member that hears from all reducers computes the same C;
-  3. quorum: C must hold >= min_peers members and more than half of the group, else abort;
-  4. pull: fetch every shard's mean over C (computed once per C by its reducer) and commit.
+  3. quorum: C must hold >= min_peers members and more than half of the group, and more than half of
+     the round's electorate E (the members of the commit that produced θ_global, which every member
+     holding that θ_global knows alike), else abort;
+  4. pull: fetch every shard's mean over C (computed once per C by its reducer);
+  5. vote: ask the round's voters V for their vote for this session, and commit with a strict majority.
 
 Why every committed member holds the same mean: shard j's mean over C is a deterministic function
 of (C, the members' encoded shards), computed by one reducer and fetched as bytes. Why a round
-cannot commit twice with different means: a reducer serves means for one attempt per round, a
-commit needs a mean from every reducer of its attempt, and a member's later attempts use subsets of
-its earlier reducers, so any two committing attempts would share a reducer. A member that misses
-a mean aborts (and heals by state transfer); it never keeps its local values as if averaged.
+cannot commit twice with different means: every voter votes for one session per round (ballot.py),
+and two strict majorities of V share a voter. V is the round's electorate E less the members known to
+run in client mode (they serve no calls); before the first commit (E empty) it is the group's
+reducers. Nothing here waits on a clock to be safe: a reducer that stalls after serving some means
+only makes its session miss votes, and the next attempt without it gets them. A member that misses a
+mean or a vote aborts (and heals by state transfer); it never keeps its local values as if averaged.
 Unreachable reducers (refused, reset, deadline) trigger a new attempt without them; a refusal
 (bad request, quorum lost) ends the round.
+
+Why two sides of a partition cannot both commit round r: each side's contributors are disjoint, and
+each must hold a strict majority of the same E (the members of round r − 1's commit): at most one can.
+Peers that joined since are not in E; they count from the next round on. Before the first commit E is
+empty and only the group rule applies.
 """
 
 from __future__ import annotations
@@ -36,14 +46,26 @@ from swarmtrain.rpc.averaging_wire import PushHeader, SessionKey
 from swarmtrain.rpc.faults import Fault, FaultHook, FaultSite, corrupt, truncate
 from swarmtrain.rpc.node import Rejected, RpcError, RpcNode, RpcRejected, RpcTimeout, RpcUnavailable
 
-__all__ = ["AllReduce", "has_quorum"]
+__all__ = ["AllReduce", "electorate_problem", "has_quorum"]
 
 log = logging.getLogger(__name__)
 
 
 def has_quorum(num_contributors: int, *, group_size: int, min_peers: int) -> bool:
-    """DESIGN.md's commit rule: at least `min_peers` and more than half of the group delivered."""
+    """The group's commit rule: at least `min_peers` and more than half of the group delivered."""
     return num_contributors >= min_peers and 2 * num_contributors > group_size
+
+
+def electorate_problem(contributors: tuple[str, ...], electorate: tuple[str, ...]) -> str:
+    """Why `contributors` may not commit a round whose electorate is `electorate` ("" when they may):
+    they must include a strict majority of it (an empty electorate, before the first commit, allows any)."""
+    if not electorate:
+        return ""
+    present = len(set(contributors) & set(electorate))
+    if 2 * present > len(set(electorate)):
+        return ""
+    return (f"only {present} of the {len(set(electorate))} peers of the previous commit took part; a commit needs "
+            f"more than half of them (a partition, or more than half of them gone at once)")
 
 
 class Killed(Exception):
@@ -73,8 +95,11 @@ class AllReduce:
         self.fault_hook = fault_hook
         self.peer_id = node.peer_id
 
-    async def run(self, group: Group, delta: torch.Tensor, *, deadline: float) -> AverageResult:
-        """All attempts of one round until a commit, a final abort, or `deadline` (time.monotonic())."""
+    async def run(self, group: Group, delta: torch.Tensor, *, deadline: float,
+                  electorate: tuple[str, ...] = ()) -> AverageResult:
+        """All attempts of one round until a commit, a final abort, or `deadline` (time.monotonic()).
+
+        `electorate`: the members of the commit that produced this member's θ_global (module docstring)."""
         me = group.members[group.index_of(self.peer_id)]
         await self.registry.open_round(group, numel=delta.numel())
         dead: set[str] = set()
@@ -85,7 +110,7 @@ class AllReduce:
                 outcome = _Attempt(dead=dead, reason="no live reducer left")
                 break
             try:
-                outcome = await self._attempt(group, me, attempt, reducers, delta, deadline)
+                outcome = await self._attempt(group, me, attempt, reducers, delta, deadline, electorate)
             except Killed:
                 return _result(group, _Attempt(final=True, reason="killed by fault injection"), ())
             dead |= outcome.dead
@@ -98,7 +123,7 @@ class AllReduce:
         return _result(group, outcome, tuple(sorted(dead)))
 
     async def _attempt(self, group: Group, me: Member, attempt: int, reducers: tuple[Member, ...],
-                       delta: torch.Tensor, deadline: float) -> _Attempt:
+                       delta: torch.Tensor, deadline: float, electorate: tuple[str, ...]) -> _Attempt:
         key = SessionKey(group.run_id, group.round, group.group_id, attempt, tuple(m.peer_id for m in reducers))
         bounds = shard_bounds(delta.numel(), tuple(m.bandwidth_bytes_per_s for m in reducers),
                               align=self.codec.alignment)
@@ -133,6 +158,9 @@ class AllReduce:
             return _Attempt(final=True, contributors=agreed,
                             reason=f"only {len(agreed)} of {len(group.members)} delivered (min_peers "
                                    f"{self.cfg.min_peers}, need a majority)")
+        problem = electorate_problem(agreed, electorate)
+        if problem:
+            return _Attempt(final=True, contributors=agreed, reason=problem)
         t_agreed = time.monotonic()
         # The result lives in pooled memory that returns to the pool when the caller drops it: a fresh
         # payload-sized tensor costs a zeroing page fault per 4 KiB, ~20% of a round's CPU. Each shard
@@ -159,9 +187,42 @@ class AllReduce:
             return _Attempt(dead=unreachable, final=not unreachable, reason=f"mean unavailable from {failed}")
         if not await asyncio.to_thread(_all_finite, mean):
             return _Attempt(final=True, reason="the assembled mean holds NaN or Inf")
+        refusal = await self._ballot(key, group, electorate, deadline)
+        if refusal:
+            return _Attempt(final=True, contributors=agreed, reason=refusal)
         log.debug("%s round %d attempt %d: push %.3fs agree %.3fs pull %.3fs", self.peer_id, group.round, attempt,
                   t_pushed - t0, t_agreed - t_pushed, time.monotonic() - t_agreed)
         return _Attempt(committed=True, mean=mean, contributors=agreed)
+
+    async def _ballot(self, key: SessionKey, group: Group, electorate: tuple[str, ...], deadline: float) -> str:
+        """Ask the round's voters for their vote for session `key`; "" with a strict majority, else why not."""
+        clients = {m.peer_id for m in group.members if m.client_mode}
+        by_id = {m.peer_id: m for m in group.members}
+        if electorate:
+            eligible = [p for p in dict.fromkeys(electorate) if p not in clients]
+            voters = [by_id[p] for p in eligible if p in by_id]  # the others are not here to ask
+        else:
+            voters = list(group.reducers)
+            eligible = [m.peer_id for m in voters]
+        vote_deadline = min(deadline, time.monotonic() + self.node.cfg.call_timeout_s)
+        replies = await asyncio.gather(*(self._vote(key, m, vote_deadline) for m in voters), return_exceptions=True)
+        bugs = [r for r in replies if isinstance(r, BaseException) and not isinstance(r, (RpcError, Rejected,
+                                                                                          TimeoutError))]
+        if bugs:
+            raise bugs[0]  # not a network fault: surface it
+        granted = [m.peer_id for m, r in zip(voters, replies, strict=True) if isinstance(r, tuple) and r[0]]
+        if 2 * len(granted) > len(eligible):
+            return ""
+        elsewhere = sorted({r[1] for r in replies if isinstance(r, tuple) and not r[0] and r[1]})
+        unanswered = [m.peer_id for m, r in zip(voters, replies, strict=True) if isinstance(r, BaseException)]
+        return (f"only {len(granted)} of {len(eligible)} votes (a commit needs more than half)"
+                + (f"; votes went to other attempts of the round: {elsewhere}" if elsewhere else "")
+                + (f"; no answer from {unanswered}" if unanswered else ""))
+
+    async def _vote(self, key: SessionKey, voter: Member, deadline: float) -> tuple[bool, str]:
+        if voter.peer_id == self.peer_id:
+            return await self.registry.vote(key, peer=self.peer_id)
+        return await self.client.vote(voter.endpoint, voter.peer_id, key, deadline=deadline)
 
     # -- the three calls, local when the reducer is this peer ------------------------------
     def _fault(self, round_index: int, call: str, target: str) -> Fault | None:

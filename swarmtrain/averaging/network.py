@@ -12,6 +12,7 @@ from collections.abc import Callable
 import torch
 
 from swarmtrain.averaging.allreduce import AllReduce
+from swarmtrain.averaging.ballot import VoteBook
 from swarmtrain.averaging.group import Group
 from swarmtrain.averaging.protocol import AverageResult
 from swarmtrain.averaging.reducer import ReducerRegistry
@@ -39,7 +40,7 @@ class NetworkAverager:
     """
 
     def __init__(self, node: RpcNode, *, run_id: str, group_provider: GroupProvider, codec: Codec,
-                 cfg: AveragingConfig, fault_hook: FaultHook | None = None) -> None:
+                 cfg: AveragingConfig, fault_hook: FaultHook | None = None, votes: VoteBook | None = None) -> None:
         self.node = node
         self.run_id = run_id
         self.group_provider = group_provider
@@ -48,7 +49,8 @@ class NetworkAverager:
         self._reported: tuple[int, int] = (0, 0)  # node counter totals at the last reported result
         self.registry = ReducerRegistry(peer_id=node.peer_id, run_id=run_id, codec=codec,
                                         window_s=cfg.contribution_window_s, open_wait_s=cfg.allreduce_timeout_s,
-                                        fault_hook=fault_hook, on_kill=self._kill, buffers=node.buffers)
+                                        fault_hook=fault_hook, on_kill=self._kill, buffers=node.buffers,
+                                        votes=votes)
         self.allreduce = AllReduce(node, self.registry, codec=codec, cfg=cfg, fault_hook=fault_hook)
         if node.serve:
             serve_averaging(node, self.registry)
@@ -71,8 +73,10 @@ class NetworkAverager:
             log.warning("%s: leaving before %s pulled the means it reduced", self.node.peer_id, list(missing))
         return missing
 
-    def average(self, round_index: int, delta: torch.Tensor) -> AverageResult:
-        """The Averager protocol: the group's mean of `delta` (flat fp32) for round `round_index`."""
+    def average(self, round_index: int, delta: torch.Tensor, *, electorate: tuple[str, ...] = ()) -> AverageResult:
+        """The Averager protocol: the group's mean of `delta` (flat fp32) for round `round_index`.
+
+        `electorate`: the members of the commit that produced this peer's θ_global (see allreduce.py)."""
         if delta.dim() != 1 or delta.dtype != torch.float32:
             raise ValueError(f"average: delta must be a flat float32 tensor, got {delta.dtype} {tuple(delta.shape)}")
         if self.killed:
@@ -93,8 +97,8 @@ class NetworkAverager:
         deadline = time.monotonic() + timeout_s
         started = time.monotonic()
         try:
-            result = self.node.run(self.allreduce.run(group, delta.detach().cpu().contiguous(), deadline=deadline),
-                                   timeout_s=timeout_s + 5.0)
+            result = self.node.run(self.allreduce.run(group, delta.detach().cpu().contiguous(), deadline=deadline,
+                                                      electorate=electorate), timeout_s=timeout_s + 5.0)
         except TimeoutError as e:
             result = AverageResult(round_index, False, None, tuple(m.peer_id for m in group.members),
                                    reason=f"deadline: {e}")

@@ -6,9 +6,9 @@ Members ask every reducer for that set, intersect them, and fetch each shard's m
 intersection, which the reducer computes once per set: decoded contributions summed in fp32 in
 group order (so the result never depends on arrival order), divided by their number, encoded once.
 
-A reducer serves means for one session per round only: a member can commit attempt a only after
-fetching a mean from *every* reducer of a, and later attempts use a subset of a's reducers, so two
-attempts of one round can never both commit (see allreduce.py).
+A reducer serves the means of any session; what keeps a round to one mean is the vote a member needs
+from a majority of the round's voters before it commits (ballot.py, allreduce.py). This peer's own vote
+lives here too, so a stalled reducer can delay a round but never block its retries.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from swarmtrain.averaging.ballot import VoteBook
 from swarmtrain.averaging.group import Group
 from swarmtrain.compress import Codec, CodecError
 from swarmtrain.rpc.averaging_wire import PushHeader, SessionKey
@@ -95,7 +96,7 @@ class ReducerRegistry:
 
     def __init__(self, *, peer_id: str, run_id: str, codec: Codec, window_s: float, open_wait_s: float,
                  fault_hook: FaultHook | None = None, on_kill: Callable[[], Awaitable[None]] | None = None,
-                 buffers: BufferPool | None = None) -> None:
+                 buffers: BufferPool | None = None, votes: VoteBook | None = None) -> None:
         self.peer_id = peer_id
         # decoded shards and mean accumulators live in reused memory: a fresh payload-sized tensor costs
         # a zeroing page fault per 4 KiB, as much CPU as the decode itself
@@ -108,7 +109,8 @@ class ReducerRegistry:
         self.on_kill = on_kill
         self._rounds: dict[int, _Round] = {}
         self._sessions: dict[str, _Session] = {}
-        self._served: dict[int, str] = {}
+        self.votes = votes if votes is not None else VoteBook()
+        self._served: tuple[int, str] | None = None  # (round, session) of the newest mean served: drain() waits on it
         self._abandoned: dict[int, set[str]] = {}  # groups the local member gave up on, per round
         self._min_round = 0
         self._changed: asyncio.Condition | None = None
@@ -131,7 +133,7 @@ class ReducerRegistry:
             self._drop(sid)
         for r in [r for r in self._rounds if r < self._min_round]:
             del self._rounds[r]
-            self._served.pop(r, None)
+        self.votes.forget_before(self._min_round)
         for r in [r for r in self._abandoned if r < self._min_round]:
             del self._abandoned[r]
         async with self.changed:
@@ -293,9 +295,8 @@ class ReducerRegistry:
                 contributors):
             raise Rejected(f"contributors {list(contributors)} are not a subset of shard {s.shard}'s "
                            f"{list(s.contributors)}", kind="precondition")
-        served = self._served.setdefault(key.round, key.session_id)
-        if served != key.session_id:
-            raise Rejected(f"round {key.round} was already served in another attempt", kind="precondition")
+        if self._served is None or key.round >= self._served[0]:
+            self._served = (key.round, key.session_id)
         order = [p for p in s.contributors if p in contributors]
         async with s.mean_lock:
             data = s.means.get(tuple(order))
@@ -327,10 +328,9 @@ class ReducerRegistry:
         deadline = asyncio.get_running_loop().time() + timeout_s
 
         def missing() -> set[str]:
-            if not self._served:
+            if self._served is None:
                 return set()
-            sid = self._served[max(self._served)]
-            s = self._sessions.get(sid)
+            s = self._sessions.get(self._served[1])
             if s is None or not s.closed.is_set():
                 return set()
             return set(s.contributors) - s.fetched
@@ -340,6 +340,17 @@ class ReducerRegistry:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.changed.wait(), timeout=remaining)
         return tuple(sorted(missing()))
+
+    async def vote(self, key: SessionKey, *, peer: str) -> tuple[bool, str]:
+        """This peer's vote of `key.round` for session `key` (ballot.py); refused for another run."""
+        await self._fault(key.round, "vote", peer)
+        if key.run_id != self.run_id:
+            raise Rejected(f"run {key.run_id!r} is not this peer's run {self.run_id!r}", kind="precondition")
+        granted, held = await asyncio.to_thread(self.votes.vote, key.round, key.session_id)
+        if not granted:
+            log.info("%s: refused %s its vote of round %d (%s)", self.peer_id, peer, key.round,
+                     f"given to {held}" if held else "round forgotten")
+        return granted, held
 
     async def kill(self, caller: str) -> None:
         """Die like a crashed process: stop the server (in a task of its own, so cancelling this call

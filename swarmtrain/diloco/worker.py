@@ -150,6 +150,9 @@ class DilocoWorker:
         self.outer = OuterOptimizer(cfg.outer, numel=self.numel)
         self.inner = build_inner_optimizer(self.model, cfg.inner)
         self.round = 0
+        # The peers whose commit produced θ_global: a strict majority of them must take part in the next
+        # commit (averaging/allreduce.py's commit rule). Empty before the first commit, or unknown.
+        self.members: tuple[str, ...] = ()
         self.inner_step = 0  # inner steps this worker took in all (statistics and checkpoints)
         self.round_step = 0  # inner steps taken at `round` (the schedule's position within the round)
         self._sent_early = False  # overlapped: Δ of `round` is out, and the steps now taken are round + 1's
@@ -316,6 +319,7 @@ class DilocoWorker:
                 raise ValueError(f"round {result.round} committed without a mean pseudo-gradient")
             self.outer.step(self.theta_global, result.mean.reshape(-1))
             self._theta_version += 1
+            self.members = tuple(result.members)
             if self._pending_residual is not None:
                 self.residual = self._pending_residual
             self.round += 1
@@ -389,8 +393,10 @@ class DilocoWorker:
         return digest
 
     def adopt_global(self, *, round_index: int, theta_global: torch.Tensor, outer_momentum: torch.Tensor | None,
-                     keep_progress: bool = False) -> None:
+                     keep_progress: bool = False, members: Sequence[str] = ()) -> None:
         """Install θ_global/outer momentum/round received from a peer (joining, healing, island broadcast).
+
+        `members`: the peers whose commit produced that θ_global (the next round's electorate; empty = unknown).
 
         θ_local restarts from the new θ_global, or with `keep_progress` (`diloco.overlap`, a peer one
         round late) keeps its unsent steps on top of it: θ_local ← θ_global(new) − (θ_global − θ_local).
@@ -406,6 +412,7 @@ class DilocoWorker:
         if round_index != self.round:
             self.round_step = 0
         self.round, self._sent_early = round_index, False
+        self.members = tuple(members)
         self._pending_residual = None
         assign_flat(self.theta_global if progress is None else self.theta_global.detach().cpu() + progress, self.params)
 
@@ -445,7 +452,7 @@ class DilocoWorker:
         meta: dict[str, Any] = {
             "format": STATE_FORMAT, "round": self.round, "inner_step": self.inner_step,
             "round_step": self.round_step, "numel": self.numel,
-            "inner_optimizer": inner_meta, "data": data_state,
+            "inner_optimizer": inner_meta, "data": data_state, "members": list(self.members),
         }
         return tensors, meta
 
@@ -473,6 +480,8 @@ class DilocoWorker:
             self.batches.load_state_dict(meta["data"])
         self._rng_state = tensors["rng.cpu"].clone()
         self.round = int(meta["round"])
+        # Written before commits recorded their members: unknown, so the next round falls back to the group rule.
+        self.members = tuple(str(m) for m in meta.get("members", ()))
         self.inner_step = int(meta["inner_step"])
         # A checkpoint written before the schedule followed the round resumes at the round's first position.
         self.round_step = int(meta.get("round_step", 0))

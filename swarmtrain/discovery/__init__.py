@@ -1,6 +1,6 @@
 """The only importer of hivemind: typed signed records on the DHT, an in-memory twin for tests.
 
-records.py    RunRecord, PeerRecord, MatchEntry, GroupRecord: frozen, validated on decode
+records.py    RunRecord, PeerRecord, DepartureRecord, MatchEntry, GroupRecord: frozen, validated on decode
 protocol.py   the Discovery protocol and RecordDirectory (typed records over owner-signed slots)
 memory.py     InMemoryRegistry + InMemoryDiscovery (no sockets)
 hivemind_dht.py  HivemindDiscovery: one hivemind.DHT per peer, RSA owner-signed subkeys (import it
@@ -14,9 +14,17 @@ from swarmtrain.discovery.clock import estimate_clock_offset_s
 from swarmtrain.discovery.heartbeat import Heartbeat
 from swarmtrain.discovery.memory import InMemoryDiscovery, InMemoryRegistry
 from swarmtrain.discovery.protocol import Discovery, DiscoveryError, RecordDirectory, RunConflictError
-from swarmtrain.discovery.records import GroupRecord, MatchEntry, PeerRecord, RecordError, RunRecord
+from swarmtrain.discovery.records import (
+    DepartureRecord,
+    GroupRecord,
+    MatchEntry,
+    PeerRecord,
+    RecordError,
+    RunRecord,
+)
 
 __all__ = [
+    "DepartureRecord",
     "Discovery",
     "DiscoveryError",
     "GroupRecord",

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Protocol, TypeVar, runtime_checkable
 
 from swarmtrain.discovery.records import (
+    DepartureRecord,
     GroupRecord,
     MatchEntry,
     PeerRecord,
@@ -26,9 +27,12 @@ from swarmtrain.discovery.records import (
     decode_record,
 )
 
-__all__ = ["Discovery", "DiscoveryError", "RawSlot", "RecordDirectory", "RunConflictError"]
+__all__ = ["DEPARTURE_KEEP_S", "Discovery", "DiscoveryError", "RawSlot", "RecordDirectory", "RunConflictError"]
 
 log = logging.getLogger(__name__)
+# How long a departure stays readable: far past any round's length, so the round after a graceful leave
+# (however long it takes) still sees it; at least 10 record TTLs.
+DEPARTURE_KEEP_S = 3600.0
 R = TypeVar("R", bound=Record)
 M = TypeVar("M", MatchEntry, GroupRecord)  # the records of one matchmaking attempt
 
@@ -73,6 +77,16 @@ class Discovery(Protocol):
     async def live_peers(self, *, timeout_s: float) -> tuple[PeerRecord, ...]: ...
 
     async def withdraw(self, *, timeout_s: float) -> None: ...
+
+    async def announce_departure(self, record: DepartureRecord, *, timeout_s: float) -> None:
+        """Say this peer left for good (kept DEPARTURE_KEEP_S, long past its peer record)."""
+        ...
+
+    async def departures(self, *, timeout_s: float) -> tuple[DepartureRecord, ...]: ...
+
+    async def rejoin(self, *, timeout_s: float) -> None:
+        """Withdraw this peer's departure, if it left before with the same identity (call before rounds)."""
+        ...
 
     async def post_entry(self, entry: MatchEntry, *, keep_s: float, timeout_s: float) -> None:
         """Store `entry` under (round, attempt) until `entry.posted_at + keep_s`."""
@@ -180,6 +194,23 @@ class RecordDirectory(abc.ABC):
 
     async def withdraw(self, *, timeout_s: float) -> None:
         await self._delete(self._key("peers"), timeout_s=timeout_s)
+
+    async def announce_departure(self, record: DepartureRecord, *, timeout_s: float) -> None:
+        self._check_own(record)
+        await self._put(self._key("departures"), record.encode(), expires_at=self.now() + self._departure_keep_s(),
+                        timeout_s=timeout_s)
+
+    async def departures(self, *, timeout_s: float) -> tuple[DepartureRecord, ...]:
+        records = await self._decoded(DepartureRecord, self._key("departures"), timeout_s=timeout_s)
+        return tuple(sorted(records, key=lambda r: r.peer_id))
+
+    async def rejoin(self, *, timeout_s: float) -> None:
+        # A tombstone outliving any departure this identity announced (a later expiry wins the slot).
+        await self._put(self._key("departures"), b"", expires_at=self.now() + self._departure_keep_s() + 1.0,
+                        timeout_s=timeout_s)
+
+    def _departure_keep_s(self) -> float:
+        return max(DEPARTURE_KEEP_S, 10 * self._ttl_s)
 
     async def post_entry(self, entry: MatchEntry, *, keep_s: float, timeout_s: float) -> None:
         self._check_own(entry)

@@ -15,6 +15,7 @@ from swarmtrain.config import ConfigError, RunConfig, from_dict
 
 __all__ = [
     "ROLES",
+    "DepartureRecord",
     "GroupRecord",
     "MatchEntry",
     "PeerRecord",
@@ -277,6 +278,34 @@ class PeerRecord(Record):
                    bandwidth_bytes_per_s=_float(k, d, "bandwidth_bytes_per_s"),
                    heartbeat_at=_float(k, d, "heartbeat_at"), shard_index=_shard_index(k, d),
                    round_ends_at=_optional_float(k, d, "round_ends_at"), clock_offset_s=_clock_offset(k, d))
+
+
+@dataclass(frozen=True)
+class DepartureRecord(Record):
+    """A peer left the run for good (a graceful leave): it takes part in no round >= `from_round`.
+
+    Read by the commit rule: the members of the previous commit that left need not be outvoted
+    (averaging/allreduce.py). A peer that comes back withdraws it first (`RecordDirectory.rejoin`).
+    """
+
+    KIND: ClassVar[str] = "departure"
+    run_id: str
+    peer_id: str
+    from_round: int
+    left_at: float  # unix seconds (the leaver's clock)
+
+    @property
+    def owner_id(self) -> str:
+        return self.peer_id
+
+    def to_json(self) -> dict[str, Any]:
+        return {"run_id": self.run_id, "peer_id": self.peer_id, "from_round": self.from_round, "left_at": self.left_at}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> DepartureRecord:
+        k = cls.KIND
+        return cls(run_id=_str(k, d, "run_id"), peer_id=_peer_id(k, d, "peer_id"), from_round=_int(k, d, "from_round"),
+                   left_at=_float(k, d, "left_at"))
 
 
 @dataclass(frozen=True)

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import math
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
+from swarmtrain.averaging.ballot import VoteBook
 from swarmtrain.averaging.group import Group, Member
 from swarmtrain.averaging.matchmaking import Matchmaker, MatchOutcome
 from swarmtrain.averaging.network import NetworkAverager
@@ -31,6 +34,7 @@ __all__ = ["NetworkPlane", "NetworkServices"]
 
 log = logging.getLogger(__name__)
 RUN_SECTIONS_THAT_MUST_MATCH = ("model", "outer", "compress")
+VOTES_FILE = "votes.json"  # in the checkpoint directory
 
 
 class NetworkServices:
@@ -68,8 +72,10 @@ class NetworkPlane:
         self.client_mode = cfg.discovery.client_mode
         self.node = RpcNode(cfg.rpc, peer_id=discovery.peer_id, serve=not self.client_mode)
         self.matchmaker = Matchmaker.from_config(discovery, cfg.averaging)
+        # This peer's votes outlive a restart from its checkpoint directory (averaging/ballot.py).
+        votes = VoteBook(Path(cfg.checkpoint.dir) / VOTES_FILE if cfg.checkpoint.dir else None)
         self.averager = NetworkAverager(self.node, run_id=cfg.train.run_id, group_provider=self._group,
-                                        codec=codec, cfg=cfg.averaging)
+                                        codec=codec, cfg=cfg.averaging, votes=votes)
         # A client-mode peer accepts no calls, so it cannot serve state either.
         self.states = None if self.client_mode else StateServer(self.node)
         self._outcome: MatchOutcome | None = None
@@ -120,9 +126,11 @@ class NetworkPlane:
                                          reason=f"matchmaking took longer than {self._match_timeout_s:.1f}s")
         return self._outcome.group
 
-    async def average(self, round_index: int, delta: torch.Tensor, *, steps_per_s: float = 0.0) -> AverageResult:
+    async def average(self, round_index: int, delta: torch.Tensor, *, steps_per_s: float = 0.0,
+                      electorate: tuple[str, ...] = ()) -> AverageResult:
         self._outcome, self._steps_per_s = None, steps_per_s
-        result = await asyncio.to_thread(self.averager.average, round_index, delta)
+        result = await asyncio.to_thread(functools.partial(self.averager.average, round_index, delta,
+                                                           electorate=electorate))
         outcome = self._outcome
         if result.committed or outcome is None:
             return result
@@ -136,7 +144,8 @@ class NetworkPlane:
             return
         params = _split(state.theta_global, self.param_shapes)
         momentum = {} if state.outer_momentum is None else _split(state.outer_momentum, self.param_shapes)
-        self.states.publish(StateSnapshot(round=state.round, params=params, momentum=momentum, config=self.cfg))
+        self.states.publish(StateSnapshot(round=state.round, params=params, momentum=momentum, config=self.cfg,
+                                          members=state.members))
 
     def unreported_bytes(self) -> tuple[int, int]:
         return self.averager.unreported_bytes()
@@ -153,7 +162,7 @@ class NetworkPlane:
         momentum = None
         if snap.momentum:
             momentum = torch.cat([snap.momentum[name].reshape(-1).to(torch.float32) for name, _ in self.param_shapes])
-        return PeerState(round=snap.round, theta_global=theta, outer_momentum=momentum)
+        return PeerState(round=snap.round, theta_global=theta, outer_momentum=momentum, members=snap.members)
 
     async def aclose(self) -> None:
         self._cancel_prematch()

@@ -132,7 +132,8 @@ class OverlappedRounds:
         async def timed() -> tuple[AverageResult, float]:
             start = time.perf_counter()
             try:
-                result = await plane.average(pending.round, pending.delta, steps_per_s=pending.steps_per_s)
+                result = await plane.average(pending.round, pending.delta, steps_per_s=pending.steps_per_s,
+                                             electorate=await self._electorate(pending.round))
             except Exception as e:  # a fault of this peer's own: abort the attempt, try again a window later
                 log.exception("round %d: the all-reduce failed on this peer", pending.round)
                 result = AverageResult(round=pending.round, committed=False, mean=None, retry_at=self._now() + window_s,

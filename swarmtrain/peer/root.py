@@ -34,7 +34,14 @@ from swarmtrain.diloco import DilocoWorker, resolve_device
 from swarmtrain.diloco.flat import flat_hash
 from swarmtrain.diloco.pace import Pace, RoundBudget
 from swarmtrain.diloco.worker import InnerStats, InnerStep
-from swarmtrain.discovery import Discovery, Heartbeat, PeerRecord
+from swarmtrain.discovery import (
+    DepartureRecord,
+    Discovery,
+    DiscoveryError,
+    Heartbeat,
+    PeerRecord,
+    RecordError,
+)
 from swarmtrain.models import build_model
 from swarmtrain.peer.config import merge_run_config
 from swarmtrain.peer.data import choose_shard, peer_batches, peer_seed, saved_slot
@@ -88,6 +95,7 @@ class Peer(OverlappedRounds):
         self.heartbeat: Heartbeat | None = None
         self._beat_task: asyncio.Task[None] | None = None
         self._round_ends_at = 0.0  # swarm clock: when this round's inner steps should end (peer record)
+        self._sent_round = -1  # the newest round this peer sent (or was about to send) a Δ of
         self._join_by: tuple[int, float] | None = None  # (round healed into, monotonic time its steps end)
         self.plane: DataPlane | None = None
         self.val_batches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -135,6 +143,10 @@ class Peer(OverlappedRounds):
                                                          param_shapes=shapes)
         await self._publish_committed_state()
         self.endpoint = self.plane.endpoint
+        try:  # before its first round: a departure of this identity would let others not count it
+            await discovery.rejoin(timeout_s=self.cfg.rpc.call_timeout_s)
+        except DiscoveryError as e:
+            raise PeerError(f"could not withdraw this identity's earlier departure from the DHT: {e}") from e
         self.heartbeat = Heartbeat(discovery, current=self._record, heartbeat_s=self.cfg.discovery.heartbeat_s,
                                    now=discovery.now, timeout_s=self.cfg.rpc.call_timeout_s)
         await self.heartbeat.start()
@@ -185,7 +197,7 @@ class Peer(OverlappedRounds):
         momentum = self.worker.outer.state_tensors().get("momentum")
         return PeerState(round=self.worker.round, theta_global=self.worker.theta_global.detach().cpu().clone(),
                          outer_momentum=None if momentum is None else momentum.detach().cpu().clone(),
-                         state_hash=self.worker.global_hash())
+                         state_hash=self.worker.global_hash(), members=self.worker.members)
 
     def _record(self) -> PeerRecord:
         assert self.discovery is not None and self.worker is not None
@@ -316,12 +328,40 @@ class Peer(OverlappedRounds):
         self.phase = "averaging"
         start = time.perf_counter()
         try:
-            result = await self.plane.average(pending.round, pending.delta, steps_per_s=pending.steps_per_s)
+            result = await self.plane.average(pending.round, pending.delta, steps_per_s=pending.steps_per_s,
+                                              electorate=await self._electorate(pending.round))
         except Exception as e:
             log.exception("round %d: the all-reduce failed on this peer", pending.round)
             raise LocalRoundError(f"local error in the all-reduce: {type(e).__name__}: {e}") from e
         await self._conclude(pending, result, comm_s=time.perf_counter() - start)
         return result
+
+    async def _electorate(self, round_index: int) -> tuple[str, ...]:
+        """Who a commit of round `round_index` needs a strict majority of: the members of the commit that
+        produced θ_global, less those that announced they left before that round (averaging/allreduce.py
+        explains why two sides of a partition cannot both commit, whichever departures each side sees).
+        Also notes that this peer is about to send its Δ of the round (see `_departure`)."""
+        assert self.worker is not None and self.discovery is not None
+        self._sent_round = max(self._sent_round, round_index)
+        members = self.worker.members
+        if not members:
+            return ()
+        try:
+            gone = await self.discovery.departures(timeout_s=self.cfg.rpc.call_timeout_s)
+        except DiscoveryError as e:  # counting every member is always safe, just less live
+            log.info("could not read departures (%s): counting every member of the last commit", e)
+            return members
+        left = {d.peer_id for d in gone if d.from_round <= round_index}
+        return tuple(m for m in members if m not in left)
+
+    def _departure(self) -> DepartureRecord:
+        """This peer leaving: it takes part in no round from its current one on, unless it already sent
+        its Δ of that round (then from the next one: the round may still commit with it)."""
+        assert self.worker is not None and self.discovery is not None
+        current = self.worker.round
+        return DepartureRecord(run_id=self.cfg.train.run_id, peer_id=self.discovery.peer_id,
+                               from_round=current + 1 if self._sent_round >= current else current,
+                               left_at=self._now())
 
     def _abort_locally(self, pending: PendingRound, reason: str) -> None:
         """End this peer's attempt at a round for a fault of its own: report it, resync from θ_global.
@@ -502,7 +542,7 @@ class Peer(OverlappedRounds):
             keep = state.round - self.worker.round <= keep_progress_rounds and not want_hash
             await asyncio.to_thread(functools.partial(
                 self.worker.adopt_global, round_index=state.round, theta_global=state.theta_global,
-                outer_momentum=state.outer_momentum, keep_progress=keep))
+                outer_momentum=state.outer_momentum, keep_progress=keep, members=state.members))
             if not keep:
                 self.worker.forget_residual()
             ends = swarm_round_end(ahead, state.round)
@@ -543,6 +583,11 @@ class Peer(OverlappedRounds):
             # would announce a departed peer until it expires
         if self.heartbeat is not None:
             await self.heartbeat.aclose(withdraw=True)
+        if self.discovery is not None and self.worker is not None:
+            try:
+                await self.discovery.announce_departure(self._departure(), timeout_s=self.cfg.rpc.call_timeout_s)
+            except (DiscoveryError, RecordError) as e:  # the others then wait for it, or outvote it without it
+                log.warning("could not announce this peer's departure: %s", e)
         if self.worker is not None:
             try:
                 path = await self._checkpoint()

@@ -28,6 +28,7 @@ class PeerState:
     theta_global: torch.Tensor  # (numel,) fp32
     outer_momentum: torch.Tensor | None  # (numel,) fp32; None when outer.momentum is 0
     state_hash: str = ""  # sha256 of theta_global (announced with this peer's Δ: a group shares one θ)
+    members: tuple[str, ...] = ()  # the peers whose commit produced theta_global (empty = unknown)
 
 
 class DataPlane(Protocol):
@@ -36,8 +37,11 @@ class DataPlane(Protocol):
     @property
     def endpoint(self) -> str: ...
 
-    async def average(self, round_index: int, delta: torch.Tensor, *, steps_per_s: float = 0.0) -> AverageResult:
-        """Round `round_index`'s group mean of `delta`; `steps_per_s` is announced to the group (diloco.pace)."""
+    async def average(self, round_index: int, delta: torch.Tensor, *, steps_per_s: float = 0.0,
+                      electorate: tuple[str, ...] = ()) -> AverageResult:
+        """Round `round_index`'s group mean of `delta`; `steps_per_s` is announced to the group (diloco.pace).
+
+        `electorate`: the peers a commit needs a strict majority of (averaging/allreduce.py; () = none)."""
         ...
 
     async def prematch(self, round_index: int, *, steps_per_s: float) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import struct
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -26,6 +27,7 @@ __all__ = ["StateServer", "StateSnapshot", "StateTransferError", "fetch_state"]
 log = logging.getLogger(__name__)
 
 _PARAMS, _MOMENTUM = "params/", "momentum/"
+_MEMBERS = "swarmtrain.members"  # safetensors metadata key: the committing peers, a JSON list
 
 
 class StateTransferError(ValueError):
@@ -40,13 +42,14 @@ class StateSnapshot:
     params: Mapping[str, torch.Tensor]
     momentum: Mapping[str, torch.Tensor]
     config: RunConfig
+    members: tuple[str, ...] = ()  # the peers whose commit produced these params (empty = unknown)
 
 
 def encode_snapshot(snapshot: StateSnapshot) -> StateBlob:
     """Serialize (safetensors) and checksum a snapshot; the blob is a copy, so later updates never leak in."""
     tensors = {_PARAMS + k: v.detach().cpu().contiguous() for k, v in snapshot.params.items()}
     tensors.update({_MOMENTUM + k: v.detach().cpu().contiguous() for k, v in snapshot.momentum.items()})
-    blob = st_save(tensors)
+    blob = st_save(tensors, metadata={_MEMBERS: json.dumps(list(snapshot.members))})
     return StateBlob(snapshot.config.train.run_id, snapshot.round, json.dumps(public_dict(snapshot.config)), blob,
                      hashlib.sha256(blob).digest())
 
@@ -71,7 +74,21 @@ def decode_snapshot(state: StateBlob, *, expected_shapes: Mapping[str, Sequence[
         raise StateTransferError(f"round-{state.round} state: bad run config ({e})") from None
     if state.round < 0:
         raise StateTransferError(f"state round {state.round} is negative")
-    return StateSnapshot(state.round, params, momentum, config)
+    return StateSnapshot(state.round, params, momentum, config, _members_of(state))
+
+
+def _members_of(state: StateBlob) -> tuple[str, ...]:
+    """The commit's members from the safetensors header's metadata (a blob without them: unknown, ())."""
+    (size,) = struct.unpack("<Q", state.blob[:8])
+    try:
+        header = json.loads(bytes(state.blob[8:8 + size]))
+        raw = (header.get("__metadata__") or {}).get(_MEMBERS)
+        members = [] if raw is None else json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+        raise StateTransferError(f"round-{state.round} state: unreadable metadata ({e})") from None
+    if not isinstance(members, list) or not all(isinstance(m, str) and m for m in members):
+        raise StateTransferError(f"round-{state.round} state: members must be a list of peer ids, got {raw!r}")
+    return tuple(members)
 
 
 def _check_tensors(params: Mapping[str, torch.Tensor], momentum: Mapping[str, torch.Tensor],

@@ -101,7 +101,10 @@ class FakePlane:
     def publish_state(self, state: PeerState) -> None:
         self.published = state
 
-    async def average(self, round_index: int, delta: torch.Tensor, *, steps_per_s: float = 0.0) -> AverageResult:
+    async def average(self, round_index: int, delta: torch.Tensor, *, steps_per_s: float = 0.0,
+                      electorate: tuple[str, ...] = ()) -> AverageResult:
+        # The double's windowed rounds apply the group rule only; the electorate is the all-reduce's
+        # (tests/integration/test_swarm_quorum.py runs it on the in-process cluster).
         return await self.services.allreduce.average(self.peer_id, round_index, delta, steps_per_s=steps_per_s)
 
     async def prematch(self, round_index: int, *, steps_per_s: float) -> None:
