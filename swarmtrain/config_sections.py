@@ -292,9 +292,10 @@ class DiscoveryConfig:
     """Seconds a peer record stays live after its heartbeat; a peer silent for longer counts as gone. Must
     exceed `heartbeat_s`."""
     max_clock_skew_s: float = 2.0
-    """Seconds this peer's clock may differ from the swarm's (estimated from live peers' heartbeats, to
-    within about half a heartbeat) before it says so in one warning line; its record always carries the
-    estimate (`clock_offset_s`). Matchmaking compares timestamps across machines: keep clocks synced."""
+    """Seconds this peer's clock may differ from the swarm's before it says so in one warning line. The
+    peer corrects for the difference either way (it stamps times on the swarm's clock, estimated from live
+    peers' heartbeats to within about half a heartbeat; its record carries the correction, `clock_offset_s`).
+    The correction holds while the clock is within `record_ttl_s - heartbeat_s` of another peer's."""
     alone_warning_s: float = 60.0
     """Seconds without seeing any other live peer of the run after which a peer says so: one warning log
     line, and `alone_s` in its round lines, until it sees one again. 0 = never."""

@@ -64,8 +64,10 @@ class Discovery(Protocol):
     @property
     def run_id(self) -> str: ...
 
+    clock_offset_s: float  # added to this machine's clock by now(): the peer's estimate of the swarm's
+
     def now(self) -> float:
-        """The clock records are stamped with (unix seconds)."""
+        """The clock records are stamped with (unix seconds, on the swarm's clock as far as it is known)."""
         ...
 
     async def publish_run(self, record: RunRecord, *, timeout_s: float) -> None: ...
@@ -112,6 +114,10 @@ class RecordDirectory(abc.ABC):
         self._run_id = run_id
         self._ttl_s = record_ttl_s
         self._clock = clock
+        # (swarm clock − this machine's clock): every timestamp this peer writes or compares is on the
+        # swarm's clock once the peer has estimated it (peer/presence.py), so skew within the tolerance
+        # changes nothing.
+        self.clock_offset_s = 0.0
         self._prefix = f"swarmtrain/{run_id}/"
 
     # ---------------------------------------------------------------- backend hooks
@@ -139,7 +145,8 @@ class RecordDirectory(abc.ABC):
         return self._run_id
 
     def now(self) -> float:
-        return float(self._clock())
+        """The swarm's clock as this peer estimates it: its own plus `clock_offset_s`."""
+        return float(self._clock()) + self.clock_offset_s
 
     def _key(self, name: str) -> str:
         return self._prefix + name

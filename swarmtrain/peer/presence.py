@@ -22,28 +22,42 @@ class Presence:
     def __init__(self, cfg: DiscoveryConfig, *, run_id: str) -> None:
         self.cfg = cfg
         self.run_id = run_id
-        self.clock_offset_s = 0.0  # estimated (swarm clock − this clock), announced in the peer record
+        self.clock_offset_s = 0.0  # the correction applied: (swarm clock − this clock), announced in the peer record
         self._last_saw_peer = time.monotonic()
         self._said_alone = False
         self._said_skew = False
+        self._estimated = False  # whether a read of the others' records gave an estimate yet
 
-    def note(self, peers: Sequence[PeerRecord], *, own_id: str, now: float) -> None:
-        """A read of the live peer records (this peer's own among them or not), at swarm clock `now`."""
+    def note(self, peers: Sequence[PeerRecord], *, own_id: str, now: float) -> float:
+        """A read of the live peer records (this peer's own among them or not), at swarm clock `now`;
+        returns the step to add to this peer's clock correction (0.0 when it stays).
+
+        `now` is already corrected, so the estimate is what is left of the skew. Past half a heartbeat
+        (the estimate's own error) half of it is corrected: every peer moves halfway towards the others,
+        so two peers with skewed clocks meet instead of swapping, and a swarm settles on one clock. The
+        first estimate is taken whole: a peer joining a running swarm adopts its clock at once.
+        """
         others = sum(p.peer_id != own_id for p in peers)
         self.saw_others(others)
-        offset = estimate_clock_offset_s(peers, own_id=own_id, now=now, heartbeat_s=self.cfg.heartbeat_s)
-        if offset is None:
-            return
-        self.clock_offset_s = round(offset, 3)
-        skewed = abs(offset) > self.cfg.max_clock_skew_s
+        residual = estimate_clock_offset_s(peers, own_id=own_id, now=now, heartbeat_s=self.cfg.heartbeat_s)
+        if residual is None:
+            return 0.0
+        first, self._estimated = not self._estimated, True
+        if abs(residual) <= self.cfg.heartbeat_s / 2:
+            return 0.0
+        step = residual if first else residual / 2  # a joiner adopts the swarm's clock at once
+        self.clock_offset_s = round(self.clock_offset_s + step, 3)
+        skewed = abs(self.clock_offset_s) > self.cfg.max_clock_skew_s
         if skewed and not self._said_skew:
             log.warning("this machine's clock is about %.1f s %s the swarm's (median of %d peers' heartbeats; "
-                        "discovery.max_clock_skew_s=%g): matchmaking compares timestamps across machines, so "
-                        "rounds may abort as 'late'. Sync the clock (NTP)", abs(offset),
-                        "behind" if offset > 0 else "ahead of", others, self.cfg.max_clock_skew_s)
+                        "discovery.max_clock_skew_s=%g): this peer stamps and compares times on the swarm's clock "
+                        "instead, which holds while the skew stays below discovery.record_ttl_s - "
+                        "discovery.heartbeat_s. Sync the clock (NTP)", abs(self.clock_offset_s),
+                        "behind" if self.clock_offset_s > 0 else "ahead of", others, self.cfg.max_clock_skew_s)
         elif not skewed and self._said_skew:
-            log.info("clock within %.1f s of the swarm's again", abs(offset))
+            log.info("clock within %.1f s of the swarm's again", abs(self.clock_offset_s))
         self._said_skew = skewed
+        return step
 
     def saw_others(self, others: int) -> None:
         """`others` other peers were seen just now (in a record read or in a round's group)."""

@@ -464,10 +464,16 @@ class Peer(OverlappedRounds):
             except Exception as e:
                 log.warning("could not list live peers (%s)", e)
                 peers = ()
-            self._presence().note(peers, own_id=self._peer_id, now=self._now())
+            self._correct_clock(peers)
             if done([p for p in peers if p.peer_id != self._peer_id]):
                 return
             await self._wait_until(min(deadline, time.monotonic() + self.cfg.discovery.heartbeat_s / 2), stop)
+
+    def _correct_clock(self, peers: Sequence[PeerRecord]) -> None:
+        """Note a read of the live peers; move this peer's estimate of the swarm's clock if it is off."""
+        assert self.discovery is not None
+        self._presence().note(peers, own_id=self._peer_id, now=self._now())
+        self.discovery.clock_offset_s = self._presence().clock_offset_s
 
     def _presence(self) -> Presence:
         if self.presence is None:
@@ -515,7 +521,7 @@ class Peer(OverlappedRounds):
         except Exception as e:  # a slow control plane must not stop training; the next round looks again
             log.warning("could not list live peers (%s); not healing this round", e)
             return False
-        self._presence().note(peers, own_id=self._peer_id, now=self._now())
+        self._correct_clock(peers)
         own = self.worker.round
         ahead = [p for p in peers if p.peer_id != self._peer_id and p.role == "worker" and p.endpoint
                  and (p.round > own or (want_hash and p.round == own and p.state_hash == want_hash))]

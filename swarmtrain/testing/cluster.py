@@ -54,9 +54,11 @@ class LoopbackServices(NetworkServices):
     A restarted peer keeps its id through `discovery.identity_path`, as with the real DHT.
     """
 
-    def __init__(self, registry: InMemoryRegistry | None = None, *, faults: FaultPlan | None = None) -> None:
+    def __init__(self, registry: InMemoryRegistry | None = None, *, faults: FaultPlan | None = None,
+                 skews_s: Sequence[float] = ()) -> None:
         self.registry = registry if registry is not None else InMemoryRegistry()
         self.ids: dict[str, str] = {}
+        self.skews_s = list(skews_s)  # the machine clocks of the peers, in the order they open discovery
         self.partition = Partition(self.registry)
         self.faults = faults  # consulted at every data-plane site of every peer (rpc/faults.py)
 
@@ -72,7 +74,9 @@ class LoopbackServices(NetworkServices):
 
     async def open_discovery(self, cfg: DiscoveryConfig, *, run_id: str) -> Discovery:
         peer_id = self.ids.setdefault(cfg.identity_path, self.registry.new_peer_id()) if cfg.identity_path else None
-        return InMemoryDiscovery(self.registry, run_id=run_id, record_ttl_s=cfg.record_ttl_s, peer_id=peer_id)
+        skew_s = self.skews_s.pop(0) if self.skews_s else 0.0
+        return InMemoryDiscovery(self.registry, run_id=run_id, record_ttl_s=cfg.record_ttl_s, peer_id=peer_id,
+                                 skew_s=skew_s)
 
     async def visible_maddrs(self, discovery: Discovery) -> list[str]:
         return [f"/memory/{discovery.peer_id}"]

@@ -1,11 +1,14 @@
-"""Clock skew against the swarm, estimated from live peers' heartbeat times, and its field in peer records."""
+"""Clock skew against the swarm, estimated from live peers' heartbeat times and corrected, and its field in
+peer records."""
 
 from __future__ import annotations
 
 import pytest
 
+from swarmtrain.config import DiscoveryConfig
 from swarmtrain.discovery import PeerRecord, RecordError, estimate_clock_offset_s
 from swarmtrain.discovery.records import decode_record
+from swarmtrain.peer.presence import Presence
 
 pytestmark = pytest.mark.unit
 
@@ -47,3 +50,15 @@ def test_peer_records_carry_a_signed_offset_and_older_records_read_as_zero() -> 
             _rec("a", 100.0, clock_offset_s=bad)
     with pytest.raises(RecordError, match="clock_offset_s"):
         PeerRecord.from_json({**rec.to_json(), "clock_offset_s": "soon"})
+
+
+def test_a_peer_adopts_its_first_estimate_whole_then_corrects_by_halves_past_a_dead_band() -> None:
+    p = Presence(DiscoveryConfig(heartbeat_s=H), run_id="r")
+    swarm_at = 1000.0  # the others' heartbeats, fresh (half a heartbeat old on average)
+    peers = [_rec(x, swarm_at - H / 2) for x in "abc"]
+    assert p.note(peers, own_id="me", now=swarm_at - 6.0) == pytest.approx(6.0)  # this clock is 6 s behind
+    assert p.clock_offset_s == pytest.approx(6.0)
+    assert p.note(peers, own_id="me", now=swarm_at + 0.5) == 0.0  # within half a heartbeat: left alone
+    assert p.note(peers, own_id="me", now=swarm_at + 3.0) == pytest.approx(-1.5)  # later: half the residual
+    assert p.clock_offset_s == pytest.approx(4.5)
+    assert p.note([_rec("me", swarm_at)], own_id="me", now=swarm_at + 9.0) == 0.0  # nobody else: no estimate

@@ -1,0 +1,77 @@
+"""Clock skew within the tolerance changes nothing (in-process cluster: real matchmaking and all-reduce
+over loopback gRPC, in-memory DHT; each peer's machine clock is offset from the registry's).
+
+One peer's clock runs SKEW_S ahead, one SKEW_S behind, one is right, and the record TTL is shorter than
+the two skewed clocks are apart: each peer estimates the swarm's clock from the others' heartbeats and
+stamps and compares times on it, so once the three have met, every round commits with all three and
+one θ_global. Without the correction the skewed peers are late for the windows the others open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from swarmtrain.config import load_config
+from swarmtrain.peer import Peer
+from swarmtrain.telemetry import EventWriter, RoundEvent
+from swarmtrain.testing.cluster import EventLog, LoopbackServices, publish_run, run_peer
+from swarmtrain.testing.wait import wait_until
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+
+ROUNDS, SKEW_S, SETTLED = 6, 5.0, 2
+RUN = [
+    "model.preset=tiny", "data.max_corpus_bytes=300000", "data.seq_len=32", "data.batch_size=4",
+    "inner.warmup_steps=1", "diloco.inner_steps=3", "diloco.eval_batches=1", "averaging.min_peers=2",
+    "averaging.matchmaking_timeout_s=1.5", "averaging.allreduce_timeout_s=10", "averaging.contribution_window_s=3",
+    "discovery.heartbeat_s=0.25", "discovery.record_ttl_s=8", "rpc.call_timeout_s=3.0", "compress.codec=int8",
+    f"diloco.rounds={ROUNDS}",
+]
+
+
+def test_clocks_skewed_within_the_tolerance_commit_every_round_together(tmp_path: Path) -> None:
+    async def main() -> dict[str, EventLog]:
+        services = LoopbackServices(skews_s=[SKEW_S, -SKEW_S, 0.0])
+        await publish_run(services.registry, RUN)
+        logs = {n: EventLog() for n in "abc"}
+        peers = {n: Peer(load_config(overrides=[f"checkpoint.dir={str(tmp_path / n)!r}"]),
+                         writer=EventWriter(logs[n]), services=services) for n in "abc"}
+        stop = asyncio.Event()
+        tasks = []
+        for n in "abc":  # started one after the other: the skews go to a, b, c in that order
+            tasks.append(asyncio.create_task(run_peer(peers[n], stop)))
+            await asyncio.to_thread(lambda p=peers[n]: _wait_started(p))
+        try:
+            assert await asyncio.wait_for(asyncio.gather(*tasks), timeout=150) == ["done"] * 3
+        finally:
+            stop.set()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        # the clocks the peers stamp with (machine clock + correction) agree, on some common time
+        swarm = {n: skew + p.discovery.clock_offset_s  # type: ignore[union-attr]
+                 for (n, p), skew in zip(peers.items(), (SKEW_S, -SKEW_S, 0.0), strict=True)}
+        assert max(swarm.values()) - min(swarm.values()) < SKEW_S / 2, swarm
+        return logs
+
+    logs = asyncio.run(main())
+    rounds = {n: [e for e in log.events() if isinstance(e, RoundEvent)] for n, log in logs.items()}
+    story = {n: [(e.round, "C" if e.committed else "A", len(e.members), e.hash[:8], e.reason[:60]) for e in r]
+             for n, r in rounds.items()}
+    by_round: dict[int, set[str]] = {}
+    for events in rounds.values():
+        for e in events:
+            if e.committed:
+                by_round.setdefault(e.round, set()).add(e.hash)
+    assert sorted(by_round) == list(range(ROUNDS)) and all(len(h) == 1 for h in by_round.values()), story
+    for n, events in rounds.items():
+        # Peers start one after the other, each alone until the next arrives: the first rounds may go
+        # on without a late starter (it heals). From SETTLED on, every round commits with all three.
+        assert [e.round for e in events if e.committed][-(ROUNDS - SETTLED):] == list(range(SETTLED, ROUNDS)), \
+            (n, story)
+        assert all(len(e.members) == 3 for e in events if e.committed and e.round >= SETTLED), (n, story)
+
+
+def _wait_started(peer: Peer) -> None:
+    wait_until(lambda: peer.discovery is not None, timeout_s=60, what="the peer's discovery")
