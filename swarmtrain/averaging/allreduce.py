@@ -68,10 +68,6 @@ def electorate_problem(contributors: tuple[str, ...], electorate: tuple[str, ...
             f"more than half of them (a partition, or more than half of them gone at once)")
 
 
-class Killed(Exception):
-    """Fault injection killed this peer during the round."""
-
-
 @dataclass
 class _Attempt:
     committed: bool = False
@@ -109,10 +105,7 @@ class AllReduce:
             if not reducers:
                 outcome = _Attempt(dead=dead, reason="no live reducer left")
                 break
-            try:
-                outcome = await self._attempt(group, me, attempt, reducers, delta, deadline, electorate)
-            except Killed:
-                return _result(group, _Attempt(final=True, reason="killed by fault injection"), ())
+            outcome = await self._attempt(group, me, attempt, reducers, delta, deadline, electorate)
             dead |= outcome.dead
             if outcome.committed or outcome.final or time.monotonic() >= deadline:
                 break
@@ -236,9 +229,6 @@ class AllReduce:
             log.warning("%s: fault %s on push of shard %d to %s", self.peer_id, fault.action, shard, reducer.peer_id)
             if fault.action == "drop":
                 return
-            if fault.action == "kill":
-                await self.node.kill_server()
-                raise Killed
             if fault.action == "delay":
                 await asyncio.sleep(fault.delay_s)
             payload = corrupt(payload) if fault.action == "corrupt" else payload
@@ -287,12 +277,9 @@ def _failures(reducers: tuple[Member, ...], results: list[object]) -> list[str]:
 def _unreachable(reducers: tuple[Member, ...], results: list[object], *, timeouts: bool = True) -> set[str]:
     """Reducers whose call failed for want of an answer (not a refusal): candidates to retry without."""
     unexpected = [r for r in results if isinstance(r, BaseException)
-                  and not isinstance(r, (RpcError, Rejected, TimeoutError, Killed))]
+                  and not isinstance(r, (RpcError, Rejected, TimeoutError))]
     if unexpected:
         raise unexpected[0]  # a bug, not a network fault: surface it
-    for r in results:
-        if isinstance(r, Killed):
-            raise r
     kinds = (RpcUnavailable, RpcTimeout, TimeoutError) if timeouts else (RpcUnavailable,)
     return {m.peer_id for m, r in zip(reducers, results, strict=True) if isinstance(r, kinds)}
 

@@ -45,19 +45,13 @@ class NetworkAverager:
         self.run_id = run_id
         self.group_provider = group_provider
         self.cfg = cfg
-        self.killed = False
         self._reported: tuple[int, int] = (0, 0)  # node counter totals at the last reported result
         self.registry = ReducerRegistry(peer_id=node.peer_id, run_id=run_id, codec=codec,
                                         window_s=cfg.contribution_window_s, open_wait_s=cfg.allreduce_timeout_s,
-                                        fault_hook=fault_hook, on_kill=self._kill, buffers=node.buffers,
-                                        votes=votes)
+                                        fault_hook=fault_hook, buffers=node.buffers, votes=votes)
         self.allreduce = AllReduce(node, self.registry, codec=codec, cfg=cfg, fault_hook=fault_hook)
         if node.serve:
             serve_averaging(node, self.registry)
-
-    async def _kill(self) -> None:
-        self.killed = True
-        await self.node.kill_server()
 
     def unreported_bytes(self) -> tuple[int, int]:
         """(sent, received) data-plane bytes since the last `average` result (for the leave line)."""
@@ -66,7 +60,7 @@ class NetworkAverager:
 
     def drain(self, *, timeout_s: float) -> tuple[str, ...]:
         """Before leaving: wait until the members of the last served round have pulled this peer's means."""
-        if not self.node.serve or self.killed:
+        if not self.node.serve:
             return ()
         missing = self.node.run(self.registry.drain(timeout_s=timeout_s), timeout_s=timeout_s + 5.0)
         if missing:
@@ -79,8 +73,6 @@ class NetworkAverager:
         `electorate`: the members of the commit that produced this peer's θ_global (see allreduce.py)."""
         if delta.dim() != 1 or delta.dtype != torch.float32:
             raise ValueError(f"average: delta must be a flat float32 tensor, got {delta.dtype} {tuple(delta.shape)}")
-        if self.killed:
-            return AverageResult(round_index, False, None, reason="this peer was killed by fault injection")
         group = self.group_provider(round_index)
         if group is None:
             return AverageResult(round_index, False, None, reason="no group formed for this round")
@@ -106,8 +98,6 @@ class NetworkAverager:
             # The node's loop cancelled the round (it is closing): an abort, never an exception for the caller.
             result = AverageResult(round_index, False, None, tuple(m.peer_id for m in group.members),
                                    reason="the all-reduce was cancelled (this peer's rpc node is closing)")
-        if self.killed:
-            result = AverageResult(round_index, False, None, result.members, reason="killed by fault injection")
         sent1, received1 = self._reported = self.node.counters.totals()
         log.info("%s: round %d %s in %.3fs (sent %d B, received %d B)", self.node.peer_id, round_index,
                  "committed" if result.committed else "aborted", time.monotonic() - started, sent1 - sent0,

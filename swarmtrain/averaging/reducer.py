@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -95,8 +94,8 @@ class ReducerRegistry:
     """Implements `rpc.averaging_wire.ReducerSink` for one peer. Lives on the RpcNode's loop."""
 
     def __init__(self, *, peer_id: str, run_id: str, codec: Codec, window_s: float, open_wait_s: float,
-                 fault_hook: FaultHook | None = None, on_kill: Callable[[], Awaitable[None]] | None = None,
-                 buffers: BufferPool | None = None, votes: VoteBook | None = None) -> None:
+                 fault_hook: FaultHook | None = None, buffers: BufferPool | None = None,
+                 votes: VoteBook | None = None) -> None:
         self.peer_id = peer_id
         # decoded shards and mean accumulators live in reused memory: a fresh payload-sized tensor costs
         # a zeroing page fault per 4 KiB, as much CPU as the decode itself
@@ -106,7 +105,6 @@ class ReducerRegistry:
         self.window_s = window_s
         self.open_wait_s = open_wait_s
         self.fault_hook = fault_hook
-        self.on_kill = on_kill
         self._rounds: dict[int, _Round] = {}
         self._sessions: dict[str, _Session] = {}
         self.votes = votes if votes is not None else VoteBook()
@@ -114,8 +112,6 @@ class ReducerRegistry:
         self._abandoned: dict[int, set[str]] = {}  # groups the local member gave up on, per round
         self._min_round = 0
         self._changed: asyncio.Condition | None = None
-        self._dead = False
-        self._kill_task: asyncio.Task[None] | None = None
 
     @property
     def changed(self) -> asyncio.Condition:
@@ -241,8 +237,6 @@ class ReducerRegistry:
 
     # -- ReducerSink -----------------------------------------------------------------------
     async def check_push(self, header: PushHeader, *, peer: str) -> int:
-        if self._dead:
-            await self.kill(peer)
         s = await self._session(header.session)
         if header.shard != s.shard:
             raise Rejected(f"shard {header.shard} is not reduced here (this peer reduces shard {s.shard})")
@@ -352,28 +346,12 @@ class ReducerRegistry:
                      f"given to {held}" if held else "round forgotten")
         return granted, held
 
-    async def kill(self, caller: str) -> None:
-        """Die like a crashed process: stop the server (in a task of its own, so cancelling this call
-        cannot interrupt it) and never answer again; the local member gets an error instead."""
-        if not self._dead:
-            self._dead = True
-            log.warning("%s: killed by fault injection", self.peer_id)
-            if self.on_kill is not None:
-                self._kill_task = asyncio.get_running_loop().create_task(self.on_kill())
-        if caller == self.peer_id:
-            raise Rejected("this peer was killed", kind="precondition")
-        await asyncio.Event().wait()  # cancelled when the server stops
-
     async def _fault(self, round_index: int, call: str, target: str) -> None:
-        if self._dead:
-            await self.kill(target)
         fault = self.fault_hook(FaultSite(self.peer_id, round_index, call, target)) if self.fault_hook else None
         if fault is None:
             return
         if fault.action == "delay":
             await asyncio.sleep(fault.delay_s)
-        elif fault.action == "kill":
-            await self.kill(target)
         elif fault.action == "drop":
             raise Rejected("dropped by fault injection", kind="precondition")
 

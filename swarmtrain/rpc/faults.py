@@ -7,7 +7,7 @@ from typing import Literal, Protocol
 
 __all__ = ["CORRUPT_BYTES", "Fault", "FaultAction", "FaultHook", "FaultSite", "LinkHook", "corrupt", "truncate"]
 
-FaultAction = Literal["drop", "delay", "corrupt", "truncate", "kill"]
+FaultAction = Literal["drop", "delay", "corrupt", "truncate"]
 CORRUPT_BYTES = 16
 
 
@@ -28,14 +28,14 @@ class FaultSite:
 
 @dataclass(frozen=True)
 class Fault:
-    """What to do at a site: drop the message, delay it, corrupt or truncate its payload, or kill
-    the acting peer's server (it looks crashed to everyone else)."""
+    """What to do at a site: drop the message, delay it, or corrupt or truncate its payload. (A crash is
+    the test harness's: `swarmtrain.testing.faults.CrashPlan` closes the crashing peer's node.)"""
 
     action: FaultAction
     delay_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.action not in ("drop", "delay", "corrupt", "truncate", "kill"):
+        if self.action not in ("drop", "delay", "corrupt", "truncate"):
             raise ValueError(f"Fault.action: unknown action {self.action!r}")
         if self.delay_s < 0:
             raise ValueError("Fault.delay_s: must be >= 0")

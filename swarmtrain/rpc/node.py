@@ -216,15 +216,6 @@ class RpcNode:
             await ch.close()
         self._channels.clear()
 
-    async def kill_server(self) -> None:
-        """Stop serving at once (in-flight calls are cancelled): how a crashed peer looks to others."""
-        if self._server is not None:
-            server, self._server = self._server, None
-            if self.bulk is not None:  # first: its transfers finish within a loop turn while gRPC stops
-                await self.bulk.close()
-            await server.stop(grace=None)
-            log.warning("rpc server of %s killed", self.peer_id)
-
     def close(self, *, timeout_s: float = 10.0) -> None:
         """Stop the server, close channels and join the loop thread."""
         if self._loop is None:

@@ -1,6 +1,6 @@
 """Test helpers (wait_until, LocalSwarm, FaultPlan, fakes); imported by tests only, never by the library."""
 
-from swarmtrain.testing.faults import FaultPlan
+from swarmtrain.testing.faults import CrashPlan, FaultPlan
 from swarmtrain.testing.wait import wait_until
 
-__all__ = ["FaultPlan", "wait_until"]
+__all__ = ["CrashPlan", "FaultPlan", "wait_until"]

@@ -1,4 +1,5 @@
-"""FaultPlan: a deterministic table of faults keyed by (peer, round, call[, target]) for the data-plane seams."""
+"""FaultPlan: a deterministic table of faults keyed by (peer, round, call[, target]) for the data-plane seams;
+CrashPlan: peers that crash at such a site."""
 
 from __future__ import annotations
 
@@ -6,8 +7,11 @@ import threading
 from dataclasses import dataclass, field
 
 from swarmtrain.rpc.faults import Fault, FaultAction, FaultSite
+from swarmtrain.rpc.node import RpcNode
 
-__all__ = ["FaultPlan"]
+__all__ = ["CrashPlan", "FaultPlan"]
+
+CRASH_HANG_S = 3600.0  # the crashing call's "delay": it is cancelled when the node's loop stops
 
 
 @dataclass
@@ -42,3 +46,36 @@ class FaultPlan:
                 self.hits.append((site, fault))
                 return fault
         return None
+
+
+class CrashPlan:
+    """A `FaultHook` that crashes peers: when a crash site fires, the peer's `RpcNode` closes (its server
+    stops answering and its own all-reduce is cancelled, as when its process dies) and the call at that
+    site never answers. Other sites go to `plan`. Give it the nodes (`nodes[peer_id]`) before the round.
+    """
+
+    def __init__(self, plan: FaultPlan | None = None) -> None:
+        self.plan = plan if plan is not None else FaultPlan()
+        self.nodes: dict[str, RpcNode] = {}
+        self.crashed: list[FaultSite] = []
+        self._sites: list[FaultSite] = []
+        self._lock = threading.Lock()
+
+    def crash(self, *, peer: str, round: int, call: str) -> CrashPlan:
+        """`peer` crashes the first time it reaches `call` in `round` (any target)."""
+        self._sites.append(FaultSite(peer, round, call))
+        return self
+
+    def __call__(self, site: FaultSite) -> Fault | None:
+        with self._lock:
+            gone = site.peer in {s.peer for s in self.crashed}
+            due = not gone and (site.peer, site.round, site.call) in {(s.peer, s.round, s.call) for s in self._sites}
+            if due:
+                self.crashed.append(site)
+        if gone:
+            return Fault("delay", CRASH_HANG_S)  # a dead peer does nothing more, for anyone (itself included)
+        if not due:
+            return self.plan(site)
+        # Called on the crashing node's own loop: close it from another thread (close joins that loop).
+        threading.Thread(target=self.nodes[site.peer].close, name=f"crash-{site.peer}", daemon=True).start()
+        return Fault("delay", CRASH_HANG_S)
