@@ -11,7 +11,7 @@ import pytest
 from swarmtrain.averaging.group import Member
 from swarmtrain.averaging.matchmaking import Matchmaker
 from swarmtrain.config import ConfigError, DiscoveryConfig, RunConfig, to_dict
-from swarmtrain.discovery import DiscoveryError, PeerRecord, RunRecord
+from swarmtrain.discovery import DepartureRecord, DiscoveryError, PeerRecord, RecordError, RunRecord
 from swarmtrain.discovery.hivemind_dht import HivemindDiscovery, signer_id_of
 
 pytestmark = pytest.mark.integration
@@ -131,6 +131,19 @@ def test_expiry_and_leave(swarm: Swarm) -> None:
     assert b.peer_id in {p.peer_id for p in swarm.run(coord.live_peers(timeout_s=IO_S))}
     swarm.run(b.withdraw(timeout_s=IO_S))
     assert b.peer_id not in {p.peer_id for p in swarm.run(coord.live_peers(timeout_s=IO_S))}
+
+
+def test_a_departure_is_read_by_others_and_withdrawn_when_the_identity_rejoins(swarm: Swarm) -> None:
+    b, c, coord = swarm["b"], swarm["c"], swarm["coord"]
+    swarm.run(b.announce_departure(DepartureRecord(run_id=RUN, peer_id=b.peer_id, from_round=7, left_at=b.now()),
+                                   timeout_s=IO_S))
+    gone = swarm.run(coord.departures(timeout_s=IO_S))
+    assert [(d.peer_id, d.from_round) for d in gone] == [(b.peer_id, 7)]
+    with pytest.raises(RecordError, match="owned by"):  # a peer can announce only its own departure
+        swarm.run(c.announce_departure(DepartureRecord(run_id=RUN, peer_id=b.peer_id, from_round=1, left_at=0.0),
+                                       timeout_s=IO_S))
+    swarm.run(b.rejoin(timeout_s=IO_S))  # the same identity starts again: its departure no longer counts
+    assert swarm.run(coord.departures(timeout_s=IO_S)) == ()
 
 
 def test_matchmaking_over_real_dhts_gives_one_identical_group(swarm: Swarm) -> None:

@@ -15,7 +15,8 @@ from swarmtrain.averaging.protocol import AverageResult
 from swarmtrain.config import RunConfig
 from swarmtrain.data import ShardedBatches, load_corpus
 from swarmtrain.diloco import DilocoWorker
-from swarmtrain.discovery import InMemoryRegistry
+from swarmtrain.discovery import DepartureRecord, InMemoryRegistry, RecordError
+from swarmtrain.discovery.records import decode_record
 from swarmtrain.models import build_model
 from swarmtrain.rpc.state_wire import StateBlob
 from swarmtrain.sync.transfer import StateSnapshot, StateTransferError, decode_snapshot, encode_snapshot
@@ -111,3 +112,14 @@ def test_a_partitioned_registry_keeps_one_copy_per_side_and_merges_on_heal() -> 
         reg.partition(["a"], ["b"])
     reg.heal()
     assert {s.signer_id: s.value for s in reg.get("k")} == {"coord": b"run2", "a": b"a1", "c": b"c1"}
+
+
+def test_a_departure_record_is_validated_field_by_field() -> None:
+    rec = DepartureRecord(run_id="r", peer_id="p1", from_round=4, left_at=12.5)
+    assert decode_record(DepartureRecord, rec.encode(), run_id="r", signer_id="p1") == rec
+    with pytest.raises(RecordError, match="signed by"):
+        decode_record(DepartureRecord, rec.encode(), run_id="r", signer_id="p2")
+    for field, bad in (("from_round", -1), ("from_round", "4"), ("peer_id", "a b")):
+        body = json.dumps({**json.loads(rec.encode()), field: bad}).encode()
+        with pytest.raises(RecordError, match=f"departure.{field}"):
+            decode_record(DepartureRecord, body, run_id="r", signer_id="p1")
