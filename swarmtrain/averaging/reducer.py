@@ -340,7 +340,10 @@ class ReducerRegistry:
         await self._fault(key.round, "vote", peer)
         if key.run_id != self.run_id:
             raise Rejected(f"run {key.run_id!r} is not this peer's run {self.run_id!r}", kind="precondition")
-        granted, held = await asyncio.to_thread(self.votes.vote, key.round, key.session_id)
+        if self.votes.path is None:  # nothing to write: no thread hop
+            granted, held = self.votes.vote(key.round, key.session_id)
+        else:  # an fsync before the vote counts
+            granted, held = await asyncio.to_thread(self.votes.vote, key.round, key.session_id)
         if not granted:
             log.info("%s: refused %s its vote of round %d (%s)", self.peer_id, peer, key.round,
                      f"given to {held}" if held else "round forgotten")
