@@ -8,7 +8,7 @@ import time
 from collections.abc import Sequence
 
 from swarmtrain.config import DiscoveryConfig
-from swarmtrain.discovery import PeerRecord, estimate_clock_offset_s
+from swarmtrain.discovery import Discovery, PeerRecord, estimate_clock_offset_s
 
 __all__ = ["Presence"]
 
@@ -58,6 +58,11 @@ class Presence:
             log.info("clock within %.1f s of the swarm's again", abs(self.clock_offset_s))
         self._said_skew = skewed
         return step
+
+    def correct(self, discovery: Discovery, peers: Sequence[PeerRecord]) -> None:
+        """Note a read of the live peers and move `discovery`'s estimate of the swarm's clock if it is off."""
+        self.note(peers, own_id=discovery.peer_id, now=discovery.now())
+        discovery.clock_offset_s = self.clock_offset_s
 
     def saw_others(self, others: int) -> None:
         """`others` other peers were seen just now (in a record read or in a round's group)."""

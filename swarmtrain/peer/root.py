@@ -35,16 +35,15 @@ from swarmtrain.diloco.flat import flat_hash
 from swarmtrain.diloco.pace import Pace, RoundBudget
 from swarmtrain.diloco.worker import InnerStats, InnerStep
 from swarmtrain.discovery import (
-    DepartureRecord,
     Discovery,
     DiscoveryError,
     Heartbeat,
     PeerRecord,
-    RecordError,
 )
 from swarmtrain.models import build_model
 from swarmtrain.peer.config import merge_run_config
 from swarmtrain.peer.data import choose_shard, peer_batches, peer_seed, saved_slot
+from swarmtrain.peer.membership import Membership
 from swarmtrain.peer.overlap import OverlappedRounds
 from swarmtrain.peer.presence import Presence
 from swarmtrain.peer.rounds import LocalRoundError, PendingRound, interruptible, swarm_round_end
@@ -95,7 +94,7 @@ class Peer(OverlappedRounds):
         self.heartbeat: Heartbeat | None = None
         self._beat_task: asyncio.Task[None] | None = None
         self._round_ends_at = 0.0  # swarm clock: when this round's inner steps should end (peer record)
-        self._sent_round = -1  # the newest round this peer sent (or was about to send) a Δ of
+        self.membership: Membership | None = None  # the electorate and this peer's departure
         self._join_by: tuple[int, float] | None = None  # (round healed into, monotonic time its steps end)
         self.plane: DataPlane | None = None
         self.val_batches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -143,6 +142,7 @@ class Peer(OverlappedRounds):
                                                          param_shapes=shapes)
         await self._publish_committed_state()
         self.endpoint = self.plane.endpoint
+        self.membership = Membership(discovery, run_id=self.cfg.train.run_id, timeout_s=self.cfg.rpc.call_timeout_s)
         try:  # before its first round: a departure of this identity would let others not count it
             await discovery.rejoin(timeout_s=self.cfg.rpc.call_timeout_s)
         except DiscoveryError as e:
@@ -337,31 +337,8 @@ class Peer(OverlappedRounds):
         return result
 
     async def _electorate(self, round_index: int) -> tuple[str, ...]:
-        """Who a commit of round `round_index` needs a strict majority of: the members of the commit that
-        produced θ_global, less those that announced they left before that round (averaging/allreduce.py
-        explains why two sides of a partition cannot both commit, whichever departures each side sees).
-        Also notes that this peer is about to send its Δ of the round (see `_departure`)."""
-        assert self.worker is not None and self.discovery is not None
-        self._sent_round = max(self._sent_round, round_index)
-        members = self.worker.members
-        if not members:
-            return ()
-        try:
-            gone = await self.discovery.departures(timeout_s=self.cfg.rpc.call_timeout_s)
-        except DiscoveryError as e:  # counting every member is always safe, just less live
-            log.info("could not read departures (%s): counting every member of the last commit", e)
-            return members
-        left = {d.peer_id for d in gone if d.from_round <= round_index}
-        return tuple(m for m in members if m not in left)
-
-    def _departure(self) -> DepartureRecord:
-        """This peer leaving: it takes part in no round from its current one on, unless it already sent
-        its Δ of that round (then from the next one: the round may still commit with it)."""
-        assert self.worker is not None and self.discovery is not None
-        current = self.worker.round
-        return DepartureRecord(run_id=self.cfg.train.run_id, peer_id=self.discovery.peer_id,
-                               from_round=current + 1 if self._sent_round >= current else current,
-                               left_at=self._now())
+        assert self.worker is not None and self.membership is not None
+        return await self.membership.electorate(self.worker.members, round_index)
 
     def _abort_locally(self, pending: PendingRound, reason: str) -> None:
         """End this peer's attempt at a round for a fault of its own: report it, resync from θ_global.
@@ -464,16 +441,10 @@ class Peer(OverlappedRounds):
             except Exception as e:
                 log.warning("could not list live peers (%s)", e)
                 peers = ()
-            self._correct_clock(peers)
+            self._presence().correct(self.discovery, peers)
             if done([p for p in peers if p.peer_id != self._peer_id]):
                 return
             await self._wait_until(min(deadline, time.monotonic() + self.cfg.discovery.heartbeat_s / 2), stop)
-
-    def _correct_clock(self, peers: Sequence[PeerRecord]) -> None:
-        """Note a read of the live peers; move this peer's estimate of the swarm's clock if it is off."""
-        assert self.discovery is not None
-        self._presence().note(peers, own_id=self._peer_id, now=self._now())
-        self.discovery.clock_offset_s = self._presence().clock_offset_s
 
     def _presence(self) -> Presence:
         if self.presence is None:
@@ -521,7 +492,7 @@ class Peer(OverlappedRounds):
         except Exception as e:  # a slow control plane must not stop training; the next round looks again
             log.warning("could not list live peers (%s); not healing this round", e)
             return False
-        self._correct_clock(peers)
+        self._presence().correct(self.discovery, peers)
         own = self.worker.round
         ahead = [p for p in peers if p.peer_id != self._peer_id and p.role == "worker" and p.endpoint
                  and (p.round > own or (want_hash and p.round == own and p.state_hash == want_hash))]
@@ -589,11 +560,8 @@ class Peer(OverlappedRounds):
             # would announce a departed peer until it expires
         if self.heartbeat is not None:
             await self.heartbeat.aclose(withdraw=True)
-        if self.discovery is not None and self.worker is not None:
-            try:
-                await self.discovery.announce_departure(self._departure(), timeout_s=self.cfg.rpc.call_timeout_s)
-            except (DiscoveryError, RecordError) as e:  # the others then wait for it, or outvote it without it
-                log.warning("could not announce this peer's departure: %s", e)
+        if self.membership is not None and self.worker is not None:
+            await self.membership.announce_departure(self.worker.round)
         if self.worker is not None:
             try:
                 path = await self._checkpoint()

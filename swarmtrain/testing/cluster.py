@@ -6,17 +6,17 @@ from __future__ import annotations
 import asyncio
 import io
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from swarmtrain.compress import Codec
 from swarmtrain.config import DiscoveryConfig, RunConfig, load_config, to_dict
 from swarmtrain.discovery import Discovery, InMemoryDiscovery, InMemoryRegistry, RunRecord
 from swarmtrain.peer import Peer
 from swarmtrain.peer.network import NetworkPlane, NetworkServices
-from swarmtrain.telemetry.events import Line, parse_line
+from swarmtrain.telemetry.events import HealEvent, Line, RoundEvent, parse_line
 from swarmtrain.testing.faults import FaultPlan
 
-__all__ = ["EventLog", "LoopbackServices", "Partition", "publish_run", "run_peer"]
+__all__ = ["EventLog", "LoopbackServices", "Partition", "hashes_by_round", "publish_run", "run_peer", "story"]
 
 
 class Partition:
@@ -96,6 +96,26 @@ class EventLog(io.StringIO):
 
     def events(self) -> list[Line]:
         return [e for x in self.getvalue().splitlines() if (e := parse_line(x)) is not None]
+
+    def rounds(self) -> list[RoundEvent]:
+        return [e for e in self.events() if isinstance(e, RoundEvent)]
+
+
+def story(logs: Mapping[str, EventLog]) -> dict[str, list[tuple[object, ...]]]:
+    """Each peer's round and heal lines in short form, for assertion messages."""
+    return {n: [(e.round, "C" if e.committed else "A", len(e.members), e.hash[:8], e.reason[:60])
+                if isinstance(e, RoundEvent) else ("heal", e.from_round, e.to_round, e.hash[:8])
+                for e in log.events() if isinstance(e, (RoundEvent, HealEvent))] for n, log in logs.items()}
+
+
+def hashes_by_round(logs: Mapping[str, EventLog]) -> dict[int, set[str]]:
+    """The θ_global hashes each round committed with, over every peer: one per round when they agree."""
+    by_round: dict[int, set[str]] = {}
+    for log in logs.values():
+        for e in log.rounds():
+            if e.committed:
+                by_round.setdefault(e.round, set()).add(e.hash)
+    return by_round
 
 
 async def run_peer(peer: Peer, stop: asyncio.Event, *, started: Callable[[Peer], None] | None = None) -> str:

@@ -21,8 +21,15 @@ import pytest
 
 from swarmtrain.config import load_config
 from swarmtrain.peer import Peer
-from swarmtrain.telemetry import EventWriter, HealEvent, RoundEvent
-from swarmtrain.testing.cluster import EventLog, LoopbackServices, publish_run, run_peer
+from swarmtrain.telemetry import EventWriter, HealEvent
+from swarmtrain.testing.cluster import (
+    EventLog,
+    LoopbackServices,
+    hashes_by_round,
+    publish_run,
+    run_peer,
+    story,
+)
 from swarmtrain.testing.wait import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
@@ -36,16 +43,6 @@ RUN = [
     "discovery.heartbeat_s=0.2", "discovery.record_ttl_s=3.0", "rpc.call_timeout_s=2.0", "rpc.retries=1",
     "compress.codec=int8", f"diloco.rounds={ROUNDS}",
 ]
-
-
-def _rounds(log: EventLog) -> list[RoundEvent]:
-    return [e for e in log.events() if isinstance(e, RoundEvent)]
-
-
-def _story(logs: dict[str, EventLog]) -> dict[str, list[object]]:
-    return {n: [(e.round, "C" if e.committed else "A", len(e.members), e.hash[:8], e.reason[:50])
-                if isinstance(e, RoundEvent) else ("heal", e.from_round, e.to_round) for e in log.events()
-                if isinstance(e, (RoundEvent, HealEvent))] for n, log in logs.items()}
 
 
 async def _swarm(tmp_path: Path, sides: Sequence[str],
@@ -83,63 +80,54 @@ async def _swarm(tmp_path: Path, sides: Sequence[str],
         try:
             await asyncio.to_thread(wait_until, lambda: healed_when(logs), timeout_s=90, what="the partition's effect")
         except TimeoutError as e:
-            raise AssertionError(f"{e}: {_story(logs)}") from None
+            raise AssertionError(f"{e}: {story(logs)}") from None
         services.partition.heal()
-        assert await asyncio.wait_for(asyncio.gather(*tasks), timeout=150) == ["done"] * len(NAMES), _story(logs)
+        assert await asyncio.wait_for(asyncio.gather(*tasks), timeout=150) == ["done"] * len(NAMES), story(logs)
     finally:
         stop.set()
         await asyncio.gather(*tasks, return_exceptions=True)
     return logs
 
 
-def _hashes_by_round(logs: dict[str, EventLog]) -> dict[int, set[str]]:
-    by_round: dict[int, set[str]] = {}
-    for log in logs.values():
-        for e in _rounds(log):
-            if e.committed:
-                by_round.setdefault(e.round, set()).add(e.hash)
-    return by_round
-
-
 def _aborts(log: EventLog, round_index: int) -> int:
-    return sum(1 for e in _rounds(log) if e.round == round_index and not e.committed)
+    return sum(1 for e in log.rounds() if e.round == round_index and not e.committed)
 
 
 def test_two_equal_sides_of_a_partition_commit_nothing_and_agree_after_it_heals(tmp_path: Path) -> None:
     stuck = SPLIT_AFTER + 1
 
     def each_side_done_with_the_round(logs: dict[str, EventLog]) -> bool:  # aborted it twice, or (wrongly) committed
-        return all(_aborts(log, stuck) >= 2 or any(e.committed and e.round == stuck for e in _rounds(log))
+        return all(_aborts(log, stuck) >= 2 or any(e.committed and e.round == stuck for e in log.rounds())
                    for log in logs.values())
 
     logs = asyncio.run(_swarm(tmp_path, ["ab", "cd"], healed_when=each_side_done_with_the_round))
-    story = _story(logs)
-    by_round = _hashes_by_round(logs)
-    assert sorted(by_round) == list(range(ROUNDS)), story
-    assert all(len(h) == 1 for h in by_round.values()), f"a round committed with two θ_global: {story}"
+    told = story(logs)
+    by_round = hashes_by_round(logs)
+    assert sorted(by_round) == list(range(ROUNDS)), told
+    assert all(len(h) == 1 for h in by_round.values()), f"a round committed with two θ_global: {told}"
     for n, log in logs.items():
-        during = [e for e in _rounds(log) if e.round == stuck and not e.committed]
+        during = [e for e in log.rounds() if e.round == stuck and not e.committed]
         assert during and all("peers of the previous commit" in e.reason for e in during if len(e.members) == 2), \
-            (n, story)
+            (n, told)
         # round `stuck` committed once, after the heal, with all four
-        commit = [e for e in _rounds(log) if e.round == stuck and e.committed]
-        assert commit and len(commit[0].members) == 4, (n, story)
+        commit = [e for e in log.rounds() if e.round == stuck and e.committed]
+        assert commit and len(commit[0].members) == 4, (n, told)
 
 
 def test_the_majority_side_goes_on_and_the_minority_heals_afterwards(tmp_path: Path) -> None:
     def majority_moved_on(logs: dict[str, EventLog]) -> bool:
-        return all(any(e.committed and e.round >= SPLIT_AFTER + 2 for e in _rounds(logs[n])) for n in "abc") \
+        return all(any(e.committed and e.round >= SPLIT_AFTER + 2 for e in logs[n].rounds()) for n in "abc") \
             and _aborts(logs["d"], SPLIT_AFTER + 1) >= 2
 
     logs = asyncio.run(_swarm(tmp_path, ["abc", "d"], healed_when=majority_moved_on))
-    story = _story(logs)
-    by_round = _hashes_by_round(logs)
-    assert sorted(by_round) == list(range(ROUNDS)) and all(len(h) == 1 for h in by_round.values()), story
-    d_rounds = _rounds(logs["d"])
-    assert not any(e.committed and e.round in (SPLIT_AFTER + 1, SPLIT_AFTER + 2) for e in d_rounds), story
+    told = story(logs)
+    by_round = hashes_by_round(logs)
+    assert sorted(by_round) == list(range(ROUNDS)) and all(len(h) == 1 for h in by_round.values()), told
+    d_rounds = logs["d"].rounds()
+    assert not any(e.committed and e.round in (SPLIT_AFTER + 1, SPLIT_AFTER + 2) for e in d_rounds), told
     heals = [e for e in logs["d"].events() if isinstance(e, HealEvent)]
-    assert heals and heals[0].from_round == SPLIT_AFTER + 1, story
-    assert any(e.committed and len(e.members) == 4 for e in d_rounds if e.round > heals[0].to_round - 1), story
+    assert heals and heals[0].from_round == SPLIT_AFTER + 1, told
+    assert any(e.committed and len(e.members) == 4 for e in d_rounds if e.round > heals[0].to_round - 1), told
 
 
 def test_members_that_leave_gracefully_are_not_needed_for_the_next_commit(tmp_path: Path) -> None:
@@ -155,7 +143,7 @@ def test_members_that_leave_gracefully_are_not_needed_for_the_next_commit(tmp_pa
         tasks = [asyncio.create_task(run_peer(peers[n], stops[n])) for n in NAMES]
         try:
             def all_committed() -> bool:
-                return all(any(e.committed and e.round == leave_after for e in _rounds(logs[n])) for n in NAMES)
+                return all(any(e.committed and e.round == leave_after for e in logs[n].rounds()) for n in NAMES)
 
             await asyncio.to_thread(wait_until, all_committed, timeout_s=120, what=f"round {leave_after} committed")
             stops["a"].set()  # half of the last commit's members leave at once
@@ -168,11 +156,11 @@ def test_members_that_leave_gracefully_are_not_needed_for_the_next_commit(tmp_pa
         return logs, reasons
 
     logs, reasons = asyncio.run(main())
-    story = _story(logs)
-    assert reasons == ["signal", "signal", "done", "done"], story
-    by_round = _hashes_by_round(logs)
-    assert sorted(by_round) == list(range(ROUNDS)) and all(len(h) == 1 for h in by_round.values()), story
+    told = story(logs)
+    assert reasons == ["signal", "signal", "done", "done"], told
+    by_round = hashes_by_round(logs)
+    assert sorted(by_round) == list(range(ROUNDS)) and all(len(h) == 1 for h in by_round.values()), told
     for n in "cd":
-        committed = [e for e in _rounds(logs[n]) if e.committed]
-        assert [e.round for e in committed] == list(range(ROUNDS)), story
-        assert all(len(e.members) == 2 for e in committed[-3:]), story
+        committed = [e for e in logs[n].rounds() if e.committed]
+        assert [e.round for e in committed] == list(range(ROUNDS)), told
+        assert all(len(e.members) == 2 for e in committed[-3:]), told

@@ -16,8 +16,15 @@ import pytest
 
 from swarmtrain.config import load_config
 from swarmtrain.peer import Peer
-from swarmtrain.telemetry import EventWriter, RoundEvent
-from swarmtrain.testing.cluster import EventLog, LoopbackServices, publish_run, run_peer
+from swarmtrain.telemetry import EventWriter
+from swarmtrain.testing.cluster import (
+    EventLog,
+    LoopbackServices,
+    hashes_by_round,
+    publish_run,
+    run_peer,
+    story,
+)
 from swarmtrain.testing.wait import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
@@ -56,21 +63,15 @@ def test_clocks_skewed_within_the_tolerance_commit_every_round_together(tmp_path
         return logs
 
     logs = asyncio.run(main())
-    rounds = {n: [e for e in log.events() if isinstance(e, RoundEvent)] for n, log in logs.items()}
-    story = {n: [(e.round, "C" if e.committed else "A", len(e.members), e.hash[:8], e.reason[:60]) for e in r]
-             for n, r in rounds.items()}
-    by_round: dict[int, set[str]] = {}
-    for events in rounds.values():
-        for e in events:
-            if e.committed:
-                by_round.setdefault(e.round, set()).add(e.hash)
-    assert sorted(by_round) == list(range(ROUNDS)) and all(len(h) == 1 for h in by_round.values()), story
+    rounds, told = {n: log.rounds() for n, log in logs.items()}, story(logs)
+    by_round = hashes_by_round(logs)
+    assert sorted(by_round) == list(range(ROUNDS)) and all(len(h) == 1 for h in by_round.values()), told
     for n, events in rounds.items():
         # Peers start one after the other, each alone until the next arrives: the first rounds may go
         # on without a late starter (it heals). From SETTLED on, every round commits with all three.
         assert [e.round for e in events if e.committed][-(ROUNDS - SETTLED):] == list(range(SETTLED, ROUNDS)), \
-            (n, story)
-        assert all(len(e.members) == 3 for e in events if e.committed and e.round >= SETTLED), (n, story)
+            (n, told)
+        assert all(len(e.members) == 3 for e in events if e.committed and e.round >= SETTLED), (n, told)
 
 
 def _wait_started(peer: Peer) -> None:

@@ -17,9 +17,16 @@ import pytest
 
 from swarmtrain.config import load_config
 from swarmtrain.peer import Peer
-from swarmtrain.telemetry import EventWriter, RoundEvent
+from swarmtrain.telemetry import EventWriter
 from swarmtrain.testing import FaultPlan
-from swarmtrain.testing.cluster import EventLog, LoopbackServices, publish_run, run_peer
+from swarmtrain.testing.cluster import (
+    EventLog,
+    LoopbackServices,
+    hashes_by_round,
+    publish_run,
+    run_peer,
+    story,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -58,19 +65,13 @@ def test_a_reducer_stalling_after_the_others_served_delays_its_round_but_never_b
         return logs
 
     logs = asyncio.run(main())
-    rounds = {n: [e for e in log.events() if isinstance(e, RoundEvent)] for n, log in logs.items()}
-    story = {n: [(e.round, "C" if e.committed else "A", len(e.members), e.hash[:8], e.reason[:70]) for e in r]
-             for n, r in rounds.items()}
-    assert sum(1 for site, _ in plan.hits if site.call == "mean") == 3, f"the stall never happened: {story}"
-    by_round: dict[int, set[str]] = {}
-    for events in rounds.values():
-        for e in events:
-            if e.committed:
-                by_round.setdefault(e.round, set()).add(e.hash)
-    assert sorted(by_round) == list(range(ROUNDS)) and all(len(h) == 1 for h in by_round.values()), story
+    rounds, told = {n: log.rounds() for n, log in logs.items()}, story(logs)
+    assert sum(1 for site, _ in plan.hits if site.call == "mean") == 3, f"the stall never happened: {told}"
+    by_round = hashes_by_round(logs)
+    assert sorted(by_round) == list(range(ROUNDS)) and all(len(h) == 1 for h in by_round.values()), told
     for n, events in rounds.items():
         stalled = [e for e in events if e.round == STALLED]
-        assert stalled[0].committed is False and stalled[-1].committed, (n, story)
-        assert [e.round for e in events if e.committed] == list(range(ROUNDS)), (n, story)
+        assert stalled[0].committed is False and stalled[-1].committed, (n, told)
+        assert [e.round for e in events if e.committed] == list(range(ROUNDS)), (n, told)
         # (a member whose retried push missed a short window still commits the others' mean)
-        assert all(len(e.members) >= 2 for e in events if e.committed), (n, story)
+        assert all(len(e.members) >= 2 for e in events if e.committed), (n, told)

@@ -12,8 +12,15 @@ import pytest
 
 from swarmtrain.config import load_config
 from swarmtrain.peer import Peer
-from swarmtrain.telemetry import EventWriter, HealEvent, RoundEvent
-from swarmtrain.testing.cluster import EventLog, LoopbackServices, publish_run, run_peer
+from swarmtrain.telemetry import EventWriter, HealEvent
+from swarmtrain.testing.cluster import (
+    EventLog,
+    LoopbackServices,
+    hashes_by_round,
+    publish_run,
+    run_peer,
+    story,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -61,19 +68,13 @@ def test_a_peer_with_a_corrupted_theta_is_left_out_and_heals(tmp_path: Path) -> 
         return outs
 
     outs = asyncio.run(main())
-    story = {n: [(e.round, e.committed, len(e.members), e.hash[:8], e.reason[:60]) if isinstance(e, RoundEvent)
-                 else ("heal", e.from_round, e.to_round, e.hash[:8]) for e in out.events()
-                 if isinstance(e, (RoundEvent, HealEvent))] for n, out in outs.items()}
-    rounds = {n: [e for e in out.events() if isinstance(e, RoundEvent)] for n, out in outs.items()}
+    told = story(outs)
+    rounds = {n: out.rounds() for n, out in outs.items()}
     left_out = [e for e in rounds["c"] if not e.committed and "θ_global differs" in e.reason]
-    assert left_out and left_out[0].round == BAD_ROUND, story
+    assert left_out and left_out[0].round == BAD_ROUND, told
     heals = [e for e in outs["c"].events() if isinstance(e, HealEvent)]
-    assert heals and heals[0].from_round == BAD_ROUND, story
-    by_round: dict[int, set[str]] = {}
-    for events in rounds.values():
-        for e in events:
-            if e.committed:
-                by_round.setdefault(e.round, set()).add(e.hash)
-    assert sorted(by_round) == list(range(ROUNDS)) and all(len(h) == 1 for h in by_round.values()), story
+    assert heals and heals[0].from_round == BAD_ROUND, told
+    by_round = hashes_by_round(outs)
+    assert sorted(by_round) == list(range(ROUNDS)) and all(len(h) == 1 for h in by_round.values()), told
     assert any(e.committed and e.round > BAD_ROUND and len(e.members) == 3 for e in rounds["c"]), \
-        f"c never averaged with the swarm again: {story}"
+        f"c never averaged with the swarm again: {told}"
