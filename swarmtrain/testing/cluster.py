@@ -16,7 +16,16 @@ from swarmtrain.peer.network import NetworkPlane, NetworkServices
 from swarmtrain.telemetry.events import HealEvent, Line, RoundEvent, parse_line
 from swarmtrain.testing.faults import FaultPlan
 
-__all__ = ["EventLog", "LoopbackServices", "Partition", "hashes_by_round", "publish_run", "run_peer", "story"]
+__all__ = ["TINY_RUN", "EventLog", "LoopbackServices", "Partition", "hashes_by_round", "publish_run", "run_peer",
+           "story"]
+
+# The workload of the cluster tests (a ~0.1M-parameter model, a few inner steps per round, int8 Δs); each
+# test adds its own timing and round count.
+TINY_RUN = (
+    "model.preset=tiny", "data.max_corpus_bytes=300000", "data.seq_len=32", "data.batch_size=4",
+    "inner.warmup_steps=1", "diloco.inner_steps=3", "diloco.eval_batches=1", "averaging.min_peers=2",
+    "compress.codec=int8",
+)
 
 
 class Partition:

@@ -20,6 +20,7 @@ from swarmtrain.peer import Peer
 from swarmtrain.telemetry import EventWriter
 from swarmtrain.testing import FaultPlan
 from swarmtrain.testing.cluster import (
+    TINY_RUN,
     EventLog,
     LoopbackServices,
     hashes_by_round,
@@ -33,11 +34,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 ROUNDS, STALLED = 5, 2
 ALLREDUCE_S = 6.0
 RUN = [
-    "model.preset=tiny", "data.max_corpus_bytes=300000", "data.seq_len=32", "data.batch_size=4",
-    "inner.warmup_steps=1", "diloco.inner_steps=3", "diloco.eval_batches=1", "averaging.min_peers=2",
-    "averaging.matchmaking_timeout_s=1.0", f"averaging.allreduce_timeout_s={ALLREDUCE_S}",
+    *TINY_RUN, "averaging.matchmaking_timeout_s=1.0", f"averaging.allreduce_timeout_s={ALLREDUCE_S}",
     "averaging.contribution_window_s=2", "discovery.heartbeat_s=0.2", "discovery.record_ttl_s=3.0",
-    "rpc.call_timeout_s=2.0", "compress.codec=int8", f"diloco.rounds={ROUNDS}",
+    "rpc.call_timeout_s=2.0", f"diloco.rounds={ROUNDS}",
 ]
 
 
