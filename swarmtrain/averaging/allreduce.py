@@ -1,4 +1,4 @@
-"""The member side of the fault-tolerant butterfly all-reduce and its commit rule.
+"""The member side of the fault-tolerant butterfly all-reduce; it applies the commit rule of round/rules.py.
 
 One round, attempt a, reducers R_a (the group's non-client members minus those this member saw die):
   1. push: shard j of this member's encoded Δ streams to reducer j (shard sizes by bandwidth);
@@ -41,31 +41,15 @@ from swarmtrain.averaging.protocol import AverageResult
 from swarmtrain.averaging.reducer import ReducerRegistry, max_encoded_bytes, shard_bounds
 from swarmtrain.compress import Codec, CodecError
 from swarmtrain.config import AveragingConfig
+from swarmtrain.round.rules import electorate_problem, has_quorum, vote_problem, voters
 from swarmtrain.rpc.averaging_client import AveragingClient
 from swarmtrain.rpc.averaging_wire import PushHeader, SessionKey
 from swarmtrain.rpc.faults import Fault, FaultHook, FaultSite, corrupt, truncate
 from swarmtrain.rpc.node import Rejected, RpcError, RpcNode, RpcRejected, RpcTimeout, RpcUnavailable
 
-__all__ = ["AllReduce", "electorate_problem", "has_quorum"]
+__all__ = ["AllReduce"]
 
 log = logging.getLogger(__name__)
-
-
-def has_quorum(num_contributors: int, *, group_size: int, min_peers: int) -> bool:
-    """The group's commit rule: at least `min_peers` and more than half of the group delivered."""
-    return num_contributors >= min_peers and 2 * num_contributors > group_size
-
-
-def electorate_problem(contributors: tuple[str, ...], electorate: tuple[str, ...]) -> str:
-    """Why `contributors` may not commit a round whose electorate is `electorate` ("" when they may):
-    they must include a strict majority of it (an empty electorate, before the first commit, allows any)."""
-    if not electorate:
-        return ""
-    present = len(set(contributors) & set(electorate))
-    if 2 * present > len(set(electorate)):
-        return ""
-    return (f"only {present} of the {len(set(electorate))} peers of the previous commit took part; a commit needs "
-            f"more than half of them (a partition, or more than half of them gone at once)")
 
 
 @dataclass
@@ -189,28 +173,20 @@ class AllReduce:
 
     async def _ballot(self, key: SessionKey, group: Group, electorate: tuple[str, ...], deadline: float) -> str:
         """Ask the round's voters for their vote for session `key`; "" with a strict majority, else why not."""
-        clients = {m.peer_id for m in group.members if m.client_mode}
         by_id = {m.peer_id: m for m in group.members}
-        if electorate:
-            eligible = [p for p in dict.fromkeys(electorate) if p not in clients]
-            voters = [by_id[p] for p in eligible if p in by_id]  # the others are not here to ask
-        else:
-            voters = list(group.reducers)
-            eligible = [m.peer_id for m in voters]
+        eligible = voters(electorate, reducers=[m.peer_id for m in group.reducers],
+                          clients=[m.peer_id for m in group.members if m.client_mode])
+        voting = [by_id[p] for p in eligible if p in by_id]  # the others are not here to ask
         vote_deadline = min(deadline, time.monotonic() + self.node.cfg.call_timeout_s)
-        replies = await asyncio.gather(*(self._vote(key, m, vote_deadline) for m in voters), return_exceptions=True)
+        replies = await asyncio.gather(*(self._vote(key, m, vote_deadline) for m in voting), return_exceptions=True)
         bugs = [r for r in replies if isinstance(r, BaseException) and not isinstance(r, (RpcError, Rejected,
                                                                                           TimeoutError))]
         if bugs:
             raise bugs[0]  # not a network fault: surface it
-        granted = [m.peer_id for m, r in zip(voters, replies, strict=True) if isinstance(r, tuple) and r[0]]
-        if 2 * len(granted) > len(eligible):
-            return ""
+        granted = [m.peer_id for m, r in zip(voting, replies, strict=True) if isinstance(r, tuple) and r[0]]
         elsewhere = sorted({r[1] for r in replies if isinstance(r, tuple) and not r[0] and r[1]})
-        unanswered = [m.peer_id for m, r in zip(voters, replies, strict=True) if isinstance(r, BaseException)]
-        return (f"only {len(granted)} of {len(eligible)} votes (a commit needs more than half)"
-                + (f"; votes went to other attempts of the round: {elsewhere}" if elsewhere else "")
-                + (f"; no answer from {unanswered}" if unanswered else ""))
+        unanswered = [m.peer_id for m, r in zip(voting, replies, strict=True) if isinstance(r, BaseException)]
+        return vote_problem(granted, eligible, elsewhere=elsewhere, unanswered=unanswered)
 
     async def _vote(self, key: SessionKey, voter: Member, deadline: float) -> tuple[bool, str]:
         if voter.peer_id == self.peer_id:

@@ -13,7 +13,7 @@ import dataclasses
 import functools
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -82,6 +82,7 @@ class NetworkPlane:
         self._steps_per_s = 0.0  # announced in this round's match entry
         self._state_hash = ""  # of the θ_global last published: a group's members share one
         self._prematch: tuple[int, asyncio.Task[MatchOutcome]] | None = None
+        self._on_group: Callable[[Group], None] | None = None  # of the average in progress
         a, r = cfg.averaging, cfg.rpc
         self._match_timeout_s = 4 * a.matchmaking_timeout_s + 4 * r.call_timeout_s + 2.0
         self._fetch_timeout_s = 4 * max(r.call_timeout_s, a.allreduce_timeout_s)
@@ -124,11 +125,15 @@ class NetworkPlane:
             future.cancel()
             self._outcome = MatchOutcome(round=round_index, group=None,
                                          reason=f"matchmaking took longer than {self._match_timeout_s:.1f}s")
-        return self._outcome.group
+        group, on_group = self._outcome.group, self._on_group
+        if group is not None and on_group is not None:
+            self.loop.call_soon_threadsafe(on_group, group)
+        return group
 
     async def average(self, round_index: int, delta: torch.Tensor, *, steps_per_s: float = 0.0,
-                      electorate: tuple[str, ...] = ()) -> AverageResult:
-        self._outcome, self._steps_per_s = None, steps_per_s
+                      electorate: tuple[str, ...] = (),
+                      on_group: Callable[[Group], None] | None = None) -> AverageResult:
+        self._outcome, self._steps_per_s, self._on_group = None, steps_per_s, on_group
         result = await asyncio.to_thread(functools.partial(self.averager.average, round_index, delta,
                                                            electorate=electorate))
         outcome = self._outcome

@@ -15,7 +15,8 @@ import torch
 
 from swarmtrain.averaging.protocol import AverageResult
 from swarmtrain.diloco.worker import DeltaError
-from swarmtrain.peer.rounds import PendingRound, UnsentSteps
+from swarmtrain.peer.rounds import PendingRound, UnsentSteps, group_reporter
+from swarmtrain.round import Finish, Heal, Launch, RoundMachine, Settle, Train, Wait
 
 __all__ = ["OVERLAP_CHUNKS", "OverlappedRounds"]
 
@@ -36,50 +37,56 @@ class OverlappedRounds:
         θ_local = θ_global − (own progress not yet in θ_global): a commit keeps the steps taken
         since Δ was sent, an abort puts Δ back so the next attempt carries it with them, and a heal
         starts again from the donor's θ (or keeps the unsent steps on top of it when one round late).
+        The decisions are the RoundMachine's (swarmtrain/round/machine.py); this loop performs them.
         """
         assert self.worker is not None
-        worker, rounds = self.worker, self.cfg.diloco.rounds
+        worker = self.worker
         unsent = UnsentSteps(trained=worker.has_local_progress())  # a resumed peer sends what it had trained
+        machine = self._round_machine(overlap=True, unsent=unsent.trained)
         pending: PendingRound | None = None
-        while worker.round < rounds:
-            if stop.is_set() and pending is None:  # an average in flight is finished first
-                return "signal"
-            if pending is None:
-                # One round late: its steps are kept and sent with the next round (not retrained).
-                if await self._heal_if_behind(keep_progress_rounds=1) and not worker.has_local_progress():
-                    unsent = UnsentSteps()
-                if worker.round >= rounds:
-                    break
-                if not unsent.trained:
-                    stats = await self._train_round(stop)
-                    if stats is None:
-                        return "signal"
-                    unsent.add(stats)
-                pending, unsent = await self._launch(unsent), UnsentSteps()
-                if pending is None:  # its Δ was unusable: dropped, and the round is trained again
+        while True:
+            if stop.is_set():
+                machine.request_stop()  # an average in flight is concluded first
+            action = machine.next()
+            if isinstance(action, Finish):
+                if action.reason == "done":
+                    await self._linger_for_stragglers(stop)
+                return action.reason
+            if isinstance(action, Heal):
+                if await self._heal(machine, action) and not worker.has_local_progress():
+                    unsent = UnsentSteps()  # healed without keeping this peer's unsent steps
+            elif isinstance(action, Train):
+                stats = await self._train_round(stop)
+                if stats is None:
+                    machine.stopped()
                     continue
-            result = None
-            if worker.round + 1 < rounds:  # a next round to contribute to: train it meanwhile
-                result = await self._train_while_averaging(pending, unsent, stop)
-            if result is None:
-                result = await self._settle(pending)
-            if not result.committed:
-                unsent.trained = True  # θ_local still holds the aborted round's progress
-                if math.isnan(unsent.loss):
-                    unsent.loss = pending.loss
+                unsent.add(stats)
+                machine.trained()
+            elif isinstance(action, Launch):
+                pending, problem = await self._launch(unsent, machine)
+                unsent = UnsentSteps()
+                machine.launched(problem=problem)
+            elif isinstance(action, Settle):
+                assert pending is not None
+                result = None
+                if action.train_meanwhile:
+                    result = await self._train_while_averaging(pending, unsent, stop)
+                if result is None:
+                    result = await self._settle(pending)
+                if not result.committed and math.isnan(unsent.loss):
+                    unsent.loss = pending.loss  # θ_local still holds the aborted round's progress
+                if not result.committed:
+                    unsent.trained = True
                 pending = None
-                if result.heal_to_hash and await self._heal_if_behind(want_hash=result.heal_to_hash):
-                    unsent = UnsentSteps()  # progress from a θ_global the swarm does not hold is dropped
-                elif not await self._await_swarm_past(result.round, until=result.retry_at, stop=stop):
-                    return "signal"
-            elif stop.is_set():
-                return "signal"
-            elif unsent.trained and worker.round < rounds:
-                pending, unsent = await self._launch(unsent), UnsentSteps()
+                machine.averaged(committed=result.committed, reason=result.reason, retry_at=result.retry_at,
+                                 heal_to_hash=result.heal_to_hash, trained_meanwhile=unsent.trained)
+            elif isinstance(action, Wait):
+                if await self._await_swarm_past(action.round, until=action.until, stop=stop):
+                    machine.waited()
+                else:
+                    machine.stopped()
             else:
-                pending = None
-        await self._linger_for_stragglers(stop)
-        return "done"
+                raise AssertionError(f"the overlapped round loop cannot perform {action!r}")
 
     async def _train_while_averaging(self, pending: PendingRound, unsent: UnsentSteps,
                                      stop: asyncio.Event) -> AverageResult | None:
@@ -112,10 +119,10 @@ class OverlappedRounds:
             result = await self._settle(pending)
         return result
 
-    async def _launch(self, unsent: UnsentSteps) -> PendingRound | None:
+    async def _launch(self, unsent: UnsentSteps, machine: RoundMachine) -> tuple[PendingRound | None, str]:
         """Start averaging Δ = θ_global − θ_local for the current round in the background.
 
-        None when Δ is unusable (NaN/Inf): the round is aborted here and the peer resynchronised.
+        (None, why) when Δ is unusable (NaN/Inf): the round is aborted here and the peer resynchronised.
         """
         assert self.worker is not None and self.plane is not None
         worker, plane = self.worker, self.plane
@@ -124,7 +131,7 @@ class OverlappedRounds:
         except DeltaError as e:
             self._abort_locally(PendingRound(round=worker.round, delta=torch.empty(0), loss=unsent.loss,
                                              compute_s=unsent.compute_s, steps=unsent.steps), str(e))
-            return None
+            return None, str(e)
         pending = PendingRound(round=worker.round, delta=delta, loss=unsent.loss, compute_s=unsent.compute_s,
                               steps=unsent.steps, carry=carry)
         window_s = self.cfg.averaging.matchmaking_timeout_s
@@ -133,7 +140,8 @@ class OverlappedRounds:
             start = time.perf_counter()
             try:
                 result = await plane.average(pending.round, pending.delta, steps_per_s=pending.steps_per_s,
-                                             electorate=await self._electorate(pending.round))
+                                             electorate=await self._electorate(pending.round),
+                                             on_group=group_reporter(machine))
             except Exception as e:  # a fault of this peer's own: abort the attempt, try again a window later
                 log.exception("round %d: the all-reduce failed on this peer", pending.round)
                 result = AverageResult(round=pending.round, committed=False, mean=None, retry_at=self._now() + window_s,
@@ -141,4 +149,4 @@ class OverlappedRounds:
             return result, time.perf_counter() - start
 
         pending.task = asyncio.ensure_future(timed())
-        return pending
+        return pending, ""

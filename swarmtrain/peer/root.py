@@ -15,8 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import functools
-import hashlib
 import logging
 import math
 import time
@@ -26,12 +24,12 @@ from typing import Any
 
 import torch
 
+from swarmtrain.averaging.group import Group
 from swarmtrain.averaging.protocol import AverageResult
 from swarmtrain.compress import Codec, codec_from_config
 from swarmtrain.config import RunConfig
 from swarmtrain.data import eval_batches, load_corpus
 from swarmtrain.diloco import DilocoWorker, resolve_device
-from swarmtrain.diloco.flat import flat_hash
 from swarmtrain.diloco.pace import Pace, RoundBudget
 from swarmtrain.diloco.worker import InnerStats, InnerStep
 from swarmtrain.discovery import (
@@ -43,11 +41,13 @@ from swarmtrain.discovery import (
 from swarmtrain.models import build_model
 from swarmtrain.peer.config import merge_run_config
 from swarmtrain.peer.data import choose_shard, peer_batches, peer_seed, saved_slot
+from swarmtrain.peer.healing import Healing
 from swarmtrain.peer.membership import Membership
 from swarmtrain.peer.overlap import OverlappedRounds
 from swarmtrain.peer.presence import Presence
-from swarmtrain.peer.rounds import LocalRoundError, PendingRound, interruptible, swarm_round_end
+from swarmtrain.peer.rounds import LocalRoundError, PendingRound, group_reporter, interruptible
 from swarmtrain.peer.services import DataPlane, PeerError, PeerServices, PeerState
+from swarmtrain.round import Average, Finish, Heal, RoundMachine, Train, Wait
 from swarmtrain.sync.checkpoint import (
     DirectoryClaim,
     LoadedCheckpoint,
@@ -55,7 +55,7 @@ from swarmtrain.sync.checkpoint import (
     load_latest_checkpoint,
     save_checkpoint,
 )
-from swarmtrain.telemetry import EventWriter, HealEvent, LeaveEvent, RoundEvent, StatusSnapshot
+from swarmtrain.telemetry import EventWriter, LeaveEvent, RoundEvent, StatusSnapshot
 
 __all__ = ["DataPlane", "Peer", "PeerError", "PeerServices", "PeerState", "merge_run_config"]
 
@@ -72,7 +72,7 @@ def _resume(worker: DilocoWorker, loaded: LoadedCheckpoint) -> None:
     log.info("resumed from %s at round %d", loaded.path, worker.round)
 
 
-class Peer(OverlappedRounds):
+class Peer(OverlappedRounds, Healing):
     """One DiLoCo peer of a swarm. `await start()`, `await run(stop)`, `await aclose(reason)`.
 
     `on_step` sees every inner step, on the training thread (the console progress display).
@@ -212,29 +212,32 @@ class Peer(OverlappedRounds):
     async def run(self, stop: asyncio.Event) -> str:
         """Train until `diloco.rounds` rounds are committed or `stop` is set; returns why it ended.
 
-        A round that does not commit keeps its trained Δ: after waiting out the attempt it missed
-        (`retry_at`), the peer either heals (the swarm committed the round without it, so its local
-        progress is dropped) or averages the same Δ again, without retraining.
+        The round's decisions are the RoundMachine's (swarmtrain/round/machine.py); this loop performs
+        its actions. A round that does not commit keeps its trained Δ: after waiting out the attempt it
+        missed, the peer either heals (the swarm committed the round without it, so its local progress
+        is dropped) or averages the same Δ again, without retraining.
         """
         assert self.worker is not None and self.plane is not None
         if self.cfg.diloco.overlap:
             return await self._run_overlapped(stop)
         worker = self.worker
+        machine = self._round_machine(overlap=False)
         pending: PendingRound | None = None
-        committed = False
-        while worker.round < self.cfg.diloco.rounds:
+        while True:
             if stop.is_set():
-                return "signal"
-            # Right after a commit nobody can be past this peer's round yet (the next round needs inner
-            # steps first): skip the DHT lookup (~0.1 s of every round).
-            if not committed:
-                await self._heal_if_behind()
-            if worker.round >= self.cfg.diloco.rounds:
-                break
-            if pending is None or pending.round != worker.round:  # nothing trained for this round yet
+                machine.request_stop()
+            action = machine.next()
+            if isinstance(action, Finish):
+                if action.reason == "done":
+                    await self._linger_for_stragglers(stop)
+                return action.reason
+            if isinstance(action, Heal):
+                await self._heal(machine, action)
+            elif isinstance(action, Train):
                 stats = await self._train_round(stop)
                 if stats is None:
-                    return "signal"
+                    machine.stopped()
+                    continue
                 delta = await asyncio.to_thread(worker.delta)
                 pending = PendingRound(round=worker.round, delta=delta, loss=stats.loss, compute_s=stats.compute_s,
                                        steps=stats.steps)
@@ -242,23 +245,30 @@ class Peer(OverlappedRounds):
                 problem = await asyncio.to_thread(worker.delta_problem, delta)
                 if problem:
                     self._abort_locally(pending, problem)
-                    pending, committed = None, False
+                machine.trained(problem=problem)
+            elif isinstance(action, Average):
+                assert pending is not None and pending.round == action.round
+                try:
+                    result = await self._average(pending, on_group=group_reporter(machine))
+                except LocalRoundError as e:  # this peer's own Δ or code failed: the swarm goes on without it
+                    self._abort_locally(pending, str(e))
+                    machine.failed(reason=str(e))
                     continue
-            try:
-                result = await self._average(pending)
-            except LocalRoundError as e:  # this peer's own Δ or code failed: the swarm goes on without it
-                self._abort_locally(pending, str(e))
-                pending, committed = None, False
-                continue
-            committed = result.committed
-            if result.committed:
-                pending = None
-            elif result.heal_to_hash and await self._heal_if_behind(want_hash=result.heal_to_hash):
-                pending = None  # its Δ was taken from a θ_global the swarm does not hold
-            elif not await self._await_swarm_past(result.round, until=result.retry_at, stop=stop):
-                return "signal"
-        await self._linger_for_stragglers(stop)
-        return "done"
+                machine.averaged(committed=result.committed, reason=result.reason, retry_at=result.retry_at,
+                                 heal_to_hash=result.heal_to_hash)
+            elif isinstance(action, Wait):
+                if await self._await_swarm_past(action.round, until=action.until, stop=stop):
+                    machine.waited()
+                else:
+                    machine.stopped()
+            else:
+                raise AssertionError(f"the classic round loop cannot perform {action!r}")
+
+    def _round_machine(self, *, overlap: bool, unsent: bool = False) -> RoundMachine:
+        assert self.worker is not None
+        return RoundMachine(round_index=self.worker.round, rounds=self.cfg.diloco.rounds, clock=self._now,
+                            overlap=overlap, unsent=unsent,
+                            on_transition=lambda t: log.info("%s: %s", self._peer_id, t.line()))
 
     async def _train_round(self, stop: asyncio.Event) -> InnerStats | None:
         """One round's inner steps, as `diloco.pace` budgets them (None: `stop` came first).
@@ -318,7 +328,8 @@ class Peer(OverlappedRounds):
 
         await self._watch_peers(nobody_behind, deadline=deadline, stop=stop)
 
-    async def _average(self, pending: PendingRound) -> AverageResult:
+    async def _average(self, pending: PendingRound, *,
+                       on_group: Callable[[Group], None] | None = None) -> AverageResult:
         """One averaging attempt of the pending round; applies, reports and checkpoints a commit.
 
         LocalRoundError when this peer's side of the all-reduce failed with an error of its own (a
@@ -329,7 +340,7 @@ class Peer(OverlappedRounds):
         start = time.perf_counter()
         try:
             result = await self.plane.average(pending.round, pending.delta, steps_per_s=pending.steps_per_s,
-                                              electorate=await self._electorate(pending.round))
+                                              electorate=await self._electorate(pending.round), on_group=on_group)
         except Exception as e:
             log.exception("round %d: the all-reduce failed on this peer", pending.round)
             raise LocalRoundError(f"local error in the all-reduce: {type(e).__name__}: {e}") from e
@@ -478,67 +489,6 @@ class Peer(OverlappedRounds):
             await self.heartbeat.beat()
         except Exception as e:  # the periodic beat retries; a failed early beat only delays visibility
             log.warning("peer record refresh failed: %s", e)
-
-    async def _heal_if_behind(self, *, keep_progress_rounds: int = 0, want_hash: str = "") -> bool:
-        """If live peers are at a newer round, download their state and join at the next boundary (True).
-
-        A heal of at most `keep_progress_rounds` rounds keeps θ_local's unsent steps (overlap mode).
-        With `want_hash` (this peer was left out of a group for its θ_global), peers at this peer's
-        round that announce that hash are donors too, and what they serve must hash to it.
-        """
-        assert self.discovery is not None and self.worker is not None and self.plane is not None
-        try:
-            peers = await self.discovery.live_peers(timeout_s=self.cfg.rpc.call_timeout_s)
-        except Exception as e:  # a slow control plane must not stop training; the next round looks again
-            log.warning("could not list live peers (%s); not healing this round", e)
-            return False
-        self._presence().correct(self.discovery, peers)
-        own = self.worker.round
-        ahead = [p for p in peers if p.peer_id != self._peer_id and p.role == "worker" and p.endpoint
-                 and (p.round > own or (want_hash and p.round == own and p.state_hash == want_hash))]
-        if not ahead:
-            return False
-        newest = max(p.round for p in ahead)
-        donors = sorted((p for p in ahead if p.round == newest), key=lambda p: hashlib.sha256(
-            f"{self._peer_id}|{p.peer_id}".encode()).digest())  # spread joiners over donors
-        self.phase = "healing"
-        from_round = self.worker.round
-        for donor in donors:
-            start = time.perf_counter()
-            try:
-                state = await self.plane.fetch_state(donor.endpoint)
-            except Exception as e:
-                log.warning("state download from %s (%s) failed: %s", donor.peer_id, donor.endpoint, e)
-                continue
-            if state.round < own or (state.round == own and not want_hash):
-                continue
-            if state.round == own and await asyncio.to_thread(flat_hash, state.theta_global) != want_hash:
-                log.warning("%s served round %d with another θ_global than the group's %s", donor.peer_id,
-                            state.round, want_hash[:12])
-                continue
-            keep = state.round - self.worker.round <= keep_progress_rounds and not want_hash
-            await asyncio.to_thread(functools.partial(
-                self.worker.adopt_global, round_index=state.round, theta_global=state.theta_global,
-                outer_momentum=state.outer_momentum, keep_progress=keep, members=state.members))
-            if not keep:
-                self.worker.forget_residual()
-            ends = swarm_round_end(ahead, state.round)
-            self._round_ends_at = ends or 0.0
-            self._join_by = None if ends is None else (state.round, time.monotonic() + ends - self._now())
-            await self._publish_committed_state()
-            self.writer.emit(HealEvent(from_round=from_round, to_round=state.round, source=donor.peer_id,
-                                       hash=self.worker.global_hash(), peer=self._peer_id,
-                                       transfer_s=round(time.perf_counter() - start, 4)))
-            self.phase = "training"
-            # No checkpoint here: it would delay joining the round the others are starting now; the
-            # next commit checkpoints, and a crash before it just heals again.
-            self._beat_soon()
-            assert self._beat_task is not None
-            await self._beat_task
-            return True
-        self.phase = "training"
-        log.warning("behind the swarm (round %d < %d) but no donor delivered its state", self.worker.round, newest)
-        return False
 
     # ------------------------------------------------------------------ stop
 

@@ -5,18 +5,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-import statistics
-from collections.abc import Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from swarmtrain.averaging.group import Group
 from swarmtrain.averaging.protocol import AverageResult
 from swarmtrain.diloco.worker import Carry, InnerStats
-from swarmtrain.discovery import PeerRecord
+from swarmtrain.round import RoundMachine
 
-__all__ = ["LocalRoundError", "PendingRound", "UnsentSteps", "interruptible", "swarm_round_end"]
+__all__ = ["LocalRoundError", "PendingRound", "UnsentSteps", "group_reporter", "interruptible"]
 
 
 class LocalRoundError(RuntimeError):
@@ -73,12 +73,10 @@ async def interruptible(aw: Any, stop: asyncio.Event) -> Any:
     return None
 
 
-def swarm_round_end(peers: Sequence[PeerRecord], round_index: int) -> float | None:
-    """When the live peers at `round_index` expect their inner steps of it to end (swarm clock; the
-    median, so one peer's absurd estimate moves nothing), or None when none of them said.
+def group_reporter(machine: RoundMachine) -> Callable[[Group], None]:
+    """The data plane's `on_group` callback: tells the round machine that the round's group formed."""
 
-    A peer that heals into a round the others are already training stops its own steps then, so it
-    reaches the round's matchmaking with them instead of a span later, when the round has closed.
-    """
-    ends = [p.round_ends_at for p in peers if p.round == round_index and p.round_ends_at > 0]
-    return statistics.median(ends) if ends else None
+    def report(group: Group) -> None:
+        machine.matched(group=f"attempt {group.attempt}, {len(group.members)} members, group {group.group_id[:12]}")
+
+    return report

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+from swarmtrain.averaging.group import Group
 from swarmtrain.averaging.protocol import AverageResult
 from swarmtrain.compress import Codec
 from swarmtrain.config import DiscoveryConfig, RunConfig
@@ -38,10 +39,12 @@ class DataPlane(Protocol):
     def endpoint(self) -> str: ...
 
     async def average(self, round_index: int, delta: torch.Tensor, *, steps_per_s: float = 0.0,
-                      electorate: tuple[str, ...] = ()) -> AverageResult:
+                      electorate: tuple[str, ...] = (),
+                      on_group: Callable[[Group], None] | None = None) -> AverageResult:
         """Round `round_index`'s group mean of `delta`; `steps_per_s` is announced to the group (diloco.pace).
 
-        `electorate`: the peers a commit needs a strict majority of (averaging/allreduce.py; () = none)."""
+        `electorate`: the peers a commit needs a strict majority of (round/rules.py; () = none).
+        `on_group` is called on the caller's event loop once the round's group formed."""
         ...
 
     async def prematch(self, round_index: int, *, steps_per_s: float) -> None:

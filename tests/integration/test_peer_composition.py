@@ -102,7 +102,7 @@ class FakePlane:
         self.published = state
 
     async def average(self, round_index: int, delta: torch.Tensor, *, steps_per_s: float = 0.0,
-                      electorate: tuple[str, ...] = ()) -> AverageResult:
+                      electorate: tuple[str, ...] = (), on_group: object = None) -> AverageResult:
         # The double's windowed rounds apply the group rule only; the electorate is the all-reduce's
         # (tests/integration/test_swarm_quorum.py runs it on the in-process cluster).
         return await self.services.allreduce.average(self.peer_id, round_index, delta, steps_per_s=steps_per_s)

@@ -11,6 +11,8 @@ served a mean refused every later attempt of its round, and the swarm stayed at 
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -40,7 +42,9 @@ RUN = [
 ]
 
 
-def test_a_reducer_stalling_after_the_others_served_delays_its_round_but_never_blocks_it(tmp_path: Path) -> None:
+def test_a_reducer_stalling_after_the_others_served_delays_its_round_but_never_blocks_it(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="swarmtrain.peer")
     plan = FaultPlan()
 
     def stall_c(peer: Peer) -> None:
@@ -74,3 +78,16 @@ def test_a_reducer_stalling_after_the_others_served_delays_its_round_but_never_b
         assert [e.round for e in events if e.committed] == list(range(ROUNDS)), (n, told)
         # (a member whose retried push missed a short window still commits the others' mean)
         assert all(len(e.members) >= 2 for e in events if e.committed), (n, told)
+    # The round machine logged each step of the stalled round on every peer: a group formed and reduced,
+    # the session aborted, and a later attempt of the same round (same Δ, not retrained) committed.
+    transitions: dict[str, list[dict[str, object]]] = {}
+    for record in caplog.records:
+        peer, _, line = record.getMessage().partition(": ")
+        if line.startswith('{"event": "transition"'):
+            transitions.setdefault(peer, []).append(json.loads(line))
+    assert len(transitions) == 3, told
+    for peer, steps in transitions.items():
+        path = [(t["target"], t["attempt"]) for t in steps if t["round"] == STALLED]
+        assert ("reducing", 0) in path and ("aborted", 0) in path, (peer, path)
+        assert path[-1][0] == "committed" and path[-1][1] >= 1, (peer, path)
+        assert ("training", 1) not in path, (peer, path)  # the retry averaged the Δ it had trained

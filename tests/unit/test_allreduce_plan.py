@@ -7,9 +7,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from swarmtrain.averaging.allreduce import has_quorum
 from swarmtrain.averaging.reducer import mean_of, shard_bounds
 from swarmtrain.config import RpcConfig
+from swarmtrain.round.rules import has_quorum
 from swarmtrain.rpc.averaging_wire import SessionKey
 from swarmtrain.rpc.faults import Fault, FaultSite, corrupt, truncate
 from swarmtrain.rpc.node import resolve_run_key

@@ -65,3 +65,13 @@ def test_test_modules_have_unique_names() -> None:
     for path in tests.rglob("test_*.py"):
         seen.setdefault(path.name, []).append(str(path.relative_to(tests)))
     assert not {name: paths for name, paths in seen.items() if len(paths) > 1}
+
+
+def test_round_package_is_pure() -> None:
+    """The round state machine has no I/O, threads or clock of its own: it is driven and tested by hand."""
+    impure = NETWORKING | {"time", "threading", "torch", "subprocess", "os"}
+    for rel, imports in _modules():
+        if rel.startswith("round/"):
+            bad = {i for i in imports if _top(i) in impure
+                   or (i.startswith("swarmtrain.") and not i.startswith("swarmtrain.round"))}
+            assert not bad, f"{rel} imports {sorted(bad)}"

@@ -10,7 +10,6 @@ import struct
 import pytest
 import torch
 
-from swarmtrain.averaging.allreduce import electorate_problem
 from swarmtrain.averaging.protocol import AverageResult
 from swarmtrain.config import RunConfig
 from swarmtrain.data import ShardedBatches, load_corpus
@@ -18,6 +17,7 @@ from swarmtrain.diloco import DilocoWorker
 from swarmtrain.discovery import DepartureRecord, InMemoryRegistry, RecordError
 from swarmtrain.discovery.records import decode_record
 from swarmtrain.models import build_model
+from swarmtrain.round.rules import electorate_problem
 from swarmtrain.rpc.state_wire import StateBlob
 from swarmtrain.sync.transfer import StateSnapshot, StateTransferError, decode_snapshot, encode_snapshot
 

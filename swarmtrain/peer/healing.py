@@ -1,0 +1,95 @@
+"""Healing: a peer behind the swarm (or holding another θ_global than its group) adopts a live peer's state.
+
+A mixin of `Peer` (swarmtrain/peer/root.py), which owns the state it changes; the decision (whom to
+ask, what is kept) is round/heal.py's, and when to look is the round machine's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+
+from swarmtrain.diloco.flat import flat_hash
+from swarmtrain.round import Heal, RoundMachine, keeps_progress, plan_heal
+from swarmtrain.telemetry import HealEvent
+
+__all__ = ["Healing"]
+
+log = logging.getLogger(__name__)
+
+
+class Healing:
+    """State transfer into a running peer; mixed into `Peer`, whose attributes and steps it uses."""
+
+    async def _heal(self, machine: RoundMachine, action: Heal) -> bool:
+        """Perform the machine's heal check and report it; True when a donor's state was adopted."""
+        donor = await self._heal_if_behind(keep_progress_rounds=action.keep_progress_rounds,
+                                           want_hash=action.want_hash)
+        assert self.worker is not None
+        if donor is None:
+            machine.healed(round_index=None)
+            return False
+        machine.healed(round_index=self.worker.round, source=donor, kept_progress=self.worker.has_local_progress())
+        return True
+
+    async def _heal_if_behind(self, *, keep_progress_rounds: int = 0, want_hash: str = "") -> str | None:
+        """If live peers are at a newer round, download their state and join at the next boundary.
+
+        Returns the donor's peer id, or None when nothing was adopted. The decision is
+        round/heal.py's: whom to ask, and whether θ_local's unsent steps are kept (overlap mode, at
+        most `keep_progress_rounds` late). With `want_hash` (this peer was left out of a group for its
+        θ_global), peers at this peer's round that announce that hash are donors too, and what they
+        serve must hash to it.
+        """
+        assert self.discovery is not None and self.worker is not None and self.plane is not None
+        try:
+            peers = await self.discovery.live_peers(timeout_s=self.cfg.rpc.call_timeout_s)
+        except Exception as e:  # a slow control plane must not stop training; the next round looks again
+            log.warning("could not list live peers (%s); not healing this round", e)
+            return None
+        self._presence().correct(self.discovery, peers)
+        own = self.worker.round
+        plan = plan_heal(peers, own_round=own, self_id=self._peer_id, want_hash=want_hash)
+        if plan is None:
+            return None
+        self.phase = "healing"
+        from_round = self.worker.round
+        for donor in plan.donors:
+            start = time.perf_counter()
+            try:
+                state = await self.plane.fetch_state(donor.endpoint)
+            except Exception as e:
+                log.warning("state download from %s (%s) failed: %s", donor.peer_id, donor.endpoint, e)
+                continue
+            if state.round < own or (state.round == own and not want_hash):
+                continue
+            if state.round == own and await asyncio.to_thread(flat_hash, state.theta_global) != want_hash:
+                log.warning("%s served round %d with another θ_global than the group's %s", donor.peer_id,
+                            state.round, want_hash[:12])
+                continue
+            keep = keeps_progress(own_round=own, donor_round=state.round, keep_progress_rounds=keep_progress_rounds,
+                                  want_hash=want_hash)
+            await asyncio.to_thread(functools.partial(
+                self.worker.adopt_global, round_index=state.round, theta_global=state.theta_global,
+                outer_momentum=state.outer_momentum, keep_progress=keep, members=state.members))
+            if not keep:
+                self.worker.forget_residual()
+            ends = plan.round_ends_at if state.round == plan.round else None
+            self._round_ends_at = ends or 0.0
+            self._join_by = None if ends is None else (state.round, time.monotonic() + ends - self._now())
+            await self._publish_committed_state()
+            self.writer.emit(HealEvent(from_round=from_round, to_round=state.round, source=donor.peer_id,
+                                       hash=self.worker.global_hash(), peer=self._peer_id,
+                                       transfer_s=round(time.perf_counter() - start, 4)))
+            self.phase = "training"
+            # No checkpoint here: it would delay joining the round the others are starting now; the
+            # next commit checkpoints, and a crash before it just heals again.
+            self._beat_soon()
+            assert self._beat_task is not None
+            await self._beat_task
+            return donor.peer_id
+        self.phase = "training"
+        log.warning("behind the swarm (round %d < %d) but no donor delivered its state", self.worker.round, plan.round)
+        return None
