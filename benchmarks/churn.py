@@ -51,6 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--overlap", action="store_true",
                    help="diloco.overlap: average each round while the next one trains (use a longer --matchmaking-s)")
     p.add_argument("--allreduce-timeout-s", type=float, default=10.0, help="a stopped peer's deadline")
+    p.add_argument("--contribution-window-s", type=float, default=5.0,
+                   help="averaging.contribution_window_s (must be shorter than --allreduce-timeout-s)")
     p.add_argument("--name", default="churn")
     p.add_argument("--timeout-s", type=float, default=1800.0)
     p.add_argument("--out", default="benchmarks/results/churn.json")
@@ -100,6 +102,7 @@ def one_run(label: str, workload: Workload, args: argparse.Namespace, out_dir: P
     print(f"[{time.strftime('%H:%M:%S')}] {label} ...", flush=True)
     extra = [f"averaging.matchmaking_timeout_s={args.matchmaking_s}", "averaging.min_peers=2",
              f"averaging.allreduce_timeout_s={args.allreduce_timeout_s}",
+             f"averaging.contribution_window_s={args.contribution_window_s}",
              f"diloco.overlap={'true' if args.overlap else 'false'}"]
     with Testbed(args.name, num_hosts=workload.num_peers, link=LinkSpec(rate_bit_s=parse_rate(args.rate))) as tb:
         before = read_counters(tb.name)

@@ -373,7 +373,7 @@ class AveragingConfig:
     failed."""
     contribution_window_s: float = 15.0
     """Seconds a reducer collects contributions to its shard after its round opens; later ones are left out
-    of the mean."""
+    of the mean. Must be shorter than `allreduce_timeout_s`."""
 
     def __post_init__(self) -> None:
         check(self.min_peers >= 1, "averaging.min_peers", "must be >= 1")
@@ -381,6 +381,12 @@ class AveragingConfig:
         check(self.matchmaking_timeout_s > 0, "averaging.matchmaking_timeout_s", "must be > 0")
         check(self.allreduce_timeout_s > 0, "averaging.allreduce_timeout_s", "must be > 0")
         check(self.max_retries >= 0, "averaging.max_retries", "must be >= 0")
+        # A reducer fixes its contributors when its window closes; a window that outlasts the all-reduce's
+        # deadline means no mean is ever served when a member is missing: every such round would abort.
+        check(self.contribution_window_s < self.allreduce_timeout_s, "averaging.contribution_window_s",
+              f"{self.contribution_window_s} must be shorter than averaging.allreduce_timeout_s "
+              f"({self.allreduce_timeout_s}): a reducer still waiting for a missing member when the "
+              f"all-reduce's deadline passes can never serve its mean")
 
 
 @dataclass(frozen=True)

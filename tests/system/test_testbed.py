@@ -124,7 +124,7 @@ TINY_RUN = [
     "model.preset=tiny", "data.max_corpus_bytes=400000", "data.seq_len=32", "data.batch_size=4",
     "inner.warmup_steps=1", "diloco.inner_steps=5", "diloco.rounds=4", "diloco.eval_batches=1",
     "averaging.min_peers=2", "averaging.matchmaking_timeout_s=2.0", "averaging.allreduce_timeout_s=10.0",
-    "discovery.heartbeat_s=0.5", "discovery.record_ttl_s=3.0", "train.threads=1",
+    "averaging.contribution_window_s=3.0", "discovery.heartbeat_s=0.5", "discovery.record_ttl_s=3.0", "train.threads=1",
 ]
 
 

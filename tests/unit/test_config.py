@@ -32,6 +32,8 @@ def test_defaults_then_file_then_overrides(tmp_path: Path) -> None:
         ("compress.codec=int3", "compress.codec"),
         ("model.preset=huge", "model.preset"),
         ("outer.lr", "must look like section.key=value"),
+        ("averaging.contribution_window_s=60", "averaging.contribution_window_s: 60.0 must be shorter than "
+                                               "averaging.allreduce_timeout_s"),
     ],
 )
 def test_bad_values_name_the_field(override: str, field: str) -> None:
