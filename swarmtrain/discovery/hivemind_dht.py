@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import hashlib
 import logging
@@ -32,7 +33,9 @@ from cryptography.hazmat.primitives import serialization  # noqa: E402
 from google.protobuf.message import DecodeError  # noqa: E402
 from hivemind import DHT  # noqa: E402
 from hivemind.dht.crypto import RSASignatureValidator  # noqa: E402
+from hivemind.dht.node import DHTNode  # noqa: E402
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase  # noqa: E402
+from hivemind.p2p import PeerID  # noqa: E402
 from hivemind.proto import crypto_pb2  # noqa: E402
 from hivemind.utils.crypto import RSAPrivateKey  # noqa: E402
 from hivemind.utils.timed_storage import get_dht_time  # noqa: E402
@@ -252,11 +255,58 @@ class HivemindDiscovery(RecordDirectory):
         if key in self._expiry:
             await self._put(key, b"", expires_at=self._expiry[key] + 1e-3, timeout_s=timeout_s)
 
+    async def rebootstrap(self, maddrs: Sequence[str], *, timeout_s: float) -> int:
+        """Dial `maddrs` again, ping each into the routing table and look up this node's neighbours.
+
+        hivemind bootstraps once, at start. A node whose links all dropped (frozen past every peer's
+        timeout, a network change, a long partition) keeps an empty routing table and finds nobody,
+        however long it waits; this is how it finds the swarm again."""
+        if self._closed or not self._dht.is_alive():
+            raise DiscoveryError(f"DHT of {self._peer_id} is not running")
+        for text in maddrs:
+            _peer_id_in(text)  # refuse a malformed address here, with its text, not in the DHT process
+        future = self._dht.run_coroutine(functools.partial(_rebootstrap, maddrs=tuple(maddrs)), return_future=True)
+        return int(await self._wait(future, "re-bootstrap", timeout_s))
+
     async def aclose(self) -> None:
         """Stop the DHT node within `discovery.shutdown_timeout_s` + CLOSE_MARGIN_S; killed if it hangs."""
         self._closed = True
         await _stop_dht(self._dht, name=self._peer_id, grace_s=self._shutdown_timeout_s)
         log.info("DHT %s stopped (pid %s)", self._peer_id, os.getpid())
+
+
+def _peer_id_in(maddr: str) -> PeerID:
+    from hivemind.utils.multiaddr import Multiaddr
+
+    try:
+        return PeerID.from_base58(Multiaddr(maddr)["p2p"])
+    except Exception as e:
+        raise ConfigError(f"discovery.initial_peers: {maddr!r} is not a multiaddr ending in /p2p/<peer id> ({e})") \
+            from e
+
+
+async def _rebootstrap(_dht: DHT, node: DHTNode, *, maddrs: tuple[str, ...]) -> int:
+    """Runs inside the DHT process (DHT.run_coroutine): dial, ping, then refresh the neighbourhood."""
+    from hivemind.utils.multiaddr import Multiaddr
+
+    by_peer: dict[PeerID, list[Multiaddr]] = {}
+    for text in maddrs:
+        peer_id = _peer_id_in(text)  # the daemon dials the transport address, without its /p2p/ part
+        by_peer.setdefault(peer_id, []).append(Multiaddr(text).decapsulate(Multiaddr(f"/p2p/{peer_id}")))
+    answered = 0
+    for peer_id, addrs in by_peer.items():
+        if peer_id == node.peer_id:
+            continue
+        try:
+            await node.p2p._client.connect(peer_id, addrs)  # the daemon may have dropped its addresses
+        except Exception as e:
+            log.warning("re-bootstrap: could not dial %s: %s", peer_id, e)
+            continue
+        if await node.protocol.call_ping(peer_id) is not None:  # adds it to the routing table
+            answered += 1
+    if answered:
+        await node.find_nearest_nodes([node.node_id])
+    return answered
 
 
 async def _stop_dht(dht: DHT, *, name: str, grace_s: float) -> None:

@@ -90,6 +90,11 @@ class Discovery(Protocol):
         """Withdraw this peer's departure, if it left before with the same identity (call before rounds)."""
         ...
 
+    async def rebootstrap(self, maddrs: Sequence[str], *, timeout_s: float) -> int:
+        """Dial `maddrs` again and rebuild this node's routing table from them (a node cut off from the
+        swarm for longer than its links lived); returns how many answered."""
+        ...
+
     async def post_entry(self, entry: MatchEntry, *, keep_s: float, timeout_s: float) -> None:
         """Store `entry` under (round, attempt) until `entry.posted_at + keep_s`."""
         ...
@@ -137,6 +142,11 @@ class RecordDirectory(abc.ABC):
 
     @abc.abstractmethod
     async def aclose(self) -> None: ...
+
+    async def rebootstrap(self, maddrs: Sequence[str], *, timeout_s: float) -> int:
+        """See `Discovery.rebootstrap`. A directory without a routing table (the in-memory twin) has
+        nothing to rebuild: 0."""
+        return 0
 
     # ---------------------------------------------------------------- typed API
 

@@ -50,6 +50,7 @@ class Healing:
             log.warning("could not list live peers (%s); not healing this round", e)
             return None
         self._presence().correct(self.discovery, peers)
+        await self._rejoin_dht_if_isolated()
         own = self.worker.round
         plan = plan_heal(peers, own_round=own, self_id=self._peer_id, want_hash=want_hash)
         if plan is None:

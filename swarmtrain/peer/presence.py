@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from swarmtrain.config import DiscoveryConfig
 from swarmtrain.discovery import Discovery, PeerRecord, estimate_clock_offset_s
@@ -19,14 +19,16 @@ class Presence:
     """Fed with every read of the live peers (`note`) and every group (`saw_others`); each problem is
     said once per episode, and once more when it is over."""
 
-    def __init__(self, cfg: DiscoveryConfig, *, run_id: str) -> None:
+    def __init__(self, cfg: DiscoveryConfig, *, run_id: str, clock: Callable[[], float] = time.monotonic) -> None:
         self.cfg = cfg
         self.run_id = run_id
+        self._clock = clock
         self.clock_offset_s = 0.0  # the correction applied: (swarm clock − this clock), announced in the peer record
-        self._last_saw_peer = time.monotonic()
+        self._last_saw_peer = self._clock()
         self._said_alone = False
         self._said_skew = False
         self._estimated = False  # whether a read of the others' records gave an estimate yet
+        self._last_rebootstrap = self._clock()  # the DHT bootstrapped at start
 
     def note(self, peers: Sequence[PeerRecord], *, own_id: str, now: float) -> float:
         """A read of the live peer records (this peer's own among them or not), at swarm clock `now`;
@@ -69,12 +71,25 @@ class Presence:
         if others:
             if self._said_alone:
                 log.info("sees %d other live peer(s) of run %s again", others, self.run_id)
-            self._last_saw_peer, self._said_alone = time.monotonic(), False
+            self._last_saw_peer, self._said_alone = self._clock(), False
+
+    def unseen_s(self) -> float:
+        """Seconds since another live peer was last seen."""
+        return self._clock() - self._last_saw_peer
+
+    def rebootstrap_due(self) -> bool:
+        """Whether to rebuild the DHT node's links now: no other live peer seen for two record TTLs (its
+        links may all have dropped: frozen, partitioned, a network change), at most once per two TTLs."""
+        now, wait_s = self._clock(), 2 * self.cfg.record_ttl_s
+        if now - self._last_saw_peer < wait_s or now - self._last_rebootstrap < wait_s:
+            return False
+        self._last_rebootstrap = now
+        return True
 
     def alone_s(self) -> float:
         """Seconds without another live peer once past discovery.alone_warning_s (said once), else 0."""
         limit = self.cfg.alone_warning_s
-        alone = time.monotonic() - self._last_saw_peer
+        alone = self._clock() - self._last_saw_peer
         if not limit or alone < limit:
             return 0.0
         if not self._said_alone:

@@ -453,9 +453,27 @@ class Peer(OverlappedRounds, Healing):
                 log.warning("could not list live peers (%s)", e)
                 peers = ()
             self._presence().correct(self.discovery, peers)
+            await self._rejoin_dht_if_isolated()
             if done([p for p in peers if p.peer_id != self._peer_id]):
                 return
             await self._wait_until(min(deadline, time.monotonic() + self.cfg.discovery.heartbeat_s / 2), stop)
+
+    async def _rejoin_dht_if_isolated(self) -> None:
+        """After two record TTLs without seeing another peer, dial the initial peers again (one log line).
+
+        A DHT node bootstraps once; one whose links all dropped would otherwise wait alone for good."""
+        assert self.discovery is not None
+        maddrs = self.cfg.discovery.initial_peers
+        if not maddrs or not self._presence().rebootstrap_due():
+            return
+        try:
+            answered = await self.discovery.rebootstrap(maddrs, timeout_s=self.cfg.rpc.call_timeout_s)
+        except Exception as e:  # the next due time tries again
+            log.warning("no other live peer seen for %.0f s; re-joining the DHT through %d initial peer(s) failed: "
+                        "%s", self._presence().unseen_s(), len(maddrs), e)
+            return
+        log.warning("no other live peer seen for %.0f s: re-joined the DHT through its initial peers (%d of %d "
+                    "answered)", self._presence().unseen_s(), answered, len(maddrs))
 
     def _presence(self) -> Presence:
         if self.presence is None:

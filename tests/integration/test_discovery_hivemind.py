@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -180,3 +181,41 @@ def test_identity_path_gives_a_stable_peer_id_and_a_stopped_dht_raises(tmp_path)
     asyncio.run(main())
     with pytest.raises(ConfigError, match="identity_path"):
         asyncio.run(HivemindDiscovery.create(DiscoveryConfig(identity_path=str(tmp_path / "no" / "k")), run_id=RUN))
+
+
+async def _drop_every_link(_dht, node) -> int:  # type: ignore[no-untyped-def]
+    """Inside a DHT process: empty the routing table and hang up on every peer (a node that was cut
+    off for longer than its links lived, as a long freeze or a network change leaves it)."""
+    table = node.protocol.routing_table
+    dropped = [(uid, table.uid_to_peer_id[uid]) for bucket in table.buckets for uid in list(bucket.nodes_to_peer_id)]
+    for uid, peer_id in dropped:
+        del table[uid]
+        await node.p2p._client.disconnect(peer_id)
+    return len(dropped)
+
+
+def test_a_node_that_lost_every_link_finds_the_swarm_again_by_rebootstrapping() -> None:
+    async def main() -> None:
+        a = await HivemindDiscovery.create(DiscoveryConfig(record_ttl_s=TTL_S), run_id=RUN)
+        b: HivemindDiscovery | None = None
+        try:
+            maddrs = tuple(await a.visible_maddrs())
+            b = await HivemindDiscovery.create(DiscoveryConfig(initial_peers=maddrs, record_ttl_s=TTL_S), run_id=RUN)
+            for d in (a, b):
+                assert await asyncio.to_thread(d.dht.run_coroutine, _drop_every_link) >= 1
+            await a.announce(_peer(a, round_index=3), timeout_s=IO_S)
+            assert [p.peer_id for p in await b.live_peers(timeout_s=IO_S)] == []  # cut off: sees nobody
+            with pytest.raises(ConfigError, match="initial_peers"):
+                await b.rebootstrap(["/ip4/127.0.0.1/tcp/1"], timeout_s=IO_S)  # no /p2p/ part
+            assert await b.rebootstrap(maddrs, timeout_s=IO_S) == 1
+            seen: list[str] = []
+            deadline = time.monotonic() + IO_S
+            while not seen and time.monotonic() < deadline:
+                seen = [p.peer_id for p in await b.live_peers(timeout_s=IO_S)]
+            assert seen == [a.peer_id]
+        finally:
+            for d in (a, b):
+                if d is not None:
+                    await d.aclose()
+
+    asyncio.run(main())

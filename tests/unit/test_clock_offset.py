@@ -62,3 +62,20 @@ def test_a_peer_adopts_its_first_estimate_whole_then_corrects_by_halves_past_a_d
     assert p.note(peers, own_id="me", now=swarm_at + 3.0) == pytest.approx(-1.5)  # later: half the residual
     assert p.clock_offset_s == pytest.approx(4.5)
     assert p.note([_rec("me", swarm_at)], own_id="me", now=swarm_at + 9.0) == 0.0  # nobody else: no estimate
+
+
+def test_a_peer_that_sees_nobody_for_two_record_ttls_rebootstraps_at_most_once_per_two_ttls() -> None:
+    t = [100.0]
+    presence = Presence(DiscoveryConfig(record_ttl_s=5.0, heartbeat_s=1.0), run_id="r", clock=lambda: t[0])
+    t[0] += 9.9
+    assert not presence.rebootstrap_due()  # not yet two TTLs alone
+    t[0] += 0.2
+    assert presence.rebootstrap_due()
+    assert not presence.rebootstrap_due()  # just tried
+    t[0] += 10.0
+    assert presence.rebootstrap_due()  # still alone two TTLs later: again
+    presence.saw_others(1)
+    t[0] += 9.0
+    assert not presence.rebootstrap_due() and presence.unseen_s() == pytest.approx(9.0)  # saw one recently
+    t[0] += 2.0
+    assert presence.rebootstrap_due()
