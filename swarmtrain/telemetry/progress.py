@@ -51,11 +51,12 @@ def _mean(values: Sequence[float | None]) -> float | None:
 
 @dataclass
 class SwarmProgress:
-    """Collects event lines from named peers; a round is complete once every active peer passed it."""
+    """Collects event lines from named peers; a round is complete once every active peer passed it
+    (committed it, healed past it, or reported a later round)."""
 
     peers: Sequence[str]
     rounds: dict[int, dict[str, RoundEvent]] = field(default_factory=dict)
-    latest: dict[str, int] = field(default_factory=dict)  # peer -> newest round it reported or healed to
+    latest: dict[str, int] = field(default_factory=dict)  # peer -> newest round it committed or healed past
     left: dict[str, LeaveEvent] = field(default_factory=dict)
     heals: list[tuple[str, HealEvent]] = field(default_factory=list)
     _emitted: int = -1  # rounds <= this were already returned as complete
@@ -64,7 +65,9 @@ class SwarmProgress:
         """Record one line from `peer`; return the rounds it completed, oldest first."""
         if isinstance(line, RoundEvent):
             self.rounds.setdefault(line.round, {})[peer] = line
-            self.latest[peer] = max(self.latest.get(peer, -1), line.round)
+            # An aborted attempt is not the round's end on that peer: it retries (or heals past it).
+            passed = line.round if line.committed else line.round - 1
+            self.latest[peer] = max(self.latest.get(peer, -1), passed)
         elif isinstance(line, HealEvent):
             self.heals.append((peer, line))
             self.latest[peer] = max(self.latest.get(peer, -1), line.to_round - 1)

@@ -126,5 +126,15 @@ def test_progress_heal_counts_as_having_passed_the_skipped_rounds() -> None:
     assert p.done and p.finish() == []
     aborted = _round(5, committed=False)
     p2 = SwarmProgress(["a"])
-    (s,) = p2.add("a", aborted)
+    assert p2.add("a", aborted) == []  # the peer retries the round: not over yet
+    (s,) = p2.add("a", LeaveEvent(round=5, reason="signal"))  # it left without committing it
     assert s.agree and "aborted" in format_round(s, num_peers=1, elapsed_s=0.0)
+
+
+def test_progress_shows_a_round_that_aborted_then_committed_as_committed() -> None:
+    p = SwarmProgress(["a", "b"])
+    for peer in "ab":
+        assert p.add(peer, _round(0, committed=False)) == []
+    assert p.add("a", _round(0)) == []
+    (s,) = p.add("b", _round(0))
+    assert len(s.committed) == 2 and "committed 2/2" in format_round(s, num_peers=2, elapsed_s=0.0)
