@@ -191,12 +191,18 @@ class Peer(OverlappedRounds, Healing):
                             f"not {self.cfg.train.run_id!r}; use another --checkpoint-dir")
         return loaded
 
-    def current_state(self) -> PeerState:
-        """A copy of the state joiners download (call on the event loop: `apply` and heals run there)."""
+    def current_state(self, *, copy: bool = True) -> PeerState:
+        """The state joiners download (call on the event loop: `apply` and heals run there). Without
+        `copy` its tensors are the worker's own, valid until the next outer step or heal."""
         assert self.worker is not None
         momentum = self.worker.outer.state_tensors().get("momentum")
-        return PeerState(round=self.worker.round, theta_global=self.worker.theta_global.detach().cpu().clone(),
-                         outer_momentum=None if momentum is None else momentum.detach().cpu().clone(),
+        theta = self.worker.theta_global.detach().cpu()
+
+        def own(t: torch.Tensor) -> torch.Tensor:
+            return t.clone() if copy else t
+
+        return PeerState(round=self.worker.round, theta_global=own(theta),
+                         outer_momentum=None if momentum is None else own(momentum.detach().cpu()),
                          state_hash=self.worker.global_hash(), members=self.worker.members)
 
     def _record(self) -> PeerRecord:
@@ -412,7 +418,8 @@ class Peer(OverlappedRounds, Healing):
         """
         assert self.worker is not None and self.plane is not None
         digest = await asyncio.to_thread(self.worker.global_hash)
-        state = await asyncio.to_thread(self.current_state)
+        # No copy of θ: publish_state serializes it before returning (one copy, the served blob).
+        state = self.current_state(copy=False)
         await asyncio.to_thread(self.plane.publish_state, state)
         self._announced = (state.round, digest)
 

@@ -53,7 +53,10 @@ class DataPlane(Protocol):
         ...
 
     def publish_state(self, state: PeerState) -> None:
-        """Serve `state` to joiners from now on (called after start, every commit and every heal)."""
+        """Serve `state` to joiners from now on (called after start, every commit and every heal).
+
+        `state`'s tensors are the peer's live θ_global and momentum: copy or serialize them before
+        returning (the next outer step changes them in place)."""
         ...
 
     def unreported_bytes(self) -> tuple[int, int]:

@@ -111,23 +111,42 @@ def _check_tensors(params: Mapping[str, torch.Tensor], momentum: Mapping[str, to
 
 
 class StateServer:
-    """Serves the newest published snapshot. Construct before `node.start()`; `publish` after every commit."""
+    """Serves the newest published snapshot. Construct before `node.start()`; `publish` after every commit.
+
+    Memory: one serialized state at a time. `publish` drops the previous blob before it serializes the
+    next (the two together would be 4 copies of the model at once); a GetState that arrives meanwhile
+    waits for the new one (`current(wait_s=...)`), and one already streaming keeps its own reference.
+    """
 
     def __init__(self, node: RpcNode, *, fault_hook: FaultHook | None = None) -> None:
-        self._lock = threading.Lock()
+        self._cond = threading.Condition()
         self._current: StateBlob | None = None
+        self._publishing = False
         serve_state(node, self, fault_hook=fault_hook)
 
     def publish(self, snapshot: StateSnapshot) -> None:
         """Serialize now (the caller may mutate its tensors afterwards) and swap in atomically."""
-        state = encode_snapshot(snapshot)
-        with self._lock:
-            if self._current is not None and state.round < self._current.round:
-                raise ValueError(f"publish: round {state.round} is older than the served {self._current.round}")
-            self._current = state
+        with self._cond:
+            if self._current is not None and snapshot.round < self._current.round:
+                raise ValueError(f"publish: round {snapshot.round} is older than the served {self._current.round}")
+            previous, self._current, self._publishing = self._current, None, True
+        del previous  # freed here unless a GetState is still streaming it
+        try:
+            state = encode_snapshot(snapshot)
+        except BaseException:
+            with self._cond:
+                self._publishing = False
+                self._cond.notify_all()
+            raise
+        with self._cond:
+            self._current, self._publishing = state, False
+            self._cond.notify_all()
 
-    def current(self) -> StateBlob | None:
-        with self._lock:
+    def current(self, *, wait_s: float = 0.0) -> StateBlob | None:
+        deadline = time.monotonic() + wait_s
+        with self._cond:
+            while self._current is None and self._publishing and (left := deadline - time.monotonic()) > 0:
+                self._cond.wait(left)
             return self._current
 
 

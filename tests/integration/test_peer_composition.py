@@ -8,6 +8,7 @@ one event loop in this process, no sockets.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
 import time
 from collections.abc import Callable, Sequence
@@ -99,7 +100,8 @@ class FakePlane:
         return self.published
 
     def publish_state(self, state: PeerState) -> None:
-        self.published = state
+        momentum = None if state.outer_momentum is None else state.outer_momentum.clone()
+        self.published = dataclasses.replace(state, theta_global=state.theta_global.clone(), outer_momentum=momentum)
 
     async def average(self, round_index: int, delta: torch.Tensor, *, steps_per_s: float = 0.0,
                       electorate: tuple[str, ...] = (), on_group: object = None) -> AverageResult:

@@ -92,3 +92,46 @@ def test_a_wrong_run_key_gets_nothing(peers, caplog, monkeypatch) -> None:
         assert any("wrong or missing run key" in r.message for r in caplog.records)
     finally:
         intruder.close()
+
+
+def test_a_joiner_asking_while_a_new_state_is_serialized_gets_the_new_one(peers, monkeypatch) -> None:
+    """publish() drops the served blob before it builds the next (never two in memory); a GetState in
+    between waits for the new state instead of being refused."""
+    import threading
+
+    from swarmtrain.sync import transfer
+
+    donor, server, _, _, joiner, _ = peers
+    server.publish(_snapshot(2))
+    encoding, release = threading.Event(), threading.Event()
+    real_encode = transfer.encode_snapshot
+
+    def slow_encode(snapshot: StateSnapshot):  # type: ignore[no-untyped-def]
+        encoding.set()
+        assert release.wait(10)
+        return real_encode(snapshot)
+
+    monkeypatch.setattr(transfer, "encode_snapshot", slow_encode)
+    publisher = threading.Thread(target=server.publish, args=(_snapshot(3),))
+    publisher.start()
+    assert encoding.wait(10)
+    assert server.current() is None  # round 2's blob is already released
+    got: list[StateSnapshot] = []
+    fetcher = threading.Thread(target=lambda: got.append(fetch_state(joiner, [donor.endpoint], run_id="sync-run",
+                                                                     timeout_s=10)))
+    real_current, waiting = server.current, threading.Event()
+
+    def current(*, wait_s: float = 0.0):  # type: ignore[no-untyped-def]
+        if wait_s > 0:
+            waiting.set()  # the GetState found no state and waits for the one being published
+        return real_current(wait_s=wait_s)
+
+    monkeypatch.setattr(server, "current", current)
+    fetcher.start()
+    assert waiting.wait(10)
+    release.set()
+    publisher.join(10)
+    fetcher.join(15)
+    assert [s.round for s in got] == [3]
+    with pytest.raises(ValueError, match="older"):
+        server.publish(_snapshot(2))
