@@ -43,15 +43,18 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-def optimizer_state(optimizer: torch.optim.Optimizer, *, prefix: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Split `optimizer.state_dict()` into tensors (`{prefix}{param}.{name}`) and JSON-able metadata."""
+def optimizer_state(optimizer: torch.optim.Optimizer, *, prefix: str,
+                    copy: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Split `optimizer.state_dict()` into tensors (`{prefix}{param}.{name}`) and JSON-able metadata
+    (without `copy`, CPU tensors are the optimizer's own)."""
     sd = optimizer.state_dict()
     tensors: dict[str, torch.Tensor] = {}
     scalars: dict[str, dict[str, Any]] = {}
     for index, entry in sd["state"].items():
         for name, value in entry.items():
             if isinstance(value, torch.Tensor):
-                tensors[f"{prefix}{index}.{name}"] = value.detach().cpu().contiguous().clone()
+                t = value.detach().cpu().contiguous()
+                tensors[f"{prefix}{index}.{name}"] = t.clone() if copy and t.data_ptr() == value.data_ptr() else t
             else:
                 scalars.setdefault(str(index), {})[name] = value
     meta = {"param_groups": sd["param_groups"], "scalars": scalars, "tensor_keys": sorted(tensors)}

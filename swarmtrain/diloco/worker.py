@@ -431,22 +431,29 @@ class DilocoWorker:
 
     # ------------------------------------------------------------------ resumable state
 
-    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    def state_dict(self, *, copy: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """Everything needed to resume exactly: (tensors for safetensors, JSON-able metadata).
+
+        Without `copy` the tensors are the worker's own (θ_global, momenta, residual): for a caller
+        that writes them out before the worker steps again, saving up to five copies of the model.
 
         The RNG carried is this worker's CPU generator state (dropout on CPU); dropout on CUDA draws
         from the device generator, which is not captured, so a CUDA run with dropout > 0 resumes
         statistically, not bit for bit.
         """
+
+        def own(t: torch.Tensor) -> torch.Tensor:
+            return t.clone() if copy else t
+
         tensors: dict[str, torch.Tensor] = {
-            "theta_global": self.theta_global.detach().cpu().clone(),
+            "theta_global": own(self.theta_global.detach().cpu()),
             "theta_local": flatten(self.params),
             "rng.cpu": self._rng_state.clone(),
         }
-        tensors.update({f"outer.{k}": v.clone() for k, v in self.outer.state_tensors().items()})
+        tensors.update({f"outer.{k}": own(v) for k, v in self.outer.state_tensors().items()})
         if self.residual is not None:
-            tensors["ef.residual"] = self.residual.clone()
-        inner_tensors, inner_meta = optimizer_state(self.inner, prefix="inner.")
+            tensors["ef.residual"] = own(self.residual)
+        inner_tensors, inner_meta = optimizer_state(self.inner, prefix="inner.", copy=copy)
         tensors.update(inner_tensors)
         data_state = self.batches.state_dict() if hasattr(self.batches, "state_dict") else None
         meta: dict[str, Any] = {

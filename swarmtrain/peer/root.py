@@ -520,7 +520,8 @@ class Peer(OverlappedRounds, Healing):
     async def _checkpoint(self) -> Path | None:
         if not self.cfg.checkpoint.dir or self.worker is None:
             return None
-        tensors, meta = self.worker.state_dict()
+        # The worker's own tensors, no copies: nothing steps it until the save below returns.
+        tensors, meta = self.worker.state_dict(copy=False)
         full_meta = {"run_id": self.cfg.train.run_id, "peer_id": self._peer_id, "worker": meta,
                      "hash": self.worker.global_hash(), "saved_unix_s": time.time()}
         return await asyncio.to_thread(save_checkpoint, self.cfg.checkpoint.dir, tensors=tensors, meta=full_meta,

@@ -160,3 +160,18 @@ def test_the_data_parallel_baseline_walks_the_whole_schedule(cfg: RunConfig) -> 
     result = simulate_ddp(cfg.replace(diloco={"rounds": 2}), train_tokens=data.train, val_tokens=data.val,
                           num_workers=2)
     assert result.rounds[-1].val_loss < result.initial_val_loss
+
+
+def test_a_state_dict_without_copies_shares_the_workers_tensors_and_holds_the_same_values(cfg: RunConfig) -> None:
+    w = _worker(cfg)
+    w.train_inner()
+    w.apply(_commit(w))
+    w.train_inner()
+    copied, meta = w.state_dict()
+    shared, shared_meta = w.state_dict(copy=False)
+    assert meta == shared_meta and copied.keys() == shared.keys()
+    assert all(torch.equal(copied[k], shared[k]) for k in copied)
+    assert shared["theta_global"].data_ptr() == w.theta_global.data_ptr()
+    assert copied["theta_global"].data_ptr() != w.theta_global.data_ptr()
+    moments = [k for k in shared if k.startswith("inner.") and k.endswith("exp_avg")]
+    assert moments and shared[moments[0]].data_ptr() != copied[moments[0]].data_ptr()
