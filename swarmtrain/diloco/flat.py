@@ -45,7 +45,17 @@ def pseudo_gradient(theta_global: torch.Tensor, params: Iterable[torch.Tensor]) 
     H inner steps move θ_local downhill, so Δ points uphill like a gradient; the outer step
     θ_global ← θ_global − lr·Δ (momentum aside) moves θ_global towards the workers' mean θ_local.
     """
-    return theta_global.detach().to(torch.float32) - flatten(params)
+    # One new vector, the result: each parameter is subtracted from its slice in place, instead of
+    # first concatenating θ_local into a second model-sized temporary.
+    delta = theta_global.detach().to(device="cpu", dtype=torch.float32, copy=True)
+    offset = 0
+    for p in params:
+        n = p.numel()
+        delta[offset:offset + n].sub_(p.detach().reshape(-1).to(device="cpu", dtype=torch.float32))
+        offset += n
+    if offset != delta.numel():
+        raise ValueError(f"pseudo_gradient: the parameters hold {offset} values, θ_global {delta.numel()}")
+    return delta
 
 
 def flat_hash(flat: torch.Tensor) -> str:
