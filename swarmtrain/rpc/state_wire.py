@@ -28,7 +28,7 @@ class StateBlob:
     run_id: str
     round: int
     config_json: str
-    blob: bytes
+    blob: bytes | bytearray
     sha256: bytes
 
 

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
 from swarmtrain.config import ConfigError, RunConfig, from_dict, public_dict
 from swarmtrain.rpc.faults import FaultHook
@@ -49,9 +48,41 @@ def encode_snapshot(snapshot: StateSnapshot) -> StateBlob:
     """Serialize (safetensors) and checksum a snapshot; the blob is a copy, so later updates never leak in."""
     tensors = {_PARAMS + k: v.detach().cpu().contiguous() for k, v in snapshot.params.items()}
     tensors.update({_MOMENTUM + k: v.detach().cpu().contiguous() for k, v in snapshot.momentum.items()})
-    blob = st_save(tensors, metadata={_MEMBERS: json.dumps(list(snapshot.members))})
+    blob = safetensors_blob(tensors, metadata={_MEMBERS: json.dumps(list(snapshot.members))})
     return StateBlob(snapshot.config.train.run_id, snapshot.round, json.dumps(public_dict(snapshot.config)), blob,
                      hashlib.sha256(blob).digest())
+
+
+_ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+              torch.bool: "BOOL"}
+
+
+def safetensors_blob(tensors: Mapping[str, torch.Tensor], *, metadata: Mapping[str, str]) -> bytearray:
+    """The safetensors format in one buffer, each tensor's bytes copied in once.
+
+    `safetensors.torch.save` builds the same bytes in Rust and then copies them into a Python bytes
+    object: two model-sized buffers at once, for a state served after every commit."""
+    header: dict[str, object] = {"__metadata__": dict(metadata)}
+    offset = 0
+    for name, t in tensors.items():
+        if t.dtype not in _ST_DTYPES:
+            raise ValueError(f"tensor {name}: dtype {t.dtype} has no safetensors code here")
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+    blob = bytearray(8 + len(text) + offset)
+    blob[:8] = struct.pack("<Q", len(text))
+    blob[8:8 + len(text)] = text
+    view, at = memoryview(blob), 8 + len(text)
+    for t in tensors.values():
+        nbytes = t.numel() * t.element_size()
+        if nbytes:
+            view[at:at + nbytes] = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+        at += nbytes
+    return blob
 
 
 def decode_snapshot(state: StateBlob, *, expected_shapes: Mapping[str, Sequence[int]] | None = None) -> StateSnapshot:
@@ -59,7 +90,7 @@ def decode_snapshot(state: StateBlob, *, expected_shapes: Mapping[str, Sequence[
     if hashlib.sha256(state.blob).digest() != state.sha256:
         raise StateTransferError(f"round-{state.round} state: sha256 mismatch (corrupted in transit)")
     try:
-        tensors = st_load(state.blob)
+        tensors = st_load(state.blob if isinstance(state.blob, bytes) else bytes(state.blob))
     except (SafetensorError, ValueError) as e:
         raise StateTransferError(f"round-{state.round} state: not a safetensors blob ({e})") from None
     params = {k[len(_PARAMS):]: v for k, v in tensors.items() if k.startswith(_PARAMS)}

@@ -135,3 +135,20 @@ def test_a_joiner_asking_while_a_new_state_is_serialized_gets_the_new_one(peers,
     assert [s.round for s in got] == [3]
     with pytest.raises(ValueError, match="older"):
         server.publish(_snapshot(2))
+
+
+def test_the_state_blob_is_safetensors_that_the_library_reads_back_exactly() -> None:
+    from safetensors.torch import load as st_load
+
+    from swarmtrain.sync.transfer import safetensors_blob
+
+    g = torch.Generator().manual_seed(5)
+    tensors = {"a": torch.randn(7, 3, generator=g), "h": torch.randn(5, generator=g).half(),
+               "bf": torch.randn(2, 2, generator=g).bfloat16(), "i": torch.arange(6).reshape(2, 3),
+               "empty": torch.zeros(0), "scalar": torch.tensor(2.5), "mask": torch.tensor([True, False])}
+    blob = safetensors_blob(tensors, metadata={"k": "v"})
+    back = st_load(bytes(blob))
+    assert back.keys() == tensors.keys()
+    assert all(back[k].dtype == t.dtype and torch.equal(back[k], t) for k, t in tensors.items())
+    header_len = int.from_bytes(blob[:8], "little")
+    assert header_len % 8 == 0 and b'"__metadata__":{"k":"v"}' in blob[8:8 + header_len]
