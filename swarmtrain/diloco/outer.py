@@ -9,6 +9,9 @@ from swarmtrain.config import OuterConfig
 __all__ = ["OuterOptimizer"]
 
 
+STEP_SLICE = 1 << 20  # values per slice of the outer step (4 MiB of fp32)
+
+
 class OuterOptimizer:
     """`torch.optim.SGD(lr, momentum, nesterov, dampening=0, weight_decay=0)` on one flat fp32 vector.
 
@@ -30,16 +33,22 @@ class OuterOptimizer:
             raise ValueError(
                 f"outer step: theta shape {tuple(theta.shape)} and grad shape {tuple(grad.shape)} must both be ({self.numel},)"
             )
-        if not bool(torch.isfinite(grad).all()):
-            raise ValueError("outer step: the averaged pseudo-gradient contains NaN/Inf")
         grad = grad.to(device=theta.device, dtype=torch.float32)
+        # Element-wise, so done in slices: the same bits as one pass, with temporaries of one slice
+        # instead of the model's size (a peer of 1B parameters would need 8 GB more at every commit).
+        for lo in range(0, self.numel, STEP_SLICE):
+            if not bool(torch.isfinite(grad[lo:lo + STEP_SLICE]).all()):
+                raise ValueError("outer step: the averaged pseudo-gradient contains NaN/Inf")
         buf = self.momentum_buffer
-        if buf is None:
-            update = grad
-        else:
-            buf.mul_(self.cfg.momentum).add_(grad)
-            update = grad.add(buf, alpha=self.cfg.momentum) if self.cfg.nesterov else buf
-        theta.add_(update, alpha=-self.cfg.lr)
+        for lo in range(0, self.numel, STEP_SLICE):
+            g, t = grad[lo:lo + STEP_SLICE], theta[lo:lo + STEP_SLICE]
+            if buf is None:
+                update = g
+            else:
+                b = buf[lo:lo + STEP_SLICE]
+                b.mul_(self.cfg.momentum).add_(g)
+                update = g.add(b, alpha=self.cfg.momentum) if self.cfg.nesterov else b
+            t.add_(update, alpha=-self.cfg.lr)
 
     def preview(self, theta: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         """θ after `step(theta, grad)`, as a new tensor; neither `theta` nor the momentum buffer change."""

@@ -76,3 +76,27 @@ def test_flat_roundtrip_and_hash() -> None:
     assert flat_hash(flat) == flat_hash(flat.clone()) != flat_hash(flat * 2)
     with pytest.raises(ValueError, match="need"):
         assign_flat(torch.zeros(9), params)
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_an_outer_step_over_several_slices_is_bit_identical_to_one_pass(nesterov: bool) -> None:
+    from swarmtrain.diloco.outer import STEP_SLICE
+
+    n = 2 * STEP_SLICE + 12345
+    g = torch.Generator().manual_seed(3)
+    theta, buf0 = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    grads = [torch.randn(n, generator=g) for _ in range(2)]
+    cfg = OuterConfig(lr=0.7, momentum=0.9, nesterov=nesterov)
+    opt = OuterOptimizer(cfg, numel=n)
+    opt.momentum_buffer = buf0.clone()
+    ours, ref, buf = theta.clone(), theta.clone(), buf0.clone()
+    for grad in grads:
+        opt.step(ours, grad)
+        buf.mul_(0.9).add_(grad)
+        ref.add_(grad.add(buf, alpha=0.9) if nesterov else buf, alpha=-0.7)
+    assert torch.equal(ours, ref) and torch.equal(opt.momentum_buffer, buf)
+    bad = grads[0].clone()
+    bad[-1] = float("nan")  # in the last slice
+    with pytest.raises(ValueError, match="NaN"):
+        opt.step(ours, bad)
+    assert torch.equal(ours, ref)  # refused before anything changed
