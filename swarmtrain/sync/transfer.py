@@ -76,11 +76,13 @@ def safetensors_blob(tensors: Mapping[str, torch.Tensor], *, metadata: Mapping[s
     blob = bytearray(8 + len(text) + offset)
     blob[:8] = struct.pack("<Q", len(text))
     blob[8:8 + len(text)] = text
-    view, at = memoryview(blob), 8 + len(text)
+    # torch's copy releases the GIL (a memoryview assignment would hold it: the peer's event loop
+    # would stall for the whole copy).
+    out, at = torch.frombuffer(blob, dtype=torch.uint8), 8 + len(text)
     for t in tensors.values():
         nbytes = t.numel() * t.element_size()
         if nbytes:
-            view[at:at + nbytes] = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+            out[at:at + nbytes].copy_(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8))
         at += nbytes
     return blob
 
