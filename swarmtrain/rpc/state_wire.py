@@ -28,7 +28,7 @@ class StateBlob:
     run_id: str
     round: int
     config_json: str
-    blob: bytes | bytearray
+    blob: bytes | bytearray | memoryview
     sha256: bytes
 
 
@@ -59,7 +59,8 @@ class _Servicer(pb_grpc.StateTransferServicer):
         blob = state.blob
         fault = self.fault_hook(FaultSite(self.node.peer_id, state.round, "state", peer)) if self.fault_hook else None
         if fault is not None:
-            blob = corrupt(blob) if fault.action == "corrupt" else truncate(blob) if fault.action == "truncate" else blob
+            raw = bytes(blob)
+            blob = corrupt(raw) if fault.action == "corrupt" else truncate(raw) if fault.action == "truncate" else blob
         header = pb.StateHeader(run_id=state.run_id, round=state.round, config_json=state.config_json,
                                 total_bytes=len(state.blob), sha256=state.sha256)
         step, view = self.node.cfg.chunk_bytes, memoryview(blob)

@@ -58,7 +58,7 @@ _ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"
               torch.bool: "BOOL"}
 
 
-def safetensors_blob(tensors: Mapping[str, torch.Tensor], *, metadata: Mapping[str, str]) -> bytearray:
+def safetensors_blob(tensors: Mapping[str, torch.Tensor], *, metadata: Mapping[str, str]) -> memoryview:
     """The safetensors format in one buffer, each tensor's bytes copied in once.
 
     `safetensors.torch.save` builds the same bytes in Rust and then copies them into a Python bytes
@@ -73,18 +73,18 @@ def safetensors_blob(tensors: Mapping[str, torch.Tensor], *, metadata: Mapping[s
         offset += nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
-    blob = bytearray(8 + len(text) + offset)
-    blob[:8] = struct.pack("<Q", len(text))
-    blob[8:8 + len(text)] = text
-    # torch's copy releases the GIL (a memoryview assignment would hold it: the peer's event loop
-    # would stall for the whole copy).
-    out, at = torch.frombuffer(blob, dtype=torch.uint8), 8 + len(text)
+    head = struct.pack("<Q", len(text)) + text
+    # Allocated by torch, not zero-filled, and filled with torch copies: both release the GIL (a bytearray
+    # is zeroed, and a memoryview assignment copies, under the GIL: the peer's event loop would stall).
+    out = torch.empty(len(head) + offset, dtype=torch.uint8)
+    out[:len(head)].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
+    at = len(head)
     for t in tensors.values():
         nbytes = t.numel() * t.element_size()
         if nbytes:
             out[at:at + nbytes].copy_(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8))
         at += nbytes
-    return blob
+    return memoryview(out.numpy())
 
 
 def decode_snapshot(state: StateBlob, *, expected_shapes: Mapping[str, Sequence[int]] | None = None) -> StateSnapshot:

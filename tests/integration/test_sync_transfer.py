@@ -151,4 +151,4 @@ def test_the_state_blob_is_safetensors_that_the_library_reads_back_exactly() -> 
     assert back.keys() == tensors.keys()
     assert all(back[k].dtype == t.dtype and torch.equal(back[k], t) for k, t in tensors.items())
     header_len = int.from_bytes(blob[:8], "little")
-    assert header_len % 8 == 0 and b'"__metadata__":{"k":"v"}' in blob[8:8 + header_len]
+    assert header_len % 8 == 0 and b'"__metadata__":{"k":"v"}' in bytes(blob[8:8 + header_len])

@@ -87,10 +87,10 @@ def test_state_transfer_carries_the_members_and_refuses_malformed_ones(tiny_conf
     assert decode_snapshot(encode_snapshot(_snapshot(tiny_config, ()))).members == ()
     blob = encode_snapshot(_snapshot(tiny_config, ("p1",)))
     (size,) = struct.unpack("<Q", blob.blob[:8])
-    header = json.loads(blob.blob[8:8 + size])
+    header = json.loads(bytes(blob.blob[8:8 + size]))
     header["__metadata__"]["swarmtrain.members"] = json.dumps([1, 2])
     raw = json.dumps(header).encode()
-    body = struct.pack("<Q", len(raw)) + raw + blob.blob[8 + size:]
+    body = struct.pack("<Q", len(raw)) + raw + bytes(blob.blob[8 + size:])
     bad = StateBlob(blob.run_id, blob.round, blob.config_json, body, hashlib.sha256(body).digest())
     with pytest.raises(StateTransferError, match="members must be a list of peer ids"):
         decode_snapshot(bad)
