@@ -81,10 +81,7 @@ class OverlappedRounds:
                 machine.averaged(committed=result.committed, reason=result.reason, retry_at=result.retry_at,
                                  heal_to_hash=result.heal_to_hash, trained_meanwhile=unsent.trained)
             elif isinstance(action, Wait):
-                if await self._await_swarm_past(action.round, until=action.until, stop=stop):
-                    machine.waited()
-                else:
-                    machine.stopped()
+                await self._wait(machine, action, stop)
             else:
                 raise AssertionError(f"the overlapped round loop cannot perform {action!r}")
 

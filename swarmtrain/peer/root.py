@@ -263,12 +263,16 @@ class Peer(OverlappedRounds, Healing):
                 machine.averaged(committed=result.committed, reason=result.reason, retry_at=result.retry_at,
                                  heal_to_hash=result.heal_to_hash)
             elif isinstance(action, Wait):
-                if await self._await_swarm_past(action.round, until=action.until, stop=stop):
-                    machine.waited()
-                else:
-                    machine.stopped()
+                await self._wait(machine, action, stop)
             else:
                 raise AssertionError(f"the classic round loop cannot perform {action!r}")
+
+    async def _wait(self, machine: RoundMachine, action: Wait, stop: asyncio.Event) -> None:
+        """Perform the machine's wait and report it (both round loops)."""
+        if await self._await_swarm_past(action.round, until=action.until, stop=stop):
+            machine.waited()
+        else:
+            machine.stopped()
 
     def _round_machine(self, *, overlap: bool, unsent: bool = False) -> RoundMachine:
         assert self.worker is not None
