@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -158,6 +159,9 @@ class DilocoWorker:
         self._sent_early = False  # overlapped: Δ of `round` is out, and the steps now taken are round + 1's
         self._hash: tuple[int, str] | None = None  # (θ_global version, its hash): hashed once per change
         self._theta_version = 0
+        # Held while θ_global, the outer momentum, the round and the members change together (an outer
+        # step, a heal, a resume): a reader holding it sees one committed state (e.g. a peer serving it).
+        self.global_lock = threading.Lock()
         if cfg.compress.error_feedback and codec is None:
             raise ValueError("compress.error_feedback needs the codec the averager uses (codec=None given)")
         self.codec = codec
@@ -317,12 +321,13 @@ class DilocoWorker:
         if result.committed:
             if result.mean is None:
                 raise ValueError(f"round {result.round} committed without a mean pseudo-gradient")
-            self.outer.step(self.theta_global, result.mean.reshape(-1))
-            self._theta_version += 1
-            self.members = tuple(result.members)
+            with self.global_lock:
+                self.outer.step(self.theta_global, result.mean.reshape(-1))
+                self._theta_version += 1
+                self.members = tuple(result.members)
+                self.round += 1
             if self._pending_residual is not None:
                 self.residual = self._pending_residual
-            self.round += 1
             if carry is None:  # overlapped, the steps taken since Δ was sent were already the new round's
                 self.round_step = 0
         elif carry is None:
@@ -377,6 +382,11 @@ class DilocoWorker:
         finally:
             assign_flat(local, self.params)
 
+    @property
+    def theta_version(self) -> int:
+        """Changes with every change of θ_global (an outer step, a heal, a resume)."""
+        return self._theta_version
+
     def global_hash(self) -> str:
         """Hex sha256 of θ_global's fp32 bytes: committed peers must agree bit for bit.
 
@@ -406,13 +416,14 @@ class DilocoWorker:
         if round_index < 0:
             raise ValueError(f"adopt_global: round must be >= 0, got {round_index}")
         progress = flatten(self.params) - self.theta_global.detach().cpu() if keep_progress else None
-        self.theta_global.copy_(theta_global.detach().to(torch.float32).reshape(-1))
-        self._theta_version += 1
-        self.outer.load_state_tensors({} if outer_momentum is None else {"momentum": outer_momentum})
-        if round_index != self.round:
-            self.round_step = 0
-        self.round, self._sent_early = round_index, False
-        self.members = tuple(members)
+        with self.global_lock:
+            self.theta_global.copy_(theta_global.detach().to(torch.float32).reshape(-1))
+            self._theta_version += 1
+            self.outer.load_state_tensors({} if outer_momentum is None else {"momentum": outer_momentum})
+            if round_index != self.round:
+                self.round_step = 0
+            self.round, self._sent_early = round_index, False
+            self.members = tuple(members)
         self._pending_residual = None
         assign_flat(self.theta_global if progress is None else self.theta_global.detach().cpu() + progress, self.params)
 

@@ -9,11 +9,12 @@ the discovery lives) for matchmaking.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -26,7 +27,7 @@ from swarmtrain.averaging.protocol import AverageResult
 from swarmtrain.compress import Codec
 from swarmtrain.config import DiscoveryConfig, RunConfig, to_dict
 from swarmtrain.discovery import Discovery
-from swarmtrain.peer.services import PeerError, PeerState
+from swarmtrain.peer.services import LiveState, PeerError, PeerState
 from swarmtrain.rpc.node import RpcNode
 from swarmtrain.sync.transfer import StateServer, StateSnapshot, fetch_state
 
@@ -143,14 +144,22 @@ class NetworkPlane:
         return dataclasses.replace(result, reason=reason, retry_at=outcome.retry_at,
                                    heal_to_hash=outcome.heal_to_hash)
 
-    def publish_state(self, state: PeerState) -> None:
-        self._state_hash = state.state_hash  # what this peer's next match entries announce
+    def serve_state(self, live: LiveState) -> None:
         if self.states is None:
             return
-        params = _split(state.theta_global, self.param_shapes)
-        momentum = {} if state.outer_momentum is None else _split(state.outer_momentum, self.param_shapes)
-        self.states.publish(StateSnapshot(round=state.round, params=params, momentum=momentum, config=self.cfg,
-                                          members=state.members))
+
+        @contextlib.contextmanager
+        def snapshot() -> Iterator[tuple[int, StateSnapshot]]:
+            with live() as state:  # views of the live tensors: StateServer serializes them inside
+                params = _split(state.theta_global, self.param_shapes)
+                momentum = {} if state.outer_momentum is None else _split(state.outer_momentum, self.param_shapes)
+                yield state.version, StateSnapshot(round=state.round, params=params, momentum=momentum,
+                                                   config=self.cfg, members=state.members)
+
+        self.states.serve(snapshot)
+
+    def publish_state(self, state: PeerState) -> None:
+        self._state_hash = state.state_hash  # what this peer's next match entries announce
 
     def unreported_bytes(self) -> tuple[int, int]:
         return self.averager.unreported_bytes()

@@ -18,7 +18,7 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -140,6 +140,7 @@ class Peer(OverlappedRounds, Healing):
         shapes = [(name, tuple(p.shape)) for name, p in self.worker.model.named_parameters()]
         self.plane = await self.services.open_data_plane(self.cfg, discovery=discovery, codec=codec,
                                                          param_shapes=shapes)
+        self.plane.serve_state(self._live_state)
         await self._publish_committed_state()
         self.endpoint = self.plane.endpoint
         self.membership = Membership(discovery, run_id=self.cfg.train.run_id, timeout_s=self.cfg.rpc.call_timeout_s)
@@ -203,7 +204,16 @@ class Peer(OverlappedRounds, Healing):
 
         return PeerState(round=self.worker.round, theta_global=own(theta),
                          outer_momentum=None if momentum is None else own(momentum.detach().cpu()),
-                         state_hash=self.worker.global_hash(), members=self.worker.members)
+                         state_hash=self.worker.global_hash(), members=self.worker.members,
+                         version=self.worker.theta_version)
+
+    @contextlib.contextmanager
+    def _live_state(self) -> Iterator[PeerState]:
+        """The committed state with the worker's own tensors, for a joiner's download: outer steps and
+        heals wait until the block is left (the worker's global lock; called off the event loop)."""
+        assert self.worker is not None
+        with self.worker.global_lock:
+            yield self.current_state(copy=False)
 
     def _record(self) -> PeerRecord:
         assert self.discovery is not None and self.worker is not None
@@ -414,17 +424,17 @@ class Peer(OverlappedRounds, Healing):
             await self._checkpoint()
 
     async def _publish_committed_state(self) -> None:
-        """After θ_global changed: hash it once, copy and serialize it for joiners, all off the event loop.
+        """After θ_global changed: hash it once, off the event loop, and announce it.
 
         Nothing changes θ_global meanwhile (outer steps and heals are awaited by the round loop). The
         hash is cached in the worker: round lines and checkpoints only read it, and heartbeats announce
-        the (round, hash) pair published here.
+        the (round, hash) pair published here. Joiners get the state itself through `_live_state`,
+        serialized when they ask.
         """
         assert self.worker is not None and self.plane is not None
         digest = await asyncio.to_thread(self.worker.global_hash)
-        # No copy of θ: publish_state serializes it before returning (one copy, the served blob).
         state = self.current_state(copy=False)
-        await asyncio.to_thread(self.plane.publish_state, state)
+        self.plane.publish_state(state)
         self._announced = (state.round, digest)
 
     def _now(self) -> float:

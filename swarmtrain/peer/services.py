@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -14,7 +15,7 @@ from swarmtrain.compress import Codec
 from swarmtrain.config import DiscoveryConfig, RunConfig
 from swarmtrain.discovery import Discovery
 
-__all__ = ["DataPlane", "PeerError", "PeerServices", "PeerState"]
+__all__ = ["DataPlane", "LiveState", "PeerError", "PeerServices", "PeerState"]
 
 
 class PeerError(RuntimeError):
@@ -30,6 +31,11 @@ class PeerState:
     outer_momentum: torch.Tensor | None  # (numel,) fp32; None when outer.momentum is 0
     state_hash: str = ""  # sha256 of theta_global (announced with this peer's Δ: a group shares one θ)
     members: tuple[str, ...] = ()  # the peers whose commit produced theta_global (empty = unknown)
+    version: int = 0  # changes with every change of theta_global (the worker's theta_version)
+
+
+LiveState = Callable[[], AbstractContextManager[PeerState]]
+"""The peer's committed state with its own tensors, unchanged while the context is entered."""
 
 
 class DataPlane(Protocol):
@@ -52,11 +58,16 @@ class DataPlane(Protocol):
         `average` call adopts it (a time-paced peer matches while its last inner steps run)."""
         ...
 
-    def publish_state(self, state: PeerState) -> None:
-        """Serve `state` to joiners from now on (called after start, every commit and every heal).
+    def serve_state(self, live: LiveState) -> None:
+        """Serve joiners the state `live` yields when they ask (called once, before the first round).
 
-        `state`'s tensors are the peer's live θ_global and momentum: copy or serialize them before
-        returning (the next outer step changes them in place)."""
+        Its tensors are the peer's own: copy or serialize them inside the context (outer steps and
+        heals wait until it is left), and keep nothing of them between requests."""
+        ...
+
+    def publish_state(self, state: PeerState) -> None:
+        """θ_global changed (start, every commit, every heal): `state.state_hash` is what this peer's
+        next match entries announce. `state`'s tensors are live: copy what you keep."""
         ...
 
     def unreported_bytes(self) -> tuple[int, int]:

@@ -33,9 +33,9 @@ class StateBlob:
 
 
 class StateSource(Protocol):
-    def current(self, *, wait_s: float = 0.0) -> StateBlob | None:
-        """The newest committed state, or None before the first one. While a new one is being
-        published, wait up to `wait_s` for it (blocking: call off the event loop)."""
+    def current(self) -> StateBlob | None:
+        """The committed state to stream, or None before there is one. Blocking (it may serialize the
+        state first): called off the event loop."""
         ...
 
 
@@ -47,9 +47,7 @@ class _Servicer(pb_grpc.StateTransferServicer):
 
     async def GetState(self, request: pb.StateRequest, context: aio.ServicerContext) -> AsyncIterator[pb.StateChunk]:
         peer = peer_of(context)
-        state = self.source.current()  # one immutable object: never a half-updated state
-        if state is None:  # maybe between two states (a commit is being published): wait for it, bounded
-            state = await asyncio.to_thread(self.source.current, wait_s=self.node.cfg.call_timeout_s / 2)
+        state = await asyncio.to_thread(self.source.current)  # one immutable object: never a half-updated state
         if state is None or state.run_id != request.run_id:
             why = "no committed state yet" if state is None else f"this peer is in run {state.run_id!r}"
             log.warning("%s refused GetState from %s: %s", self.node.peer_id, peer, why)

@@ -9,7 +9,9 @@ import logging
 import struct
 import threading
 import time
-from collections.abc import Mapping, Sequence
+import weakref
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +23,7 @@ from swarmtrain.rpc.faults import FaultHook
 from swarmtrain.rpc.node import RpcError, RpcNode
 from swarmtrain.rpc.state_wire import StateBlob, StateClient, serve_state
 
-__all__ = ["StateServer", "StateSnapshot", "StateTransferError", "fetch_state"]
+__all__ = ["LiveState", "StateServer", "StateSnapshot", "StateTransferError", "fetch_state"]
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +48,20 @@ class StateSnapshot:
 
 def encode_snapshot(snapshot: StateSnapshot) -> StateBlob:
     """Serialize (safetensors) and checksum a snapshot; the blob is a copy, so later updates never leak in."""
-    tensors = {_PARAMS + k: v.detach().cpu().contiguous() for k, v in snapshot.params.items()}
-    tensors.update({_MOMENTUM + k: v.detach().cpu().contiguous() for k, v in snapshot.momentum.items()})
-    blob = safetensors_blob(tensors, metadata={_MEMBERS: json.dumps(list(snapshot.members))})
+    return _state_blob(snapshot, safetensors_blob(_named(snapshot), metadata=_metadata(snapshot)))
+
+
+def _named(snapshot: StateSnapshot) -> dict[str, torch.Tensor]:
+    tensors = {_PARAMS + k: v.detach().cpu() for k, v in snapshot.params.items()}
+    tensors.update({_MOMENTUM + k: v.detach().cpu() for k, v in snapshot.momentum.items()})
+    return tensors
+
+
+def _metadata(snapshot: StateSnapshot) -> dict[str, str]:
+    return {_MEMBERS: json.dumps(list(snapshot.members))}
+
+
+def _state_blob(snapshot: StateSnapshot, blob: memoryview) -> StateBlob:
     return StateBlob(snapshot.config.train.run_id, snapshot.round, json.dumps(public_dict(snapshot.config)), blob,
                      hashlib.sha256(blob).digest())
 
@@ -143,44 +156,58 @@ def _check_tensors(params: Mapping[str, torch.Tensor], momentum: Mapping[str, to
                 raise StateTransferError(f"{kind} {name} holds NaN or Inf")
 
 
-class StateServer:
-    """Serves the newest published snapshot. Construct before `node.start()`; `publish` after every commit.
+LiveState = Callable[[], AbstractContextManager[tuple[Hashable, StateSnapshot] | None]]
+"""What `StateServer.serve` reads: entering it yields (a key that changes whenever the state does, the
+state with the peer's own tensors) or None before there is one; while inside, the tensors do not change."""
 
-    Memory: one serialized state at a time. `publish` drops the previous blob before it serializes the
-    next (the two together would be 4 copies of the model at once); a GetState that arrives meanwhile
-    waits for the new one (`current(wait_s=...)`), and one already streaming keeps its own reference.
+
+class StateServer:
+    """Serves this peer's committed state to joiners. Construct before `node.start()`.
+
+    `serve(live)` serves the peer's live state, serialized when a joiner asks: nothing is held between
+    requests (a peer serves rarely, and a blob kept ready would cost two copies of the model all the
+    time). The copy is taken while `live` holds the state still (the peer's outer step or heal waits
+    for it, about one memory copy of θ and momentum), hashed afterwards, and shared by the requests
+    for the same state that arrive while it is still being streamed. `publish(snapshot)` serves a
+    fixed state instead, serialized at once.
     """
 
     def __init__(self, node: RpcNode, *, fault_hook: FaultHook | None = None) -> None:
-        self._cond = threading.Condition()
-        self._current: StateBlob | None = None
-        self._publishing = False
+        self._lock = threading.Lock()  # one serialization at a time: concurrent joiners share its blob
+        self._live: LiveState | None = None
+        self._fixed: StateBlob | None = None
+        self._shared: tuple[Hashable, weakref.ref[StateBlob]] | None = None
         serve_state(node, self, fault_hook=fault_hook)
 
-    def publish(self, snapshot: StateSnapshot) -> None:
-        """Serialize now (the caller may mutate its tensors afterwards) and swap in atomically."""
-        with self._cond:
-            if self._current is not None and snapshot.round < self._current.round:
-                raise ValueError(f"publish: round {snapshot.round} is older than the served {self._current.round}")
-            previous, self._current, self._publishing = self._current, None, True
-        del previous  # freed here unless a GetState is still streaming it
-        try:
-            state = encode_snapshot(snapshot)
-        except BaseException:
-            with self._cond:
-                self._publishing = False
-                self._cond.notify_all()
-            raise
-        with self._cond:
-            self._current, self._publishing = state, False
-            self._cond.notify_all()
+    def serve(self, live: LiveState) -> None:
+        """Serve the state `live` yields from now on (see LiveState), in place of any published one."""
+        with self._lock:
+            self._live, self._fixed, self._shared = live, None, None
 
-    def current(self, *, wait_s: float = 0.0) -> StateBlob | None:
-        deadline = time.monotonic() + wait_s
-        with self._cond:
-            while self._current is None and self._publishing and (left := deadline - time.monotonic()) > 0:
-                self._cond.wait(left)
-            return self._current
+    def publish(self, snapshot: StateSnapshot) -> None:
+        """Serve `snapshot` from now on, serialized now (the caller may change its tensors afterwards)."""
+        state = encode_snapshot(snapshot)
+        with self._lock:
+            if self._fixed is not None and snapshot.round < self._fixed.round:
+                raise ValueError(f"publish: round {snapshot.round} is older than the served {self._fixed.round}")
+            self._live, self._fixed, self._shared = None, state, None
+
+    def current(self) -> StateBlob | None:
+        """The state to stream now, or None before there is one. Blocking: call it off the event loop."""
+        with self._lock:
+            if self._live is None:
+                return self._fixed
+            with self._live() as live:
+                if live is None:
+                    return None
+                key, snapshot = live
+                shared = self._shared[1]() if self._shared is not None and self._shared[0] == key else None
+                if shared is not None:
+                    return shared
+                blob = safetensors_blob(_named(snapshot), metadata=_metadata(snapshot))
+            state = _state_blob(snapshot, blob)  # hashed after the live state is released
+            self._shared = (key, weakref.ref(state))
+            return state
 
 
 def fetch_state(node: RpcNode, endpoints: Sequence[str], *, run_id: str, min_round: int = 0,

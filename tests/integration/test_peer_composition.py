@@ -22,9 +22,10 @@ from swarmtrain.averaging.protocol import AverageResult
 from swarmtrain.compress import Codec
 from swarmtrain.config import ConfigError, DiscoveryConfig, RunConfig, load_config, to_dict
 from swarmtrain.data import ShardedBatches, load_corpus
+from swarmtrain.diloco.flat import flat_hash
 from swarmtrain.discovery import Discovery, InMemoryDiscovery, InMemoryRegistry, PeerRecord, RunRecord
 from swarmtrain.peer import Peer, PeerState, merge_run_config
-from swarmtrain.peer.services import PeerError
+from swarmtrain.peer.services import LiveState, PeerError
 from swarmtrain.telemetry import EventWriter, HealEvent, LeaveEvent, ReadyLine, RoundEvent, parse_line
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -91,17 +92,23 @@ class FakePlane:
         self.services = services
         self.peer_id = peer_id
         self.endpoint = f"127.0.0.1:{20000 + len(services.states)}"
-        self.published: PeerState | None = None
+        self.live: LiveState | None = None
+        self.published: list[tuple[int, str]] = []  # (round, θ hash) of every publish_state
         self.prematched: list[int] = []
         services.states[self.endpoint] = self.served
 
     def served(self) -> PeerState:
-        assert self.published is not None
-        return self.published
+        """What a joiner downloads: a copy of the live state, taken as the real plane's server does."""
+        assert self.live is not None
+        with self.live() as state:
+            momentum = None if state.outer_momentum is None else state.outer_momentum.clone()
+            return dataclasses.replace(state, theta_global=state.theta_global.clone(), outer_momentum=momentum)
+
+    def serve_state(self, live: LiveState) -> None:
+        self.live = live
 
     def publish_state(self, state: PeerState) -> None:
-        momentum = None if state.outer_momentum is None else state.outer_momentum.clone()
-        self.published = dataclasses.replace(state, theta_global=state.theta_global.clone(), outer_momentum=momentum)
+        self.published.append((state.round, state.state_hash))
 
     async def average(self, round_index: int, delta: torch.Tensor, *, steps_per_s: float = 0.0,
                       electorate: tuple[str, ...] = (), on_group: object = None) -> AverageResult:
@@ -303,7 +310,12 @@ def test_a_finished_peer_serves_state_until_a_straggler_behind_the_last_round_ca
         task = asyncio.create_task(_run_peer(peer, stop))
         await _until(lambda: peer.phase == "lingering", timeout_s=60, what="the run done", tasks=[task])
         assert [e.round for e in out.rounds() if e.committed] == [0, 1] and not task.done()
-        assert services.states[peer.endpoint]().round == 2, "it still serves its final state"
+        served = services.states[peer.endpoint]()
+        assert served.round == 2, "it still serves its final state"
+        plane = peer.plane
+        assert isinstance(plane, FakePlane) and plane.published[-1] == (2, served.state_hash), \
+            "the hash it announces is the state it serves"
+        assert flat_hash(served.theta_global) == served.state_hash
         await announce(2)  # the straggler healed
         assert await asyncio.wait_for(task, timeout=30) == "done"
 

@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import gc
 import logging
+import threading
 
 import pytest
 import torch
 
 from swarmtrain.config import RpcConfig, RunConfig
 from swarmtrain.rpc.node import RpcNode
-from swarmtrain.sync.transfer import StateServer, StateSnapshot, StateTransferError, fetch_state
+from swarmtrain.sync.transfer import (
+    StateServer,
+    StateSnapshot,
+    StateTransferError,
+    fetch_state,
+)
 from swarmtrain.testing import FaultPlan
 
 pytestmark = pytest.mark.integration
@@ -94,45 +103,94 @@ def test_a_wrong_run_key_gets_nothing(peers, caplog, monkeypatch) -> None:
         intruder.close()
 
 
-def test_a_joiner_asking_while_a_new_state_is_serialized_gets_the_new_one(peers, monkeypatch) -> None:
-    """publish() drops the served blob before it builds the next (never two in memory); a GetState in
-    between waits for the new state instead of being refused."""
-    import threading
+class _Live:
+    """A peer's live state as `StateServer.serve` reads it: one lock, tensors changed in place under it."""
 
-    from swarmtrain.sync import transfer
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.version = 0
+        self.snapshot = _snapshot(2)
+        self.entered = 0
 
+    @contextlib.contextmanager
+    def __call__(self):  # type: ignore[no-untyped-def]
+        with self.lock:
+            self.entered += 1
+            yield self.version, self.snapshot
+
+    def step(self, round_index: int) -> None:
+        """An outer step: every tensor changes in place, with the round."""
+        with self.lock:
+            ref = _snapshot(round_index)
+            for mine, new in ((self.snapshot.params, ref.params), (self.snapshot.momentum, ref.momentum)):
+                for k, t in mine.items():
+                    t.copy_(new[k])
+            self.snapshot = dataclasses.replace(self.snapshot, round=round_index)
+            self.version += 1
+
+
+def _same(got: StateSnapshot, ref: StateSnapshot) -> bool:
+    return got.round == ref.round and all(torch.equal(got.params[k], ref.params[k]) for k in ref.params) and all(
+        torch.equal(got.momentum[k], ref.momentum[k]) for k in ref.momentum)
+
+
+def test_a_live_state_is_serialized_when_asked_and_not_kept(peers) -> None:
     donor, server, _, _, joiner, _ = peers
-    server.publish(_snapshot(2))
-    encoding, release = threading.Event(), threading.Event()
-    real_encode = transfer.encode_snapshot
+    live = _Live()
+    server.serve(live)
+    assert live.entered == 0, "nothing is serialized before a joiner asks"
+    assert _same(fetch_state(joiner, [donor.endpoint], run_id="sync-run", timeout_s=10), _snapshot(2))
+    live.step(3)  # in place: the next joiner gets the new state
+    assert _same(fetch_state(joiner, [donor.endpoint], run_id="sync-run", timeout_s=10), _snapshot(3))
+    assert live.entered == 2
+    gc.collect()
+    assert server._shared is not None and server._shared[1]() is None, "no blob is held between requests"
 
-    def slow_encode(snapshot: StateSnapshot):  # type: ignore[no-untyped-def]
-        encoding.set()
-        assert release.wait(10)
-        return real_encode(snapshot)
 
-    monkeypatch.setattr(transfer, "encode_snapshot", slow_encode)
-    publisher = threading.Thread(target=server.publish, args=(_snapshot(3),))
-    publisher.start()
-    assert encoding.wait(10)
-    assert server.current() is None  # round 2's blob is already released
+def test_a_state_served_while_an_outer_step_waits_is_one_consistent_state(peers) -> None:
+    """The step that comes while a GetState copies the live state waits for the copy; the joiner gets
+    the state from before the step, whole, and the next joiner the state after it."""
+    donor, server, _, _, joiner, _ = peers
+    live, inside, go_on = _Live(), threading.Event(), threading.Event()
+    real_enter = live.__call__
+
+    @contextlib.contextmanager
+    def slow_live():  # type: ignore[no-untyped-def]
+        with real_enter() as state:
+            inside.set()
+            assert go_on.wait(10)
+            yield state
+
+    server.serve(slow_live)
     got: list[StateSnapshot] = []
     fetcher = threading.Thread(target=lambda: got.append(fetch_state(joiner, [donor.endpoint], run_id="sync-run",
                                                                      timeout_s=10)))
-    real_current, waiting = server.current, threading.Event()
-
-    def current(*, wait_s: float = 0.0):  # type: ignore[no-untyped-def]
-        if wait_s > 0:
-            waiting.set()  # the GetState found no state and waits for the one being published
-        return real_current(wait_s=wait_s)
-
-    monkeypatch.setattr(server, "current", current)
     fetcher.start()
-    assert waiting.wait(10)
-    release.set()
-    publisher.join(10)
-    fetcher.join(15)
-    assert [s.round for s in got] == [3]
+    assert inside.wait(10)
+    stepper = threading.Thread(target=live.step, args=(3,))
+    stepper.start()
+    stepper.join(0.2)
+    assert stepper.is_alive(), "the step waits while the state is copied"
+    go_on.set()
+    stepper.join(10)
+    fetcher.join(10)
+    assert len(got) == 1 and _same(got[0], _snapshot(2))
+    assert _same(fetch_state(joiner, [donor.endpoint], run_id="sync-run", timeout_s=10), _snapshot(3))
+
+
+def test_joiners_of_one_state_share_its_blob(peers) -> None:
+    _, server, _, _, _, _ = peers
+    live = _Live()
+    server.serve(live)
+    first = server.current()
+    assert server.current() is first and live.entered == 2, "a second request reuses the blob still streaming"
+    live.step(3)
+    assert server.current() is not first
+
+
+def test_publishing_an_older_round_is_refused(peers) -> None:
+    _, server, _, _, _, _ = peers
+    server.publish(_snapshot(3))
     with pytest.raises(ValueError, match="older"):
         server.publish(_snapshot(2))
 
