@@ -19,6 +19,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from swarmtrain.averaging.ballot import VoteBook
@@ -29,7 +30,7 @@ from swarmtrain.rpc.buffers import BufferPool
 from swarmtrain.rpc.faults import FaultHook, FaultSite
 from swarmtrain.rpc.node import Rejected
 
-__all__ = ["ENCODED_SLACK_BYTES", "ReducerRegistry", "max_encoded_bytes", "shard_bounds"]
+__all__ = ["ENCODED_SLACK_BYTES", "ReducerRegistry", "max_encoded_bytes", "mean_of_encoded", "shard_bounds"]
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +80,7 @@ class _Session:
     shard: int
     numel: int
     expected: frozenset[str]
-    received: dict[str, torch.Tensor] = field(default_factory=dict)
+    received: dict[str, memoryview] = field(default_factory=dict)  # sender -> its encoded shard, validated
     rejected: dict[str, str] = field(default_factory=dict)
     closed: asyncio.Event = field(default_factory=asyncio.Event)
     contributors: tuple[str, ...] = ()
@@ -254,19 +255,24 @@ class ReducerRegistry:
         s = await self._session(header.session)
         if header.sender in s.received:
             return  # a retried push whose first copy landed: idempotent
-        view, values = self._fp32(s.numel)
+        # Kept encoded (a quarter of fp32 with int8): decoded again, in group order, for each mean.
+        view = self.buffers.take(len(payload))
+        check_view, check = self._fp32(s.numel)
         try:
-            await asyncio.to_thread(_decode_checked, self.codec, payload, values)
+            await asyncio.to_thread(_own_checked, self.codec, payload, view, check)
         except CodecError as e:
             self.buffers.give(view)
             s.rejected[header.sender] = str(e)
             raise Rejected(f"shard {s.shard} from {header.sender}: {e}") from None
+        finally:
+            del check
+            self.buffers.give(check_view)
         if s.closed.is_set() or header.sender in s.received:
             self.buffers.give(view)
             if header.sender in s.received:
                 return  # a retry raced its first copy
             raise Rejected(f"shard {s.shard}'s contribution window closed while decoding", kind="precondition")
-        s.received[header.sender] = values
+        s.received[header.sender] = view
         s.scratch.append(view)
         if s.expected <= set(s.received):
             self._close(s)
@@ -297,11 +303,14 @@ class ReducerRegistry:
             if data is None:
                 parts = [s.received[p] for p in order]
                 view, acc = self._fp32(s.numel)
+                one_view, one = self._fp32(s.numel)
                 try:
-                    data = await asyncio.to_thread(lambda: self.codec.encode(mean_of(parts, out=acc)))
+                    data = await asyncio.to_thread(
+                        lambda: self.codec.encode(mean_of_encoded(self.codec, parts, out=acc, scratch=one)))
                 finally:
-                    del acc
+                    del acc, one
                     self.buffers.give(view)
+                    self.buffers.give(one_view)
                 s.means[tuple(order)] = data
         return data
 
@@ -359,12 +368,25 @@ class ReducerRegistry:
             raise Rejected("dropped by fault injection", kind="precondition")
 
 
-def _decode_checked(codec: Codec, payload: bytes | bytearray | memoryview, out: torch.Tensor) -> None:
-    """Decode a shard into `out` (its memory is ours, never the transport's reused payload buffer).
-    Accumulating into zeros is bit-identical to decode() for every codec: x + 0 rounds to x, and
-    mean_of's first add turns -0.0 into +0.0 either way."""
-    codec.decode_accumulate(payload, out.zero_())
-    if out.numel():
-        lo, hi = torch.aminmax(out)
+def mean_of_encoded(codec: Codec, parts: list[memoryview], *, out: torch.Tensor,
+                    scratch: torch.Tensor) -> torch.Tensor:
+    """`mean_of` over the decoded `parts`, bit for bit, decoding one at a time into `scratch` (fp32,
+    the shard's size) instead of holding every decoded part; `out` receives the mean."""
+    out.zero_()
+    for part in parts:
+        codec.decode_accumulate(part, scratch.zero_())  # == decode(part): see _own_checked
+        out.add_(scratch)
+    return out.div_(len(parts))
+
+
+def _own_checked(codec: Codec, payload: bytes | bytearray | memoryview, own: memoryview, check: torch.Tensor) -> None:
+    """Copy an encoded shard into `own` (our memory, never the transport's reused payload buffer) and
+    decode it into `check` to refuse it now if it is malformed or holds NaN or Inf. Accumulating into
+    zeros is bit-identical to decode() for every codec: x + 0 rounds to x, and mean_of's first add
+    turns -0.0 into +0.0 either way."""
+    np.copyto(np.frombuffer(own, dtype=np.uint8), np.frombuffer(payload, dtype=np.uint8))  # without the GIL
+    codec.decode_accumulate(own, check.zero_())
+    if check.numel():
+        lo, hi = torch.aminmax(check)
         if not bool(torch.isfinite(lo) & torch.isfinite(hi)):
             raise CodecError("decoded values hold NaN or Inf")

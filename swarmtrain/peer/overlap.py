@@ -80,6 +80,7 @@ class OverlappedRounds:
                 pending = None
                 machine.averaged(committed=result.committed, reason=result.reason, retry_at=result.retry_at,
                                  heal_to_hash=result.heal_to_hash, trained_meanwhile=unsent.trained)
+                del result  # the mean's memory goes back to the pool before the next round needs it
             elif isinstance(action, Wait):
                 await self._wait(machine, action, stop)
             else:

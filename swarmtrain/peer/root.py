@@ -250,15 +250,15 @@ class Peer(OverlappedRounds, Healing):
             if isinstance(action, Heal):
                 await self._heal(machine, action)
             elif isinstance(action, Train):
+                pending = None  # the last round's Δ, done with: never two in memory
                 stats = await self._train_round(stop)
                 if stats is None:
                     machine.stopped()
                     continue
-                delta = await asyncio.to_thread(worker.delta)
-                pending = PendingRound(round=worker.round, delta=delta, loss=stats.loss, compute_s=stats.compute_s,
-                                       steps=stats.steps)
+                pending = PendingRound(round=worker.round, delta=await asyncio.to_thread(worker.delta),
+                                       loss=stats.loss, compute_s=stats.compute_s, steps=stats.steps)
                 # Checked once per trained Δ (a retry averages the same Δ again).
-                problem = await asyncio.to_thread(worker.delta_problem, delta)
+                problem = await asyncio.to_thread(worker.delta_problem, pending.delta)
                 if problem:
                     self._abort_locally(pending, problem)
                 machine.trained(problem=problem)
@@ -272,6 +272,9 @@ class Peer(OverlappedRounds, Healing):
                     continue
                 machine.averaged(committed=result.committed, reason=result.reason, retry_at=result.retry_at,
                                  heal_to_hash=result.heal_to_hash)
+                if result.committed:
+                    pending = None  # Δ is in θ_global now; only an aborted round averages it again
+                del result  # the mean's memory goes back to the pool before the next round needs it
             elif isinstance(action, Wait):
                 await self._wait(machine, action, stop)
             else:
