@@ -27,7 +27,7 @@ from swarmtrain.averaging.protocol import AverageResult
 from swarmtrain.compress import Codec
 from swarmtrain.config import DiscoveryConfig, RunConfig, to_dict
 from swarmtrain.discovery import Discovery
-from swarmtrain.peer.services import LiveState, PeerError, PeerState
+from swarmtrain.peer.services import LivePeerState, PeerError, PeerState
 from swarmtrain.rpc.node import RpcNode
 from swarmtrain.sync.transfer import StateServer, StateSnapshot, fetch_state
 
@@ -144,7 +144,7 @@ class NetworkPlane:
         return dataclasses.replace(result, reason=reason, retry_at=outcome.retry_at,
                                    heal_to_hash=outcome.heal_to_hash)
 
-    def serve_state(self, live: LiveState) -> None:
+    def serve_state(self, live: LivePeerState) -> None:
         if self.states is None:
             return
 

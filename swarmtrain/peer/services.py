@@ -15,7 +15,7 @@ from swarmtrain.compress import Codec
 from swarmtrain.config import DiscoveryConfig, RunConfig
 from swarmtrain.discovery import Discovery
 
-__all__ = ["DataPlane", "LiveState", "PeerError", "PeerServices", "PeerState"]
+__all__ = ["DataPlane", "LivePeerState", "PeerError", "PeerServices", "PeerState"]
 
 
 class PeerError(RuntimeError):
@@ -34,7 +34,7 @@ class PeerState:
     version: int = 0  # changes with every change of theta_global (the worker's theta_version)
 
 
-LiveState = Callable[[], AbstractContextManager[PeerState]]
+LivePeerState = Callable[[], AbstractContextManager[PeerState]]
 """The peer's committed state with its own tensors, unchanged while the context is entered."""
 
 
@@ -58,7 +58,7 @@ class DataPlane(Protocol):
         `average` call adopts it (a time-paced peer matches while its last inner steps run)."""
         ...
 
-    def serve_state(self, live: LiveState) -> None:
+    def serve_state(self, live: LivePeerState) -> None:
         """Serve joiners the state `live` yields when they ask (called once, before the first round).
 
         Its tensors are the peer's own: copy or serialize them inside the context (outer steps and

@@ -25,7 +25,7 @@ from swarmtrain.data import ShardedBatches, load_corpus
 from swarmtrain.diloco.flat import flat_hash
 from swarmtrain.discovery import Discovery, InMemoryDiscovery, InMemoryRegistry, PeerRecord, RunRecord
 from swarmtrain.peer import Peer, PeerState, merge_run_config
-from swarmtrain.peer.services import LiveState, PeerError
+from swarmtrain.peer.services import LivePeerState, PeerError
 from swarmtrain.telemetry import EventWriter, HealEvent, LeaveEvent, ReadyLine, RoundEvent, parse_line
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -92,7 +92,7 @@ class FakePlane:
         self.services = services
         self.peer_id = peer_id
         self.endpoint = f"127.0.0.1:{20000 + len(services.states)}"
-        self.live: LiveState | None = None
+        self.live: LivePeerState | None = None
         self.published: list[tuple[int, str]] = []  # (round, θ hash) of every publish_state
         self.prematched: list[int] = []
         services.states[self.endpoint] = self.served
@@ -104,7 +104,7 @@ class FakePlane:
             momentum = None if state.outer_momentum is None else state.outer_momentum.clone()
             return dataclasses.replace(state, theta_global=state.theta_global.clone(), outer_momentum=momentum)
 
-    def serve_state(self, live: LiveState) -> None:
+    def serve_state(self, live: LivePeerState) -> None:
         self.live = live
 
     def publish_state(self, state: PeerState) -> None:

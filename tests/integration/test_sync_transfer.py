@@ -7,6 +7,7 @@ import dataclasses
 import gc
 import logging
 import threading
+import weakref
 
 import pytest
 import torch
@@ -143,8 +144,9 @@ def test_a_live_state_is_serialized_when_asked_and_not_kept(peers) -> None:
     live.step(3)  # in place: the next joiner gets the new state
     assert _same(fetch_state(joiner, [donor.endpoint], run_id="sync-run", timeout_s=10), _snapshot(3))
     assert live.entered == 2
+    blob = weakref.ref(server.current())
     gc.collect()
-    assert server._shared is not None and server._shared[1]() is None, "no blob is held between requests"
+    assert blob() is None, "no blob is held between requests"
 
 
 def test_a_state_served_while_an_outer_step_waits_is_one_consistent_state(peers) -> None:
