@@ -23,7 +23,7 @@ pytestmark = pytest.mark.unit
 # the first signal a second READY line; with "hang", a shutdown step that never returns and holds the loop,
 # else an orderly stop of the child.
 DAEMON = """
-import asyncio, json, os, sys, threading
+import asyncio, json, os, signal, sys, threading
 from swarmtrain.daemon.signals import StopSignals
 
 async def main() -> None:
@@ -37,7 +37,9 @@ async def main() -> None:
     print("READY " + json.dumps({"child": child}), flush=True)
     await stop.wait()
     print("READY " + json.dumps({"stopping": True}), flush=True)
-    if sys.argv[2] == "hang":
+    if sys.argv[2] == "stuck":
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+    if sys.argv[2] in ("hang", "stuck"):
         threading.Event().wait(120)
     os.kill(child, 9)  # the daemon's own orderly stop of its child
     os.waitpid(child, 0)
@@ -60,8 +62,9 @@ def _signal_and_wait_stopping(child: Child) -> None:
                    what="the first signal handled")
 
 
-def test_second_signal_exits_at_once_and_kills_the_children(tmp_path: Path) -> None:
-    child, forked = _start(tmp_path, "none", "hang")
+@pytest.mark.parametrize("mode", ["hang", "stuck"])
+def test_second_signal_exits_at_once_and_kills_the_children(tmp_path: Path, mode: str) -> None:
+    child, forked = _start(tmp_path, "none", mode)
     try:
         _signal_and_wait_stopping(child)
         t0 = time.monotonic()
