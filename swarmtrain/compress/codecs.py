@@ -106,13 +106,17 @@ class _Codec(abc.ABC):
     def _encode_payload(self, x: torch.Tensor) -> tuple[list[memoryview], Flags, int]: ...
 
     # -- decode ------------------------------------------------------------------------------
-    def _open(self, data: _Buffer) -> tuple[Header, _Buffer]:
-        """Parses and checks the header for this codec; returns it with the raw (decompressed) payload."""
+    def _open(self, data: _Buffer, *, numel: int | None = None) -> tuple[Header, _Buffer]:
+        """Parses and checks the header for this codec (and its element count against `numel`, when given,
+        before anything is decompressed or allocated); returns it with the raw (decompressed) payload."""
         header, payload = parse(data, limits=self.limits)
         if header.codec_id != self.codec_id:
             raise CodecError(f"codec mismatch: data was encoded by {header.codec_id.name.lower()}, "
                              f"this codec is {self.name}")
         self._check_header(header)
+        if numel is not None and header.numel != numel:
+            raise CodecError(f"decode_accumulate: out has {numel} elements, data has {header.numel} "
+                             f"(shape {header.shape})")
         size = self._raw_size(header)
         if Flags.ZSTD in header.flags:
             return header, zstd_decompress(payload, size_bytes=size)
@@ -143,10 +147,7 @@ class _Codec(abc.ABC):
 
     def decode_accumulate(self, data: _Buffer, out: torch.Tensor) -> None:
         self._check_out(out)
-        header, raw = self._open(data)
-        if out.numel() != header.numel:
-            raise CodecError(f"decode_accumulate: out has {out.numel()} elements, data has {header.numel} "
-                             f"(shape {header.shape})")
+        header, raw = self._open(data, numel=out.numel())
         self._accumulate(header, raw, out)
 
     @abc.abstractmethod

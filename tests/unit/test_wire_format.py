@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import resource
 import struct
 
@@ -146,7 +147,9 @@ def test_malformed_is_rejected_with_a_named_error(case: str) -> None:
     codec = get_codec(name)
     with pytest.raises(CodecError, match=match):
         codec.decode(data)
-    numel = 9 if len(data) < 40 or data[12] != 1 else struct.unpack_from("<Q", data, 32)[0]
+    ndim = data[12] if len(data) >= 32 else 0
+    shape = struct.unpack_from(f"<{ndim}Q", data, 32) if 0 < ndim <= 8 and len(data) >= 32 + 8 * ndim else (9,)
+    numel = math.prod(shape) if math.prod(shape) < 1 << 20 else 9
     with pytest.raises(CodecError, match=match):  # an `out` that fits, so the payload check is reached
         codec.decode_accumulate(data, torch.zeros(numel))
     assert isinstance(CodecError("x"), ValueError)
@@ -191,3 +194,15 @@ def test_zstd_frame_declaring_a_huge_content_size_is_refused_before_allocating()
     assert zstandard.frame_content_size(frame) == 1 << 40
     with pytest.raises(CodecError, match="larger than declared"):
         get_codec("fp32").decode(forge(codec_id=1, flags=1, shape=(16,), payload=frame))
+
+
+def test_decode_accumulate_refuses_a_frame_of_another_size_before_decompressing() -> None:
+    # 2^31 fp32 elements declared, a ~256 KB frame that really expands to 8 GiB, and an `out` of 16:
+    # the element count is checked first, so neither the frame nor the header chooses an allocation.
+    numel = 1 << 31
+    bomb = _rle_bomb(numel * 4)
+    assert len(bomb) < 300_000
+    rss_before_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(CodecError, match=f"out has 16 elements, data has {numel}"):
+        get_codec("fp32").decode_accumulate(forge(codec_id=1, flags=1, shape=(numel,), payload=bomb), torch.zeros(16))
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before_kb < 64 * 1024
