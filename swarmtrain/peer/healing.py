@@ -55,6 +55,9 @@ class Healing:
         plan = plan_heal(peers, own_round=own, self_id=self._peer_id, want_hash=want_hash)
         if plan is None:
             return None
+        if not plan.donors:
+            log.warning("behind the swarm but not healing this round: %s", plan.problem)
+            return None
         self.phase = "healing"
         from_round = self.worker.round
         for donor in plan.donors:
@@ -64,11 +67,14 @@ class Healing:
             except Exception as e:
                 log.warning("state download from %s (%s) failed: %s", donor.peer_id, donor.endpoint, e)
                 continue
-            if state.round < own or (state.round == own and not want_hash):
+            if state.round != plan.round:
+                log.info("%s served round %d, not the swarm's round %d (it moved on): next donor", donor.peer_id,
+                         state.round, plan.round)
                 continue
-            if state.round == own and await asyncio.to_thread(flat_hash, state.theta_global) != want_hash:
-                log.warning("%s served round %d with another θ_global than the group's %s", donor.peer_id,
-                            state.round, want_hash[:12])
+            served_hash = await asyncio.to_thread(flat_hash, state.theta_global)
+            if served_hash != plan.state_hash:
+                log.warning("%s served round %d with θ_global %s, not the %s the swarm announces: refused",
+                            donor.peer_id, state.round, served_hash[:12], plan.state_hash[:12])
                 continue
             keep = keeps_progress(own_round=own, donor_round=state.round, keep_progress_rounds=keep_progress_rounds,
                                   want_hash=want_hash)
@@ -92,5 +98,6 @@ class Healing:
             await self._beat_task
             return donor.peer_id
         self.phase = "training"
-        log.warning("behind the swarm (round %d < %d) but no donor delivered its state", self.worker.round, plan.round)
+        log.warning("behind the swarm (round %d < %d) but no donor delivered its state %s", self.worker.round,
+                    plan.round, plan.state_hash[:12])
         return None

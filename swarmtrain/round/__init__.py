@@ -3,7 +3,7 @@
 Pure code: no I/O, no threads, no clock but the one injected. The peer daemon drives it.
 """
 
-from swarmtrain.round.heal import HealPlan, keeps_progress, plan_heal, swarm_round_end
+from swarmtrain.round.heal import HealPlan, keeps_progress, majority_state, plan_heal, swarm_round_end
 from swarmtrain.round.machine import (
     Action,
     Average,
@@ -22,6 +22,7 @@ from swarmtrain.round.rules import electorate_problem, has_quorum, vote_problem,
 
 __all__ = [
     "Action", "Average", "Finish", "Heal", "HealPlan", "Launch", "Phase", "RoundMachine", "RoundMachineError",
-    "Settle", "Train", "Transition", "Wait", "electorate_problem", "has_quorum", "keeps_progress", "plan_heal",
+    "Settle", "Train", "Transition", "Wait", "electorate_problem", "has_quorum", "keeps_progress", "majority_state",
+    "plan_heal",
     "swarm_round_end", "vote_problem", "voters",
 ]

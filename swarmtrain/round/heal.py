@@ -3,19 +3,23 @@ what a healed peer keeps, and when it should end the round it joins.
 
 A peer heals when live workers announce a newer round than its own (the swarm committed rounds
 without it), or when its round's group announced another θ_global hash than its own (its θ_global
-went astray): then peers at its own round holding that hash are donors too, and what they serve
-must hash to it.
+went astray): then peers at its own round holding that hash are donors too.
+
+What it adopts is never one donor's word: the (round, θ hash) must be announced by a strict majority
+of the serving workers ahead of it (or, after a hash mismatch, be its group's), and the download must
+hash to it. A key holder announcing a round or a θ of its own is outvoted and, if asked, refused.
 """
 
 from __future__ import annotations
 
 import hashlib
 import statistics
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-__all__ = ["HealPlan", "PeerView", "keeps_progress", "plan_heal", "swarm_round_end"]
+__all__ = ["HealPlan", "PeerView", "keeps_progress", "majority_state", "plan_heal", "swarm_round_end"]
 
 
 class PeerView(Protocol):
@@ -37,27 +41,52 @@ class PeerView(Protocol):
 
 @dataclass(frozen=True)
 class HealPlan:
-    """Download round `round` from the first of `donors` that delivers; `round_ends_at` (swarm clock,
-    None when unknown) is when the donors expect their inner steps of that round to end."""
+    """Download round `round`, whose θ_global must hash to `state_hash`, from the first of `donors` that
+    delivers it; `round_ends_at` (swarm clock, None when unknown) is when the donors expect their inner
+    steps of that round to end. No donors: peers are ahead but agree on no state (`problem` says why)."""
 
     round: int
+    state_hash: str
     donors: tuple[PeerView, ...]
     round_ends_at: float | None
+    problem: str = ""
+
+
+def majority_state(peers: Sequence[PeerView]) -> tuple[int, str] | None:
+    """The (round, θ hash) that a strict majority of `peers` announce, or None (a split, a transition
+    between rounds, or peers announcing states the others do not hold). Peers without a hash vouch
+    for nothing but still count."""
+    support = Counter((p.round, p.state_hash) for p in peers if p.state_hash)
+    if not support:
+        return None
+    (best, count), = support.most_common(1)
+    return best if 2 * count > len(peers) else None
 
 
 def plan_heal(peers: Sequence[PeerView], *, own_round: int, self_id: str, want_hash: str = "") -> HealPlan | None:
     """Whether and from whom to heal (None: nobody is ahead, nothing to do).
 
-    Donors are the serving workers at the newest round announced, ordered by a hash of (this peer,
-    donor) so that joiners spread over donors instead of all asking the smallest id."""
-    ahead = [p for p in peers if p.peer_id != self_id and p.role == "worker" and p.endpoint
-             and (p.round > own_round or (want_hash and p.round == own_round and p.state_hash == want_hash))]
-    if not ahead:
-        return None
-    newest = max(p.round for p in ahead)
-    donors = sorted((p for p in ahead if p.round == newest),
+    The state is the one a strict majority of the serving workers ahead announce; with `want_hash`
+    (this peer's group announced another θ_global than its own) and no such majority, the group's
+    state at this peer's round. Donors are the workers announcing it, ordered by a hash of (this
+    peer, donor) so that joiners spread over donors instead of all asking the smallest id."""
+    serving = [p for p in peers if p.peer_id != self_id and p.role == "worker" and p.endpoint]
+    ahead = [p for p in serving if p.round > own_round]
+    target = majority_state(ahead) if ahead else None
+    if target is None and want_hash:
+        target = (own_round, want_hash)
+    if target is None:
+        if not ahead:
+            return None
+        rounds = sorted({p.round for p in ahead})
+        return HealPlan(round=max(rounds), state_hash="", donors=(), round_ends_at=None,
+                        problem=f"the {len(ahead)} peers ahead (rounds {rounds[0]}..{rounds[-1]}) announce no "
+                                "(round, θ_global hash) a strict majority of them agree on")
+    donors = sorted((p for p in serving if (p.round, p.state_hash) == target),
                     key=lambda p: hashlib.sha256(f"{self_id}|{p.peer_id}".encode()).digest())
-    return HealPlan(round=newest, donors=tuple(donors), round_ends_at=swarm_round_end(ahead, newest))
+    return HealPlan(round=target[0], state_hash=target[1], donors=tuple(donors),
+                    round_ends_at=swarm_round_end(serving, target[0]),
+                    problem="" if donors else f"no serving peer announces round {target[0]} with the group's θ_global")
 
 
 def keeps_progress(*, own_round: int, donor_round: int, keep_progress_rounds: int, want_hash: str) -> bool:
