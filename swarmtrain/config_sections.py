@@ -324,9 +324,11 @@ class RpcConfig:
     """HOST:PORT other peers dial to reach this gRPC server; empty = the bound address (127.0.0.1 when
     bound to all interfaces)."""
     run_key: str = ""
-    """Shared secret of the run: every call carries it, and a peer refuses calls with another key. The
-    environment variable `SWARMTRAIN_RUN_KEY`, when set, takes its place; it is blanked in the run config
-    the coordinator publishes."""
+    """Shared secret of the run. It never leaves the machine: records, calls and bulk transfers carry MACs
+    made with keys derived from it, and peers ignore or refuse whatever lacks them (docs/security.md).
+    Empty = an open run, refused on a non-loopback address without `--insecure`. The environment variable
+    `SWARMTRAIN_RUN_KEY`, when set, takes its place; it is blanked in the run config the coordinator
+    publishes."""
     call_timeout_s: float = 30.0
     """Deadline in seconds of one data-plane call and of a read of the live peers from the DHT."""
     chunk_bytes: int = 1 << 20

@@ -243,6 +243,9 @@ class ReducerRegistry:
             raise Rejected(f"shard {header.shard} is not reduced here (this peer reduces shard {s.shard})")
         if header.sender not in s.expected:
             raise Rejected(f"sender {header.sender!r} is not a member of round {header.session.round}'s group")
+        if header.sender != peer:  # the caller's id is covered by its call's MAC (trust/calls.py)
+            raise Rejected(f"sender {header.sender!r} is not the caller {peer!r}: a member pushes only its own "
+                           "contribution")
         if header.numel != s.numel:
             raise Rejected(f"shard {s.shard} has {s.numel} values, the push claims {header.numel}")
         if header.codec != self.codec.name:

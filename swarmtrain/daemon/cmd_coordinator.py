@@ -14,7 +14,12 @@ import sys
 from collections.abc import Awaitable
 
 from swarmtrain.config import DiscoveryConfig
-from swarmtrain.daemon.options import add_config_options, config_from_args
+from swarmtrain.daemon.options import (
+    add_config_options,
+    add_insecure_option,
+    config_from_args,
+    exposure_error,
+)
 from swarmtrain.daemon.signals import OVERRUN_STATUS, StopSignals
 
 HELP = "start a run: the first DHT node, publishes the run config, prints READY {json} with its multiaddrs"
@@ -34,6 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="multiaddr others should dial when it differs from the bound one; repeatable")
     parser.add_argument("--nat-port-map", action="store_true",
                         help="let the DHT ask the home router for a port mapping (UPnP/NAT-PMP)")
+    add_insecure_option(parser)
     add_config_options(parser)
     parser.epilog = EPILOG
 
@@ -56,13 +62,19 @@ async def _serve(args: argparse.Namespace) -> int:
     from swarmtrain.discovery.coordinator import RunPublisher
     from swarmtrain.discovery.hivemind_dht import HivemindDiscovery
     from swarmtrain.telemetry.events import EventWriter
+    from swarmtrain.trust import resolve_run_key
 
     cfg = config_from_args(args, extra=local_overrides(args))
+    refused = exposure_error(cfg.rpc.run_key, [cfg.discovery.host], insecure=args.insecure)
+    if refused:
+        print(f"swarmtrain coordinator: error: {refused}", file=sys.stderr)
+        return 2
     stop = asyncio.Event()
     # Never uninstalled: a second signal must work until the process is gone (interpreter exit included).
     StopSignals(leaving="stopping the coordinator",
                 deadline_s=cfg.discovery.shutdown_timeout_s + SHUTDOWN_MARGIN_S).install(stop)
-    discovery = await HivemindDiscovery.create(cfg.discovery, run_id=cfg.train.run_id)
+    discovery = await HivemindDiscovery.create(cfg.discovery, run_id=cfg.train.run_id,
+                                               run_key=resolve_run_key(cfg.rpc.run_key))
     try:
         publisher = RunPublisher(discovery, cfg)
         await publisher.publish()

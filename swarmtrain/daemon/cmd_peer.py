@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from swarmtrain.daemon.options import add_config_options
+from swarmtrain.daemon.options import add_config_options, add_insecure_option
 
 HELP = "join a run as a DiLoCo peer: prints READY {json}, then one JSON line per round"
 
@@ -31,6 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                         help="human-readable progress on stderr: a status line per second, a line per round, "
                              "heal and leave (default: on when stderr is a terminal); stdout is unchanged")
+    add_insecure_option(parser)
     add_config_options(parser)
 
 
@@ -77,12 +78,16 @@ def run(args: argparse.Namespace) -> int:
     import contextlib
     import sys
 
-    from swarmtrain.daemon.options import config_from_args
+    from swarmtrain.daemon.options import config_from_args, exposure_error
     from swarmtrain.peer import PeerError
     from swarmtrain.peer.process import run_peer_process
     from swarmtrain.telemetry.console import ConsoleProgress
 
     local = config_from_args(args, extra=local_overrides(args))
+    refused = exposure_error(local.rpc.run_key, [local.rpc.host, local.discovery.host], insecure=args.insecure)
+    if refused:
+        print(f"swarmtrain peer: error: {refused}", file=sys.stderr)
+        return 2
     progress = None
     if progress_enabled(args, stderr_is_tty=sys.stderr.isatty()):
         progress = ConsoleProgress(sys.stderr, in_place=sys.stderr.isatty())

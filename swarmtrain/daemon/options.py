@@ -6,7 +6,7 @@ import argparse
 
 from swarmtrain.config import RunConfig, load_config
 
-__all__ = ["add_config_options", "config_from_args"]
+__all__ = ["add_config_options", "add_insecure_option", "config_from_args", "exposure_error"]
 
 
 def add_config_options(parser: argparse.ArgumentParser) -> None:
@@ -18,3 +18,20 @@ def add_config_options(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace, extra: list[str] | None = None) -> RunConfig:
     """The resolved config; `extra` overrides (from dedicated flags) apply before --set ones."""
     return load_config(args.config, [*(extra or []), *args.overrides])
+
+
+def add_insecure_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--insecure", action="store_true",
+                        help="start even with an empty run key on an address other machines can reach (then anyone "
+                             "who reaches the run can join it and steer it)")
+
+
+def exposure_error(run_key: str, hosts: list[str], *, insecure: bool) -> str | None:
+    """Why this process must not start (an open run on a reachable address without --insecure), or None."""
+    from swarmtrain.trust import InsecureRunError, RunSecret, check_exposure, resolve_run_key
+
+    try:
+        check_exposure(RunSecret.from_run_key(resolve_run_key(run_key)), hosts, insecure=insecure)
+    except InsecureRunError as e:
+        return str(e)
+    return None

@@ -150,8 +150,8 @@ class HivemindDiscovery(RecordDirectory):
     """One peer's DHT node. Build with `await HivemindDiscovery.create(cfg, run_id=...)`; `aclose()` stops it."""
 
     def __init__(self, dht: DHT, key: RSAPrivateKey, *, run_id: str, record_ttl_s: float,
-                 shutdown_timeout_s: float = 5.0) -> None:
-        super().__init__(run_id=run_id, record_ttl_s=record_ttl_s, clock=get_dht_time)
+                 shutdown_timeout_s: float = 5.0, run_key: str = "") -> None:
+        super().__init__(run_id=run_id, record_ttl_s=record_ttl_s, clock=get_dht_time, run_key=run_key)
         self._dht = dht
         self._shutdown_timeout_s = shutdown_timeout_s
         # Set by aclose: the DHT process's is_alive() can read True for a moment after it was reaped by
@@ -164,8 +164,10 @@ class HivemindDiscovery(RecordDirectory):
         self._expiry: dict[str, float] = {}
 
     @classmethod
-    async def create(cls, cfg: DiscoveryConfig, *, run_id: str, start_timeout_s: float = 60.0) -> HivemindDiscovery:
-        """Start a DHT node (a forked process with Go p2pd, ~2 s) and join `cfg.initial_peers`."""
+    async def create(cls, cfg: DiscoveryConfig, *, run_id: str, run_key: str = "",
+                     start_timeout_s: float = 60.0) -> HivemindDiscovery:
+        """Start a DHT node (a forked process with Go p2pd, ~2 s) and join `cfg.initial_peers`; records are
+        sealed and read with `run_key` (see RecordDirectory)."""
         with tempfile.TemporaryDirectory(prefix="swarmtrain-id-") as tmp:
             fresh = not cfg.identity_path
             path = Path(tmp) / "identity.key" if fresh else Path(cfg.identity_path)
@@ -192,7 +194,7 @@ class HivemindDiscovery(RecordDirectory):
                 raise DiscoveryError(f"DHT did not start within {start_timeout_s:.0f}s: {e!r}") from e
             peer_id = await asyncio.to_thread(lambda: dht.peer_id)
         self = cls(dht, key, run_id=run_id, record_ttl_s=cfg.record_ttl_s,
-                   shutdown_timeout_s=cfg.shutdown_timeout_s)
+                   shutdown_timeout_s=cfg.shutdown_timeout_s, run_key=run_key)
         log.info("DHT %s up at %s", peer_id, [str(a) for a in await self.visible_maddrs()])
         return self
 

@@ -88,10 +88,10 @@ class InMemoryDiscovery(RecordDirectory):
     """One peer's view of an `InMemoryRegistry`; it can write only its own slots."""
 
     def __init__(self, registry: InMemoryRegistry, *, run_id: str, record_ttl_s: float,
-                 peer_id: str | None = None, skew_s: float = 0.0) -> None:
+                 peer_id: str | None = None, skew_s: float = 0.0, run_key: str = "") -> None:
         """`skew_s`: this peer's machine clock runs that far ahead of the registry's (behind when < 0)."""
         super().__init__(run_id=run_id, record_ttl_s=record_ttl_s,
-                         clock=registry.clock if not skew_s else lambda: registry.clock() + skew_s)
+                         clock=registry.clock if not skew_s else lambda: registry.clock() + skew_s, run_key=run_key)
         self._registry = registry
         self._peer_id = peer_id or registry.new_peer_id()
         self._closed = False

@@ -2,9 +2,11 @@
 
 A backend stores opaque values under `(key, owner)`: only the owner may write its own slot (the
 hivemind backend enforces this with RSA signatures, the in-memory one by construction). Every key
-is namespaced by the run id. `RecordDirectory` turns those slots into validated typed records:
-a slot that fails to decode (garbage, wrong run, owned by someone else) is logged and skipped,
-never raised, so one hostile peer cannot stop the others from reading the swarm.
+is namespaced by the run id. `RecordDirectory` seals every record it writes with the run key
+(trust/seal.py) and turns slots into validated typed records: a slot that is not sealed by this
+run's key (an outsider, a peer of another run), or fails to decode (garbage, wrong run, owned by
+someone else), is skipped and logged once per signer, never raised, so one hostile peer cannot stop
+the others from reading the swarm, nor write anything they act on.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from swarmtrain.discovery.records import (
     RunRecord,
     decode_record,
 )
+from swarmtrain.trust import RunSecret, SealError, open_sealed, seal
 
 __all__ = ["DEPARTURE_KEEP_S", "Discovery", "DiscoveryError", "RawSlot", "RecordDirectory", "RunConflictError"]
 
@@ -33,6 +36,7 @@ log = logging.getLogger(__name__)
 # How long a departure stays readable: far past any round's length, so the round after a graceful leave
 # (however long it takes) still sees it; at least 10 record TTLs.
 DEPARTURE_KEEP_S = 3600.0
+MAX_LOGGED_SIGNERS = 1024  # signers whose refused records were logged once; past it, refusals are not logged
 R = TypeVar("R", bound=Record)
 M = TypeVar("M", MatchEntry, GroupRecord)  # the records of one matchmaking attempt
 
@@ -72,7 +76,8 @@ class Discovery(Protocol):
 
     async def publish_run(self, record: RunRecord, *, timeout_s: float) -> None: ...
 
-    async def fetch_run(self, *, coordinator_id: str | None = None, timeout_s: float) -> RunRecord | None: ...
+    async def fetch_run(self, *, coordinator_id: str | None = None, join_ids: Sequence[str] = (),
+                        timeout_s: float) -> RunRecord | None: ...
 
     async def announce(self, record: PeerRecord, *, timeout_s: float) -> None: ...
 
@@ -113,10 +118,15 @@ class Discovery(Protocol):
 class RecordDirectory(abc.ABC):
     """Implements `Discovery` over a backend's owner-slot `_put`/`_get`/`_delete`."""
 
-    def __init__(self, *, run_id: str, record_ttl_s: float, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, *, run_id: str, record_ttl_s: float, clock: Callable[[], float] = time.time,
+                 run_key: str = "") -> None:
+        """`run_key`: the run's secret; records are sealed and read with it ("" is an open run: anyone
+        who knows that the key is empty can write records the swarm reads)."""
         if record_ttl_s <= 0:
             raise ValueError(f"record_ttl_s must be > 0, got {record_ttl_s}")
         self._run_id = run_id
+        self._seal_key = RunSecret.from_run_key(run_key).records
+        self._logged_signers: set[str] = set()
         self._ttl_s = record_ttl_s
         self._clock = clock
         # (swarm clock − this machine's clock): every timestamp this peer writes or compares is on the
@@ -167,6 +177,11 @@ class RecordDirectory(abc.ABC):
         if getattr(record, "run_id") != self._run_id:  # noqa: B009
             raise RecordError(f"{record.KIND}: run {getattr(record, 'run_id')!r} is not {self._run_id!r}")  # noqa: B009
 
+    async def _put_record(self, key: str, record: Record, *, expires_at: float, timeout_s: float) -> None:
+        self._check_own(record)
+        value = seal(self._seal_key, dht_key=key, signer_id=self.peer_id, body=record.encode())
+        await self._put(key, value, expires_at=expires_at, timeout_s=timeout_s)
+
     async def _decoded(self, cls: type[R], key: str, *, timeout_s: float) -> list[R]:
         out: list[R] = []
         for slot in await self._get(key, timeout_s=timeout_s):
@@ -175,33 +190,49 @@ class RecordDirectory(abc.ABC):
             try:
                 if slot.signer_id is None:
                     raise RecordError(f"{cls.KIND}: unsigned record")
-                out.append(decode_record(cls, slot.value, run_id=self._run_id, signer_id=slot.signer_id))
-            except RecordError as e:
-                log.warning("rejected a %s record under %s from %s: %s", cls.KIND, key, slot.signer_id, e)
+                body = open_sealed(self._seal_key, slot.value, dht_key=key, signer_id=slot.signer_id)
+                out.append(decode_record(cls, body, run_id=self._run_id, signer_id=slot.signer_id))
+            except (RecordError, SealError) as e:
+                self._log_refused(cls.KIND, key, slot.signer_id, e)
         return out
 
-    async def publish_run(self, record: RunRecord, *, timeout_s: float) -> None:
-        self._check_own(record)
-        # The run record outlives peers: it must survive a coordinator restart window.
-        await self._put(self._key("run"), record.encode(), expires_at=self.now() + max(self._ttl_s, 3600.0),
-                        timeout_s=timeout_s)
+    def _log_refused(self, kind: str, key: str, signer_id: str | None, error: Exception) -> None:
+        """Once per signer at WARNING (a stranger re-publishes every heartbeat), at DEBUG after."""
+        signer = str(signer_id)[:128]
+        if signer in self._logged_signers or len(self._logged_signers) >= MAX_LOGGED_SIGNERS:
+            log.debug("ignored a %s record under %s from %s: %s", kind, key, signer, error)
+            return
+        self._logged_signers.add(signer)
+        log.warning("ignored a %s record under %s from %s: %s (further records of this signer are ignored "
+                    "without a word)", kind, key, signer, error)
 
-    async def fetch_run(self, *, coordinator_id: str | None = None, timeout_s: float) -> RunRecord | None:
+    async def publish_run(self, record: RunRecord, *, timeout_s: float) -> None:
+        # The run record outlives peers: it must survive a coordinator restart window.
+        await self._put_record(self._key("run"), record, expires_at=self.now() + max(self._ttl_s, 3600.0),
+                               timeout_s=timeout_s)
+
+    async def fetch_run(self, *, coordinator_id: str | None = None, join_ids: Sequence[str] = (),
+                        timeout_s: float) -> RunRecord | None:
+        """The run record of `coordinator_id` when given; else the only signer's, or, among several
+        signers, the one whose id is among `join_ids` (the `/p2p/` ids of `--join`)."""
         records = await self._decoded(RunRecord, self._key("run"), timeout_s=timeout_s)
         if coordinator_id is not None:
             records = [r for r in records if r.coordinator_id == coordinator_id]
         if not records:
             return None
         signers = sorted({r.coordinator_id for r in records})
+        if len(signers) > 1 and coordinator_id is None:
+            joined = [r for r in records if r.coordinator_id in join_ids]
+            if len({r.coordinator_id for r in joined}) == 1:
+                records, signers = joined, [joined[0].coordinator_id]
         if len(signers) > 1:
             raise RunConflictError(f"run {self._run_id!r} has run records signed by {signers}; "
-                                   "pass the coordinator's peer id to choose")
+                                   "pass the coordinator's peer id to choose (--coordinator-id)")
         return max(records, key=lambda r: r.updated_at)
 
     async def announce(self, record: PeerRecord, *, timeout_s: float) -> None:
-        self._check_own(record)
-        await self._put(self._key("peers"), record.encode(), expires_at=record.heartbeat_at + self._ttl_s,
-                        timeout_s=timeout_s)
+        await self._put_record(self._key("peers"), record, expires_at=record.heartbeat_at + self._ttl_s,
+                               timeout_s=timeout_s)
 
     async def live_peers(self, *, timeout_s: float) -> tuple[PeerRecord, ...]:
         now = self.now()
@@ -213,9 +244,8 @@ class RecordDirectory(abc.ABC):
         await self._delete(self._key("peers"), timeout_s=timeout_s)
 
     async def announce_departure(self, record: DepartureRecord, *, timeout_s: float) -> None:
-        self._check_own(record)
-        await self._put(self._key("departures"), record.encode(), expires_at=self.now() + self._departure_keep_s(),
-                        timeout_s=timeout_s)
+        await self._put_record(self._key("departures"), record, expires_at=self.now() + self._departure_keep_s(),
+                               timeout_s=timeout_s)
 
     async def departures(self, *, timeout_s: float) -> tuple[DepartureRecord, ...]:
         records = await self._decoded(DepartureRecord, self._key("departures"), timeout_s=timeout_s)
@@ -230,17 +260,15 @@ class RecordDirectory(abc.ABC):
         return max(DEPARTURE_KEEP_S, 10 * self._ttl_s)
 
     async def post_entry(self, entry: MatchEntry, *, keep_s: float, timeout_s: float) -> None:
-        self._check_own(entry)
-        await self._put(self._match_key(entry.round, entry.attempt, "entries"), entry.encode(),
-                        expires_at=entry.posted_at + keep_s, timeout_s=timeout_s)
+        await self._put_record(self._match_key(entry.round, entry.attempt, "entries"), entry,
+                               expires_at=entry.posted_at + keep_s, timeout_s=timeout_s)
 
     async def round_entries(self, round_index: int, attempt: int, *, timeout_s: float) -> tuple[MatchEntry, ...]:
         return await self._attempt_records(MatchEntry, round_index, attempt, "entries", timeout_s=timeout_s)
 
     async def post_group(self, record: GroupRecord, *, keep_s: float, timeout_s: float) -> None:
-        self._check_own(record)
-        await self._put(self._match_key(record.round, record.attempt, "group"), record.encode(),
-                        expires_at=record.window_close_at + keep_s, timeout_s=timeout_s)
+        await self._put_record(self._match_key(record.round, record.attempt, "group"), record,
+                               expires_at=record.window_close_at + keep_s, timeout_s=timeout_s)
 
     async def round_groups(self, round_index: int, attempt: int, *, timeout_s: float) -> tuple[GroupRecord, ...]:
         return await self._attempt_records(GroupRecord, round_index, attempt, "group", timeout_s=timeout_s)

@@ -41,10 +41,10 @@ VOTES_FILE = "votes.json"  # in the checkpoint directory
 class NetworkServices:
     """hivemind discovery + the gRPC data plane (the only services a real peer runs)."""
 
-    async def open_discovery(self, cfg: DiscoveryConfig, *, run_id: str) -> Discovery:
+    async def open_discovery(self, cfg: DiscoveryConfig, *, run_id: str, run_key: str) -> Discovery:
         from swarmtrain.discovery.hivemind_dht import HivemindDiscovery
 
-        return await HivemindDiscovery.create(cfg, run_id=run_id)
+        return await HivemindDiscovery.create(cfg, run_id=run_id, run_key=run_key)
 
     async def open_data_plane(self, cfg: RunConfig, *, discovery: Discovery, codec: Codec,
                               param_shapes: Sequence[tuple[str, tuple[int, ...]]]) -> NetworkPlane:

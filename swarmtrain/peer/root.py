@@ -56,6 +56,7 @@ from swarmtrain.sync.checkpoint import (
     save_checkpoint,
 )
 from swarmtrain.telemetry import EventWriter, LeaveEvent, RoundEvent, StatusSnapshot
+from swarmtrain.trust import resolve_run_key
 
 __all__ = ["DataPlane", "Peer", "PeerError", "PeerServices", "PeerState", "merge_run_config"]
 
@@ -121,7 +122,8 @@ class Peer(OverlappedRounds, Healing):
         if not dcfg.identity_path and self.local.checkpoint.dir:
             # A restarted peer keeps its peer id, so the swarm sees one peer come back, not a new one.
             dcfg = dataclasses.replace(dcfg, identity_path=str(Path(self.local.checkpoint.dir) / "identity.key"))
-        discovery = await self.services.open_discovery(dcfg, run_id=self.local.train.run_id)
+        discovery = await self.services.open_discovery(dcfg, run_id=self.local.train.run_id,
+                                                       run_key=resolve_run_key(self.local.rpc.run_key))
         self.discovery = discovery
         self.cfg = merge_run_config(await self._fetch_run(), self.local, local_overrides=self.local_overrides)
         if self.cfg.train.threads:
@@ -161,8 +163,9 @@ class Peer(OverlappedRounds, Healing):
     async def _fetch_run(self) -> RunConfig:
         assert self.discovery is not None
         deadline = time.monotonic() + RUN_FETCH_TIMEOUT_S
+        join_ids = [m.rsplit("/p2p/", 1)[1] for m in self.local.discovery.initial_peers if "/p2p/" in m]
         while True:
-            record = await self.discovery.fetch_run(coordinator_id=self.coordinator_id,
+            record = await self.discovery.fetch_run(coordinator_id=self.coordinator_id, join_ids=join_ids,
                                                     timeout_s=self.local.rpc.call_timeout_s)
             if record is not None:
                 log.info("run %s from coordinator %s at round %d", record.run_id, record.coordinator_id, record.round)

@@ -82,7 +82,7 @@ class DataPlane(Protocol):
 class PeerServices(Protocol):
     """How a Peer opens its control and data planes (the network by default, in-memory twins in tests)."""
 
-    async def open_discovery(self, cfg: DiscoveryConfig, *, run_id: str) -> Discovery: ...
+    async def open_discovery(self, cfg: DiscoveryConfig, *, run_id: str, run_key: str) -> Discovery: ...
 
     async def open_data_plane(self, cfg: RunConfig, *, discovery: Discovery, codec: Codec,
                               param_shapes: Sequence[tuple[str, tuple[int, ...]]]) -> DataPlane:

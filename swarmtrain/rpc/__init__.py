@@ -1,7 +1,7 @@
 """the only importer of grpc: servers, clients, deadlines, retries, chunked streams.
 
-node.py: RpcNode (event-loop thread, grpc.aio server on port 0, channels, run-key auth, byte
-counters, retries). errors.py: the typed RpcError family and Rejected. bulk.py: the bulk port (raw
+node.py: RpcNode (event-loop thread, grpc.aio server on port 0, channels, per-call proof
+of the run key (trust/calls.py), byte counters, retries). errors.py: the typed RpcError family and Rejected. bulk.py: the bulk port (raw
 TCP, one-time tickets) that moves all-reduce payloads without gRPC's copies. buffers.py: the
 BufferPool of payload-sized buffers reused across rounds. averaging_wire.py: the
 all-reduce service (gRPC streams and bulk tickets); averaging_client.py: its client calls.
@@ -17,7 +17,6 @@ from swarmtrain.rpc.node import (
     RpcRejected,
     RpcTimeout,
     RpcUnavailable,
-    resolve_run_key,
 )
 
 __all__ = [
@@ -28,5 +27,4 @@ __all__ = [
     "RpcRejected",
     "RpcTimeout",
     "RpcUnavailable",
-    "resolve_run_key",
 ]

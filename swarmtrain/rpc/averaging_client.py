@@ -35,15 +35,20 @@ class AveragingClient:
             stub = self._stubs[endpoint] = _Stub(self.node.channel(endpoint))
         return stub
 
+    def _meta(self, endpoint: str, method: str) -> tuple[tuple[str, str], ...]:
+        return self.node.metadata(f"/{SERVICE}/{method}", endpoint)
+
     @property
     def _bulk(self) -> bool:
         return self.node.cfg.bulk_transport == "tcp"
 
     async def _ticket(self, method: str, endpoint: str, request: pb.PushHeader | pb.FetchRequest,
                       deadline: float) -> pb.BulkTicket:
+        name = "PushTicket" if method == "push" else "FetchTicket"
         call = self._stub(endpoint).PushTicket if method == "push" else self._stub(endpoint).FetchTicket
         try:
-            ticket: pb.BulkTicket = await call(request, timeout=remaining_s(deadline), metadata=self.node.metadata())
+            ticket: pb.BulkTicket = await call(request, timeout=remaining_s(deadline),
+                                               metadata=self._meta(endpoint, name))
         except aio.AioRpcError as e:
             raise translate(e) from None
         return ticket
@@ -58,7 +63,7 @@ class AveragingClient:
             if self._bulk:
                 ticket = await self._ticket("push", endpoint, wire_header, deadline)
                 if ticket.port:
-                    await bulk.upload(_host(endpoint), ticket.port, ticket.token, payload, deadline=deadline,
+                    await bulk.upload(_host(endpoint), ticket.port, ticket.token, self.node.ticket_proof(ticket.token), payload, deadline=deadline,
                                       what=f"push of shard {h.shard}", counters=self.node.counters, peer=target)
                     return
             await self._grpc_push(endpoint, target, wire_header.SerializeToString(), payload, deadline=deadline)
@@ -77,7 +82,7 @@ class AveragingClient:
                 yield frames.frame(b"", 2, view[i:i + step])
 
         try:
-            await self._stub(endpoint).Push(gen(), timeout=remaining_s(deadline), metadata=self.node.metadata())
+            await self._stub(endpoint).Push(gen(), timeout=remaining_s(deadline), metadata=self._meta(endpoint, "Push"))
         except aio.AioRpcError as e:
             raise translate(e) from None
         self.node.counters.add_sent(target, len(payload))
@@ -88,7 +93,7 @@ class AveragingClient:
             try:
                 reply = await self._stub(endpoint).Contributors(
                     pb.ContributorsRequest(session=key.to_wire(), shard=shard), timeout=remaining_s(deadline),
-                    metadata=self.node.metadata())
+                    metadata=self._meta(endpoint, "Contributors"))
             except aio.AioRpcError as e:
                 raise translate(e) from None
             return tuple(reply.contributors)
@@ -108,7 +113,7 @@ class AveragingClient:
                     raise _bad_reply(target, f"mean of shard {shard} declares {ticket.total_bytes} bytes, "
                                              f"max {max_bytes}")
                 if ticket.port:
-                    return await bulk.download(_host(endpoint), ticket.port, ticket.token,
+                    return await bulk.download(_host(endpoint), ticket.port, ticket.token, self.node.ticket_proof(ticket.token),
                                                size_bytes=ticket.total_bytes, deadline=deadline,
                                                what=f"mean of shard {shard}", counters=self.node.counters,
                                                peer=target, pool=self.node.buffers)
@@ -121,7 +126,7 @@ class AveragingClient:
         async def once() -> tuple[bool, str]:
             try:
                 reply = await self._stub(endpoint).Vote(pb.VoteRequest(session=key.to_wire()),
-                                                        timeout=remaining_s(deadline), metadata=self.node.metadata())
+                                                        timeout=remaining_s(deadline), metadata=self._meta(endpoint, "Vote"))
             except aio.AioRpcError as e:
                 raise translate(e) from None
             return bool(reply.granted), str(reply.voted_for)
@@ -137,7 +142,7 @@ class AveragingClient:
                           max_bytes: int, deadline: float) -> bytearray:
         buf, received, total = bytearray(), 0, -1
         try:
-            call = self._stub(endpoint).Fetch(request, timeout=remaining_s(deadline), metadata=self.node.metadata())
+            call = self._stub(endpoint).Fetch(request, timeout=remaining_s(deadline), metadata=self._meta(endpoint, "Fetch"))
             async for raw in call:
                 chunk_total, data = _fetch_fields(raw, target)
                 if total < 0:

@@ -7,19 +7,28 @@ and `sock_recv_into(preallocated buffer)`: the kernel's copy per side and no Pyt
 where gRPC adds two user-space copies per side and its own framing, which made it the all-reduce's
 bottleneck on a CPU-bound box.
 
-Wire (big-endian). The client connects and sends MAGIC + token; the server answers a status
-(u8 code index into CODES, u32 length, utf-8 message). A bad token is answered UNAUTHENTICATED,
-logged, and the connection closed. Upload: on OK the client streams the ticket's size in bytes and
+Wire (big-endian). The client connects and sends MAGIC + token + proof, the proof an HMAC (under the
+run's tickets key) of the token and the peer id the ticket was issued to: a token seen on the wire is
+useless to anyone else. The server answers a status (u8 code index into CODES, u32 length, utf-8
+message). A bad token or proof is answered UNAUTHENTICATED, logged, and the connection closed. Upload: on OK the client streams the ticket's size in bytes and
 half-closes; the server reads them into a buffer of exactly that size (EOF before it: truncated;
 bytes after it: oversized), hands the buffer to the ticket's consumer and answers a final status.
 Download: on OK the server sends u64 size and the bytes, then closes. Every read and write runs
-under the ticket's deadline (the handshake under `handshake_timeout_s`).
+under the ticket's deadline, the hello under `hello_timeout_s` (at most BULK_HELLO_TIMEOUT_S).
+
+Before its hello is accepted a connection costs its socket and a task, nothing else: no buffer is
+allocated for it, and at most `max_unauthenticated` such connections live at once (a newer one
+closes the oldest), so junk connections cannot crowd out the members' transfers or the process's
+file descriptors.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import hashlib
+import hmac
 import logging
 import secrets
 import socket
@@ -35,18 +44,23 @@ from swarmtrain.rpc.errors import Rejected, RpcRejected, RpcTimeout, RpcUnavaila
 if TYPE_CHECKING:
     from swarmtrain.rpc.node import ByteCounters
 
-__all__ = ["CODES", "MAGIC", "TOKEN_BYTES", "BulkServer", "download", "upload"]
+__all__ = ["BULK_HELLO_TIMEOUT_S", "CODES", "MAGIC", "PROOF_BYTES", "TOKEN_BYTES", "BulkServer", "download",
+           "ticket_proof", "upload"]
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"STB1"
+MAGIC = b"STB2"
 TOKEN_BYTES = 16
+PROOF_BYTES = 16
+BULK_HELLO_TIMEOUT_S = 2.0  # a member's hello follows its ticket call at once
+MAX_UNAUTHENTICATED = 64  # connections still before their hello; a new one past it closes the oldest
 CODES = ("OK", "INVALID_ARGUMENT", "FAILED_PRECONDITION", "NOT_FOUND", "RESOURCE_EXHAUSTED", "UNAUTHENTICATED")
 _STATUS = struct.Struct("!BI")
 _SIZE = struct.Struct("!Q")
 _MAX_MESSAGE_BYTES = 4096
-_ACCEPT_BACKOFF_S = 0.1
+_ACCEPT_BACKOFF_S = (0.05, 1.0)  # after a failed accept (out of file descriptors): first and longest wait
 _DRAIN_BYTES = 1 << 20  # read (and drop) at most this much after a refusal, so the refusal is not lost to a reset
+_DRAIN_SCRATCH = memoryview(bytearray(1 << 16))  # shared by every drain: what is read there is dropped
 
 Consumer = Callable[[memoryview], Awaitable[None]]
 
@@ -71,6 +85,22 @@ class _Ticket:
     data: bytes | bytearray | memoryview | None = None  # a download
     on_sent: Callable[[], Awaitable[None]] | None = None
     expiry: asyncio.TimerHandle | None = None
+
+
+def ticket_proof(key: bytes, token: bytes, peer: str) -> bytes:
+    """The proof a caller sends with `token`: it was issued to `peer`, and the sender holds the run key."""
+    return hmac.new(key, token + b"\0" + peer.encode(), hashlib.sha256).digest()[:PROOF_BYTES]
+
+
+async def _drain(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+    """Read and drop what the other side still sends (up to _DRAIN_BYTES), so our last status is not
+    lost to a reset; no buffer of its own."""
+    left = _DRAIN_BYTES
+    while left > 0:
+        n = await loop.sock_recv_into(sock, _DRAIN_SCRATCH[:min(left, len(_DRAIN_SCRATCH))])
+        if n == 0:
+            return
+        left -= n
 
 
 async def _recv_exact(loop: asyncio.AbstractEventLoop, sock: socket.socket, size: int) -> bytearray:
@@ -108,12 +138,20 @@ async def _read_status(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> 
 class BulkServer:
     """A node's bulk port. Lives on the node's loop; `expect_upload` / `offer_download` issue tickets."""
 
-    def __init__(self, *, peer_id: str, counters: ByteCounters, pool: BufferPool, handshake_timeout_s: float) -> None:
+    def __init__(self, *, peer_id: str, counters: ByteCounters, pool: BufferPool, ticket_key: bytes,
+                 hello_timeout_s: float = BULK_HELLO_TIMEOUT_S, max_unauthenticated: int = MAX_UNAUTHENTICATED) -> None:
+        if hello_timeout_s <= 0 or max_unauthenticated < 1:
+            raise ValueError(f"BulkServer: hello_timeout_s must be > 0 and max_unauthenticated >= 1, got "
+                             f"{hello_timeout_s}, {max_unauthenticated}")
         self.peer_id = peer_id
         self.counters = counters
         self.pool = pool
-        self.handshake_timeout_s = handshake_timeout_s
+        self.hello_timeout_s = hello_timeout_s
+        self.max_unauthenticated = max_unauthenticated
+        self._ticket_key = ticket_key
         self._tickets: dict[bytes, _Ticket] = {}
+        self._unauthenticated: collections.OrderedDict[asyncio.Task[None], None] = collections.OrderedDict()
+        self.refused_connections = 0  # closed before or at their hello (junk, bad proof, crowded out)
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
         self._transfers: set[asyncio.Task[None]] = set()
@@ -169,53 +207,81 @@ class BulkServer:
 
     async def _accept_loop(self, listener: socket.socket) -> None:
         loop = asyncio.get_running_loop()
+        backoff_s = _ACCEPT_BACKOFF_S[0]
         while True:
             try:
                 conn, addr = await loop.sock_accept(listener)
-            except OSError as e:  # e.g. out of file descriptors: keep serving once some close
-                log.warning("%s: bulk port accept failed: %s", self.peer_id, e)
-                await asyncio.sleep(_ACCEPT_BACKOFF_S)
+            except OSError as e:  # e.g. out of file descriptors: free the oldest stranger's, wait, go on
+                if backoff_s == _ACCEPT_BACKOFF_S[0]:
+                    log.warning("%s: bulk port accept failed: %s", self.peer_id, e)
+                self._crowd_out_oldest()
+                await asyncio.sleep(backoff_s)
+                backoff_s = min(2 * backoff_s, _ACCEPT_BACKOFF_S[1])
                 continue
+            backoff_s = _ACCEPT_BACKOFF_S[0]
             conn.setblocking(False)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if len(self._unauthenticated) >= self.max_unauthenticated:
+                self._crowd_out_oldest()
             task = loop.create_task(self._serve(conn, str(addr)))
+            self._unauthenticated[task] = None
             self._transfers.add(task)
-            task.add_done_callback(self._transfers.discard)
+            task.add_done_callback(self._finished)
+
+    def _finished(self, task: asyncio.Task[None]) -> None:
+        self._transfers.discard(task)
+        self._unauthenticated.pop(task, None)
+
+    def _crowd_out_oldest(self) -> None:
+        if self._unauthenticated:
+            oldest, _ = self._unauthenticated.popitem(last=False)
+            oldest.cancel()
+            self.refused_connections += 1
 
     async def _serve(self, conn: socket.socket, addr: str) -> None:
         loop = asyncio.get_running_loop()
         ticket: _Ticket | None = None
         with conn:
             try:
-                async with asyncio.timeout(self.handshake_timeout_s):
-                    hello = bytes(await _recv_exact(loop, conn, len(MAGIC) + TOKEN_BYTES))
+                async with asyncio.timeout(self.hello_timeout_s):
+                    hello = bytes(await _recv_exact(loop, conn, len(MAGIC) + TOKEN_BYTES + PROOF_BYTES))
                 ticket = self._claim(hello)
+                self._unauthenticated.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
                 async with asyncio.timeout(max(ticket.deadline - time.monotonic(), 1e-3)):
                     if ticket.consume is not None:
                         await self._receive(loop, conn, ticket)
                     else:
                         await self._send(loop, conn, ticket)
             except _Refused as e:
+                if ticket is None:
+                    self.refused_connections += 1
                 who = f"{ticket.what} from {ticket.peer}" if ticket else "a connection"
                 log.warning("%s refused bulk %s (%s): %s", self.peer_id, who, addr, e)
                 with contextlib.suppress(OSError, TimeoutError):
                     async with asyncio.timeout(1.0):
                         await _send_status(loop, conn, e.code, str(e))
                         conn.shutdown(socket.SHUT_WR)
-                        await _recv_into(loop, conn, memoryview(bytearray(_DRAIN_BYTES)))
+                        await _drain(loop, conn)
             except TimeoutError:
-                log.warning("%s: bulk %s (%s) missed its deadline", self.peer_id, ticket.what if ticket else
-                            "handshake", addr)
+                if ticket is None:
+                    self.refused_connections += 1
+                log.info("%s: bulk %s (%s) missed its deadline", self.peer_id, ticket.what if ticket else
+                         "hello", addr)
             except OSError as e:
                 log.info("%s: bulk %s (%s) lost its connection: %s", self.peer_id, ticket.what if ticket else
-                         "handshake", addr, e)
+                         "hello", addr, e)
 
     def _claim(self, hello: bytes) -> _Ticket:
         if hello[:len(MAGIC)] != MAGIC:
             raise _Refused("UNAUTHENTICATED", "not a bulk connection (bad magic)")
-        ticket = self._tickets.pop(hello[len(MAGIC):], None)
+        token, proof = hello[len(MAGIC):len(MAGIC) + TOKEN_BYTES], hello[len(MAGIC) + TOKEN_BYTES:]
+        ticket = self._tickets.get(token)
         if ticket is None:
             raise _Refused("UNAUTHENTICATED", "unknown, used or expired bulk ticket")
+        if not hmac.compare_digest(proof, ticket_proof(self._ticket_key, token, ticket.peer)):
+            raise _Refused("UNAUTHENTICATED", f"the ticket was issued to {ticket.peer}; this connection cannot "
+                                              "prove it is that peer")
+        del self._tickets[token]
         if ticket.expiry is not None:
             ticket.expiry.cancel()
         return ticket
@@ -271,7 +337,7 @@ async def _expect_ok(loop: asyncio.AbstractEventLoop, sock: socket.socket, what:
 
 
 @contextlib.asynccontextmanager
-async def _transfer(host: str, port: int, token: bytes, *, deadline: float,
+async def _transfer(host: str, port: int, token: bytes, proof: bytes, *, deadline: float,
                     what: str) -> AsyncIterator[tuple[asyncio.AbstractEventLoop, socket.socket]]:
     """A connection that presented `token` and was accepted; socket errors become RpcError subclasses."""
     loop = asyncio.get_running_loop()
@@ -279,7 +345,7 @@ async def _transfer(host: str, port: int, token: bytes, *, deadline: float,
         async with asyncio.timeout(max(deadline - time.monotonic(), 1e-3)):
             sock = await _connect(loop, host, port)
             with sock:
-                await loop.sock_sendall(sock, MAGIC + token)
+                await loop.sock_sendall(sock, MAGIC + token + proof)
                 await _expect_ok(loop, sock, what)
                 yield loop, sock
     except TimeoutError:
@@ -288,21 +354,22 @@ async def _transfer(host: str, port: int, token: bytes, *, deadline: float,
         raise RpcUnavailable(f"UNAVAILABLE: bulk {what} via {host}:{port}: {e}") from None
 
 
-async def upload(host: str, port: int, token: bytes, payload: bytes | bytearray | memoryview, *, deadline: float,
-                 what: str, counters: ByteCounters, peer: str) -> None:
-    """Send `payload` against an upload ticket and wait for the consumer's verdict (RpcRejected if refused)."""
-    async with _transfer(host, port, token, deadline=deadline, what=what) as (loop, sock):
+async def upload(host: str, port: int, token: bytes, proof: bytes, payload: bytes | bytearray | memoryview, *,
+                 deadline: float, what: str, counters: ByteCounters, peer: str) -> None:
+    """Send `payload` against an upload ticket (with our `ticket_proof` of it) and wait for the consumer's
+    verdict (RpcRejected if refused)."""
+    async with _transfer(host, port, token, proof, deadline=deadline, what=what) as (loop, sock):
         await loop.sock_sendall(sock, memoryview(payload))
         counters.add_sent(peer, len(payload))
         sock.shutdown(socket.SHUT_WR)
         await _expect_ok(loop, sock, what)
 
 
-async def download(host: str, port: int, token: bytes, *, size_bytes: int, deadline: float, what: str,
+async def download(host: str, port: int, token: bytes, proof: bytes, *, size_bytes: int, deadline: float, what: str,
                    counters: ByteCounters, peer: str, pool: BufferPool) -> memoryview:
     """The `size_bytes` (from the ticket, checked by the caller) offered against a download ticket, in a
     view from `pool` (give it back when done)."""
-    async with _transfer(host, port, token, deadline=deadline, what=what) as (loop, sock):
+    async with _transfer(host, port, token, proof, deadline=deadline, what=what) as (loop, sock):
         (size,) = _SIZE.unpack(await _recv_exact(loop, sock, _SIZE.size))
         if size != size_bytes:
             raise RpcRejected("INVALID_REPLY", f"{what} declares {size} bytes, its ticket {size_bytes}")

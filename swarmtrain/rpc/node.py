@@ -1,12 +1,10 @@
-"""One peer's gRPC runtime: an event-loop thread, the grpc.aio server, channels, run-key auth, byte counters."""
+"""One peer's gRPC runtime: an event-loop thread, the grpc.aio server, channels, call auth, byte counters."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import hmac
 import logging
-import os
 import random
 import threading
 import time
@@ -19,13 +17,15 @@ import uvloop
 from grpc import aio
 
 from swarmtrain.config import RpcConfig
+from swarmtrain.rpc import bulk
 from swarmtrain.rpc.buffers import BufferPool
-from swarmtrain.rpc.bulk import BulkServer
+from swarmtrain.rpc.bulk import BULK_HELLO_TIMEOUT_S, BulkServer
 from swarmtrain.rpc.errors import Rejected, RpcError, RpcRejected, RpcTimeout, RpcUnavailable, status_name
 from swarmtrain.rpc.faults import LinkHook
+from swarmtrain.trust import CallAuth, CallRefused, CallSigner, RunSecret, resolve_run_key
+from swarmtrain.trust.calls import AUTH_HEADER, PEER_HEADER
 
 __all__ = [
-    "RUN_KEY_ENV",
     "ByteCounters",
     "Rejected",
     "RpcError",
@@ -33,15 +33,12 @@ __all__ = [
     "RpcRejected",
     "RpcTimeout",
     "RpcUnavailable",
-    "resolve_run_key",
 ]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-RUN_KEY_ENV = "SWARMTRAIN_RUN_KEY"
-RUN_KEY_HEADER = "x-swarmtrain-run-key"
-PEER_HEADER = "x-swarmtrain-peer"
+MAX_LOGGED_REFUSALS = 1024  # callers counted one by one for the log; the rest share one count
 
 
 def status_of(rejected: Rejected) -> grpc.StatusCode:
@@ -56,11 +53,6 @@ def translate(err: aio.AioRpcError) -> RpcError:
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return RpcTimeout(f"{code.name}: {err.details()}")
     return RpcRejected(code.name, err.details() or "")
-
-
-def resolve_run_key(cfg: RpcConfig) -> str:
-    """The run's shared secret: env SWARMTRAIN_RUN_KEY when set, else `rpc.run_key`."""
-    return os.environ.get(RUN_KEY_ENV) or cfg.run_key
 
 
 class ByteCounters:
@@ -90,30 +82,44 @@ class ByteCounters:
             return {p: (self._sent.get(p, 0), self._received.get(p, 0)) for p in sorted(peers)}
 
 
-class _RunKeyInterceptor(aio.ServerInterceptor):
-    """Refuses every call whose run-key metadata differs from ours (constant-time compare)."""
+class _CallAuthInterceptor(aio.ServerInterceptor):
+    """Refuses every call without a valid, fresh proof of the run key for this node (trust/calls.py).
+    A refused caller is logged at its 1st, 10th, 100th… refusal, so junk cannot flood the log."""
 
-    def __init__(self, run_key: str) -> None:
-        self._key = run_key.encode()
+    def __init__(self, auth: CallAuth, *, callee: Callable[[], str]) -> None:
+        self._auth = auth
+        self._callee = callee
+        self._refusals: dict[str, int] = {}
 
     async def intercept_service(self, continuation: Callable[[Any], Awaitable[Any]],
                                 details: grpc.HandlerCallDetails) -> Any:
-        meta = dict(details.invocation_metadata or ())
-        given = meta.get(RUN_KEY_HEADER, "")
-        given_b = given.encode() if isinstance(given, str) else bytes(given)
+        meta = {k: v for k, v in details.invocation_metadata or () if isinstance(v, str)}
+        caller = meta.get(PEER_HEADER, "")
         handler = await continuation(details)
-        if hmac.compare_digest(given_b, self._key) or handler is None:
+        if handler is None:
             return handler
-        log.warning("rejected %s from peer %r: wrong or missing run key", details.method, meta.get(PEER_HEADER, "?"))
-        return _denying(handler)
+        try:
+            self._auth.check(method=details.method, caller=caller, callee=self._callee(),
+                             header=meta.get(AUTH_HEADER, ""), now=time.time())
+        except CallRefused as e:
+            self._log_refusal(details.method, caller, str(e))
+            return _denying(handler, str(e))
+        return handler
+
+    def _log_refusal(self, method: str, caller: str, why: str) -> None:
+        who = caller[:128] if caller[:128] in self._refusals or len(self._refusals) < MAX_LOGGED_REFUSALS \
+            else "(callers past the first 1024)"
+        n = self._refusals[who] = self._refusals.get(who, 0) + 1
+        if str(n).rstrip("0") == "1":
+            log.warning("refused %s from %r (%d so far): %s", method, who, n, why)
 
 
-def _denying(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+def _denying(handler: grpc.RpcMethodHandler, why: str) -> grpc.RpcMethodHandler:
     async def deny(_request: Any, context: aio.ServicerContext) -> None:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "wrong or missing run key")
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
 
     async def deny_stream(_request: Any, context: aio.ServicerContext) -> Any:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "wrong or missing run key")
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
         yield  # pragma: no cover - abort raises
 
     kw = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
@@ -147,7 +153,8 @@ class RpcNode:
         self.serve = serve
         self.counters = ByteCounters()
         self.buffers = BufferPool()  # receive buffers of the bulk path, reused across rounds (loop thread only)
-        self._run_key = resolve_run_key(cfg)
+        self.secret = RunSecret.from_run_key(resolve_run_key(cfg.run_key))
+        self._signer = CallSigner(self.secret, peer_id=peer_id)
         self._registrations: list[Callable[[aio.Server], None]] = []
         self._channels: dict[str, aio.Channel] = {}
         self._server: aio.Server | None = None
@@ -189,7 +196,8 @@ class RpcNode:
             runner.run(main())
 
     async def _start_server(self) -> str:
-        server = aio.server(options=self.options, interceptors=[_RunKeyInterceptor(self._run_key)])
+        server = aio.server(options=self.options, interceptors=[
+            _CallAuthInterceptor(CallAuth(self.secret), callee=lambda: self._endpoint)])
         for register in self._registrations:
             register(server)
         port = server.add_insecure_port(f"{self.cfg.host}:{self.cfg.port}")
@@ -199,7 +207,8 @@ class RpcNode:
         self._server = server
         if self.cfg.bulk_transport == "tcp":
             self.bulk = BulkServer(peer_id=self.peer_id, counters=self.counters, pool=self.buffers,
-                                   handshake_timeout_s=self.cfg.call_timeout_s)
+                                   ticket_key=self.secret.tickets, hello_timeout_s=min(self.cfg.call_timeout_s,
+                                                                                      BULK_HELLO_TIMEOUT_S))
             await self.bulk.start(self.cfg.host, self.cfg.bulk_port)
         host = "127.0.0.1" if self.cfg.host in ("0.0.0.0", "::", "") else self.cfg.host
         endpoint = self.cfg.announce or f"{host}:{port}"
@@ -263,9 +272,15 @@ class RpcNode:
             self._channels[endpoint] = ch
         return ch
 
-    def metadata(self) -> tuple[tuple[str, str], ...]:
-        """Metadata every outgoing call carries: the run key and our peer id."""
-        return ((RUN_KEY_HEADER, self._run_key), (PEER_HEADER, self.peer_id))
+    def metadata(self, method: str, endpoint: str) -> tuple[tuple[str, str], ...]:
+        """Metadata of one outgoing call of `method` (its full name, "/package.Service/Method") to
+        `endpoint`: our peer id and a fresh proof of the run key (never the key itself)."""
+        return ((PEER_HEADER, self.peer_id),
+                (AUTH_HEADER, self._signer.header(method=method, callee=endpoint, now=time.time())))
+
+    def ticket_proof(self, token: bytes) -> bytes:
+        """What this node sends with a bulk ticket it was given: proof that it is the caller it was issued to."""
+        return bulk.ticket_proof(self.secret.tickets, token, self.peer_id)
 
     async def retrying(self, call: Callable[[], Awaitable[T]], *, endpoint: str, deadline: float, what: str) -> T:
         """Await `call()` (a call to `endpoint`); on RpcUnavailable retry up to `rpc.retries` times with
@@ -289,7 +304,7 @@ class RpcNode:
 
 
 def peer_of(context: aio.ServicerContext) -> str:
-    """The calling peer's id from its metadata (authenticated by the run key, not by identity)."""
+    """The calling peer's id from its metadata (covered by the call's MAC: a holder of the run key said it)."""
     for key, value in context.invocation_metadata() or ():
         if key == PEER_HEADER:
             return str(value)

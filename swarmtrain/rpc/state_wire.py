@@ -19,6 +19,7 @@ from swarmtrain.wire import sync_pb2_grpc as pb_grpc
 __all__ = ["StateBlob", "StateClient", "StateSource", "serve_state"]
 
 log = logging.getLogger(__name__)
+GET_STATE = "/swarmtrain.wire.StateTransfer/GetState"  # the full method name a call's proof covers
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,7 @@ class StateClient:
             buf, received = bytearray(), 0
             try:
                 call = stub.GetState(pb.StateRequest(run_id=run_id), timeout=remaining_s(deadline),
-                                     metadata=self.node.metadata())
+                                     metadata=self.node.metadata(GET_STATE, endpoint))
                 async for chunk in call:
                     if header is None:
                         header = chunk.header

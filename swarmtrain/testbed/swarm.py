@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import secrets
 import sys
 import threading
 import time
@@ -13,6 +15,7 @@ from swarmtrain.daemon.children import Child
 from swarmtrain.telemetry.events import Line, RoundEvent
 from swarmtrain.testbed.netns import Testbed
 from swarmtrain.testbed.shaping import TestbedError, bulk_port_of
+from swarmtrain.trust import RUN_KEY_ENV
 
 __all__ = ["COORDINATOR_DHT_PORT", "PEER_DHT_PORT", "TestbedSwarm"]
 
@@ -36,7 +39,9 @@ class TestbedSwarm:
         self.testbed = testbed
         self.log_dir = log_dir
         self.run_overrides = list(run_overrides)
-        self.env = {"OMP_NUM_THREADS": "1", **(env or {})}
+        # Testbed addresses are not loopback: an open run would be refused there, so the run gets a key.
+        run_key = os.environ.get(RUN_KEY_ENV) or secrets.token_hex(16)
+        self.env = {"OMP_NUM_THREADS": "1", RUN_KEY_ENV: run_key, **(env or {})}
         self.coordinator: Child | None = None
         self.join_maddr = ""
         self.peers: dict[str, Child] = {}

@@ -81,20 +81,22 @@ class LoopbackServices(NetworkServices):
             plane.averager.allreduce.fault_hook = self.faults
         return plane
 
-    async def open_discovery(self, cfg: DiscoveryConfig, *, run_id: str) -> Discovery:
+    async def open_discovery(self, cfg: DiscoveryConfig, *, run_id: str, run_key: str) -> Discovery:
         peer_id = self.ids.setdefault(cfg.identity_path, self.registry.new_peer_id()) if cfg.identity_path else None
         skew_s = self.skews_s.pop(0) if self.skews_s else 0.0
         return InMemoryDiscovery(self.registry, run_id=run_id, record_ttl_s=cfg.record_ttl_s, peer_id=peer_id,
-                                 skew_s=skew_s)
+                                 skew_s=skew_s, run_key=run_key)
 
     async def visible_maddrs(self, discovery: Discovery) -> list[str]:
         return [f"/memory/{discovery.peer_id}"]
 
 
-async def publish_run(registry: InMemoryRegistry, overrides: Sequence[str]) -> RunConfig:
-    """Publish a run record (as a coordinator would) with `overrides` on the defaults; returns its config."""
+async def publish_run(registry: InMemoryRegistry, overrides: Sequence[str], *, run_key: str = "") -> RunConfig:
+    """Publish a run record (as a coordinator would) with `overrides` on the defaults, sealed with `run_key`;
+    returns its config."""
     cfg = load_config(overrides=list(overrides))
-    coordinator = InMemoryDiscovery(registry, run_id=cfg.train.run_id, record_ttl_s=3600.0, peer_id="coordinator")
+    coordinator = InMemoryDiscovery(registry, run_id=cfg.train.run_id, record_ttl_s=3600.0, peer_id="coordinator",
+                                    run_key=run_key)
     await coordinator.publish_run(RunRecord(run_id=cfg.train.run_id, coordinator_id="coordinator",
                                             config=to_dict(cfg), updated_at=registry.clock()), timeout_s=1.0)
     return cfg

@@ -1,5 +1,6 @@
-"""The bulk port (rpc/bulk.py): rounds through it equal the reference; bad tickets, wrong run keys,
-truncated or oversized payloads are refused and logged; a peer dying mid-transfer is an RpcUnavailable."""
+"""The bulk port (rpc/bulk.py): rounds through it equal the reference; bad tickets, stolen tickets, wrong
+run keys, truncated or oversized payloads are refused and logged; junk connections are crowded out; a peer
+dying mid-transfer is an RpcUnavailable."""
 
 from __future__ import annotations
 
@@ -87,8 +88,9 @@ def _ticket(node: RpcNode, size_bytes: int, got: list[bytes], *, refuse: str = "
 
 def _upload(client: RpcNode, server: RpcNode, token: bytes, payload: bytes) -> None:
     assert server.bulk is not None
-    client.run(bulk.upload("127.0.0.1", server.bulk.port, token, payload, deadline=time.monotonic() + IO_S,
-                           what="push", counters=client.counters, peer="r"), timeout_s=IO_S + 5)
+    client.run(bulk.upload("127.0.0.1", server.bulk.port, token, client.ticket_proof(token), payload,
+                           deadline=time.monotonic() + IO_S, what="push", counters=client.counters, peer="r"),
+               timeout_s=IO_S + 5)
 
 
 def _refused(call: Callable[[], None]) -> RpcRejected:
@@ -113,6 +115,18 @@ def test_bad_tickets_truncated_and_oversized_uploads_are_refused_and_logged(capl
         reused = _refused(lambda: _upload(client, server, token, payload))  # one connection per ticket
         forged = _refused(lambda: _upload(client, server, secrets.token_bytes(bulk.TOKEN_BYTES), payload))
         assert reused.code == forged.code == "UNAUTHENTICATED" and "ticket" in forged.details
+        # A token seen on the wire, presented by another peer (same run key, another id): no use to it.
+        thief = RpcNode(RPC, peer_id="thief", serve=False)
+        thief.start()
+        try:
+            stolen = _ticket(server, len(payload), got)
+            theft = _refused(lambda: _upload(thief, server, stolen, payload))
+            assert theft.code == "UNAUTHENTICATED" and "issued to x" in theft.details
+            _upload(client, server, stolen, payload)  # the refused try did not burn the owner's ticket
+            assert got == [payload, payload]
+            got.pop()
+        finally:
+            thief.close()
 
         short = _refused(lambda: _upload(client, server, _ticket(server, len(payload), got), payload[:1000]))
         assert short.code == "INVALID_ARGUMENT" and "truncated" in short.details
@@ -124,7 +138,7 @@ def test_bad_tickets_truncated_and_oversized_uploads_are_refused_and_logged(capl
 
         assert server.bulk is not None
         with socket.create_connection(("127.0.0.1", server.bulk.port), timeout=IO_S) as raw:
-            raw.sendall(b"HTTP" + bytes(bulk.TOKEN_BYTES))  # not our protocol
+            raw.sendall(b"HTTP" + bytes(bulk.TOKEN_BYTES + bulk.PROOF_BYTES))  # not our protocol
             code, length = struct.unpack("!BI", raw.recv(5))
             assert bulk.CODES[code] == "UNAUTHENTICATED" and b"magic" in raw.recv(length)
     finally:
@@ -163,7 +177,8 @@ def _fake_reducer(script: Callable[[socket.socket], None]) -> tuple[int, threadi
             conn, _ = listener.accept()
             with conn:
                 conn.settimeout(IO_S)
-                assert conn.recv(len(bulk.MAGIC) + bulk.TOKEN_BYTES, socket.MSG_WAITALL)[:4] == bulk.MAGIC
+                hello = conn.recv(len(bulk.MAGIC) + bulk.TOKEN_BYTES + bulk.PROOF_BYTES, socket.MSG_WAITALL)
+                assert hello[:4] == bulk.MAGIC
                 script(conn)
 
     thread = threading.Thread(target=run, daemon=True)
@@ -179,7 +194,7 @@ def test_a_reducer_dying_mid_transfer_is_unavailable_to_the_member() -> None:
             conn.sendall(struct.pack("!BIQ", 0, 0, 100_000) + bytes(40_000))
 
         port, thread = _fake_reducer(dies_mid_download)
-        fetch = bulk.download("127.0.0.1", port, bytes(bulk.TOKEN_BYTES), size_bytes=100_000,
+        fetch = bulk.download("127.0.0.1", port, bytes(bulk.TOKEN_BYTES), bytes(bulk.PROOF_BYTES), size_bytes=100_000,
                               deadline=time.monotonic() + IO_S, what="mean", counters=client.counters, peer="r",
                               pool=client.buffers)
         with pytest.raises(RpcUnavailable, match="40000 of 100000"):
@@ -192,7 +207,7 @@ def test_a_reducer_dying_mid_transfer_is_unavailable_to_the_member() -> None:
 
         port, thread = _fake_reducer(dies_mid_upload)
         with pytest.raises(RpcUnavailable):
-            client.run(bulk.upload("127.0.0.1", port, bytes(bulk.TOKEN_BYTES), bytes(8 << 20),
+            client.run(bulk.upload("127.0.0.1", port, bytes(bulk.TOKEN_BYTES), bytes(bulk.PROOF_BYTES), bytes(8 << 20),
                                    deadline=time.monotonic() + IO_S, what="push", counters=client.counters,
                                    peer="r"), timeout_s=IO_S + 5)
         thread.join(IO_S)
@@ -233,3 +248,36 @@ def test_a_reducer_killed_while_serving_means_never_splits_the_mean() -> None:
         assert all(r.committed for r in later.values()), [r.reason for r in later.values()]
         means = [r.mean for r in later.values()]
         assert all(m is not None and torch.equal(m, means[0]) for m in means)
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def test_a_thousand_junk_connections_leave_the_swarm_committing_with_bounded_memory() -> None:
+    names = ["a", "b", "c"]
+    with Swarm(names) as swarm:
+        target = swarm.nodes["a"].bulk
+        assert target is not None
+        deltas = deltas_for(names, NUMEL, seed=0)
+        swarm.average(0, deltas)  # buffers of a round's size exist before the baseline
+        rss_before = _rss_bytes()
+        junk: list[socket.socket] = []
+        try:
+            for i in range(1000):  # idle, half a hello, or garbage: none of it can be a member's
+                sock = socket.create_connection(("127.0.0.1", target.port), timeout=IO_S)
+                sock.sendall([b"", b"STB2" + bytes(7), secrets.token_bytes(64)][i % 3])
+                junk.append(sock)
+            wait_until(lambda: target.refused_connections >= 1000 - target.max_unauthenticated, timeout_s=IO_S,
+                       what="junk connections crowded out")
+            assert len(target._unauthenticated) <= target.max_unauthenticated
+            for round_index in (1, 2):
+                deltas = deltas_for(names, NUMEL, seed=round_index)
+                expected = reference_mean(deltas, names, shard_bounds(NUMEL, (0.0,) * len(names)))
+                for name, r in swarm.average(round_index, deltas).items():
+                    assert r.committed and r.mean is not None and torch.equal(r.mean, expected), name
+            assert _rss_bytes() - rss_before < 64 << 20
+        finally:
+            for sock in junk:
+                sock.close()

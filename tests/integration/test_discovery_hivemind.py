@@ -12,8 +12,17 @@ import pytest
 from swarmtrain.averaging.group import Member
 from swarmtrain.averaging.matchmaking import Matchmaker
 from swarmtrain.config import ConfigError, DiscoveryConfig, RunConfig, to_dict
-from swarmtrain.discovery import DepartureRecord, DiscoveryError, PeerRecord, RecordError, RunRecord
+from swarmtrain.discovery import (
+    DepartureRecord,
+    DiscoveryError,
+    GroupRecord,
+    MatchEntry,
+    PeerRecord,
+    RecordError,
+    RunRecord,
+)
 from swarmtrain.discovery.hivemind_dht import HivemindDiscovery, signer_id_of
+from swarmtrain.trust import RunSecret, seal
 
 pytestmark = pytest.mark.integration
 
@@ -96,14 +105,18 @@ def test_forged_unsigned_and_garbage_records_are_rejected_and_the_swarm_goes_on(
     assert dht.store(key, forged + fake_sig, exp, subkey=b.owner_subkey) is False
     # 3. a subkey with no owner key at all (an unsigned record): refused
     assert dht.store(key, forged, exp, subkey=b"mallory") is False
-    # 4. mallory's own signed slot, but claiming to be b / garbage / another run: stored, rejected on read
-    assert dht.store(key, forged, exp, subkey=mallory.owner_subkey) is True
-    with caplog.at_level(logging.WARNING, logger="swarmtrain.discovery.protocol"):
+    # 4. mallory's own signed slot, sealed with the run's key (this module's run is open: the empty key), but
+    # claiming to be b / garbage / another run: stored, rejected on read (logged at WARNING once per signer)
+    def sealed(body: bytes) -> bytes:
+        return seal(RunSecret.from_run_key("").records, dht_key=key, signer_id=mallory.peer_id, body=body)
+
+    assert dht.store(key, sealed(forged), exp, subkey=mallory.owner_subkey) is True
+    with caplog.at_level(logging.DEBUG, logger="swarmtrain.discovery.protocol"):
         live = swarm.run(c.live_peers(timeout_s=IO_S))
         assert [(p.peer_id, p.round) for p in live if p.peer_id in (b.peer_id, mallory.peer_id)] == [(b.peer_id, 1)]
         assert f"signed by {mallory.peer_id!r}" in caplog.text
         for bad in (b"\x00\xffgarbage", _peer(mallory).encode().replace(b'"run_id":"swarmtrain"', b'"run_id":"x"')):
-            assert dht.store(key, bad, exp + 1, subkey=mallory.owner_subkey) is True
+            assert dht.store(key, sealed(bad), exp + 1, subkey=mallory.owner_subkey) is True
             live = swarm.run(c.live_peers(timeout_s=IO_S))
             assert [p.round for p in live if p.peer_id == b.peer_id] == [1]
             assert mallory.peer_id not in {p.peer_id for p in live}
@@ -162,6 +175,57 @@ def test_matchmaking_over_real_dhts_gives_one_identical_group(swarm: Swarm) -> N
     assert all(o.group is not None for o in outcomes), [o.reason for o in outcomes]
     assert len({o.group for o in outcomes}) == 1
     assert [m.peer_id for m in outcomes[0].group.members] == sorted(d.peer_id for d in peers)
+
+
+def test_a_node_without_the_run_key_steers_nothing_in_a_keyed_run(swarm: Swarm) -> None:
+    """Two peers of a keyed run (their own DHT nodes, joined to the module's swarm) and mallory, a real node
+    without the key: its run record, its peer record far ahead, its match entries and its groups naming the
+    honest peers are all ignored; matchmaking gives the honest peers one group of their own."""
+    cfg = RunConfig()
+
+    async def main() -> tuple[list, RunRecord | None, list[str]]:  # type: ignore[type-arg]
+        join = DiscoveryConfig(initial_peers=tuple(await swarm["coord"].visible_maddrs()), record_ttl_s=TTL_S)
+        keyed = list(await asyncio.gather(*(HivemindDiscovery.create(join, run_id=RUN, run_key="k") for _ in "xy")))
+        try:
+            mallory = swarm["mallory"]
+            me = Member(peer_id=mallory.peer_id, endpoint="127.0.0.1:6999", bandwidth_bytes_per_s=1e9)
+            honest = [Member(peer_id=d.peer_id, endpoint=f"127.0.0.1:{7100 + i}", bandwidth_bytes_per_s=1e6)
+                      for i, d in enumerate(keyed)]
+            await keyed[0].publish_run(RunRecord(run_id=RUN, coordinator_id=keyed[0].peer_id, config=to_dict(cfg),
+                                                 updated_at=keyed[0].now()), timeout_s=IO_S)
+            await mallory.publish_run(RunRecord(run_id=RUN, coordinator_id=mallory.peer_id, config=to_dict(cfg),
+                                                round=10**6, updated_at=mallory.now()), timeout_s=IO_S)
+            await mallory.announce(_peer(mallory, round_index=10**6, state_hash="ab" * 32), timeout_s=IO_S)
+            for attempt in range(2):
+                await mallory.post_entry(MatchEntry(run_id=RUN, round=11, member=me, posted_at=mallory.now(),
+                                                    attempt=attempt), keep_s=60, timeout_s=IO_S)
+                # a group it leads: with the honest peers whose ids sort after its own (a leader is the smallest)
+                members = tuple(sorted([me, *(m for m in honest if m.peer_id > me.peer_id)], key=lambda m: m.peer_id))
+                await mallory.post_group(GroupRecord(run_id=RUN, round=11, leader_id=me.peer_id, members=members,
+                                                     window_close_at=mallory.now() + 30, attempt=attempt),
+                                         keep_s=60, timeout_s=IO_S)
+            for d in keyed:
+                await d.announce(_peer(d, round_index=3), timeout_s=IO_S)
+
+            async def one(i: int, d: HivemindDiscovery):  # type: ignore[no-untyped-def]
+                await asyncio.sleep(0.1 * i)
+                return await Matchmaker(d, min_peers=2, window_s=1.5).form_group(11, honest[i])
+
+            outcomes = list(await asyncio.gather(*(one(i, d) for i, d in enumerate(keyed))))
+            run = await keyed[1].fetch_run(timeout_s=IO_S)
+            live = [p.peer_id for p in await keyed[1].live_peers(timeout_s=IO_S)]
+            return outcomes, run, live
+        finally:
+            for d in keyed:
+                await d.aclose()
+
+    outcomes, run, live = swarm.run(main())
+    assert run is not None and run.round == 0 and run.coordinator_id != swarm["mallory"].peer_id
+    assert swarm["mallory"].peer_id not in live and len(live) == 2
+    assert all(o.group is not None for o in outcomes), [o.reason for o in outcomes]
+    assert len({o.group for o in outcomes}) == 1
+    assert swarm["mallory"].peer_id not in {m.peer_id for m in outcomes[0].group.members}
+    assert len(outcomes[0].group.members) == 2
 
 
 def test_identity_path_gives_a_stable_peer_id_and_a_stopped_dht_raises(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -136,9 +136,10 @@ class InMemoryServices:
         self.states: dict[str, Callable[[], PeerState]] = {}
         self.ids: dict[str, str] = {}  # identity path -> peer id, so a restarted peer keeps its id
 
-    async def open_discovery(self, cfg: DiscoveryConfig, *, run_id: str) -> Discovery:
+    async def open_discovery(self, cfg: DiscoveryConfig, *, run_id: str, run_key: str) -> Discovery:
         peer_id = self.ids.setdefault(cfg.identity_path, self.registry.new_peer_id()) if cfg.identity_path else None
-        return InMemoryDiscovery(self.registry, run_id=run_id, record_ttl_s=cfg.record_ttl_s, peer_id=peer_id)
+        return InMemoryDiscovery(self.registry, run_id=run_id, record_ttl_s=cfg.record_ttl_s, peer_id=peer_id,
+                                 run_key=run_key)
 
     async def open_data_plane(self, cfg: RunConfig, *, discovery: Discovery, codec: Codec,
                               param_shapes: Sequence[tuple[str, tuple[int, ...]]]) -> FakePlane:

@@ -9,11 +9,9 @@ from hypothesis import strategies as st
 
 from swarmtrain.averaging.reducer import mean_of, mean_of_encoded, shard_bounds
 from swarmtrain.compress.registry import CODEC_NAMES, get_codec
-from swarmtrain.config import RpcConfig
 from swarmtrain.round.rules import has_quorum
 from swarmtrain.rpc.averaging_wire import SessionKey
 from swarmtrain.rpc.faults import Fault, FaultSite, corrupt, truncate
-from swarmtrain.rpc.node import resolve_run_key
 from swarmtrain.testing import FaultPlan
 
 pytestmark = pytest.mark.unit
@@ -87,13 +85,6 @@ def test_corrupt_and_truncate_change_payloads_deterministically() -> None:
     payload = bytes(range(64))
     assert corrupt(payload) == corrupt(payload) != payload and len(corrupt(payload)) == 64
     assert truncate(payload) == payload[:48]
-
-
-def test_run_key_env_overrides_config(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("SWARMTRAIN_RUN_KEY", raising=False)
-    assert resolve_run_key(RpcConfig(run_key="from-config")) == "from-config"
-    monkeypatch.setenv("SWARMTRAIN_RUN_KEY", "from-env")
-    assert resolve_run_key(RpcConfig(run_key="from-config")) == "from-env"
 
 
 def test_shards_align_to_codec_blocks_so_they_quantize_like_the_whole() -> None:

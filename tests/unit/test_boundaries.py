@@ -75,3 +75,13 @@ def test_round_package_is_pure() -> None:
             bad = {i for i in imports if _top(i) in impure
                    or (i.startswith("swarmtrain.") and not i.startswith("swarmtrain.round"))}
             assert not bad, f"{rel} imports {sorted(bad)}"
+
+
+def test_trust_package_is_pure() -> None:
+    """Run membership proofs take their times as arguments and touch no socket: every check is a unit test."""
+    impure = NETWORKING | {"time", "threading", "torch", "subprocess"}
+    for rel, imports in _modules():
+        if rel.startswith("trust/"):
+            bad = {i for i in imports if _top(i) in impure
+                   or (i.startswith("swarmtrain.") and not i.startswith("swarmtrain.trust"))}
+            assert not bad, f"{rel} imports {sorted(bad)}"

@@ -23,6 +23,7 @@ from swarmtrain.discovery import (
     RunRecord,
 )
 from swarmtrain.discovery.records import decode_record
+from swarmtrain.trust import RunSecret, seal
 
 pytestmark = pytest.mark.unit
 
@@ -136,6 +137,10 @@ def test_run_config_round_trip_and_conflicts() -> None:
             await peer.fetch_run(timeout_s=1)
         pinned = await peer.fetch_run(coordinator_id=coord.peer_id, timeout_s=1)
         assert pinned is not None and pinned.run_config() == cfg
+        joined = await peer.fetch_run(join_ids=["QmSomeoneElse", coord.peer_id], timeout_s=1)  # --join's /p2p/ ids
+        assert joined is not None and joined.coordinator_id == coord.peer_id
+        with pytest.raises(RunConflictError, match="coordinator"):  # --join names both, or neither
+            await peer.fetch_run(join_ids=[coord.peer_id, rogue.peer_id], timeout_s=1)
         with pytest.raises(RecordError, match="owned by"):
             await peer.publish_run(RunRecord(run_id=RUN, coordinator_id=coord.peer_id, config=to_dict(cfg)),
                                    timeout_s=1)
@@ -168,11 +173,16 @@ def test_garbage_and_unsigned_slots_are_skipped_and_logged(caplog: pytest.LogCap
         a = InMemoryDiscovery(reg, run_id=RUN, record_ttl_s=10)
         await a.announce(_peer(a.peer_id, a.now()), timeout_s=1)
         key = f"swarmtrain/{RUN}/peers"
-        reg.put(key, "mallory", b"\x00garbage", expires_at=a.now() + 10)
-        reg.put(key, None, _peer("eve", a.now()).encode(), expires_at=a.now() + 10)  # unsigned
-        reg.put(key, "eve", _peer(a.peer_id, a.now(), round=99).encode(), expires_at=a.now() + 10)  # impersonation
+
+        def sealed(signer: str, body: bytes) -> bytes:  # by a holder of the (empty) run key: decoding is reached
+            return seal(RunSecret.from_run_key("").records, dht_key=key, signer_id=signer, body=body)
+
+        reg.put(key, "mallory", sealed("mallory", b"\x00garbage"), expires_at=a.now() + 10)
+        reg.put(key, None, sealed("eve", _peer("eve", a.now()).encode()), expires_at=a.now() + 10)  # unsigned
+        impersonation = sealed("eve", _peer(a.peer_id, a.now(), round=99).encode())
+        reg.put(key, "eve", impersonation, expires_at=a.now() + 10)
         other_run = dataclasses.replace(_peer("zed", a.now()), run_id="other")
-        reg.put(key, "zed", other_run.encode(), expires_at=a.now() + 10)
+        reg.put(key, "zed", sealed("zed", other_run.encode()), expires_at=a.now() + 10)
         live = await a.live_peers(timeout_s=1)
         assert [(p.peer_id, p.round) for p in live] == [(a.peer_id, 0)]
 

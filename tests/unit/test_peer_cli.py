@@ -85,3 +85,16 @@ def test_peer_progress_goes_to_stderr_only_when_on(flag: str, monkeypatch: pytes
     assert out == '{"event": "leave", "round": 3, "reason": "done", "hash": "", "peer": "", "checkpoint": "", ' \
                   '"bytes_sent": 0, "bytes_received": 0}\n'
     assert err == ("left at round 3: done\n" if flag == "--progress" else "")
+
+
+@pytest.mark.parametrize("argv", [["peer", "--join", "/ip4/10.0.0.1/tcp/1/p2p/QmX", "--host", "0.0.0.0"],
+                                  ["coordinator", "--host", "0.0.0.0"],
+                                  ["peer", "--join", "/ip4/10.0.0.1/tcp/1/p2p/QmX", "--set", "rpc.host=\"10.0.0.5\""]])
+def test_an_empty_run_key_on_a_reachable_address_exits_with_one_line(argv: list[str], monkeypatch: pytest.MonkeyPatch,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.delenv("SWARMTRAIN_RUN_KEY", raising=False)
+    args = build_parser().parse_args(argv)
+    assert args._module.run(args) == 2  # refused before a socket or a process is opened
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"swarmtrain {argv[0]}: error: the run key is empty")
+    assert "--insecure" in err[0] and "SWARMTRAIN_RUN_KEY" in err[0]

@@ -1,0 +1,27 @@
+"""Run membership: what proves that a record, a call or a transfer comes from a holder of the run key.
+
+Pure (no I/O, no sockets, no clock of its own; times are passed in), so every check is tested by hand.
+
+keys.py   the run key (env or config), the per-use keys derived from it, the refusal of an open run on a
+          public address
+calls.py  a MAC per gRPC call over (method, caller, callee, time, nonce) and the replay guard that checks it
+seal.py   a MAC on every control-plane record, bound to its DHT key and signer
+"""
+
+from swarmtrain.trust.calls import CallAuth, CallRefused, CallSigner
+from swarmtrain.trust.keys import RUN_KEY_ENV, InsecureRunError, RunSecret, check_exposure, resolve_run_key
+from swarmtrain.trust.seal import SealError, open_sealed, seal
+
+__all__ = [
+    "RUN_KEY_ENV",
+    "CallAuth",
+    "CallRefused",
+    "CallSigner",
+    "InsecureRunError",
+    "RunSecret",
+    "SealError",
+    "check_exposure",
+    "open_sealed",
+    "resolve_run_key",
+    "seal",
+]
