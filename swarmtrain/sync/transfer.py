@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import struct
 import threading
 import time
@@ -23,12 +24,16 @@ from swarmtrain.rpc.faults import FaultHook
 from swarmtrain.rpc.node import RpcError, RpcNode
 from swarmtrain.rpc.state_wire import StateBlob, StateClient, serve_state
 
-__all__ = ["LiveState", "StateServer", "StateSnapshot", "StateTransferError", "fetch_state"]
+__all__ = ["LiveState", "StateServer", "StateSnapshot", "StateTransferError", "fetch_state", "state_size_limit"]
 
 log = logging.getLogger(__name__)
 
 _PARAMS, _MOMENTUM = "params/", "momentum/"
 _MEMBERS = "swarmtrain.members"  # safetensors metadata key: the committing peers, a JSON list
+# safetensors header room: the members list (up to 4096 ids of <= 128 chars, quoted) and slack, plus a
+# JSON entry per tensor (name, dtype, shape, offsets).
+_HEADER_BYTES, _HEADER_BYTES_PER_TENSOR = 1 << 20, 1024
+UNBOUNDED_STATE_BYTES = 1 << 34  # without the model's shapes: only a sanity bound
 
 
 class StateTransferError(ValueError):
@@ -210,11 +215,21 @@ class StateServer:
             return state
 
 
+def state_size_limit(shapes: Mapping[str, Sequence[int]]) -> int:
+    """The most bytes a valid state of a model of these shapes takes: θ and outer momentum in fp32 and the
+    safetensors header. A donor declaring more is refused before anything is allocated."""
+    numel = sum(math.prod(shape) for shape in shapes.values())
+    return 2 * 4 * numel + _HEADER_BYTES + 2 * _HEADER_BYTES_PER_TENSOR * len(shapes)
+
+
 def fetch_state(node: RpcNode, endpoints: Sequence[str], *, run_id: str, min_round: int = 0,
-                expected_shapes: Mapping[str, Sequence[int]] | None = None, max_bytes: int = 1 << 34,
+                expected_shapes: Mapping[str, Sequence[int]] | None = None, max_bytes: int | None = None,
                 timeout_s: float = 120.0) -> StateSnapshot:
     """Download and verify the state from the first of `endpoints` (newest first, say) that serves a
-    valid one at round >= `min_round`; StateTransferError when none does within `timeout_s`."""
+    valid one at round >= `min_round`; StateTransferError when none does within `timeout_s`. A state
+    may take `max_bytes`, by default what one of `expected_shapes` can take (`state_size_limit`)."""
+    if max_bytes is None:
+        max_bytes = UNBOUNDED_STATE_BYTES if expected_shapes is None else state_size_limit(expected_shapes)
     client = StateClient(node)
     deadline = time.monotonic() + timeout_s
     errors: list[str] = []
