@@ -50,9 +50,16 @@ class TrainConfig:
     """Where a peer trains: `auto` (CUDA when available, else CPU), `cpu`, `cuda` or `cuda:N`."""
     threads: int = 0
     """torch intra-op threads of the process; 0 = torch's default."""
+    run_nonce: str = ""
+    """This run among all runs of the same `run_id` (`[A-Za-z0-9._-]`, at most 64): peers refuse a
+    checkpoint or a donor's state of another nonce, naming both. Empty: the coordinator draws a random
+    one when it starts a run (or keeps the one its run record already has); set it to restart a run's
+    coordinator from scratch without orphaning the peers' checkpoints."""
 
     def __post_init__(self) -> None:
         check(bool(self.run_id) and all(c.isalnum() or c in "-_." for c in self.run_id), "train.run_id", "must be non-empty [A-Za-z0-9._-]")
+        check(len(self.run_nonce) <= 64 and all(c.isalnum() or c in "-_." for c in self.run_nonce), "train.run_nonce",
+              "must be at most 64 of [A-Za-z0-9._-]")
         check(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"), "train.device", f"{self.device!r} is not auto, cpu or cuda[:N]")
         check(self.threads >= 0, "train.threads", "must be >= 0")
 

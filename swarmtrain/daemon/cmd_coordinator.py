@@ -59,7 +59,7 @@ def local_overrides(args: argparse.Namespace) -> list[str]:
 
 
 async def _serve(args: argparse.Namespace) -> int:
-    from swarmtrain.discovery.coordinator import RunPublisher
+    from swarmtrain.discovery.coordinator import RunPublisher, with_run_nonce
     from swarmtrain.discovery.hivemind_dht import HivemindDiscovery
     from swarmtrain.telemetry.events import EventWriter
     from swarmtrain.trust import resolve_run_key
@@ -76,10 +76,12 @@ async def _serve(args: argparse.Namespace) -> int:
     discovery = await HivemindDiscovery.create(cfg.discovery, run_id=cfg.train.run_id,
                                                run_key=resolve_run_key(cfg.rpc.run_key))
     try:
+        cfg = await with_run_nonce(discovery, cfg, timeout_s=cfg.rpc.call_timeout_s)
         publisher = RunPublisher(discovery, cfg)
         await publisher.publish()
         EventWriter(sys.stdout).ready({
             "role": "coordinator", "peer_id": discovery.peer_id, "run_id": cfg.train.run_id,
+            "run_nonce": cfg.train.run_nonce,
             "maddrs": await discovery.visible_maddrs(),
         })
         await _until(stop, publisher.serve(stop))

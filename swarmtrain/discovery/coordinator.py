@@ -4,14 +4,35 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 
 from swarmtrain.config import RunConfig, public_dict
-from swarmtrain.discovery.protocol import Discovery, DiscoveryError
+from swarmtrain.discovery.protocol import Discovery, DiscoveryError, RunConflictError
 from swarmtrain.discovery.records import RunRecord
 
-__all__ = ["RunPublisher"]
+__all__ = ["RunPublisher", "with_run_nonce"]
 
 log = logging.getLogger(__name__)
+
+
+async def with_run_nonce(discovery: Discovery, cfg: RunConfig, *, timeout_s: float) -> RunConfig:
+    """`cfg` with its `train.run_nonce`: the configured one; else that of the run record already in the
+    DHT (a restarted coordinator continues its run); else a fresh random one (a new run)."""
+    if cfg.train.run_nonce:
+        return cfg
+    try:
+        existing = await discovery.fetch_run(timeout_s=timeout_s)
+    except RunConflictError as e:
+        log.warning("several run records for run %s (%s): starting it with a new nonce", discovery.run_id, e)
+        existing = None
+    nonce = existing.run_config().train.run_nonce if existing is not None else ""
+    if nonce:
+        log.info("run %s continues with nonce %s from %s's run record", discovery.run_id, nonce,
+                 existing.coordinator_id if existing is not None else "?")
+    else:
+        nonce = secrets.token_hex(8)
+        log.info("run %s starts with nonce %s", discovery.run_id, nonce)
+    return cfg.replace(train={"run_nonce": nonce})
 
 
 class RunPublisher:

@@ -168,6 +168,9 @@ class NetworkPlane:
         expected = {name: shape for name, shape in self.param_shapes}
         snap = await asyncio.to_thread(fetch_state, self.node, [endpoint], run_id=self.cfg.train.run_id,
                                        expected_shapes=expected, timeout_s=self._fetch_timeout_s)
+        if snap.config.train.run_nonce != self.cfg.train.run_nonce:
+            raise PeerError(f"{endpoint} serves a state of another run of {self.cfg.train.run_id!r} (nonce "
+                            f"{snap.config.train.run_nonce!r}, this run's is {self.cfg.train.run_nonce!r})")
         ours, theirs = to_dict(self.cfg), to_dict(snap.config)
         differing = [s for s in RUN_SECTIONS_THAT_MUST_MATCH if ours[s] != theirs[s]]
         if differing:

@@ -190,9 +190,15 @@ class Peer(OverlappedRounds, Healing):
         if not self.cfg.checkpoint.dir:
             return None
         loaded = load_latest_checkpoint(self.cfg.checkpoint.dir)
-        if loaded is not None and loaded.meta.get("run_id") != self.cfg.train.run_id:
+        if loaded is None:
+            return None
+        if loaded.meta.get("run_id") != self.cfg.train.run_id:
             raise PeerError(f"{loaded.path}: checkpoint is of run {loaded.meta.get('run_id')!r}, "
                             f"not {self.cfg.train.run_id!r}; use another --checkpoint-dir")
+        if loaded.meta.get("run_nonce", "") != self.cfg.train.run_nonce:
+            raise PeerError(f"{loaded.path}: checkpoint is of another run of {self.cfg.train.run_id!r} (nonce "
+                            f"{loaded.meta.get('run_nonce', '')!r}, this run's is {self.cfg.train.run_nonce!r}); "
+                            "use another --checkpoint-dir")
         return loaded
 
     def current_state(self, *, copy: bool = True) -> PeerState:
@@ -542,7 +548,8 @@ class Peer(OverlappedRounds, Healing):
             return None
         # The worker's own tensors, no copies: nothing steps it until the save below returns.
         tensors, meta = self.worker.state_dict(copy=False)
-        full_meta = {"run_id": self.cfg.train.run_id, "peer_id": self._peer_id, "worker": meta,
+        full_meta = {"run_id": self.cfg.train.run_id, "run_nonce": self.cfg.train.run_nonce,
+                     "peer_id": self._peer_id, "worker": meta,
                      "hash": self.worker.global_hash(), "saved_unix_s": time.time()}
         return await asyncio.to_thread(save_checkpoint, self.cfg.checkpoint.dir, tensors=tensors, meta=full_meta,
                                        keep=self.cfg.checkpoint.keep)

@@ -291,6 +291,24 @@ def test_stop_checkpoints_and_a_restarted_peer_resumes_with_its_id(tmp_path: Pat
     asyncio.run(main())
 
 
+def test_a_checkpoint_of_another_run_with_the_same_run_id_is_refused_naming_both_nonces(tmp_path: Path) -> None:
+    """A checkpoint directory left by an older run of the same run_id (and model) at a later round: the
+    new run's nonce differs, so the peer refuses it instead of resuming the old run's weights."""
+    async def main() -> None:
+        _, peer, _ = await run_alone_then_stop(tmp_path, [*RUN, "train.run_nonce=old"])
+        saved = sorted(p.name for p in (tmp_path / "p").iterdir())
+        registry = InMemoryRegistry()
+        await _publish_run(registry, load_config(overrides=[*RUN, "train.run_nonce=new"]))
+        again = Peer(_local(tmp_path / "p"), writer=EventWriter(Out()), services=InMemoryServices(registry, window_s=0.1))
+        with pytest.raises(PeerError, match=r"another run of 'swarmtrain' \(nonce 'old', this run's is 'new'\)"):
+            await again.start()
+        await again.aclose("error")
+        assert sorted(p.name for p in (tmp_path / "p").iterdir()) == saved  # nothing written over it
+        assert peer.cfg.train.run_nonce == "old"
+
+    asyncio.run(main())
+
+
 def test_a_finished_peer_serves_state_until_a_straggler_behind_the_last_round_catches_up(tmp_path: Path) -> None:
     async def main() -> None:
         registry = InMemoryRegistry()

@@ -10,7 +10,7 @@ import logging
 import pytest
 
 from swarmtrain.averaging.group import Member
-from swarmtrain.config import RunConfig, load_config, to_dict
+from swarmtrain.config import ConfigError, RunConfig, load_config, to_dict
 from swarmtrain.discovery import (
     GroupRecord,
     Heartbeat,
@@ -225,3 +225,24 @@ def test_coordinator_never_publishes_the_run_key() -> None:
     record = asyncio.run(go())
     assert record is not None and record.config["rpc"]["run_key"] == ""
     assert "s3cret" not in json.dumps(record.config)
+
+
+def test_a_coordinator_draws_a_run_nonce_once_and_a_restarted_one_keeps_it() -> None:
+    from swarmtrain.discovery.coordinator import RunPublisher, with_run_nonce
+
+    async def main() -> None:
+        reg = InMemoryRegistry()
+        first = InMemoryDiscovery(reg, run_id=RUN, record_ttl_s=5)
+        cfg = await with_run_nonce(first, RunConfig(), timeout_s=1)
+        assert len(cfg.train.run_nonce) == 16 and cfg.replace(train={"run_nonce": ""}) == RunConfig()
+        await RunPublisher(first, cfg).publish()
+        restarted = InMemoryDiscovery(reg, run_id=RUN, record_ttl_s=5)  # a new identity: its record is not there yet
+        assert (await with_run_nonce(restarted, RunConfig(), timeout_s=1)).train.run_nonce == cfg.train.run_nonce
+        other = InMemoryDiscovery(InMemoryRegistry(), run_id=RUN, record_ttl_s=5)
+        assert (await with_run_nonce(other, RunConfig(), timeout_s=1)).train.run_nonce != cfg.train.run_nonce
+        pinned = RunConfig().replace(train={"run_nonce": "given"})
+        assert (await with_run_nonce(restarted, pinned, timeout_s=1)).train.run_nonce == "given"
+
+    asyncio.run(main())
+    with pytest.raises(ConfigError, match=r"train\.run_nonce"):
+        RunConfig().replace(train={"run_nonce": "not/allowed"})
