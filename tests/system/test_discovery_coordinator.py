@@ -21,7 +21,9 @@ def test_coordinator_publishes_the_run_tracks_the_round_and_exits_cleanly(procs:
     coord, join = procs.coordinator(SETS, timeout_s=90.0)
     info = coord.wait_ready(timeout_s=1.0)
     assert info["role"] == "coordinator" and info["run_id"] == "coordtest" and join.endswith(f"/p2p/{info['peer_id']}")
-    expected = load_config(overrides=SETS)
+    nonce = info["run_nonce"]
+    assert isinstance(nonce, str) and len(nonce) == 16  # drawn at start: a new run of "coordtest"
+    expected = load_config(overrides=[*SETS, f"train.run_nonce={nonce!r}"])
 
     async def main() -> None:
         d = await HivemindDiscovery.create(DiscoveryConfig(initial_peers=(join,), record_ttl_s=5), run_id="coordtest")
