@@ -383,6 +383,14 @@ class AveragingConfig:
     contribution_window_s: float = 15.0
     """Seconds a reducer collects contributions to its shard after its round opens; later ones are left out
     of the mean. Must be shorter than `allreduce_timeout_s`."""
+    aggregator: str = "mean"
+    """How a reducer combines its shard's contributions: `mean`, or `trimmed_mean`, which drops the `trim`
+    largest and smallest values of every coordinate before averaging, so that up to `trim` lying members
+    cannot move θ_global beyond what honest members sent (docs/security.md); it holds every decoded
+    contribution of the shard in memory."""
+    trim: int = 1
+    """With `aggregator = "trimmed_mean"`: contributions dropped at each end of every coordinate (fewer
+    when a shard has at most 2·trim of them: the median for an odd count, the mean for two)."""
 
     def __post_init__(self) -> None:
         check(self.min_peers >= 1, "averaging.min_peers", "must be >= 1")
@@ -390,6 +398,9 @@ class AveragingConfig:
         check(self.matchmaking_timeout_s > 0, "averaging.matchmaking_timeout_s", "must be > 0")
         check(self.allreduce_timeout_s > 0, "averaging.allreduce_timeout_s", "must be > 0")
         check(self.max_retries >= 0, "averaging.max_retries", "must be >= 0")
+        check(self.aggregator in ("mean", "trimmed_mean"), "averaging.aggregator",
+              f"{self.aggregator!r} is not mean or trimmed_mean")
+        check(self.trim >= 1, "averaging.trim", "must be >= 1")
         # A reducer fixes its contributors when its window closes; a window that outlasts the all-reduce's
         # deadline means no mean is ever served when a member is missing: every such round would abort.
         check(self.contribution_window_s < self.allreduce_timeout_s, "averaging.contribution_window_s",

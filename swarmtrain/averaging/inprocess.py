@@ -7,8 +7,9 @@ from collections.abc import Sequence
 
 import torch
 
+from swarmtrain.averaging.aggregate import Aggregation, aggregate_encoded
 from swarmtrain.averaging.protocol import AverageResult
-from swarmtrain.compress.codec import Codec
+from swarmtrain.compress.codec import Codec, CodecError
 from swarmtrain.diloco.traffic import allreduce_bytes_per_peer
 
 __all__ = ["InProcessGroup", "InProcessMember"]
@@ -17,17 +18,20 @@ __all__ = ["InProcessGroup", "InProcessMember"]
 class InProcessGroup:
     """Averages one round's K pseudo-gradients as the swarm's butterfly all-reduce would.
 
-    Every Δ is encoded with `codec`, decoded and accumulated in fp32, divided by K, and the mean
-    is encoded once more and decoded (the reducers send the re-encoded mean back), so quantization
-    acts exactly where it acts on the wire. Byte counts come from the real encoded sizes (see
+    Every Δ is encoded with `codec`, decoded and combined in fp32 by `aggregation` (the mean by
+    default), and the result is encoded once more and decoded (the reducers send the re-encoded mean
+    back), so quantization acts exactly where it acts on the wire. A Δ the codec refuses (NaN or Inf)
+    is left out, as a reducer refuses it. Byte counts come from the real encoded sizes (see
     `allreduce_bytes_per_peer`). Sequential drivers call `average_all`; threaded workers each use a
     `member(k)` view, which satisfies the `Averager` protocol.
     """
 
-    def __init__(self, codec: Codec, *, num_workers: int, timeout_s: float = 60.0) -> None:
+    def __init__(self, codec: Codec, *, num_workers: int, timeout_s: float = 60.0,
+                 aggregation: Aggregation | None = None) -> None:
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         self.codec = codec
+        self.aggregation = aggregation if aggregation is not None else Aggregation()
         self.num_workers = num_workers
         self.peer_ids = tuple(f"worker-{k}" for k in range(num_workers))
         self.timeout_s = timeout_s
@@ -43,21 +47,37 @@ class InProcessGroup:
         shapes = {tuple(d.shape) for d in deltas}
         if len(shapes) != 1 or len(next(iter(shapes))) != 1:
             raise ValueError(f"round {round_index}: pseudo-gradients must be flat and equal-sized, got {sorted(shapes)}")
-        encoded = [self.codec.encode(d.detach().to(torch.float32).contiguous()) for d in deltas]
-        acc = torch.zeros(deltas[0].numel(), dtype=torch.float32)
-        for data in encoded:
-            self.codec.decode_accumulate(data, acc)
-        acc.div_(self.num_workers)
+        encoded: list[bytes | None] = []
+        for d in deltas:
+            try:
+                encoded.append(self.codec.encode(d.detach().to(torch.float32).contiguous()))
+            except CodecError:
+                encoded.append(None)  # refused, as a reducer refuses a contribution holding NaN or Inf
+        accepted = [e for e in encoded if e is not None]
+        members = tuple(p for p, e in zip(self.peer_ids, encoded, strict=True) if e is not None)
+        if not accepted:
+            return [AverageResult(round=round_index, committed=False, mean=None, members=(),
+                                  reason="every contribution was refused") for _ in deltas]
+        numel = deltas[0].numel()
+        if self.aggregation.trimmed(len(accepted)):
+            acc = aggregate_encoded(self.codec, accepted, self.aggregation, out=torch.empty(numel),
+                                    scratch=torch.empty(numel))
+        else:  # the mean as simulations always took it (the golden trajectory pins its bits)
+            acc = torch.zeros(numel, dtype=torch.float32)
+            for data in accepted:
+                self.codec.decode_accumulate(data, acc)
+            acc.div_(len(accepted))
         mean_bytes = self.codec.encode(acc)
         mean = self.codec.decode(mean_bytes).reshape(-1)
         k = self.num_workers
-        total_in = sum(len(e) for e in encoded)
+        total_in = sum(len(e) for e in accepted)
         return [
             AverageResult(
-                round=round_index, committed=True, mean=mean, members=self.peer_ids,
-                bytes_sent=allreduce_bytes_per_peer(contribution_bytes=len(e), result_bytes=len(mean_bytes), num_peers=k),
+                round=round_index, committed=True, mean=mean, members=members,
+                bytes_sent=allreduce_bytes_per_peer(contribution_bytes=len(e or b""), result_bytes=len(mean_bytes),
+                                                    num_peers=k),
                 # this peer's shard of everyone else's contribution, plus the others' shards of the mean
-                bytes_received=(total_in - len(e)) // k + (k - 1) * len(mean_bytes) // k,
+                bytes_received=(total_in - len(e or b"")) // k + (k - 1) * len(mean_bytes) // k,
             )
             for e in encoded
         ]

@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import torch
 
+from swarmtrain.averaging.aggregate import Aggregation
 from swarmtrain.averaging.allreduce import AllReduce
 from swarmtrain.averaging.ballot import VoteBook
 from swarmtrain.averaging.group import Group
@@ -48,7 +49,8 @@ class NetworkAverager:
         self._reported: tuple[int, int] = (0, 0)  # node counter totals at the last reported result
         self.registry = ReducerRegistry(peer_id=node.peer_id, run_id=run_id, codec=codec,
                                         window_s=cfg.contribution_window_s, open_wait_s=cfg.allreduce_timeout_s,
-                                        fault_hook=fault_hook, buffers=node.buffers, votes=votes)
+                                        fault_hook=fault_hook, buffers=node.buffers, votes=votes,
+                                        aggregation=Aggregation(cfg.aggregator, cfg.trim))
         self.allreduce = AllReduce(node, self.registry, codec=codec, cfg=cfg, fault_hook=fault_hook)
         if node.serve:
             serve_averaging(node, self.registry)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from swarmtrain.averaging.aggregate import Aggregation, aggregate_encoded
 from swarmtrain.averaging.ballot import VoteBook
 from swarmtrain.averaging.group import Group
 from swarmtrain.compress import Codec, CodecError
@@ -30,7 +31,7 @@ from swarmtrain.rpc.buffers import BufferPool
 from swarmtrain.rpc.faults import FaultHook, FaultSite
 from swarmtrain.rpc.node import Rejected
 
-__all__ = ["ENCODED_SLACK_BYTES", "ReducerRegistry", "max_encoded_bytes", "mean_of_encoded", "shard_bounds"]
+__all__ = ["ENCODED_SLACK_BYTES", "ReducerRegistry", "max_encoded_bytes", "shard_bounds"]
 
 log = logging.getLogger(__name__)
 
@@ -56,15 +57,6 @@ def shard_bounds(numel: int, weights: tuple[float, ...], *, align: int = 1) -> l
         edges.append(min(numel, round(numel * acc / total / align) * align))
     edges.append(numel)
     return [(edges[i], edges[i + 1]) for i in range(len(weights))]
-
-
-def mean_of(parts: list[torch.Tensor], *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """fp32 sum in the given order, divided by the count: the reference every member can recompute.
-    `out` (fp32, the parts' shape) is overwritten with the result instead of allocating it."""
-    acc = torch.zeros_like(parts[0], dtype=torch.float32) if out is None else out.zero_()
-    for p in parts:
-        acc.add_(p)
-    return acc.div_(len(parts))
 
 
 @dataclass
@@ -96,8 +88,9 @@ class ReducerRegistry:
 
     def __init__(self, *, peer_id: str, run_id: str, codec: Codec, window_s: float, open_wait_s: float,
                  fault_hook: FaultHook | None = None, buffers: BufferPool | None = None,
-                 votes: VoteBook | None = None) -> None:
+                 votes: VoteBook | None = None, aggregation: Aggregation | None = None) -> None:
         self.peer_id = peer_id
+        self.aggregation = aggregation if aggregation is not None else Aggregation()
         # decoded shards and mean accumulators live in reused memory: a fresh payload-sized tensor costs
         # a zeroing page fault per 4 KiB, as much CPU as the decode itself
         self.buffers = buffers if buffers is not None else BufferPool()
@@ -309,7 +302,8 @@ class ReducerRegistry:
                 one_view, one = self._fp32(s.numel)
                 try:
                     data = await asyncio.to_thread(
-                        lambda: self.codec.encode(mean_of_encoded(self.codec, parts, out=acc, scratch=one)))
+                        lambda: self.codec.encode(aggregate_encoded(self.codec, parts, self.aggregation, out=acc,
+                                                                    scratch=one)))
                 finally:
                     del acc, one
                     self.buffers.give(view)
@@ -369,17 +363,6 @@ class ReducerRegistry:
             await asyncio.sleep(fault.delay_s)
         elif fault.action == "drop":
             raise Rejected("dropped by fault injection", kind="precondition")
-
-
-def mean_of_encoded(codec: Codec, parts: list[memoryview], *, out: torch.Tensor,
-                    scratch: torch.Tensor) -> torch.Tensor:
-    """`mean_of` over the decoded `parts`, bit for bit, decoding one at a time into `scratch` (fp32,
-    the shard's size) instead of holding every decoded part; `out` receives the mean."""
-    out.zero_()
-    for part in parts:
-        codec.decode_accumulate(part, scratch.zero_())  # == decode(part): see _own_checked
-        out.add_(scratch)
-    return out.div_(len(parts))
 
 
 def _own_checked(codec: Codec, payload: bytes | bytearray | memoryview, own: memoryview, check: torch.Tensor) -> None:

@@ -22,6 +22,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, metavar="S", help="seed of weights and data order (train.seed)")
     parser.add_argument("--codec", metavar="NAME", help="pseudo-gradient codec (compress.codec); diloco only")
     parser.add_argument("--data", nargs="+", metavar="PATH", help="text files to train on (default: Python stdlib)")
+    parser.add_argument("--byzantine", type=int, default=0, metavar="N",
+                        help="the last N workers send --attack instead of their pseudo-gradient (diloco only)")
+    parser.add_argument("--attack", choices=["scale", "signflip", "random", "nan"], default="scale",
+                        help="what a Byzantine worker sends: Δ×100, −4Δ, noise of 10× Δ's norm, or Δ with NaN")
+    parser.add_argument("--aggregator", choices=["mean", "trimmed_mean"],
+                        help="how contributions are combined (averaging.aggregator)")
     parser.add_argument("--out", metavar="JSON", help="write the results here")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     add_config_options(parser)
@@ -29,7 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _flag_overrides(args: argparse.Namespace) -> list[str]:
     pairs = [("diloco.inner_steps", args.inner_steps), ("diloco.rounds", args.rounds),
-             ("model.preset", args.model), ("train.seed", args.seed), ("compress.codec", args.codec)]
+             ("model.preset", args.model), ("train.seed", args.seed), ("compress.codec", args.codec),
+             ("averaging.aggregator", args.aggregator)]
     out = [f"{key}={json.dumps(value)}" for key, value in pairs if value is not None]
     if args.data:
         out.append(f"data.paths={json.dumps(args.data)}")
@@ -40,6 +47,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from tqdm import tqdm
 
+    from swarmtrain.averaging.aggregate import Aggregation
+    from swarmtrain.averaging.attacks import with_byzantine
     from swarmtrain.averaging.inprocess import InProcessGroup
     from swarmtrain.compress import codec_from_config, get_codec
     from swarmtrain.data import load_corpus
@@ -47,6 +56,13 @@ def run(args: argparse.Namespace) -> int:
 
     if args.workers < 1:
         print(f"swarmtrain simulate: error: --workers must be >= 1, got {args.workers}", file=sys.stderr)
+        return 2
+    if not 0 <= args.byzantine < args.workers:
+        print(f"swarmtrain simulate: error: --byzantine must be in [0, --workers={args.workers}), got {args.byzantine}",
+              file=sys.stderr)
+        return 2
+    if args.mode == "ddp" and (args.byzantine or args.aggregator):
+        print("swarmtrain simulate: error: --byzantine and --aggregator apply to --mode diloco", file=sys.stderr)
         return 2
     if args.mode == "ddp" and args.codec:
         print("swarmtrain simulate: error: --codec applies to --mode diloco (ddp sends fp32 gradients)", file=sys.stderr)
@@ -72,9 +88,13 @@ def run(args: argparse.Namespace) -> int:
             result = simulate_ddp(cfg, train_tokens=corpus.train, val_tokens=corpus.val, num_workers=args.workers,
                                   wire_codec=get_codec("fp32"), on_round=on_round)
         else:
-            group = InProcessGroup(codec, num_workers=args.workers)
+            group = InProcessGroup(codec, num_workers=args.workers,
+                                   aggregation=Aggregation(cfg.averaging.aggregator, cfg.averaging.trim))
+            average_all = group.average_all if not args.byzantine else with_byzantine(
+                group.average_all, num_workers=args.workers, byzantine=args.byzantine, name=args.attack,
+                seed=cfg.train.seed)
             result = simulate_diloco(cfg, train_tokens=corpus.train, val_tokens=corpus.val, num_workers=args.workers,
-                                     average_all=group.average_all, codec=codec, on_round=on_round)
+                                     average_all=average_all, codec=codec, on_round=on_round)
     except ValueError as e:  # e.g. a corpus too small for K×batch windows, seq_len > context_len
         print(f"swarmtrain simulate: error: {e}", file=sys.stderr)
         return 2
@@ -82,6 +102,8 @@ def run(args: argparse.Namespace) -> int:
         bar.close()
     summary = result.to_json(cfg)
     summary["data"] = corpus.source
+    summary["byzantine"] = {"workers": args.byzantine, "attack": args.attack if args.byzantine else None,
+                            "aggregator": cfg.averaging.aggregator}
     if args.out:
         Path(args.out).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     print(f"{args.mode}: K={args.workers} final val loss {result.final_val_loss:.4f}, "

@@ -7,10 +7,10 @@ from collections.abc import Sequence
 
 import torch
 
+from swarmtrain.averaging.aggregate import mean_of
 from swarmtrain.averaging.group import Group, Member
 from swarmtrain.averaging.network import NetworkAverager
 from swarmtrain.averaging.protocol import AverageResult
-from swarmtrain.averaging.reducer import mean_of
 from swarmtrain.compress import get_codec
 from swarmtrain.config import AveragingConfig, RpcConfig
 from swarmtrain.rpc.faults import FaultHook

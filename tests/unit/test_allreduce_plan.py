@@ -7,7 +7,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from swarmtrain.averaging.reducer import mean_of, mean_of_encoded, shard_bounds
+from swarmtrain.averaging.aggregate import mean_of, mean_of_encoded
+from swarmtrain.averaging.reducer import shard_bounds
 from swarmtrain.compress.registry import CODEC_NAMES, get_codec
 from swarmtrain.round.rules import has_quorum
 from swarmtrain.rpc.averaging_wire import SessionKey
