@@ -12,10 +12,10 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import grpc
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 from grpc import aio
 
 from swarmtrain.rpc import frames
@@ -143,28 +143,30 @@ class _Servicer(pb_grpc.AveragingServicer):
             await self._reject(context, "Push", peer, e)
         return pb.PushReply(received_bytes=received)
 
-    async def Contributors(self, request: pb.ContributorsRequest,
-                           context: aio.ServicerContext) -> pb.ContributorsReply:
+    async def Contributors(self, raw: bytes, context: aio.ServicerContext) -> pb.ContributorsReply:
         peer = peer_of(context)
         try:
+            request = _parsed(pb.ContributorsRequest, raw)
             names = await self.sink.contributors(SessionKey.from_wire(request.session), request.shard, peer=peer)
         except Rejected as e:
             await self._reject(context, "Contributors", peer, e)
             raise AssertionError("unreachable") from e
         return pb.ContributorsReply(contributors=list(names))
 
-    async def Vote(self, request: pb.VoteRequest, context: aio.ServicerContext) -> pb.VoteReply:
+    async def Vote(self, raw: bytes, context: aio.ServicerContext) -> pb.VoteReply:
         peer = peer_of(context)
         try:
+            request = _parsed(pb.VoteRequest, raw)
             granted, voted_for = await self.sink.vote(SessionKey.from_wire(request.session), peer=peer)
         except Rejected as e:
             await self._reject(context, "Vote", peer, e)
             raise AssertionError("unreachable") from e
         return pb.VoteReply(granted=granted, voted_for=voted_for)
 
-    async def Fetch(self, request: pb.FetchRequest, context: aio.ServicerContext) -> AsyncIterator[bytes]:
+    async def Fetch(self, raw: bytes, context: aio.ServicerContext) -> AsyncIterator[bytes]:
         peer = peer_of(context)
         try:
+            request = _parsed(pb.FetchRequest, raw)
             data = await self.sink.mean(SessionKey.from_wire(request.session), request.shard,
                                         tuple(request.contributors), peer=peer)
         except Rejected as e:
@@ -177,12 +179,12 @@ class _Servicer(pb_grpc.AveragingServicer):
         self.node.counters.add_sent(peer, len(data))
         await self.sink.delivered(SessionKey.from_wire(request.session), request.shard, peer=peer)
 
-    async def PushTicket(self, request: pb.PushHeader, context: aio.ServicerContext) -> pb.BulkTicket:
+    async def PushTicket(self, raw: bytes, context: aio.ServicerContext) -> pb.BulkTicket:
         """Push's checks up front, then a ticket to send exactly the declared bytes to the bulk port."""
         peer = peer_of(context)
-        r = request
-        header = PushHeader(SessionKey.from_wire(r.session), r.sender, r.shard, r.numel, r.total_bytes, r.codec)
         try:
+            r = _parsed(pb.PushHeader, raw)
+            header = PushHeader(SessionKey.from_wire(r.session), r.sender, r.shard, r.numel, r.total_bytes, r.codec)
             limit = await self.sink.check_push(header, peer=peer)
             if not 0 <= header.total_bytes <= limit:
                 raise Rejected(f"push declares {header.total_bytes} bytes; at most {limit} allowed for "
@@ -200,11 +202,12 @@ class _Servicer(pb_grpc.AveragingServicer):
             raise AssertionError("unreachable") from e
         return pb.BulkTicket(token=token, port=self.node.bulk.port, total_bytes=header.total_bytes)
 
-    async def FetchTicket(self, request: pb.FetchRequest, context: aio.ServicerContext) -> pb.BulkTicket:
+    async def FetchTicket(self, raw: bytes, context: aio.ServicerContext) -> pb.BulkTicket:
         """Fetch's mean, offered once on the bulk port."""
         peer = peer_of(context)
-        key = SessionKey.from_wire(request.session)
         try:
+            request = _parsed(pb.FetchRequest, raw)
+            key = SessionKey.from_wire(request.session)
             data = await self.sink.mean(key, request.shard, tuple(request.contributors), peer=peer)
             if self.node.bulk is None:
                 return pb.BulkTicket(port=0, total_bytes=len(data))  # this peer serves Fetch only
@@ -218,6 +221,19 @@ class _Servicer(pb_grpc.AveragingServicer):
             await self._reject(context, "FetchTicket", peer, e)
             raise AssertionError("unreachable") from e
         return pb.BulkTicket(token=token, port=self.node.bulk.port, total_bytes=len(data))
+
+
+M = TypeVar("M", bound=Message)
+
+
+def _parsed(cls: type[M], raw: bytes) -> M:
+    """A request message from its bytes, or Rejected (INVALID_ARGUMENT) naming what is malformed: the
+    handlers take raw bytes so that garbage is refused like any bad request, not by gRPC's runtime (an
+    UNKNOWN status and a traceback in the log per request)."""
+    try:
+        return cls.FromString(raw)
+    except DecodeError as e:
+        raise Rejected(f"malformed {cls.DESCRIPTOR.name}: {e}") from None
 
 
 def _push_fields(raw: bytes) -> tuple[pb.PushHeader | None, memoryview]:
@@ -245,18 +261,18 @@ def serve_averaging(node: RpcNode, sink: ReducerSink) -> None:
         "Push": grpc.stream_unary_rpc_method_handler(
             servicer.Push, request_deserializer=None, response_serializer=pb.PushReply.SerializeToString),
         "Contributors": grpc.unary_unary_rpc_method_handler(
-            servicer.Contributors, request_deserializer=pb.ContributorsRequest.FromString,
+            servicer.Contributors, request_deserializer=None,
             response_serializer=pb.ContributorsReply.SerializeToString),
         "Fetch": grpc.unary_stream_rpc_method_handler(
-            servicer.Fetch, request_deserializer=pb.FetchRequest.FromString, response_serializer=None),
+            servicer.Fetch, request_deserializer=None, response_serializer=None),
         "PushTicket": grpc.unary_unary_rpc_method_handler(
-            servicer.PushTicket, request_deserializer=pb.PushHeader.FromString,
+            servicer.PushTicket, request_deserializer=None,
             response_serializer=pb.BulkTicket.SerializeToString),
         "FetchTicket": grpc.unary_unary_rpc_method_handler(
-            servicer.FetchTicket, request_deserializer=pb.FetchRequest.FromString,
+            servicer.FetchTicket, request_deserializer=None,
             response_serializer=pb.BulkTicket.SerializeToString),
         "Vote": grpc.unary_unary_rpc_method_handler(
-            servicer.Vote, request_deserializer=pb.VoteRequest.FromString,
+            servicer.Vote, request_deserializer=None,
             response_serializer=pb.VoteReply.SerializeToString),
     })
     node.add_service(lambda server: server.add_generic_rpc_handlers((handler,)))

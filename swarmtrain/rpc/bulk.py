@@ -44,8 +44,8 @@ from swarmtrain.rpc.errors import Rejected, RpcRejected, RpcTimeout, RpcUnavaila
 if TYPE_CHECKING:
     from swarmtrain.rpc.node import ByteCounters
 
-__all__ = ["BULK_HELLO_TIMEOUT_S", "CODES", "MAGIC", "PROOF_BYTES", "TOKEN_BYTES", "BulkServer", "download",
-           "ticket_proof", "upload"]
+__all__ = ["BULK_HELLO_TIMEOUT_S", "CODES", "MAGIC", "PROOF_BYTES", "TOKEN_BYTES", "BulkRefused", "BulkServer",
+           "check_hello", "download", "ticket_proof", "upload"]
 
 log = logging.getLogger(__name__)
 
@@ -65,10 +65,13 @@ _DRAIN_SCRATCH = memoryview(bytearray(1 << 16))  # shared by every drain: what i
 Consumer = Callable[[memoryview], Awaitable[None]]
 
 
-class _Refused(Exception):
+class BulkRefused(Exception):
+    """The server refuses a connection or a transfer; `code` (one of CODES) goes back to the client."""
+
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
         self.code = code
+
 
 
 class _Eof(ConnectionError):
@@ -90,6 +93,21 @@ class _Ticket:
 def ticket_proof(key: bytes, token: bytes, peer: str) -> bytes:
     """The proof a caller sends with `token`: it was issued to `peer`, and the sender holds the run key."""
     return hmac.new(key, token + b"\0" + peer.encode(), hashlib.sha256).digest()[:PROOF_BYTES]
+
+
+def check_hello(hello: bytes, *, key: bytes, issued_to: Callable[[bytes], str | None]) -> bytes:
+    """The ticket token of a hello that is MAGIC + a token we issued (`issued_to(token)`: the peer it was
+    issued to, or None) + that peer's proof of it; else BulkRefused saying what was wrong."""
+    if len(hello) != len(MAGIC) + TOKEN_BYTES + PROOF_BYTES or hello[:len(MAGIC)] != MAGIC:
+        raise BulkRefused("UNAUTHENTICATED", "not a bulk connection (bad magic)")
+    token, proof = hello[len(MAGIC):len(MAGIC) + TOKEN_BYTES], hello[len(MAGIC) + TOKEN_BYTES:]
+    peer = issued_to(token)
+    if peer is None:
+        raise BulkRefused("UNAUTHENTICATED", "unknown, used or expired bulk ticket")
+    if not hmac.compare_digest(proof, ticket_proof(key, token, peer)):
+        raise BulkRefused("UNAUTHENTICATED", f"the ticket was issued to {peer}; this connection cannot prove it "
+                                             "is that peer")
+    return token
 
 
 async def _drain(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
@@ -252,7 +270,7 @@ class BulkServer:
                         await self._receive(loop, conn, ticket)
                     else:
                         await self._send(loop, conn, ticket)
-            except _Refused as e:
+            except BulkRefused as e:
                 if ticket is None:
                     self.refused_connections += 1
                 who = f"{ticket.what} from {ticket.peer}" if ticket else "a connection"
@@ -272,16 +290,11 @@ class BulkServer:
                          "hello", addr, e)
 
     def _claim(self, hello: bytes) -> _Ticket:
-        if hello[:len(MAGIC)] != MAGIC:
-            raise _Refused("UNAUTHENTICATED", "not a bulk connection (bad magic)")
-        token, proof = hello[len(MAGIC):len(MAGIC) + TOKEN_BYTES], hello[len(MAGIC) + TOKEN_BYTES:]
-        ticket = self._tickets.get(token)
-        if ticket is None:
-            raise _Refused("UNAUTHENTICATED", "unknown, used or expired bulk ticket")
-        if not hmac.compare_digest(proof, ticket_proof(self._ticket_key, token, ticket.peer)):
-            raise _Refused("UNAUTHENTICATED", f"the ticket was issued to {ticket.peer}; this connection cannot "
-                                              "prove it is that peer")
-        del self._tickets[token]
+        def issued_to(token: bytes) -> str | None:
+            ticket = self._tickets.get(token)
+            return None if ticket is None else ticket.peer
+
+        ticket = self._tickets.pop(check_hello(hello, key=self._ticket_key, issued_to=issued_to))
         if ticket.expiry is not None:
             ticket.expiry.cancel()
         return ticket
@@ -294,14 +307,14 @@ class BulkServer:
             got = await _recv_into(loop, conn, view)
             self.counters.add_received(ticket.peer, got)
             if got < ticket.size_bytes:
-                raise _Refused("INVALID_ARGUMENT", f"truncated {ticket.what}: got {got} of {ticket.size_bytes} bytes")
+                raise BulkRefused("INVALID_ARGUMENT", f"truncated {ticket.what}: got {got} of {ticket.size_bytes} bytes")
             if await loop.sock_recv(conn, 1):
-                raise _Refused("RESOURCE_EXHAUSTED", f"{ticket.what} carries more than the {ticket.size_bytes} "
+                raise BulkRefused("RESOURCE_EXHAUSTED", f"{ticket.what} carries more than the {ticket.size_bytes} "
                                                      "bytes it declared")
             try:
                 await ticket.consume(view)
             except Rejected as e:
-                raise _Refused(status_name(e), str(e)) from None
+                raise BulkRefused(status_name(e), str(e)) from None
         finally:
             self.pool.give(view)
         await _send_status(loop, conn, "OK")

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc import aio
 
 from swarmtrain.rpc.faults import FaultHook, FaultSite, corrupt, truncate
@@ -40,14 +41,19 @@ class StateSource(Protocol):
         ...
 
 
-class _Servicer(pb_grpc.StateTransferServicer):
+class _Servicer:
     def __init__(self, node: RpcNode, source: StateSource, fault_hook: FaultHook | None) -> None:
         self.node = node
         self.source = source
         self.fault_hook = fault_hook
 
-    async def GetState(self, request: pb.StateRequest, context: aio.ServicerContext) -> AsyncIterator[pb.StateChunk]:
+    async def GetState(self, raw: bytes, context: aio.ServicerContext) -> AsyncIterator[pb.StateChunk]:
         peer = peer_of(context)
+        try:
+            request = pb.StateRequest.FromString(raw)
+        except DecodeError as e:  # refused like any bad request, not by gRPC's runtime (UNKNOWN and a traceback)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed StateRequest: {e}")
+            return
         state = await asyncio.to_thread(self.source.current)  # one immutable object: never a half-updated state
         if state is None or state.run_id != request.run_id:
             why = "no committed state yet" if state is None else f"this peer is in run {state.run_id!r}"
@@ -73,7 +79,10 @@ class _Servicer(pb_grpc.StateTransferServicer):
 def serve_state(node: RpcNode, source: StateSource, *, fault_hook: FaultHook | None = None) -> None:
     """Register the StateTransfer service backed by `source` on `node` (before `node.start()`)."""
     servicer = _Servicer(node, source, fault_hook)
-    node.add_service(lambda server: pb_grpc.add_StateTransferServicer_to_server(servicer, server))
+    handler = grpc.method_handlers_generic_handler("swarmtrain.wire.StateTransfer", {
+        "GetState": grpc.unary_stream_rpc_method_handler(
+            servicer.GetState, request_deserializer=None, response_serializer=pb.StateChunk.SerializeToString)})
+    node.add_service(lambda server: server.add_generic_rpc_handlers((handler,)))
 
 
 class StateClient:
