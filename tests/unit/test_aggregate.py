@@ -33,11 +33,16 @@ def test_the_trimmed_mean_is_the_mean_of_each_coordinates_middle_values(n: int, 
     np.testing.assert_allclose(got.numpy(), _reference(stacked.numpy(), k), rtol=1e-5, atol=1e-6)
 
 
-def test_chunks_change_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_chunks_and_the_sorting_method_change_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     stacked = torch.randn(5, 1000, generator=torch.Generator().manual_seed(1))
     whole = trimmed_mean(stacked, 1, out=torch.empty(1000))
     monkeypatch.setattr(aggregate, "_CHUNK", 7)
     assert torch.equal(trimmed_mean(stacked, 1, out=torch.empty(1000)), whole)
+    monkeypatch.setattr(aggregate, "_NETWORK_MAX", 0)  # torch.sort instead of the network: same order, same bits
+    assert torch.equal(trimmed_mean(stacked, 1, out=torch.empty(1000)), whole)
+    big = torch.randn(40, 300, generator=torch.Generator().manual_seed(2))  # past the network's size
+    np.testing.assert_allclose(trimmed_mean(big, 3, out=torch.empty(300)).numpy(), _reference(big.numpy(), 3),
+                               rtol=1e-5, atol=1e-6)
 
 
 def test_one_liar_among_eight_cannot_move_any_coordinate_beyond_the_honest_ones() -> None:
