@@ -343,6 +343,10 @@ class RpcConfig:
     `bulk_transport = "grpc"`); in [1024, `max_message_bytes`]."""
     max_message_bytes: int = 8 << 20
     """Largest gRPC message this peer sends or accepts, in bytes."""
+    max_concurrent_calls: int = 256
+    """Calls this peer's gRPC server handles at once; more are refused with `RESOURCE_EXHAUSTED` (a
+    caller retries), so a flood of calls cannot pile up without bound. A round needs about 4 per group
+    member at a time."""
     retries: int = 3
     """Retries of an idempotent call that found its peer unavailable, never past the call's deadline."""
     backoff_s: float = 0.2
@@ -361,6 +365,7 @@ class RpcConfig:
         check(self.call_timeout_s > 0, "rpc.call_timeout_s", "must be > 0")
         check(1024 <= self.chunk_bytes <= self.max_message_bytes, "rpc.chunk_bytes", "must be in [1024, rpc.max_message_bytes]")
         check(self.retries >= 0, "rpc.retries", "must be >= 0")
+        check(self.max_concurrent_calls >= 1, "rpc.max_concurrent_calls", "must be >= 1")
         check(self.backoff_s >= 0, "rpc.backoff_s", "must be >= 0")
 
 

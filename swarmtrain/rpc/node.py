@@ -196,7 +196,7 @@ class RpcNode:
             runner.run(main())
 
     async def _start_server(self) -> str:
-        server = aio.server(options=self.options, interceptors=[
+        server = aio.server(options=self.options, maximum_concurrent_rpcs=self.cfg.max_concurrent_calls, interceptors=[
             _CallAuthInterceptor(CallAuth(self.secret), callee=lambda: self._endpoint)])
         for register in self._registrations:
             register(server)

@@ -2,22 +2,26 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import gc
 import logging
 import threading
+import time
 import weakref
 
 import pytest
 import torch
 
 from swarmtrain.config import RpcConfig, RunConfig
-from swarmtrain.rpc.node import RpcNode
+from swarmtrain.rpc.node import RpcNode, RpcRejected
+from swarmtrain.rpc.state_wire import StateClient, serve_state
 from swarmtrain.sync.transfer import (
     StateServer,
     StateSnapshot,
     StateTransferError,
+    encode_snapshot,
     fetch_state,
     state_size_limit,
 )
@@ -226,3 +230,51 @@ def test_the_state_blob_is_safetensors_that_the_library_reads_back_exactly() -> 
     assert all(back[k].dtype == t.dtype and torch.equal(back[k], t) for k, t in tensors.items())
     header_len = int.from_bytes(blob[:8], "little")
     assert header_len % 8 == 0 and b'"__metadata__":{"k":"v"}' in bytes(blob[8:8 + header_len])
+
+
+class _Held:
+    """A state source whose `current()` blocks until `release` is set (a peer busy serializing)."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.entered = threading.Semaphore(0)
+        self.blob = encode_snapshot(_snapshot(1))
+
+    def current(self):  # type: ignore[no-untyped-def]
+        self.entered.release()
+        self.release.wait(10)
+        return self.blob
+
+
+def test_calls_past_the_servers_concurrency_limit_are_refused_not_queued(no_thread_leak: None) -> None:
+    donor = RpcNode(dataclasses.replace(RPC, max_concurrent_calls=2), peer_id="donor")
+    held = _Held()
+    serve_state(donor, held)
+    joiner = RpcNode(RPC, peer_id="joiner", serve=False)
+    for n in (donor, joiner):
+        n.start()
+    try:
+        client = StateClient(joiner)
+
+        async def three() -> list[object]:
+            async def one() -> object:
+                try:
+                    return await client.get_state(donor.endpoint, run_id="sync-run", max_bytes=1 << 20,
+                                                  deadline=time.monotonic() + 10)
+                except RpcRejected as e:
+                    return e
+
+            first = [asyncio.ensure_future(one()) for _ in range(2)]
+            for _ in range(2):  # both are inside the server's handler before the third call goes out
+                await asyncio.to_thread(held.entered.acquire, True, 10)
+            third = await one()
+            held.release.set()
+            return [*(await asyncio.gather(*first)), third]
+
+        results = joiner.run(three(), timeout_s=30)
+    finally:
+        held.release.set()
+        for n in (donor, joiner):
+            n.close()
+    assert all(getattr(r, "round", None) == 1 for r in results[:2])
+    assert isinstance(results[2], RpcRejected) and results[2].code == "RESOURCE_EXHAUSTED"
