@@ -7,7 +7,7 @@ from typing import Literal, Protocol
 
 __all__ = ["CORRUPT_BYTES", "Fault", "FaultAction", "FaultHook", "FaultSite", "LinkHook", "corrupt", "truncate"]
 
-FaultAction = Literal["drop", "delay", "corrupt", "truncate"]
+FaultAction = Literal["drop", "delay", "corrupt", "truncate", "forge"]
 CORRUPT_BYTES = 16
 
 
@@ -28,14 +28,16 @@ class FaultSite:
 
 @dataclass(frozen=True)
 class Fault:
-    """What to do at a site: drop the message, delay it, or corrupt or truncate its payload. (A crash is
-    the test harness's: `swarmtrain.testing.faults.CrashPlan` closes the crashing peer's node.)"""
+    """What to do at a site: drop the message, delay it, or corrupt or truncate its payload; `forge`
+    corrupts it and makes its checksum match, as a man in the middle would (where a checksum travels
+    with it). (A crash is the test harness's: `swarmtrain.testing.faults.CrashPlan` closes the crashing
+    peer's node.)"""
 
     action: FaultAction
     delay_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.action not in ("drop", "delay", "corrupt", "truncate"):
+        if self.action not in ("drop", "delay", "corrupt", "truncate", "forge"):
             raise ValueError(f"Fault.action: unknown action {self.action!r}")
         if self.delay_s < 0:
             raise ValueError("Fault.delay_s: must be >= 0")

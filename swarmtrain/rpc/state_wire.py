@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -14,6 +16,7 @@ from grpc import aio
 
 from swarmtrain.rpc.faults import FaultHook, FaultSite, corrupt, truncate
 from swarmtrain.rpc.node import RpcNode, RpcRejected, peer_of, remaining_s, translate
+from swarmtrain.trust import payload_mac
 from swarmtrain.wire import sync_pb2 as pb
 from swarmtrain.wire import sync_pb2_grpc as pb_grpc
 
@@ -62,18 +65,26 @@ class _Servicer:
                                 why)
             return
         blob = state.blob
-        fault = self.fault_hook(FaultSite(self.node.peer_id, state.round, "state", peer)) if self.fault_hook else None
-        if fault is not None:
-            raw = bytes(blob)
-            blob = corrupt(raw) if fault.action == "corrupt" else truncate(raw) if fault.action == "truncate" else blob
         header = pb.StateHeader(run_id=state.run_id, round=state.round, config_json=state.config_json,
                                 total_bytes=len(state.blob), sha256=state.sha256)
+        header.mac = _header_mac(self.node, header)
+        fault = self.fault_hook(FaultSite(self.node.peer_id, state.round, "state", peer)) if self.fault_hook else None
+        if fault is not None and fault.action in ("corrupt", "truncate", "forge"):
+            original = bytes(blob)
+            blob = truncate(original) if fault.action == "truncate" else corrupt(original)
+            if fault.action == "forge":  # the checksum rewritten to match: only the MAC can tell
+                header.sha256 = hashlib.sha256(blob).digest()
         step, view = self.node.cfg.chunk_bytes, memoryview(blob)
         yield pb.StateChunk(header=header, data=bytes(view[:step]))
         for start in range(step, len(blob), step):
             yield pb.StateChunk(data=bytes(view[start:start + step]))
         self.node.counters.add_sent(peer, len(blob))
         log.info("%s served round-%d state (%d B) to %s", self.node.peer_id, state.round, len(blob), peer)
+
+
+def _header_mac(node: RpcNode, header: pb.StateHeader) -> bytes:
+    return payload_mac(node.secret.payloads, b"state", header.run_id, header.round, header.config_json,
+                       header.total_bytes, header.sha256)
 
 
 def serve_state(node: RpcNode, source: StateSource, *, fault_hook: FaultHook | None = None) -> None:
@@ -103,6 +114,10 @@ class StateClient:
                 async for chunk in call:
                     if header is None:
                         header = chunk.header
+                        if not hmac.compare_digest(header.mac, _header_mac(self.node, header)):
+                            call.cancel()
+                            raise RpcRejected("INVALID_REPLY", "the state header's MAC is wrong: altered on the "
+                                                               "way, or served by a peer without the run key")
                         if not 0 <= header.total_bytes <= max_bytes:
                             call.cancel()
                             raise RpcRejected("INVALID_REPLY", f"state of {header.total_bytes} bytes exceeds the "

@@ -6,10 +6,12 @@ keys.py   the run key (env or config), the per-use keys derived from it, the ref
           public address
 calls.py  a MAC per gRPC call over (method, caller, callee, time, nonce) and the replay guard that checks it
 seal.py   a MAC on every control-plane record, bound to its DHT key and signer
+payloads.py  MACs on data-plane payloads (state headers, bulk transfers)
 """
 
 from swarmtrain.trust.calls import CallAuth, CallRefused, CallSigner
 from swarmtrain.trust.keys import RUN_KEY_ENV, InsecureRunError, RunSecret, check_exposure, resolve_run_key
+from swarmtrain.trust.payloads import check_payload_mac, payload_mac
 from swarmtrain.trust.seal import SealError, open_sealed, seal
 
 __all__ = [
@@ -21,7 +23,9 @@ __all__ = [
     "RunSecret",
     "SealError",
     "check_exposure",
+    "check_payload_mac",
     "open_sealed",
+    "payload_mac",
     "resolve_run_key",
     "seal",
 ]

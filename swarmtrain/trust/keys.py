@@ -33,6 +33,7 @@ class RunSecret:
     records: bytes = field(repr=False)
     calls: bytes = field(repr=False)
     tickets: bytes = field(repr=False)
+    payloads: bytes = field(repr=False)
     open: bool
 
     @classmethod
@@ -42,7 +43,8 @@ class RunSecret:
         def derive(use: bytes) -> bytes:
             return hmac.new(key, _LABEL + use, hashlib.sha256).digest()
 
-        return cls(records=derive(b"records"), calls=derive(b"calls"), tickets=derive(b"tickets"), open=not run_key)
+        return cls(records=derive(b"records"), calls=derive(b"calls"), tickets=derive(b"tickets"),
+                   payloads=derive(b"payloads"), open=not run_key)
 
     def fingerprint(self) -> str:
         """A short public name of the key (the same on every holder), for logs and errors: never the key."""

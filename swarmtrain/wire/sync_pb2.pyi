@@ -12,18 +12,20 @@ class StateRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ...) -> None: ...
 
 class StateHeader(_message.Message):
-    __slots__ = ("run_id", "round", "config_json", "total_bytes", "sha256")
+    __slots__ = ("run_id", "round", "config_json", "total_bytes", "sha256", "mac")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
+    MAC_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     round: int
     config_json: str
     total_bytes: int
     sha256: bytes
-    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., config_json: _Optional[str] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[bytes] = ...) -> None: ...
+    mac: bytes
+    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., config_json: _Optional[str] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[bytes] = ..., mac: _Optional[bytes] = ...) -> None: ...
 
 class StateChunk(_message.Message):
     __slots__ = ("header", "data")

@@ -82,6 +82,18 @@ def test_a_corrupted_download_is_rejected_and_the_next_peer_is_tried(peers, capl
     assert any("sha256 mismatch" in r.message for r in caplog.records)
 
 
+def test_a_state_altered_with_its_checksum_on_the_way_is_refused_by_its_mac(peers, caplog) -> None:
+    donor, server, spare, spare_server, joiner, plan = peers
+    plan.add(peer="donor", round=4, call="state", action="forge")  # a man in the middle rewrites both
+    server.publish(_snapshot(4))
+    spare_server.publish(_snapshot(4))
+    caplog.set_level(logging.WARNING)
+    got = fetch_state(joiner, [donor.endpoint, spare.endpoint], run_id="sync-run", timeout_s=10)
+    assert got.round == 4 and torch.equal(got.params["b"], _snapshot(4).params["b"])
+    assert any("MAC is wrong" in r.message for r in caplog.records)
+    assert not any("sha256 mismatch" in r.message for r in caplog.records)  # the checksum matched the forgery
+
+
 @pytest.mark.parametrize("case", ["shape", "nan", "run_id", "none_yet", "stale"])
 def test_unusable_states_are_refused(peers, case: str) -> None:
     donor, server, _, _, joiner, _ = peers
