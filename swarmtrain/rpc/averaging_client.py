@@ -63,7 +63,9 @@ class AveragingClient:
             if self._bulk:
                 ticket = await self._ticket("push", endpoint, wire_header, deadline)
                 if ticket.port:
-                    await bulk.upload(_host(endpoint), ticket.port, ticket.token, self.node.ticket_proof(ticket.token), payload, deadline=deadline,
+                    proof = self.node.ticket_proof(ticket.token)
+                    await bulk.upload(_host(endpoint), ticket.port, ticket.token, proof, payload,
+                                      mac_key=self.node.secret.payloads, deadline=deadline,
                                       what=f"push of shard {h.shard}", counters=self.node.counters, peer=target)
                     return
             await self._grpc_push(endpoint, target, wire_header.SerializeToString(), payload, deadline=deadline)
@@ -113,7 +115,9 @@ class AveragingClient:
                     raise _bad_reply(target, f"mean of shard {shard} declares {ticket.total_bytes} bytes, "
                                              f"max {max_bytes}")
                 if ticket.port:
-                    return await bulk.download(_host(endpoint), ticket.port, ticket.token, self.node.ticket_proof(ticket.token),
+                    proof = self.node.ticket_proof(ticket.token)
+                    return await bulk.download(_host(endpoint), ticket.port, ticket.token, proof,
+                                               mac_key=self.node.secret.payloads,
                                                size_bytes=ticket.total_bytes, deadline=deadline,
                                                what=f"mean of shard {shard}", counters=self.node.counters,
                                                peer=target, pool=self.node.buffers)

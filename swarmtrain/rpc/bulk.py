@@ -10,11 +10,14 @@ bottleneck on a CPU-bound box.
 Wire (big-endian). The client connects and sends MAGIC + token + proof, the proof an HMAC (under the
 run's tickets key) of the token and the peer id the ticket was issued to: a token seen on the wire is
 useless to anyone else. The server answers a status (u8 code index into CODES, u32 length, utf-8
-message). A bad token or proof is answered UNAUTHENTICATED, logged, and the connection closed. Upload: on OK the client streams the ticket's size in bytes and
-half-closes; the server reads them into a buffer of exactly that size (EOF before it: truncated;
-bytes after it: oversized), hands the buffer to the ticket's consumer and answers a final status.
-Download: on OK the server sends u64 size and the bytes, then closes. Every read and write runs
-under the ticket's deadline, the hello under `hello_timeout_s` (at most BULK_HELLO_TIMEOUT_S).
+message). A bad token or proof is answered UNAUTHENTICATED, logged, and the connection closed.
+Upload: on OK the client streams the ticket's size in bytes, then their MAC (HMAC-SHA256 under the
+run's payloads key of the token and the bytes), and half-closes; the server reads them into a buffer
+of exactly that size (EOF before it: truncated; bytes after the MAC: oversized), checks the MAC,
+hands the buffer to the ticket's consumer and answers a final status. Download: on OK the server
+sends u64 size, the bytes and their MAC, then closes. A payload altered on the way fails its MAC.
+Every read and write runs under the ticket's deadline, the hello under `hello_timeout_s` (at most
+BULK_HELLO_TIMEOUT_S).
 
 Before its hello is accepted a connection costs its socket and a task, nothing else: no buffer is
 allocated for it, and at most `max_unauthenticated` such connections live at once (a newer one
@@ -40,11 +43,12 @@ from typing import TYPE_CHECKING
 
 from swarmtrain.rpc.buffers import BufferPool
 from swarmtrain.rpc.errors import Rejected, RpcRejected, RpcTimeout, RpcUnavailable, status_name
+from swarmtrain.trust.payloads import MAC_BYTES, check_payload_mac, payload_mac
 
 if TYPE_CHECKING:
     from swarmtrain.rpc.node import ByteCounters
 
-__all__ = ["BULK_HELLO_TIMEOUT_S", "CODES", "MAGIC", "PROOF_BYTES", "TOKEN_BYTES", "BulkRefused", "BulkServer",
+__all__ = ["BULK_HELLO_TIMEOUT_S", "CODES", "MAC_BYTES", "MAGIC", "PROOF_BYTES", "TOKEN_BYTES", "BulkRefused", "BulkServer",
            "check_hello", "download", "ticket_proof", "upload"]
 
 log = logging.getLogger(__name__)
@@ -88,6 +92,7 @@ class _Ticket:
     data: bytes | bytearray | memoryview | None = None  # a download
     on_sent: Callable[[], Awaitable[None]] | None = None
     expiry: asyncio.TimerHandle | None = None
+    token: bytes = b""  # set when claimed: what the payload's MAC covers with it
 
 
 def ticket_proof(key: bytes, token: bytes, peer: str) -> bytes:
@@ -108,6 +113,21 @@ def check_hello(hello: bytes, *, key: bytes, issued_to: Callable[[bytes], str | 
         raise BulkRefused("UNAUTHENTICATED", f"the ticket was issued to {peer}; this connection cannot prove it "
                                              "is that peer")
     return token
+
+
+_MAC_OFF_LOOP_BYTES = 1 << 20  # payloads past this are MACed in a thread: the loop keeps serving
+
+
+async def _mac(key: bytes, token: bytes, data: bytes | bytearray | memoryview) -> bytes:
+    if memoryview(data).nbytes > _MAC_OFF_LOOP_BYTES:
+        return await asyncio.to_thread(payload_mac, key, b"bulk", token, data)
+    return payload_mac(key, b"bulk", token, data)
+
+
+async def _mac_ok(key: bytes, mac: bytes, token: bytes, data: bytes | bytearray | memoryview) -> bool:
+    if memoryview(data).nbytes > _MAC_OFF_LOOP_BYTES:
+        return await asyncio.to_thread(check_payload_mac, key, mac, b"bulk", token, data)
+    return check_payload_mac(key, mac, b"bulk", token, data)
 
 
 async def _drain(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
@@ -157,7 +177,8 @@ class BulkServer:
     """A node's bulk port. Lives on the node's loop; `expect_upload` / `offer_download` issue tickets."""
 
     def __init__(self, *, peer_id: str, counters: ByteCounters, pool: BufferPool, ticket_key: bytes,
-                 hello_timeout_s: float = BULK_HELLO_TIMEOUT_S, max_unauthenticated: int = MAX_UNAUTHENTICATED) -> None:
+                 payload_key: bytes, hello_timeout_s: float = BULK_HELLO_TIMEOUT_S,
+                 max_unauthenticated: int = MAX_UNAUTHENTICATED) -> None:
         if hello_timeout_s <= 0 or max_unauthenticated < 1:
             raise ValueError(f"BulkServer: hello_timeout_s must be > 0 and max_unauthenticated >= 1, got "
                              f"{hello_timeout_s}, {max_unauthenticated}")
@@ -167,6 +188,7 @@ class BulkServer:
         self.hello_timeout_s = hello_timeout_s
         self.max_unauthenticated = max_unauthenticated
         self._ticket_key = ticket_key
+        self._payload_key = payload_key
         self._tickets: dict[bytes, _Ticket] = {}
         self._unauthenticated: collections.OrderedDict[asyncio.Task[None], None] = collections.OrderedDict()
         self.refused_connections = 0  # closed before or at their hello (junk, bad proof, crowded out)
@@ -294,7 +316,9 @@ class BulkServer:
             ticket = self._tickets.get(token)
             return None if ticket is None else ticket.peer
 
-        ticket = self._tickets.pop(check_hello(hello, key=self._ticket_key, issued_to=issued_to))
+        token = check_hello(hello, key=self._ticket_key, issued_to=issued_to)
+        ticket = self._tickets.pop(token)
+        ticket.token = token
         if ticket.expiry is not None:
             ticket.expiry.cancel()
         return ticket
@@ -308,9 +332,14 @@ class BulkServer:
             self.counters.add_received(ticket.peer, got)
             if got < ticket.size_bytes:
                 raise BulkRefused("INVALID_ARGUMENT", f"truncated {ticket.what}: got {got} of {ticket.size_bytes} bytes")
+            mac = bytearray(MAC_BYTES)
+            if await _recv_into(loop, conn, memoryview(mac)) < MAC_BYTES:
+                raise BulkRefused("INVALID_ARGUMENT", f"truncated {ticket.what}: its MAC is missing")
             if await loop.sock_recv(conn, 1):
                 raise BulkRefused("RESOURCE_EXHAUSTED", f"{ticket.what} carries more than the {ticket.size_bytes} "
-                                                     "bytes it declared")
+                                                        "bytes it declared")
+            if not await _mac_ok(self._payload_key, bytes(mac), ticket.token, view):
+                raise BulkRefused("INVALID_ARGUMENT", f"{ticket.what}: its MAC is wrong (altered on the way?)")
             try:
                 await ticket.consume(view)
             except Rejected as e:
@@ -322,7 +351,9 @@ class BulkServer:
     async def _send(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, ticket: _Ticket) -> None:
         assert ticket.data is not None
         await _send_status(loop, conn, "OK", tail=_SIZE.pack(ticket.size_bytes))
+        mac = await _mac(self._payload_key, ticket.token, ticket.data)
         await loop.sock_sendall(conn, memoryview(ticket.data))
+        await loop.sock_sendall(conn, mac)
         self.counters.add_sent(ticket.peer, ticket.size_bytes)
         conn.shutdown(socket.SHUT_WR)
         if ticket.on_sent is not None:
@@ -368,20 +399,22 @@ async def _transfer(host: str, port: int, token: bytes, proof: bytes, *, deadlin
 
 
 async def upload(host: str, port: int, token: bytes, proof: bytes, payload: bytes | bytearray | memoryview, *,
-                 deadline: float, what: str, counters: ByteCounters, peer: str) -> None:
-    """Send `payload` against an upload ticket (with our `ticket_proof` of it) and wait for the consumer's
-    verdict (RpcRejected if refused)."""
+                 mac_key: bytes, deadline: float, what: str, counters: ByteCounters, peer: str) -> None:
+    """Send `payload` against an upload ticket (with our `ticket_proof` of it) and its MAC under `mac_key`,
+    and wait for the consumer's verdict (RpcRejected if refused)."""
+    mac = await _mac(mac_key, token, payload)
     async with _transfer(host, port, token, proof, deadline=deadline, what=what) as (loop, sock):
         await loop.sock_sendall(sock, memoryview(payload))
+        await loop.sock_sendall(sock, mac)
         counters.add_sent(peer, len(payload))
         sock.shutdown(socket.SHUT_WR)
         await _expect_ok(loop, sock, what)
 
 
-async def download(host: str, port: int, token: bytes, proof: bytes, *, size_bytes: int, deadline: float, what: str,
-                   counters: ByteCounters, peer: str, pool: BufferPool) -> memoryview:
+async def download(host: str, port: int, token: bytes, proof: bytes, *, mac_key: bytes, size_bytes: int,
+                   deadline: float, what: str, counters: ByteCounters, peer: str, pool: BufferPool) -> memoryview:
     """The `size_bytes` (from the ticket, checked by the caller) offered against a download ticket, in a
-    view from `pool` (give it back when done)."""
+    view from `pool` (give it back when done); RpcRejected if their MAC under `mac_key` is wrong."""
     async with _transfer(host, port, token, proof, deadline=deadline, what=what) as (loop, sock):
         (size,) = _SIZE.unpack(await _recv_exact(loop, sock, _SIZE.size))
         if size != size_bytes:
@@ -392,8 +425,11 @@ async def download(host: str, port: int, token: bytes, proof: bytes, *, size_byt
             counters.add_received(peer, got)
             if got < size:
                 raise _Eof(f"{what}: connection closed after {got} of {size} bytes")
+            mac = bytes(await _recv_exact(loop, sock, MAC_BYTES))
             if await loop.sock_recv(sock, 1):
                 raise RpcRejected("INVALID_REPLY", f"{what} exceeds its declared {size} bytes")
+            if not await _mac_ok(mac_key, mac, token, view):
+                raise RpcRejected("INVALID_REPLY", f"{what}: its MAC is wrong (altered on the way?)")
         except BaseException:
             pool.give(view)
             raise

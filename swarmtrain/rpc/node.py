@@ -207,8 +207,8 @@ class RpcNode:
         self._server = server
         if self.cfg.bulk_transport == "tcp":
             self.bulk = BulkServer(peer_id=self.peer_id, counters=self.counters, pool=self.buffers,
-                                   ticket_key=self.secret.tickets, hello_timeout_s=min(self.cfg.call_timeout_s,
-                                                                                      BULK_HELLO_TIMEOUT_S))
+                                   ticket_key=self.secret.tickets, payload_key=self.secret.payloads,
+                                   hello_timeout_s=min(self.cfg.call_timeout_s, BULK_HELLO_TIMEOUT_S))
             await self.bulk.start(self.cfg.host, self.cfg.bulk_port)
         host = "127.0.0.1" if self.cfg.host in ("0.0.0.0", "::", "") else self.cfg.host
         endpoint = self.cfg.announce or f"{host}:{port}"

@@ -86,10 +86,11 @@ def _ticket(node: RpcNode, size_bytes: int, got: list[bytes], *, refuse: str = "
     return node.run(issue(), timeout_s=IO_S)
 
 
-def _upload(client: RpcNode, server: RpcNode, token: bytes, payload: bytes) -> None:
+def _upload(client: RpcNode, server: RpcNode, token: bytes, payload: bytes, *, mac_key: bytes = b"") -> None:
     assert server.bulk is not None
     client.run(bulk.upload("127.0.0.1", server.bulk.port, token, client.ticket_proof(token), payload,
-                           deadline=time.monotonic() + IO_S, what="push", counters=client.counters, peer="r"),
+                           mac_key=mac_key or client.secret.payloads, deadline=time.monotonic() + IO_S, what="push",
+                           counters=client.counters, peer="r"),
                timeout_s=IO_S + 5)
 
 
@@ -132,6 +133,9 @@ def test_bad_tickets_truncated_and_oversized_uploads_are_refused_and_logged(capl
         assert short.code == "INVALID_ARGUMENT" and "truncated" in short.details
         long = _refused(lambda: _upload(client, server, _ticket(server, 1000, got), payload))
         assert long.code == "RESOURCE_EXHAUSTED" and "more than the 1000 bytes" in long.details
+        altered = _refused(lambda: _upload(client, server, _ticket(server, 1000, got), payload[:1000],
+                                           mac_key=bytes(32)))  # as if a byte changed on the way
+        assert altered.code == "INVALID_ARGUMENT" and "MAC is wrong" in altered.details
         refused = _refused(lambda: _upload(client, server, _ticket(server, 10, got, refuse="NaN here"), bytes(10)))
         assert refused.code == "INVALID_ARGUMENT" and refused.details == "NaN here"
         assert got == [payload]  # nothing refused reached the consumer
@@ -145,7 +149,8 @@ def test_bad_tickets_truncated_and_oversized_uploads_are_refused_and_logged(capl
         client.close()
         server.close()
     logged = " ".join(r.getMessage() for r in caplog.records)
-    for words in ("unknown, used or expired bulk ticket", "truncated push", "more than the 1000", "bad magic"):
+    for words in ("unknown, used or expired bulk ticket", "truncated push", "more than the 1000", "bad magic",
+                  "MAC is wrong"):
         assert words in logged, words
 
 
@@ -194,10 +199,22 @@ def test_a_reducer_dying_mid_transfer_is_unavailable_to_the_member() -> None:
             conn.sendall(struct.pack("!BIQ", 0, 0, 100_000) + bytes(40_000))
 
         port, thread = _fake_reducer(dies_mid_download)
-        fetch = bulk.download("127.0.0.1", port, bytes(bulk.TOKEN_BYTES), bytes(bulk.PROOF_BYTES), size_bytes=100_000,
+        fetch = bulk.download("127.0.0.1", port, bytes(bulk.TOKEN_BYTES), bytes(bulk.PROOF_BYTES),
+                              mac_key=client.secret.payloads, size_bytes=100_000,
                               deadline=time.monotonic() + IO_S, what="mean", counters=client.counters, peer="r",
                               pool=client.buffers)
         with pytest.raises(RpcUnavailable, match="40000 of 100000"):
+            client.run(fetch, timeout_s=IO_S + 5)
+        thread.join(IO_S)
+
+        def serves_an_altered_mean(conn: socket.socket) -> None:  # the bytes arrive whole, their MAC does not match
+            conn.sendall(struct.pack("!BIQ", 0, 0, 1000) + bytes(1000) + bytes(bulk.MAC_BYTES))
+
+        port, thread = _fake_reducer(serves_an_altered_mean)
+        fetch = bulk.download("127.0.0.1", port, bytes(bulk.TOKEN_BYTES), bytes(bulk.PROOF_BYTES),
+                              mac_key=client.secret.payloads, size_bytes=1000, deadline=time.monotonic() + IO_S,
+                              what="mean", counters=client.counters, peer="r", pool=client.buffers)
+        with pytest.raises(RpcRejected, match="MAC is wrong"):
             client.run(fetch, timeout_s=IO_S + 5)
         thread.join(IO_S)
 
@@ -208,6 +225,7 @@ def test_a_reducer_dying_mid_transfer_is_unavailable_to_the_member() -> None:
         port, thread = _fake_reducer(dies_mid_upload)
         with pytest.raises(RpcUnavailable):
             client.run(bulk.upload("127.0.0.1", port, bytes(bulk.TOKEN_BYTES), bytes(bulk.PROOF_BYTES), bytes(8 << 20),
+                                   mac_key=client.secret.payloads,
                                    deadline=time.monotonic() + IO_S, what="push", counters=client.counters,
                                    peer="r"), timeout_s=IO_S + 5)
         thread.join(IO_S)
