@@ -351,9 +351,12 @@ class BulkServer:
     async def _send(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, ticket: _Ticket) -> None:
         assert ticket.data is not None
         await _send_status(loop, conn, "OK", tail=_SIZE.pack(ticket.size_bytes))
-        mac = await _mac(self._payload_key, ticket.token, ticket.data)
-        await loop.sock_sendall(conn, memoryview(ticket.data))
-        await loop.sock_sendall(conn, mac)
+        mac = asyncio.ensure_future(_mac(self._payload_key, ticket.token, ticket.data))  # hashed while it is sent
+        try:
+            await loop.sock_sendall(conn, memoryview(ticket.data))
+        finally:
+            await asyncio.wait({mac})
+        await loop.sock_sendall(conn, mac.result())
         self.counters.add_sent(ticket.peer, ticket.size_bytes)
         conn.shutdown(socket.SHUT_WR)
         if ticket.on_sent is not None:
@@ -402,13 +405,16 @@ async def upload(host: str, port: int, token: bytes, proof: bytes, payload: byte
                  mac_key: bytes, deadline: float, what: str, counters: ByteCounters, peer: str) -> None:
     """Send `payload` against an upload ticket (with our `ticket_proof` of it) and its MAC under `mac_key`,
     and wait for the consumer's verdict (RpcRejected if refused)."""
-    mac = await _mac(mac_key, token, payload)
-    async with _transfer(host, port, token, proof, deadline=deadline, what=what) as (loop, sock):
-        await loop.sock_sendall(sock, memoryview(payload))
-        await loop.sock_sendall(sock, mac)
-        counters.add_sent(peer, len(payload))
-        sock.shutdown(socket.SHUT_WR)
-        await _expect_ok(loop, sock, what)
+    mac = asyncio.ensure_future(_mac(mac_key, token, payload))  # hashed while the bytes are sent
+    try:
+        async with _transfer(host, port, token, proof, deadline=deadline, what=what) as (loop, sock):
+            await loop.sock_sendall(sock, memoryview(payload))
+            await loop.sock_sendall(sock, await mac)
+            counters.add_sent(peer, len(payload))
+            sock.shutdown(socket.SHUT_WR)
+            await _expect_ok(loop, sock, what)
+    finally:
+        await asyncio.wait({mac})  # never leave the hashing thread behind a failed transfer
 
 
 async def download(host: str, port: int, token: bytes, proof: bytes, *, mac_key: bytes, size_bytes: int,
