@@ -20,6 +20,7 @@ import signal
 import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,7 @@ from hivemind.dht.validation import DHTRecord, RecordValidatorBase  # noqa: E402
 from hivemind.p2p import PeerID  # noqa: E402
 from hivemind.proto import crypto_pb2  # noqa: E402
 from hivemind.utils.crypto import RSAPrivateKey  # noqa: E402
+from hivemind.utils.mpfuture import MPFuture  # noqa: E402
 from hivemind.utils.timed_storage import get_dht_time  # noqa: E402
 
 torch_mp.set_sharing_strategy(_SHARING_STRATEGY)
@@ -58,6 +60,17 @@ _OWNER_RE = re.compile(rb"\[owner:(.+?)\]")
 TERM_GRACE_S = 1.0
 KILL_WAIT_S = 2.0
 CLOSE_MARGIN_S = TERM_GRACE_S + KILL_WAIT_S  # aclose() returns within discovery.shutdown_timeout_s + this
+_OPEN: weakref.WeakSet[HivemindDiscovery] = weakref.WeakSet()  # this process's started DHT nodes
+_starting = 0  # DHT nodes of this process being started (not in _OPEN yet)
+
+
+def _fresh_futures_if_no_dht_is_open() -> None:
+    """hivemind's MPFuture: every DHT process forked from this one reports to it through one pipe guarded by
+    one process-shared lock, made once per process. A DHT killed mid-report (a forced stop) leaves that
+    lock taken for good, and every DHT this process starts afterwards would come up but never be heard
+    from. When no DHT of this process is open, nothing uses them any more: start the next one afresh."""
+    if not _starting and not any(not d._closed for d in _OPEN):
+        MPFuture.reset_backend()
 
 
 def _peer_id_of_public_key(ssh_public_key: bytes) -> str:
@@ -173,28 +186,35 @@ class HivemindDiscovery(RecordDirectory):
             path = Path(tmp) / "identity.key" if fresh else Path(cfg.identity_path)
             key = _load_or_create_identity(path)
             validators = [_LoggingSignatureValidator(key), _OwnerRequiredValidator()]
-            # hivemind's "is this identity taken?" probe starts a throwaway p2pd with its default
-            # nat_port_map=True (a UPnP/NAT-PMP probe of the gateway), which we never allow; a second
-            # live process with the same identity is instead prevented by the checkpoint-dir lock.
-            dht = DHT(initial_peers=list(cfg.initial_peers) or None, start=False, record_validators=validators,
-                      identity_path=str(path), check_if_identity_free=False, **dht_kwargs(cfg))
-            # hivemind forks the DHT process from ours, which already runs grpc/torch threads; a child
-            # GC pass over objects inherited mid-mutation segfaulted here. Frozen objects are never
-            # collected, in the child either (the stdlib's recommended guard around fork).
-            gc.freeze()
+            global _starting
+            _fresh_futures_if_no_dht_is_open()
+            _starting += 1
             try:
-                dht.run_in_background(await_ready=False)
+                # hivemind's "is this identity taken?" probe starts a throwaway p2pd with its default
+                # nat_port_map=True (a UPnP/NAT-PMP probe of the gateway), which we never allow; a second
+                # live process with the same identity is instead prevented by the checkpoint-dir lock.
+                dht = DHT(initial_peers=list(cfg.initial_peers) or None, start=False, record_validators=validators,
+                          identity_path=str(path), check_if_identity_free=False, **dht_kwargs(cfg))
+                # hivemind forks the DHT process from ours, which already runs grpc/torch threads; a child
+                # GC pass over objects inherited mid-mutation segfaulted here. Frozen objects are never
+                # collected, in the child either (the stdlib's recommended guard around fork).
+                gc.freeze()
+                try:
+                    dht.run_in_background(await_ready=False)
+                finally:
+                    gc.unfreeze()
+                try:
+                    await asyncio.wait_for(asyncio.to_thread(dht.wait_until_ready, start_timeout_s),
+                                           timeout=start_timeout_s + 1)
+                except BaseException as e:
+                    await _stop_dht(dht, name="(starting)", grace_s=cfg.shutdown_timeout_s)
+                    raise DiscoveryError(f"DHT did not start within {start_timeout_s:.0f}s: {e!r}") from e
+                peer_id = await asyncio.to_thread(lambda: dht.peer_id)
             finally:
-                gc.unfreeze()
-            try:
-                await asyncio.wait_for(asyncio.to_thread(dht.wait_until_ready, start_timeout_s),
-                                       timeout=start_timeout_s + 1)
-            except BaseException as e:
-                await _stop_dht(dht, name="(starting)", grace_s=cfg.shutdown_timeout_s)
-                raise DiscoveryError(f"DHT did not start within {start_timeout_s:.0f}s: {e!r}") from e
-            peer_id = await asyncio.to_thread(lambda: dht.peer_id)
+                _starting -= 1  # no await until it is in _OPEN: no other start sees neither
         self = cls(dht, key, run_id=run_id, record_ttl_s=cfg.record_ttl_s,
                    shutdown_timeout_s=cfg.shutdown_timeout_s, run_key=run_key)
+        _OPEN.add(self)
         log.info("DHT %s up at %s", peer_id, [str(a) for a in await self.visible_maddrs()])
         return self
 

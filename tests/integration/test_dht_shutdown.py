@@ -86,3 +86,25 @@ def test_a_cancelled_close_still_kills_the_dht() -> None:
         wait_until(lambda: not any(running(p) for p in pids), timeout_s=5, what="DHT and p2pd gone")
     finally:
         _kill(pids)
+
+
+def test_a_dht_killed_mid_report_does_not_silence_the_next_one() -> None:
+    """hivemind's DHT processes report to their parent through one pipe under one process-shared lock. A DHT
+    SIGKILLed while it held that lock (the lock is taken here by hand, as such a DHT would leave it) must
+    not leave every later DHT of this process up but never heard from: with no DHT open, the next starts
+    afresh."""
+    from hivemind.utils.mpfuture import MPFuture
+
+    held = MPFuture._update_lock
+    assert held.acquire(timeout=5)
+    try:
+        async def main() -> str:
+            d = await HivemindDiscovery.create(DiscoveryConfig(), run_id="r", start_timeout_s=20)
+            try:
+                return d.peer_id
+            finally:
+                await d.aclose()
+
+        assert asyncio.run(main())
+    finally:
+        held.release()
