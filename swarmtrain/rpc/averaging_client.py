@@ -10,6 +10,7 @@ from grpc import aio
 from swarmtrain.rpc import bulk, frames
 from swarmtrain.rpc.averaging_wire import SERVICE, PushHeader, SessionKey
 from swarmtrain.rpc.node import RpcNode, RpcRejected, remaining_s, translate
+from swarmtrain.trust.payloads import MAC_BYTES
 from swarmtrain.wire import averaging_pb2 as pb
 
 __all__ = ["AveragingClient"]
@@ -76,12 +77,16 @@ class AveragingClient:
                          deadline: float) -> None:
         first_prefix = frames.encode_bytes_field(1, len(wire_header)) + wire_header
         step = self.node.cfg.chunk_bytes
+        mac = await bulk.mac_of(self.node.secret.payloads, b"push", wire_header, payload)
 
-        async def gen() -> AsyncIterator[bytes]:  # raw PushChunk messages (frames.py)
+        async def gen() -> AsyncIterator[bytes]:  # raw PushChunk messages (frames.py); the MAC rides in the last
             view = memoryview(payload)
-            yield frames.frame(first_prefix, 2, view[:step])
-            for i in range(step, len(payload), step):
-                yield frames.frame(b"", 2, view[i:i + step])
+            starts = range(0, max(len(payload), 1), step)
+            for i in starts:
+                prefix = first_prefix if i == 0 else b""
+                if i == starts[-1]:  # in the same message as the last bytes: no extra message to race an abort
+                    prefix += frames.encode_bytes_field(3, len(mac)) + mac
+                yield frames.frame(prefix, 2, view[i:i + step])
 
         try:
             await self._stub(endpoint).Push(gen(), timeout=remaining_s(deadline), metadata=self._meta(endpoint, "Push"))
@@ -144,11 +149,14 @@ class AveragingClient:
 
     async def _grpc_fetch(self, endpoint: str, target: str, request: pb.FetchRequest, shard: int, *,
                           max_bytes: int, deadline: float) -> bytearray:
-        buf, received, total = bytearray(), 0, -1
+        buf, received, total, mac = bytearray(), 0, -1, b""
         try:
             call = self._stub(endpoint).Fetch(request, timeout=remaining_s(deadline), metadata=self._meta(endpoint, "Fetch"))
             async for raw in call:
-                chunk_total, data = _fetch_fields(raw, target)
+                if mac:
+                    call.cancel()
+                    raise _bad_reply(target, f"mean of shard {shard} goes on after its MAC")
+                chunk_total, data, mac = _fetch_fields(raw, target)
                 if total < 0:
                     total = chunk_total
                     if not 0 <= total <= max_bytes:
@@ -165,6 +173,8 @@ class AveragingClient:
         self.node.counters.add_received(target, received)
         if received != total:
             raise _bad_reply(target, f"truncated mean of shard {shard}: {received} of {total} bytes")
+        if not mac or not await bulk.mac_ok(self.node.secret.payloads, mac, b"mean", request.SerializeToString(), buf):
+            raise _bad_reply(target, f"mean of shard {shard}: its MAC is missing or wrong (altered on the way?)")
         return buf
 
 
@@ -194,19 +204,22 @@ def _host(endpoint: str) -> str:
     return endpoint.rpartition(":")[0].strip("[]")
 
 
-def _fetch_fields(raw: bytes, target: str) -> tuple[int, memoryview]:
-    total, data = -1, memoryview(b"")
+def _fetch_fields(raw: bytes, target: str) -> tuple[int, memoryview, bytes]:
+    """(the declared total, or -1 when absent; this chunk's data; the MAC, in the last chunk only)."""
+    total, data, mac = -1, memoryview(b""), b""
     try:
         for number, value in frames.fields(raw):
             if number == 1 and isinstance(value, int):
                 total = value
             elif number == 2 and isinstance(value, memoryview):
                 data = value
+            elif number == 3 and isinstance(value, memoryview) and len(value) == MAC_BYTES:
+                mac = bytes(value)
             else:
                 raise frames.FrameError(f"unexpected field {number}")
     except frames.FrameError as e:
         raise _bad_reply(target, f"malformed fetch chunk: {e}") from None
-    return total, data
+    return total, data, mac
 
 
 def _bad_reply(target: str, what: str) -> RpcRejected:

@@ -7,6 +7,7 @@ The client calls are in averaging_client.py.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import time
@@ -19,7 +20,9 @@ from google.protobuf.message import DecodeError, Message
 from grpc import aio
 
 from swarmtrain.rpc import frames
+from swarmtrain.rpc.bulk import mac_of, mac_ok
 from swarmtrain.rpc.node import Rejected, RpcNode, peer_of, status_of
+from swarmtrain.trust.payloads import MAC_BYTES
 from swarmtrain.wire import averaging_pb2 as pb
 from swarmtrain.wire import averaging_pb2_grpc as pb_grpc
 
@@ -109,15 +112,19 @@ class _Servicer(pb_grpc.AveragingServicer):
         """Chunks arrive as raw PushChunk bytes (see frames.py): the payload is copied once, into `buf`."""
         peer = peer_of(context)
         header: PushHeader | None = None
+        header_bytes, mac = b"", b""
         buf = bytearray()
         received = 0
         try:
             async for raw in request_iterator:
-                wire_header, data = _push_fields(raw)
+                if mac:
+                    raise Rejected("a push goes on after its MAC")
+                wire_header, data, mac = _push_fields(raw)
                 if header is None:
                     if wire_header is None:
                         raise Rejected("the first chunk of a push carries no header")
-                    h = wire_header
+                    header_bytes = wire_header
+                    h = _parsed(pb.PushHeader, wire_header)
                     header = PushHeader(SessionKey.from_wire(h.session), h.sender, h.shard, h.numel,
                                         h.total_bytes, h.codec)
                     limit = await self.sink.check_push(header, peer=peer)
@@ -138,6 +145,8 @@ class _Servicer(pb_grpc.AveragingServicer):
             self.node.counters.add_received(peer, received)
             if received != header.total_bytes:
                 raise Rejected(f"truncated push: got {received} of {header.total_bytes} bytes")
+            if not mac or not await mac_ok(self.node.secret.payloads, mac, b"push", header_bytes, buf):
+                raise Rejected("the push's MAC is missing or wrong (altered on the way?)")
             await self.sink.accept_push(header, buf, peer=peer)
         except Rejected as e:
             await self._reject(context, "Push", peer, e)
@@ -172,10 +181,17 @@ class _Servicer(pb_grpc.AveragingServicer):
         except Rejected as e:
             await self._reject(context, "Fetch", peer, e)
             return
+        mac = asyncio.ensure_future(mac_of(self.node.secret.payloads, b"mean", raw, data))  # hashed while it streams
         step, view = self.node.cfg.chunk_bytes, memoryview(data)
-        yield frames.frame(frames.encode_varint_field(1, len(data)), 2, view[:step])  # FetchChunk
-        for start in range(step, len(data), step):
-            yield frames.frame(b"", 2, view[start:start + step])
+        starts = range(0, max(len(data), 1), step)
+        try:
+            for start in starts:  # FetchChunk messages: the total in the first, the MAC in the last
+                prefix = frames.encode_varint_field(1, len(data)) if start == 0 else b""
+                if start == starts[-1]:
+                    prefix += frames.encode_bytes_field(3, MAC_BYTES) + await mac
+                yield frames.frame(prefix, 2, view[start:start + step])
+        finally:
+            await asyncio.wait({mac})
         self.node.counters.add_sent(peer, len(data))
         await self.sink.delivered(SessionKey.from_wire(request.session), request.shard, peer=peer)
 
@@ -236,19 +252,22 @@ def _parsed(cls: type[M], raw: bytes) -> M:
         raise Rejected(f"malformed {cls.DESCRIPTOR.name}: {e}") from None
 
 
-def _push_fields(raw: bytes) -> tuple[pb.PushHeader | None, memoryview]:
-    header, data = None, memoryview(b"")
+def _push_fields(raw: bytes) -> tuple[bytes | None, memoryview, bytes]:
+    """(the header's bytes if this chunk has one, its data, its MAC if it is the last chunk)."""
+    header, data, mac = None, memoryview(b""), b""
     try:
         for number, value in frames.fields(raw):
             if number == 1 and isinstance(value, memoryview):
-                header = pb.PushHeader.FromString(value)
+                header = bytes(value)
             elif number == 2 and isinstance(value, memoryview):
                 data = value
+            elif number == 3 and isinstance(value, memoryview) and len(value) == MAC_BYTES:
+                mac = bytes(value)
             else:
                 raise Rejected(f"unexpected field {number} in a push chunk")
-    except (frames.FrameError, DecodeError) as e:
+    except frames.FrameError as e:
         raise Rejected(f"malformed push chunk: {e}") from None
-    return header, data
+    return header, data, mac
 
 
 def serve_averaging(node: RpcNode, sink: ReducerSink) -> None:

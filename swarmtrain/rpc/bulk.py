@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from swarmtrain.rpc.node import ByteCounters
 
 __all__ = ["BULK_HELLO_TIMEOUT_S", "CODES", "MAC_BYTES", "MAGIC", "PROOF_BYTES", "TOKEN_BYTES", "BulkRefused", "BulkServer",
-           "check_hello", "download", "ticket_proof", "upload"]
+           "check_hello", "download", "mac_of", "mac_ok", "ticket_proof", "upload"]
 
 log = logging.getLogger(__name__)
 
@@ -118,16 +118,26 @@ def check_hello(hello: bytes, *, key: bytes, issued_to: Callable[[bytes], str | 
 _MAC_OFF_LOOP_BYTES = 1 << 20  # payloads past this are MACed in a thread: the loop keeps serving
 
 
-async def _mac(key: bytes, token: bytes, data: bytes | bytearray | memoryview) -> bytes:
+async def mac_of(key: bytes, kind: bytes, context: bytes, data: bytes | bytearray | memoryview) -> bytes:
+    """`payload_mac(key, kind, context, data)`, computed in a thread when `data` is big (the loop serves on)."""
     if memoryview(data).nbytes > _MAC_OFF_LOOP_BYTES:
-        return await asyncio.to_thread(payload_mac, key, b"bulk", token, data)
-    return payload_mac(key, b"bulk", token, data)
+        return await asyncio.to_thread(payload_mac, key, kind, context, data)
+    return payload_mac(key, kind, context, data)
+
+
+async def mac_ok(key: bytes, mac: bytes, kind: bytes, context: bytes, data: bytes | bytearray | memoryview) -> bool:
+    """Whether `mac` is `mac_of(key, kind, context, data)`."""
+    if memoryview(data).nbytes > _MAC_OFF_LOOP_BYTES:
+        return await asyncio.to_thread(check_payload_mac, key, mac, kind, context, data)
+    return check_payload_mac(key, mac, kind, context, data)
+
+
+async def _mac(key: bytes, token: bytes, data: bytes | bytearray | memoryview) -> bytes:
+    return await mac_of(key, b"bulk", token, data)
 
 
 async def _mac_ok(key: bytes, mac: bytes, token: bytes, data: bytes | bytearray | memoryview) -> bool:
-    if memoryview(data).nbytes > _MAC_OFF_LOOP_BYTES:
-        return await asyncio.to_thread(check_payload_mac, key, mac, b"bulk", token, data)
-    return check_payload_mac(key, mac, b"bulk", token, data)
+    return await mac_ok(key, mac, b"bulk", token, data)
 
 
 async def _drain(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fswarmtrain/wire/averaging.proto\x12\x0fswarmtrain.wire\"`\n\nSessionKey\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x10\n\x08group_id\x18\x03 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x04 \x01(\x05\x12\x10\n\x08reducers\x18\x05 \x03(\t\"\x8c\x01\n\nPushHeader\x12,\n\x07session\x18\x01 \x01(\x0b\x32\x1b.swarmtrain.wire.SessionKey\x12\x0e\n\x06sender\x18\x02 \x01(\t\x12\r\n\x05shard\x18\x03 \x01(\x05\x12\r\n\x05numel\x18\x04 \x01(\x03\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x03\x12\r\n\x05\x63odec\x18\x06 \x01(\t\"F\n\tPushChunk\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x1b.swarmtrain.wire.PushHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"#\n\tPushReply\x12\x16\n\x0ereceived_bytes\x18\x01 \x01(\x03\"R\n\x13\x43ontributorsRequest\x12,\n\x07session\x18\x01 \x01(\x0b\x32\x1b.swarmtrain.wire.SessionKey\x12\r\n\x05shard\x18\x02 \x01(\x05\")\n\x11\x43ontributorsReply\x12\x14\n\x0c\x63ontributors\x18\x01 \x03(\t\"a\n\x0c\x46\x65tchRequest\x12,\n\x07session\x18\x01 \x01(\x0b\x32\x1b.swarmtrain.wire.SessionKey\x12\r\n\x05shard\x18\x02 \x01(\x05\x12\x14\n\x0c\x63ontributors\x18\x03 \x03(\t\"/\n\nFetchChunk\x12\x13\n\x0btotal_bytes\x18\x01 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\">\n\nBulkTicket\x12\r\n\x05token\x18\x01 \x01(\x0c\x12\x0c\n\x04port\x18\x02 \x01(\x05\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x03\";\n\x0bVoteRequest\x12,\n\x07session\x18\x01 \x01(\x0b\x32\x1b.swarmtrain.wire.SessionKey\"/\n\tVoteReply\x12\x0f\n\x07granted\x18\x01 \x01(\x08\x12\x11\n\tvoted_for\x18\x02 \x01(\t2\xc3\x03\n\tAveraging\x12@\n\x04Push\x12\x1a.swarmtrain.wire.PushChunk\x1a\x1a.swarmtrain.wire.PushReply(\x01\x12X\n\x0c\x43ontributors\x12$.swarmtrain.wire.ContributorsRequest\x1a\".swarmtrain.wire.ContributorsReply\x12\x45\n\x05\x46\x65tch\x12\x1d.swarmtrain.wire.FetchRequest\x1a\x1b.swarmtrain.wire.FetchChunk0\x01\x12\x46\n\nPushTicket\x12\x1b.swarmtrain.wire.PushHeader\x1a\x1b.swarmtrain.wire.BulkTicket\x12I\n\x0b\x46\x65tchTicket\x12\x1d.swarmtrain.wire.FetchRequest\x1a\x1b.swarmtrain.wire.BulkTicket\x12@\n\x04Vote\x12\x1c.swarmtrain.wire.VoteRequest\x1a\x1a.swarmtrain.wire.VoteReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fswarmtrain/wire/averaging.proto\x12\x0fswarmtrain.wire\"`\n\nSessionKey\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x10\n\x08group_id\x18\x03 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x04 \x01(\x05\x12\x10\n\x08reducers\x18\x05 \x03(\t\"\x8c\x01\n\nPushHeader\x12,\n\x07session\x18\x01 \x01(\x0b\x32\x1b.swarmtrain.wire.SessionKey\x12\x0e\n\x06sender\x18\x02 \x01(\t\x12\r\n\x05shard\x18\x03 \x01(\x05\x12\r\n\x05numel\x18\x04 \x01(\x03\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x03\x12\r\n\x05\x63odec\x18\x06 \x01(\t\"S\n\tPushChunk\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x1b.swarmtrain.wire.PushHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0b\n\x03mac\x18\x03 \x01(\x0c\"#\n\tPushReply\x12\x16\n\x0ereceived_bytes\x18\x01 \x01(\x03\"R\n\x13\x43ontributorsRequest\x12,\n\x07session\x18\x01 \x01(\x0b\x32\x1b.swarmtrain.wire.SessionKey\x12\r\n\x05shard\x18\x02 \x01(\x05\")\n\x11\x43ontributorsReply\x12\x14\n\x0c\x63ontributors\x18\x01 \x03(\t\"a\n\x0c\x46\x65tchRequest\x12,\n\x07session\x18\x01 \x01(\x0b\x32\x1b.swarmtrain.wire.SessionKey\x12\r\n\x05shard\x18\x02 \x01(\x05\x12\x14\n\x0c\x63ontributors\x18\x03 \x03(\t\"<\n\nFetchChunk\x12\x13\n\x0btotal_bytes\x18\x01 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0b\n\x03mac\x18\x03 \x01(\x0c\">\n\nBulkTicket\x12\r\n\x05token\x18\x01 \x01(\x0c\x12\x0c\n\x04port\x18\x02 \x01(\x05\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x03\";\n\x0bVoteRequest\x12,\n\x07session\x18\x01 \x01(\x0b\x32\x1b.swarmtrain.wire.SessionKey\"/\n\tVoteReply\x12\x0f\n\x07granted\x18\x01 \x01(\x08\x12\x11\n\tvoted_for\x18\x02 \x01(\t2\xc3\x03\n\tAveraging\x12@\n\x04Push\x12\x1a.swarmtrain.wire.PushChunk\x1a\x1a.swarmtrain.wire.PushReply(\x01\x12X\n\x0c\x43ontributors\x12$.swarmtrain.wire.ContributorsRequest\x1a\".swarmtrain.wire.ContributorsReply\x12\x45\n\x05\x46\x65tch\x12\x1d.swarmtrain.wire.FetchRequest\x1a\x1b.swarmtrain.wire.FetchChunk0\x01\x12\x46\n\nPushTicket\x12\x1b.swarmtrain.wire.PushHeader\x1a\x1b.swarmtrain.wire.BulkTicket\x12I\n\x0b\x46\x65tchTicket\x12\x1d.swarmtrain.wire.FetchRequest\x1a\x1b.swarmtrain.wire.BulkTicket\x12@\n\x04Vote\x12\x1c.swarmtrain.wire.VoteRequest\x1a\x1a.swarmtrain.wire.VoteReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,23 +36,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PUSHHEADER']._serialized_start=151
   _globals['_PUSHHEADER']._serialized_end=291
   _globals['_PUSHCHUNK']._serialized_start=293
-  _globals['_PUSHCHUNK']._serialized_end=363
-  _globals['_PUSHREPLY']._serialized_start=365
-  _globals['_PUSHREPLY']._serialized_end=400
-  _globals['_CONTRIBUTORSREQUEST']._serialized_start=402
-  _globals['_CONTRIBUTORSREQUEST']._serialized_end=484
-  _globals['_CONTRIBUTORSREPLY']._serialized_start=486
-  _globals['_CONTRIBUTORSREPLY']._serialized_end=527
-  _globals['_FETCHREQUEST']._serialized_start=529
-  _globals['_FETCHREQUEST']._serialized_end=626
-  _globals['_FETCHCHUNK']._serialized_start=628
-  _globals['_FETCHCHUNK']._serialized_end=675
-  _globals['_BULKTICKET']._serialized_start=677
-  _globals['_BULKTICKET']._serialized_end=739
-  _globals['_VOTEREQUEST']._serialized_start=741
-  _globals['_VOTEREQUEST']._serialized_end=800
-  _globals['_VOTEREPLY']._serialized_start=802
-  _globals['_VOTEREPLY']._serialized_end=849
-  _globals['_AVERAGING']._serialized_start=852
-  _globals['_AVERAGING']._serialized_end=1303
+  _globals['_PUSHCHUNK']._serialized_end=376
+  _globals['_PUSHREPLY']._serialized_start=378
+  _globals['_PUSHREPLY']._serialized_end=413
+  _globals['_CONTRIBUTORSREQUEST']._serialized_start=415
+  _globals['_CONTRIBUTORSREQUEST']._serialized_end=497
+  _globals['_CONTRIBUTORSREPLY']._serialized_start=499
+  _globals['_CONTRIBUTORSREPLY']._serialized_end=540
+  _globals['_FETCHREQUEST']._serialized_start=542
+  _globals['_FETCHREQUEST']._serialized_end=639
+  _globals['_FETCHCHUNK']._serialized_start=641
+  _globals['_FETCHCHUNK']._serialized_end=701
+  _globals['_BULKTICKET']._serialized_start=703
+  _globals['_BULKTICKET']._serialized_end=765
+  _globals['_VOTEREQUEST']._serialized_start=767
+  _globals['_VOTEREQUEST']._serialized_end=826
+  _globals['_VOTEREPLY']._serialized_start=828
+  _globals['_VOTEREPLY']._serialized_end=875
+  _globals['_AVERAGING']._serialized_start=878
+  _globals['_AVERAGING']._serialized_end=1329
 # @@protoc_insertion_point(module_scope)

@@ -37,12 +37,14 @@ class PushHeader(_message.Message):
     def __init__(self, session: _Optional[_Union[SessionKey, _Mapping]] = ..., sender: _Optional[str] = ..., shard: _Optional[int] = ..., numel: _Optional[int] = ..., total_bytes: _Optional[int] = ..., codec: _Optional[str] = ...) -> None: ...
 
 class PushChunk(_message.Message):
-    __slots__ = ("header", "data")
+    __slots__ = ("header", "data", "mac")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    MAC_FIELD_NUMBER: _ClassVar[int]
     header: PushHeader
     data: bytes
-    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    mac: bytes
+    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., mac: _Optional[bytes] = ...) -> None: ...
 
 class PushReply(_message.Message):
     __slots__ = ("received_bytes",)
@@ -75,12 +77,14 @@ class FetchRequest(_message.Message):
     def __init__(self, session: _Optional[_Union[SessionKey, _Mapping]] = ..., shard: _Optional[int] = ..., contributors: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class FetchChunk(_message.Message):
-    __slots__ = ("total_bytes", "data")
+    __slots__ = ("total_bytes", "data", "mac")
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    MAC_FIELD_NUMBER: _ClassVar[int]
     total_bytes: int
     data: bytes
-    def __init__(self, total_bytes: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+    mac: bytes
+    def __init__(self, total_bytes: _Optional[int] = ..., data: _Optional[bytes] = ..., mac: _Optional[bytes] = ...) -> None: ...
 
 class BulkTicket(_message.Message):
     __slots__ = ("token", "port", "total_bytes")

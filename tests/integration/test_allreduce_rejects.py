@@ -14,6 +14,7 @@ from allreduce_swarm import RPC, RUN_ID, Swarm, deltas_for, reference_mean
 from swarmtrain.averaging.reducer import shard_bounds
 from swarmtrain.compress import get_codec
 from swarmtrain.compress.wire import CodecId, Flags, Header, frame
+from swarmtrain.rpc import bulk
 from swarmtrain.rpc.averaging_client import AveragingClient
 from swarmtrain.rpc.averaging_wire import PushHeader, SessionKey
 from swarmtrain.rpc.node import RpcNode, RpcRejected
@@ -79,6 +80,14 @@ def test_bad_pushes_are_refused_logged_and_the_round_still_commits(caplog, monke
             for name, (hdr, payload, code, words) in cases.items():
                 err = _push(intruder, a.endpoint, hdr, payload)
                 assert err.code == code and words in err.details, (name, err)
+            # a push whose bytes were altered on the way: its MAC (bulk port or gRPC stream) no longer matches
+            with monkeypatch.context() as patched:
+                async def forged_mac(*_args: object) -> bytes:
+                    return bytes(32)
+
+                patched.setattr(bulk, "mac_of", forged_mac)
+                err = _push(intruder, a.endpoint, header(), good)
+            assert err.code == "INVALID_ARGUMENT" and "MAC" in err.details, err
             # one gRPC message above rpc.max_message_bytes is refused by the transport itself
             assert _push(big, a.endpoint, header(total_bytes=2 << 20), bytes(2 << 20)).code == "RESOURCE_EXHAUSTED"
             # the wrong run key is refused before any handler runs, and logged
@@ -94,7 +103,7 @@ def test_bad_pushes_are_refused_logged_and_the_round_still_commits(caplog, monke
             for n in (big, intruder):
                 n.close()
         logged = " ".join(r.getMessage() for r in caplog.records)
-        assert "wrong run key" in logged and "NaN or Inf" in logged and "truncated" in logged
+        assert "wrong run key" in logged and "NaN or Inf" in logged and "truncated" in logged and "MAC" in logged
 
         # the swarm goes on: the next round commits exactly
         deltas = deltas_for(["a", "b"], NUMEL)

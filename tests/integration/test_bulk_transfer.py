@@ -299,3 +299,37 @@ def test_a_thousand_junk_connections_leave_the_swarm_committing_with_bounded_mem
         finally:
             for sock in junk:
                 sock.close()
+
+
+@pytest.mark.parametrize("transport", ["tcp", "grpc"])
+def test_means_altered_on_the_way_are_refused_by_their_mac(monkeypatch: pytest.MonkeyPatch, transport: str) -> None:
+    """Every reducer's mean reaches its members with a MAC that does not match (as after a man in the middle
+    changed bytes): no member commits a mean it cannot verify."""
+    from swarmtrain.rpc import averaging_wire
+
+    async def forged_mac(*_args: object) -> bytes:
+        return bytes(32)
+
+    names = ["a", "b"]
+    rpc = dataclasses.replace(RPC, bulk_transport=transport)
+    with Swarm(names, rpc=dict.fromkeys(names, rpc)) as swarm:
+        monkeypatch.setattr(averaging_wire, "mac_of", forged_mac)  # the gRPC stream's serving side
+        if transport == "tcp":
+            real = bulk.mac_of
+
+            async def forge_means_only(key: bytes, kind: bytes, context: bytes, data: object) -> bytes:
+                return bytes(32) if kind == b"bulk" and context in served else await real(key, kind, context, data)
+
+            served: set[bytes] = set()
+            offer = bulk.BulkServer.offer_download
+
+            def offer_and_note(self: bulk.BulkServer, **kw: object) -> bytes:
+                token = offer(self, **kw)  # type: ignore[arg-type]
+                served.add(token)
+                return token
+
+            monkeypatch.setattr(bulk.BulkServer, "offer_download", offer_and_note)
+            monkeypatch.setattr(bulk, "mac_of", forge_means_only)
+        results = swarm.average(0, deltas_for(names, 20_000))
+    assert not any(r.committed for r in results.values()), {n: r.reason for n, r in results.items()}
+    assert all("MAC" in r.reason for r in results.values()), {n: r.reason for n, r in results.items()}
