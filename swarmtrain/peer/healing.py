@@ -52,7 +52,8 @@ class Healing:
         self._presence().correct(self.discovery, peers)
         await self._rejoin_dht_if_isolated()
         own = self.worker.round
-        plan = plan_heal(peers, own_round=own, self_id=self._peer_id, want_hash=want_hash)
+        plan = plan_heal(peers, own_round=own, self_id=self._peer_id, want_hash=want_hash,
+                         min_support=self.cfg.averaging.min_peers)
         if plan is None:
             return None
         if not plan.donors:

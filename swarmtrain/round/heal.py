@@ -63,16 +63,23 @@ def majority_state(peers: Sequence[PeerView]) -> tuple[int, str] | None:
     return best if 2 * count > len(peers) else None
 
 
-def plan_heal(peers: Sequence[PeerView], *, own_round: int, self_id: str, want_hash: str = "") -> HealPlan | None:
+def plan_heal(peers: Sequence[PeerView], *, own_round: int, self_id: str, want_hash: str = "",
+              min_support: int = 1) -> HealPlan | None:
     """Whether and from whom to heal (None: nobody is ahead, nothing to do).
 
-    The state is the one a strict majority of the serving workers ahead announce; with `want_hash`
-    (this peer's group announced another θ_global than its own) and no such majority, the group's
-    state at this peer's round. Donors are the workers announcing it, ordered by a hash of (this
-    peer, donor) so that joiners spread over donors instead of all asking the smallest id."""
+    The state is the one a strict majority of the serving workers ahead announce, and at least
+    `min_support` of them (a round commits with at least `averaging.min_peers` members, who all announce
+    it; fewer when fewer serving workers are live): one peer far ahead of everyone is believed only
+    when it is the only one there is. With `want_hash` (this peer's group announced another θ_global
+    than its own) and no such state ahead, the group's state at this peer's round. Donors are the
+    workers announcing it, ordered by a hash of (this peer, donor) so that joiners spread over donors
+    instead of all asking the smallest id."""
     serving = [p for p in peers if p.peer_id != self_id and p.role == "worker" and p.endpoint]
     ahead = [p for p in serving if p.round > own_round]
     target = majority_state(ahead) if ahead else None
+    need = min(min_support, len(serving))
+    if target is not None and sum((p.round, p.state_hash) == target for p in ahead) < need:
+        target = None
     if target is None and want_hash:
         target = (own_round, want_hash)
     if target is None:
@@ -81,7 +88,8 @@ def plan_heal(peers: Sequence[PeerView], *, own_round: int, self_id: str, want_h
         rounds = sorted({p.round for p in ahead})
         return HealPlan(round=max(rounds), state_hash="", donors=(), round_ends_at=None,
                         problem=f"the {len(ahead)} peers ahead (rounds {rounds[0]}..{rounds[-1]}) announce no "
-                                "(round, θ_global hash) a strict majority of them agree on")
+                                f"(round, θ_global hash) a strict majority of them, and at least {need} of the "
+                                f"{len(serving)} live peers, agree on")
     donors = sorted((p for p in serving if (p.round, p.state_hash) == target),
                     key=lambda p: hashlib.sha256(f"{self_id}|{p.peer_id}".encode()).digest())
     return HealPlan(round=target[0], state_hash=target[1], donors=tuple(donors),

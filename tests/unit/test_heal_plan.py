@@ -53,6 +53,17 @@ def test_no_majority_ahead_means_no_heal_and_says_why(peers: list[View]) -> None
     assert plan is not None and plan.donors == () and "strict majority" in plan.problem
 
 
+def test_one_peer_far_ahead_of_everyone_is_believed_only_when_it_is_the_only_peer() -> None:
+    honest = View("b", 0, "h0")
+    liar = View("liar", 10**6, "bad")
+    plan = plan_heal([honest, liar], own_round=0, self_id="me", min_support=2)  # a fresh swarm, and a liar
+    assert plan is not None and plan.donors == () and "at least 2 of the 2 live peers" in plan.problem
+    alone = plan_heal([View("b", 5, "h5")], own_round=3, self_id="me", min_support=2)  # a restart, 2-peer swarm
+    assert alone is not None and [d.peer_id for d in alone.donors] == ["b"]
+    pair = plan_heal([View("b", 5, "h5"), View("c", 5, "h5"), liar], own_round=0, self_id="me", min_support=2)
+    assert pair is not None and pair.state_hash == "h5"
+
+
 def test_after_a_hash_mismatch_the_groups_state_at_this_round_is_fetched_from_its_holders() -> None:
     peers = [View("a", 4, "good"), View("b", 4, "good"), View("me", 4, "mine"), View("c", 4, "other")]
     plan = plan_heal(peers, own_round=4, self_id="me", want_hash="good")
