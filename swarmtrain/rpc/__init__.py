@@ -6,6 +6,7 @@ TCP, one-time tickets) that moves all-reduce payloads without gRPC's copies. buf
 BufferPool of payload-sized buffers reused across rounds. averaging_wire.py: the
 all-reduce service (gRPC streams and bulk tickets); averaging_client.py: its client calls.
 state_wire.py: the state-transfer service and client. frames.py: zero-copy chunk framing.
+payload_macs.py: payload MACs computed off the event loop.
 faults.py: the fault-injection seam (FaultSite, Fault, FaultHook) consulted by averaging/ and sync/.
 """
 

@@ -10,6 +10,7 @@ from grpc import aio
 from swarmtrain.rpc import bulk, frames
 from swarmtrain.rpc.averaging_wire import SERVICE, PushHeader, SessionKey
 from swarmtrain.rpc.node import RpcNode, RpcRejected, remaining_s, translate
+from swarmtrain.rpc.payload_macs import mac_of, mac_ok
 from swarmtrain.trust.payloads import MAC_BYTES
 from swarmtrain.wire import averaging_pb2 as pb
 
@@ -77,7 +78,7 @@ class AveragingClient:
                          deadline: float) -> None:
         first_prefix = frames.encode_bytes_field(1, len(wire_header)) + wire_header
         step = self.node.cfg.chunk_bytes
-        mac = await bulk.mac_of(self.node.secret.payloads, b"push", wire_header, payload)
+        mac = await mac_of(self.node.secret.payloads, b"push", wire_header, payload)
 
         async def gen() -> AsyncIterator[bytes]:  # raw PushChunk messages (frames.py); the MAC rides in the last
             view = memoryview(payload)
@@ -173,7 +174,7 @@ class AveragingClient:
         self.node.counters.add_received(target, received)
         if received != total:
             raise _bad_reply(target, f"truncated mean of shard {shard}: {received} of {total} bytes")
-        if not mac or not await bulk.mac_ok(self.node.secret.payloads, mac, b"mean", request.SerializeToString(), buf):
+        if not mac or not await mac_ok(self.node.secret.payloads, mac, b"mean", request.SerializeToString(), buf):
             raise _bad_reply(target, f"mean of shard {shard}: its MAC is missing or wrong (altered on the way?)")
         return buf
 

@@ -20,8 +20,8 @@ from google.protobuf.message import DecodeError, Message
 from grpc import aio
 
 from swarmtrain.rpc import frames
-from swarmtrain.rpc.bulk import mac_of, mac_ok
 from swarmtrain.rpc.node import Rejected, RpcNode, peer_of, status_of
+from swarmtrain.rpc.payload_macs import mac_of, mac_ok
 from swarmtrain.trust.payloads import MAC_BYTES
 from swarmtrain.wire import averaging_pb2 as pb
 from swarmtrain.wire import averaging_pb2_grpc as pb_grpc

@@ -11,8 +11,8 @@ Wire (big-endian). The client connects and sends MAGIC + token + proof, the proo
 run's tickets key) of the token and the peer id the ticket was issued to: a token seen on the wire is
 useless to anyone else. The server answers a status (u8 code index into CODES, u32 length, utf-8
 message). A bad token or proof is answered UNAUTHENTICATED, logged, and the connection closed.
-Upload: on OK the client streams the ticket's size in bytes, then their MAC (HMAC-SHA256 under the
-run's payloads key of the token and the bytes), and half-closes; the server reads them into a buffer
+Upload: on OK the client streams the ticket's size in bytes, then their MAC (keyed BLAKE3 under the
+run's payloads key, over the token and the bytes; rpc/payload_macs.py), and half-closes; the server reads them into a buffer
 of exactly that size (EOF before it: truncated; bytes after the MAC: oversized), checks the MAC,
 hands the buffer to the ticket's consumer and answers a final status. Download: on OK the server
 sends u64 size, the bytes and their MAC, then closes. A payload altered on the way fails its MAC.
@@ -43,13 +43,14 @@ from typing import TYPE_CHECKING
 
 from swarmtrain.rpc.buffers import BufferPool
 from swarmtrain.rpc.errors import Rejected, RpcRejected, RpcTimeout, RpcUnavailable, status_name
-from swarmtrain.trust.payloads import MAC_BYTES, check_payload_mac, payload_mac
+from swarmtrain.rpc.payload_macs import mac_of, mac_ok
+from swarmtrain.trust.payloads import MAC_BYTES
 
 if TYPE_CHECKING:
     from swarmtrain.rpc.node import ByteCounters
 
 __all__ = ["BULK_HELLO_TIMEOUT_S", "CODES", "MAC_BYTES", "MAGIC", "PROOF_BYTES", "TOKEN_BYTES", "BulkRefused", "BulkServer",
-           "check_hello", "download", "mac_of", "mac_ok", "ticket_proof", "upload"]
+           "check_hello", "download", "ticket_proof", "upload"]
 
 log = logging.getLogger(__name__)
 
@@ -113,31 +114,6 @@ def check_hello(hello: bytes, *, key: bytes, issued_to: Callable[[bytes], str | 
         raise BulkRefused("UNAUTHENTICATED", f"the ticket was issued to {peer}; this connection cannot prove it "
                                              "is that peer")
     return token
-
-
-_MAC_OFF_LOOP_BYTES = 1 << 20  # payloads past this are MACed in a thread: the loop keeps serving
-
-
-async def mac_of(key: bytes, kind: bytes, context: bytes, data: bytes | bytearray | memoryview) -> bytes:
-    """`payload_mac(key, kind, context, data)`, computed in a thread when `data` is big (the loop serves on)."""
-    if memoryview(data).nbytes > _MAC_OFF_LOOP_BYTES:
-        return await asyncio.to_thread(payload_mac, key, kind, context, data)
-    return payload_mac(key, kind, context, data)
-
-
-async def mac_ok(key: bytes, mac: bytes, kind: bytes, context: bytes, data: bytes | bytearray | memoryview) -> bool:
-    """Whether `mac` is `mac_of(key, kind, context, data)`."""
-    if memoryview(data).nbytes > _MAC_OFF_LOOP_BYTES:
-        return await asyncio.to_thread(check_payload_mac, key, mac, kind, context, data)
-    return check_payload_mac(key, mac, kind, context, data)
-
-
-async def _mac(key: bytes, token: bytes, data: bytes | bytearray | memoryview) -> bytes:
-    return await mac_of(key, b"bulk", token, data)
-
-
-async def _mac_ok(key: bytes, mac: bytes, token: bytes, data: bytes | bytearray | memoryview) -> bool:
-    return await mac_ok(key, mac, b"bulk", token, data)
 
 
 async def _drain(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
@@ -348,7 +324,7 @@ class BulkServer:
             if await loop.sock_recv(conn, 1):
                 raise BulkRefused("RESOURCE_EXHAUSTED", f"{ticket.what} carries more than the {ticket.size_bytes} "
                                                         "bytes it declared")
-            if not await _mac_ok(self._payload_key, bytes(mac), ticket.token, view):
+            if not await mac_ok(self._payload_key, bytes(mac), b"bulk", ticket.token, view):
                 raise BulkRefused("INVALID_ARGUMENT", f"{ticket.what}: its MAC is wrong (altered on the way?)")
             try:
                 await ticket.consume(view)
@@ -361,7 +337,7 @@ class BulkServer:
     async def _send(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, ticket: _Ticket) -> None:
         assert ticket.data is not None
         await _send_status(loop, conn, "OK", tail=_SIZE.pack(ticket.size_bytes))
-        mac = asyncio.ensure_future(_mac(self._payload_key, ticket.token, ticket.data))  # hashed while it is sent
+        mac = asyncio.ensure_future(mac_of(self._payload_key, b"bulk", ticket.token, ticket.data))  # hashed while it is sent
         try:
             await loop.sock_sendall(conn, memoryview(ticket.data))
         finally:
@@ -415,7 +391,7 @@ async def upload(host: str, port: int, token: bytes, proof: bytes, payload: byte
                  mac_key: bytes, deadline: float, what: str, counters: ByteCounters, peer: str) -> None:
     """Send `payload` against an upload ticket (with our `ticket_proof` of it) and its MAC under `mac_key`,
     and wait for the consumer's verdict (RpcRejected if refused)."""
-    mac = asyncio.ensure_future(_mac(mac_key, token, payload))  # hashed while the bytes are sent
+    mac = asyncio.ensure_future(mac_of(mac_key, b"bulk", token, payload))  # hashed while the bytes are sent
     try:
         async with _transfer(host, port, token, proof, deadline=deadline, what=what) as (loop, sock):
             await loop.sock_sendall(sock, memoryview(payload))
@@ -444,7 +420,7 @@ async def download(host: str, port: int, token: bytes, proof: bytes, *, mac_key:
             mac = bytes(await _recv_exact(loop, sock, MAC_BYTES))
             if await loop.sock_recv(sock, 1):
                 raise RpcRejected("INVALID_REPLY", f"{what} exceeds its declared {size} bytes")
-            if not await _mac_ok(mac_key, mac, token, view):
+            if not await mac_ok(mac_key, mac, b"bulk", token, view):
                 raise RpcRejected("INVALID_REPLY", f"{what}: its MAC is wrong (altered on the way?)")
         except BaseException:
             pool.give(view)

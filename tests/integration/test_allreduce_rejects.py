@@ -14,7 +14,7 @@ from allreduce_swarm import RPC, RUN_ID, Swarm, deltas_for, reference_mean
 from swarmtrain.averaging.reducer import shard_bounds
 from swarmtrain.compress import get_codec
 from swarmtrain.compress.wire import CodecId, Flags, Header, frame
-from swarmtrain.rpc import bulk
+from swarmtrain.rpc import averaging_client, bulk
 from swarmtrain.rpc.averaging_client import AveragingClient
 from swarmtrain.rpc.averaging_wire import PushHeader, SessionKey
 from swarmtrain.rpc.node import RpcNode, RpcRejected
@@ -85,7 +85,8 @@ def test_bad_pushes_are_refused_logged_and_the_round_still_commits(caplog, monke
                 async def forged_mac(*_args: object) -> bytes:
                     return bytes(32)
 
-                patched.setattr(bulk, "mac_of", forged_mac)
+                patched.setattr(bulk, "mac_of", forged_mac)  # the bulk port's upload
+                patched.setattr(averaging_client, "mac_of", forged_mac)  # the gRPC stream's push
                 err = _push(intruder, a.endpoint, header(), good)
             assert err.code == "INVALID_ARGUMENT" and "MAC" in err.details, err
             # one gRPC message above rpc.max_message_bytes is refused by the transport itself
