@@ -12,8 +12,6 @@ import contextlib
 import dataclasses
 import hashlib
 import logging
-import socket
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,6 +32,7 @@ from swarmtrain.testing.cluster import (
     run_peer,
     story,
 )
+from swarmtrain.testing.endpoints import DialCounter
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -44,33 +43,6 @@ RUN = [
     "averaging.contribution_window_s=3", "discovery.heartbeat_s=0.2", "discovery.record_ttl_s=3.0",
     "rpc.call_timeout_s=3.0", f"diloco.rounds={ROUNDS}",
 ]
-
-
-class Listener:
-    """An endpoint that counts who dials it (the outsider's gRPC port)."""
-
-    def __init__(self) -> None:
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.sock.settimeout(0.2)
-        self.endpoint = f"127.0.0.1:{self.sock.getsockname()[1]}"
-        self.dialed = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, _ = self.sock.accept()
-            except TimeoutError:
-                continue
-            self.dialed += 1
-            conn.close()
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self.sock.close()
 
 
 async def _steer(intruder: InMemoryDiscovery, peers: dict[str, Peer], endpoint: str, *, ahead: int,
@@ -100,7 +72,7 @@ async def _steer(intruder: InMemoryDiscovery, peers: dict[str, Peer], endpoint: 
 
 
 def test_records_of_peers_without_the_run_key_steer_nothing(tmp_path: Path) -> None:
-    listener = Listener()
+    listener = DialCounter()
 
     async def main() -> dict[str, EventLog]:
         services = LoopbackServices()
@@ -134,7 +106,7 @@ def test_records_of_peers_without_the_run_key_steer_nothing(tmp_path: Path) -> N
         committed = [e for e in out.rounds() if e.committed]
         assert [e.round for e in committed] == list(range(ROUNDS)), told
         assert all(len(e.members) == 3 and not {"000", "001"} & set(e.members) for e in committed), told
-    assert listener.dialed == 0
+    assert listener.count == 0
 
 
 def _lie(peer: Peer) -> None:

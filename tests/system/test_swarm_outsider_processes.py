@@ -6,7 +6,6 @@ in groups of their own, and never dial the outsider's endpoint."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 from collections import defaultdict
 
@@ -18,6 +17,7 @@ from swarmtrain.daemon.children import Child
 from swarmtrain.discovery import GroupRecord, MatchEntry, PeerRecord, RunRecord
 from swarmtrain.discovery.hivemind_dht import HivemindDiscovery
 from swarmtrain.telemetry.events import RoundEvent
+from swarmtrain.testing.endpoints import DialCounter
 from swarmtrain.testing.procs import ProcessSet, wait_round
 
 pytestmark = [pytest.mark.system, pytest.mark.timeout(300)]
@@ -31,33 +31,6 @@ RUN = [
     "rpc.call_timeout_s=2.0", "rpc.retries=1", "rpc.backoff_s=0.05", "train.threads=1",
 ]
 START_S, ROUND_S = 120.0, 60.0
-
-
-class Dialed:
-    """An endpoint that counts who connects to it."""
-
-    def __init__(self) -> None:
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.sock.settimeout(0.2)
-        self.endpoint = f"127.0.0.1:{self.sock.getsockname()[1]}"
-        self.count = 0
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
-
-    def _serve(self) -> None:
-        while not self.stop.is_set():
-            try:
-                conn, _ = self.sock.accept()
-            except TimeoutError:
-                continue
-            self.count += 1
-            conn.close()
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(5)
-        self.sock.close()
 
 
 def _rounds(child: Child) -> list[RoundEvent]:
@@ -95,7 +68,7 @@ async def _steer(join: str, peers: list[Child], endpoint: str, stop: threading.E
 def test_a_hivemind_node_without_the_run_key_steers_nothing(procs: ProcessSet, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SWARMTRAIN_RUN_KEY", KEY)  # the coordinator and the peers inherit it; the outsider has none
     _, join = procs.coordinator(RUN, timeout_s=START_S)
-    dialed, stop, started, published = Dialed(), threading.Event(), threading.Event(), threading.Event()
+    dialed, stop, started, published = DialCounter(), threading.Event(), threading.Event(), threading.Event()
     peers: list[Child] = []  # filled once the outsider publishes: they start into its records
     result: list[str] = []
     outsider = threading.Thread(target=lambda: result.append(asyncio.run(
