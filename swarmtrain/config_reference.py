@@ -16,7 +16,7 @@ import typing
 from typing import Any
 
 from swarmtrain.config import RunConfig, to_dict, toml_value
-from swarmtrain.peer.config import LOCAL_KEYS, LOCAL_SECTIONS
+from swarmtrain.peer.config import LOCAL_KEYS, LOCAL_SECTIONS, RUN_KEYS
 
 __all__ = ["field_docs", "render_reference", "undocumented_fields"]
 
@@ -82,6 +82,8 @@ def _type_name(typ: Any) -> str:
 
 
 def _scope(section: str, key: str) -> str:
+    if key in RUN_KEYS.get(section, ()):
+        return "run"
     return "peer" if section in LOCAL_SECTIONS or key in LOCAL_KEYS.get(section, ()) else "run"
 
 
@@ -93,7 +95,9 @@ def _section_markdown(name: str, cls: type, defaults: dict[str, Any]) -> list[st
     hints = typing.get_type_hints(cls)
     lines = [f"## [{name}]", "", " ".join((cls.__doc__ or "").split()), ""]
     if name in LOCAL_SECTIONS:
-        lines += ["Every field of this section is a peer's own.", ""]
+        run_keys = ", ".join(f"`{name}.{k}`" for k in RUN_KEYS.get(name, ()))
+        lines += [f"Every field of this section is a peer's own{f' but {run_keys}, which the run sets' if run_keys else ''}.",
+                  ""]
     lines += ["| field | type | default | scope | meaning |", "| --- | --- | --- | --- | --- |"]
     for key, doc in field_docs(cls).items():
         default = _cell(toml_value(defaults[key]))

@@ -357,6 +357,11 @@ class RpcConfig:
     bulk_port: int = 0
     """TCP port of the bulk data path (with `bulk_transport = "tcp"`); 0 = any free port. Peers learn it
     from the gRPC call that precedes each transfer."""
+    tls: bool = False
+    """Encrypt the data plane (gRPC and the bulk port) with TLS 1.3. The certificates come from the run key
+    (an authority every key holder derives, a fresh leaf per process), so it needs a run key; every peer of
+    the run takes the coordinator's setting. Costs throughput (docs/benchmarks.md); off, payloads are
+    MACed but readable on the wire."""
 
     def __post_init__(self) -> None:
         check(0 <= self.port < 65536, "rpc.port", "must be in [0, 65535]")

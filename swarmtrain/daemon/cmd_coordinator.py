@@ -65,7 +65,7 @@ async def _serve(args: argparse.Namespace) -> int:
     from swarmtrain.trust import resolve_run_key
 
     cfg = config_from_args(args, extra=local_overrides(args))
-    refused = exposure_error(cfg.rpc.run_key, [cfg.discovery.host], insecure=args.insecure)
+    refused = exposure_error(cfg.rpc.run_key, [cfg.discovery.host], insecure=args.insecure, tls=cfg.rpc.tls)
     if refused:
         print(f"swarmtrain coordinator: error: {refused}", file=sys.stderr)
         return 2

@@ -84,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
     from swarmtrain.telemetry.console import ConsoleProgress
 
     local = config_from_args(args, extra=local_overrides(args))
-    refused = exposure_error(local.rpc.run_key, [local.rpc.host, local.discovery.host], insecure=args.insecure)
+    refused = exposure_error(local.rpc.run_key, [local.rpc.host, local.discovery.host], insecure=args.insecure,
+                             tls=local.rpc.tls)
     if refused:
         print(f"swarmtrain peer: error: {refused}", file=sys.stderr)
         return 2

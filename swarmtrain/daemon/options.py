@@ -26,12 +26,16 @@ def add_insecure_option(parser: argparse.ArgumentParser) -> None:
                              "who reaches the run can join it and steer it)")
 
 
-def exposure_error(run_key: str, hosts: list[str], *, insecure: bool) -> str | None:
-    """Why this process must not start (an open run on a reachable address without --insecure), or None."""
+def exposure_error(run_key: str, hosts: list[str], *, insecure: bool, tls: bool = False) -> str | None:
+    """Why this process must not start (an open run on a reachable address without --insecure, or TLS
+    without a run key), or None."""
     from swarmtrain.trust import InsecureRunError, RunSecret, check_exposure, resolve_run_key
 
+    secret = RunSecret.from_run_key(resolve_run_key(run_key))
+    if tls and secret.open:
+        return "rpc.tls needs a run key (its certificates are derived from it): set SWARMTRAIN_RUN_KEY or rpc.run_key"
     try:
-        check_exposure(RunSecret.from_run_key(resolve_run_key(run_key)), hosts, insecure=insecure)
+        check_exposure(secret, hosts, insecure=insecure)
     except InsecureRunError as e:
         return str(e)
     return None

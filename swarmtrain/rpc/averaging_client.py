@@ -68,7 +68,8 @@ class AveragingClient:
                     proof = self.node.ticket_proof(ticket.token)
                     await bulk.upload(_host(endpoint), ticket.port, ticket.token, proof, payload,
                                       mac_key=self.node.secret.payloads, deadline=deadline,
-                                      what=f"push of shard {h.shard}", counters=self.node.counters, peer=target)
+                                      what=f"push of shard {h.shard}", counters=self.node.counters, peer=target,
+                                      tls=self.node.bulk_tls)
                     return
             await self._grpc_push(endpoint, target, wire_header.SerializeToString(), payload, deadline=deadline)
 
@@ -126,7 +127,7 @@ class AveragingClient:
                                                mac_key=self.node.secret.payloads,
                                                size_bytes=ticket.total_bytes, deadline=deadline,
                                                what=f"mean of shard {shard}", counters=self.node.counters,
-                                               peer=target, pool=self.node.buffers)
+                                               peer=target, pool=self.node.buffers, tls=self.node.bulk_tls)
             return await self._grpc_fetch(endpoint, target, request, shard, max_bytes=max_bytes, deadline=deadline)
 
         return await self.node.retrying(once, endpoint=endpoint, deadline=deadline, what=f"fetch shard {shard} from {target}")

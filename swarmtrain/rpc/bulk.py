@@ -35,6 +35,7 @@ import hmac
 import logging
 import secrets
 import socket
+import ssl
 import struct
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -43,8 +44,10 @@ from typing import TYPE_CHECKING
 
 from swarmtrain.rpc.buffers import BufferPool
 from swarmtrain.rpc.errors import Rejected, RpcRejected, RpcTimeout, RpcUnavailable, status_name
+from swarmtrain.rpc.links import Link, RawLink, open_tls
 from swarmtrain.rpc.payload_macs import mac_of, mac_ok
 from swarmtrain.trust.payloads import MAC_BYTES
+from swarmtrain.trust.tls import TLS_NAME
 
 if TYPE_CHECKING:
     from swarmtrain.rpc.node import ByteCounters
@@ -116,47 +119,46 @@ def check_hello(hello: bytes, *, key: bytes, issued_to: Callable[[bytes], str | 
     return token
 
 
-async def _drain(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+async def _drain(link: Link) -> None:
     """Read and drop what the other side still sends (up to _DRAIN_BYTES), so our last status is not
     lost to a reset; no buffer of its own."""
     left = _DRAIN_BYTES
     while left > 0:
-        n = await loop.sock_recv_into(sock, _DRAIN_SCRATCH[:min(left, len(_DRAIN_SCRATCH))])
+        n = await link.recv_into(_DRAIN_SCRATCH[:min(left, len(_DRAIN_SCRATCH))])
         if n == 0:
             return
         left -= n
 
 
-async def _recv_exact(loop: asyncio.AbstractEventLoop, sock: socket.socket, size: int) -> bytearray:
+async def _recv_exact(link: Link, size: int) -> bytearray:
     buf = bytearray(size)
-    got = await _recv_into(loop, sock, memoryview(buf))
+    got = await _recv_into(link, memoryview(buf))
     if got < size:
         raise _Eof(f"connection closed after {got} of {size} bytes")
     return buf
 
 
-async def _recv_into(loop: asyncio.AbstractEventLoop, sock: socket.socket, view: memoryview) -> int:
-    """Fill `view` from `sock`; the number of bytes read, short only when the other side closed."""
+async def _recv_into(link: Link, view: memoryview) -> int:
+    """Fill `view` from `link`; the number of bytes read, short only when the other side closed."""
     got = 0
     while got < len(view):
-        n = await loop.sock_recv_into(sock, view[got:])
+        n = await link.recv_into(view[got:])
         if n == 0:
             break
         got += n
     return got
 
 
-async def _send_status(loop: asyncio.AbstractEventLoop, sock: socket.socket, code: str, message: str = "",
-                       tail: bytes = b"") -> None:
+async def _send_status(link: Link, code: str, message: str = "", tail: bytes = b"") -> None:
     text = message.encode()[:_MAX_MESSAGE_BYTES]
-    await loop.sock_sendall(sock, _STATUS.pack(CODES.index(code), len(text)) + text + tail)
+    await link.sendall(_STATUS.pack(CODES.index(code), len(text)) + text + tail)
 
 
-async def _read_status(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> tuple[str, str]:
-    index, length = _STATUS.unpack(await _recv_exact(loop, sock, _STATUS.size))
+async def _read_status(link: Link) -> tuple[str, str]:
+    index, length = _STATUS.unpack(await _recv_exact(link, _STATUS.size))
     if index >= len(CODES) or length > _MAX_MESSAGE_BYTES:
         raise RpcRejected("INVALID_REPLY", f"bulk status {index} with a {length}-byte message is malformed")
-    return CODES[index], (await _recv_exact(loop, sock, length)).decode(errors="replace")
+    return CODES[index], (await _recv_exact(link, length)).decode(errors="replace")
 
 
 class BulkServer:
@@ -164,7 +166,7 @@ class BulkServer:
 
     def __init__(self, *, peer_id: str, counters: ByteCounters, pool: BufferPool, ticket_key: bytes,
                  payload_key: bytes, hello_timeout_s: float = BULK_HELLO_TIMEOUT_S,
-                 max_unauthenticated: int = MAX_UNAUTHENTICATED) -> None:
+                 max_unauthenticated: int = MAX_UNAUTHENTICATED, tls: ssl.SSLContext | None = None) -> None:
         if hello_timeout_s <= 0 or max_unauthenticated < 1:
             raise ValueError(f"BulkServer: hello_timeout_s must be > 0 and max_unauthenticated >= 1, got "
                              f"{hello_timeout_s}, {max_unauthenticated}")
@@ -175,6 +177,7 @@ class BulkServer:
         self.max_unauthenticated = max_unauthenticated
         self._ticket_key = ticket_key
         self._payload_key = payload_key
+        self._tls = tls  # a server context: every connection is TLS (rpc.tls), handshake within the hello deadline
         self._tickets: dict[bytes, _Ticket] = {}
         self._unauthenticated: collections.OrderedDict[asyncio.Task[None], None] = collections.OrderedDict()
         self.refused_connections = 0  # closed before or at their hello (junk, bad proof, crowded out)
@@ -267,17 +270,20 @@ class BulkServer:
     async def _serve(self, conn: socket.socket, addr: str) -> None:
         loop = asyncio.get_running_loop()
         ticket: _Ticket | None = None
+        link: Link = RawLink(loop, conn)
         with conn:
             try:
                 async with asyncio.timeout(self.hello_timeout_s):
-                    hello = bytes(await _recv_exact(loop, conn, len(MAGIC) + TOKEN_BYTES + PROOF_BYTES))
+                    if self._tls is not None:
+                        link = await open_tls(loop, conn, self._tls, server_side=True)
+                    hello = bytes(await _recv_exact(link, len(MAGIC) + TOKEN_BYTES + PROOF_BYTES))
                 ticket = self._claim(hello)
                 self._unauthenticated.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
                 async with asyncio.timeout(max(ticket.deadline - time.monotonic(), 1e-3)):
                     if ticket.consume is not None:
-                        await self._receive(loop, conn, ticket)
+                        await self._receive(link, ticket)
                     else:
-                        await self._send(loop, conn, ticket)
+                        await self._send(link, ticket)
             except BulkRefused as e:
                 if ticket is None:
                     self.refused_connections += 1
@@ -285,14 +291,19 @@ class BulkServer:
                 log.warning("%s refused bulk %s (%s): %s", self.peer_id, who, addr, e)
                 with contextlib.suppress(OSError, TimeoutError):
                     async with asyncio.timeout(1.0):
-                        await _send_status(loop, conn, e.code, str(e))
-                        conn.shutdown(socket.SHUT_WR)
-                        await _drain(loop, conn)
+                        await _send_status(link, e.code, str(e))
+                        link.shutdown_write()
+                        await _drain(link)
             except TimeoutError:
                 if ticket is None:
                     self.refused_connections += 1
                 log.info("%s: bulk %s (%s) missed its deadline", self.peer_id, ticket.what if ticket else
                          "hello", addr)
+            except ssl.SSLError as e:  # before OSError: a failed handshake or a record that does not decrypt
+                if ticket is None:
+                    self.refused_connections += 1
+                log.warning("%s: bulk %s (%s) failed TLS: %s", self.peer_id, ticket.what if ticket else "hello",
+                            addr, e)
             except OSError as e:
                 log.info("%s: bulk %s (%s) lost its connection: %s", self.peer_id, ticket.what if ticket else
                          "hello", addr, e)
@@ -309,19 +320,19 @@ class BulkServer:
             ticket.expiry.cancel()
         return ticket
 
-    async def _receive(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, ticket: _Ticket) -> None:
+    async def _receive(self, link: Link, ticket: _Ticket) -> None:
         assert ticket.consume is not None
-        await _send_status(loop, conn, "OK")
+        await _send_status(link, "OK")
         view = self.pool.take(ticket.size_bytes)
         try:
-            got = await _recv_into(loop, conn, view)
+            got = await _recv_into(link, view)
             self.counters.add_received(ticket.peer, got)
             if got < ticket.size_bytes:
                 raise BulkRefused("INVALID_ARGUMENT", f"truncated {ticket.what}: got {got} of {ticket.size_bytes} bytes")
             mac = bytearray(MAC_BYTES)
-            if await _recv_into(loop, conn, memoryview(mac)) < MAC_BYTES:
+            if await _recv_into(link, memoryview(mac)) < MAC_BYTES:
                 raise BulkRefused("INVALID_ARGUMENT", f"truncated {ticket.what}: its MAC is missing")
-            if await loop.sock_recv(conn, 1):
+            if await link.recv_into(memoryview(bytearray(1))):
                 raise BulkRefused("RESOURCE_EXHAUSTED", f"{ticket.what} carries more than the {ticket.size_bytes} "
                                                         "bytes it declared")
             if not await mac_ok(self._payload_key, bytes(mac), b"bulk", ticket.token, view):
@@ -332,19 +343,19 @@ class BulkServer:
                 raise BulkRefused(status_name(e), str(e)) from None
         finally:
             self.pool.give(view)
-        await _send_status(loop, conn, "OK")
+        await _send_status(link, "OK")
 
-    async def _send(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, ticket: _Ticket) -> None:
+    async def _send(self, link: Link, ticket: _Ticket) -> None:
         assert ticket.data is not None
-        await _send_status(loop, conn, "OK", tail=_SIZE.pack(ticket.size_bytes))
+        await _send_status(link, "OK", tail=_SIZE.pack(ticket.size_bytes))
         mac = asyncio.ensure_future(mac_of(self._payload_key, b"bulk", ticket.token, ticket.data))  # hashed while it is sent
         try:
-            await loop.sock_sendall(conn, memoryview(ticket.data))
+            await link.sendall(memoryview(ticket.data))
         finally:
             await asyncio.wait({mac})
-        await loop.sock_sendall(conn, mac.result())
+        await link.sendall(mac.result())
         self.counters.add_sent(ticket.peer, ticket.size_bytes)
-        conn.shutdown(socket.SHUT_WR)
+        link.shutdown_write()
         if ticket.on_sent is not None:
             await ticket.on_sent()
 
@@ -363,62 +374,69 @@ async def _connect(loop: asyncio.AbstractEventLoop, host: str, port: int) -> soc
     return sock
 
 
-async def _expect_ok(loop: asyncio.AbstractEventLoop, sock: socket.socket, what: str) -> None:
-    code, message = await _read_status(loop, sock)
+async def _expect_ok(link: Link, what: str) -> None:
+    code, message = await _read_status(link)
     if code != "OK":
         raise RpcRejected(code, message or f"{what} refused")
 
 
 @contextlib.asynccontextmanager
-async def _transfer(host: str, port: int, token: bytes, proof: bytes, *, deadline: float,
-                    what: str) -> AsyncIterator[tuple[asyncio.AbstractEventLoop, socket.socket]]:
-    """A connection that presented `token` and was accepted; socket errors become RpcError subclasses."""
+async def _transfer(host: str, port: int, token: bytes, proof: bytes, *, deadline: float, what: str,
+                    tls: ssl.SSLContext | None) -> AsyncIterator[Link]:
+    """A connection (TLS with a client context `tls`) that presented `token` and was accepted; socket and
+    TLS errors become RpcError subclasses."""
     loop = asyncio.get_running_loop()
     try:
         async with asyncio.timeout(max(deadline - time.monotonic(), 1e-3)):
             sock = await _connect(loop, host, port)
             with sock:
-                await loop.sock_sendall(sock, MAGIC + token + proof)
-                await _expect_ok(loop, sock, what)
-                yield loop, sock
+                link: Link = RawLink(loop, sock) if tls is None else \
+                    await open_tls(loop, sock, tls, server_side=False, server_hostname=TLS_NAME)
+                await link.sendall(MAGIC + token + proof)
+                await _expect_ok(link, what)
+                yield link
     except TimeoutError:
         raise RpcTimeout(f"DEADLINE_EXCEEDED: bulk {what} via {host}:{port}") from None
-    except OSError as e:  # refused, reset, closed early
+    except ssl.SSLCertVerificationError as e:  # not a certificate of this run's authority
+        raise RpcRejected("UNAUTHENTICATED", f"bulk {what} via {host}:{port}: {e.verify_message}") from None
+    except OSError as e:  # refused, reset, closed early, a TLS record that does not decrypt
         raise RpcUnavailable(f"UNAVAILABLE: bulk {what} via {host}:{port}: {e}") from None
 
 
 async def upload(host: str, port: int, token: bytes, proof: bytes, payload: bytes | bytearray | memoryview, *,
-                 mac_key: bytes, deadline: float, what: str, counters: ByteCounters, peer: str) -> None:
+                 mac_key: bytes, deadline: float, what: str, counters: ByteCounters, peer: str,
+                 tls: ssl.SSLContext | None = None) -> None:
     """Send `payload` against an upload ticket (with our `ticket_proof` of it) and its MAC under `mac_key`,
     and wait for the consumer's verdict (RpcRejected if refused)."""
     mac = asyncio.ensure_future(mac_of(mac_key, b"bulk", token, payload))  # hashed while the bytes are sent
     try:
-        async with _transfer(host, port, token, proof, deadline=deadline, what=what) as (loop, sock):
-            await loop.sock_sendall(sock, memoryview(payload))
-            await loop.sock_sendall(sock, await mac)
+        async with _transfer(host, port, token, proof, deadline=deadline, what=what, tls=tls) as link:
+            await link.sendall(memoryview(payload))
+            await link.sendall(await mac)
             counters.add_sent(peer, len(payload))
-            sock.shutdown(socket.SHUT_WR)
-            await _expect_ok(loop, sock, what)
+            link.shutdown_write()
+            await _expect_ok(link, what)
     finally:
         await asyncio.wait({mac})  # never leave the hashing thread behind a failed transfer
 
 
 async def download(host: str, port: int, token: bytes, proof: bytes, *, mac_key: bytes, size_bytes: int,
-                   deadline: float, what: str, counters: ByteCounters, peer: str, pool: BufferPool) -> memoryview:
+                   deadline: float, what: str, counters: ByteCounters, peer: str, pool: BufferPool,
+                   tls: ssl.SSLContext | None = None) -> memoryview:
     """The `size_bytes` (from the ticket, checked by the caller) offered against a download ticket, in a
     view from `pool` (give it back when done); RpcRejected if their MAC under `mac_key` is wrong."""
-    async with _transfer(host, port, token, proof, deadline=deadline, what=what) as (loop, sock):
-        (size,) = _SIZE.unpack(await _recv_exact(loop, sock, _SIZE.size))
+    async with _transfer(host, port, token, proof, deadline=deadline, what=what, tls=tls) as link:
+        (size,) = _SIZE.unpack(await _recv_exact(link, _SIZE.size))
         if size != size_bytes:
             raise RpcRejected("INVALID_REPLY", f"{what} declares {size} bytes, its ticket {size_bytes}")
         view = pool.take(size)
         try:
-            got = await _recv_into(loop, sock, view)
+            got = await _recv_into(link, view)
             counters.add_received(peer, got)
             if got < size:
                 raise _Eof(f"{what}: connection closed after {got} of {size} bytes")
-            mac = bytes(await _recv_exact(loop, sock, MAC_BYTES))
-            if await loop.sock_recv(sock, 1):
+            mac = bytes(await _recv_exact(link, MAC_BYTES))
+            if await link.recv_into(memoryview(bytearray(1))):
                 raise RpcRejected("INVALID_REPLY", f"{what} exceeds its declared {size} bytes")
             if not await mac_ok(mac_key, mac, b"bulk", token, view):
                 raise RpcRejected("INVALID_REPLY", f"{what}: its MAC is wrong (altered on the way?)")

@@ -6,6 +6,7 @@ import asyncio
 import concurrent.futures
 import logging
 import random
+import ssl
 import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine
@@ -22,6 +23,7 @@ from swarmtrain.rpc.buffers import BufferPool
 from swarmtrain.rpc.bulk import BULK_HELLO_TIMEOUT_S, BulkServer
 from swarmtrain.rpc.errors import Rejected, RpcError, RpcRejected, RpcTimeout, RpcUnavailable, status_name
 from swarmtrain.rpc.faults import LinkHook
+from swarmtrain.rpc.tls import NodeTls
 from swarmtrain.trust import CallAuth, CallRefused, CallSigner, RunSecret, resolve_run_key
 from swarmtrain.trust.calls import AUTH_HEADER, PEER_HEADER
 
@@ -155,6 +157,7 @@ class RpcNode:
         self.buffers = BufferPool()  # receive buffers of the bulk path, reused across rounds (loop thread only)
         self.secret = RunSecret.from_run_key(resolve_run_key(cfg.run_key))
         self._signer = CallSigner(self.secret, peer_id=peer_id)
+        self.tls = NodeTls(self.secret, peer_id=peer_id) if cfg.tls else None  # TlsWithoutKeyError on an open run
         self._registrations: list[Callable[[aio.Server], None]] = []
         self._channels: dict[str, aio.Channel] = {}
         self._server: aio.Server | None = None
@@ -200,7 +203,9 @@ class RpcNode:
             _CallAuthInterceptor(CallAuth(self.secret), callee=lambda: self._endpoint)])
         for register in self._registrations:
             register(server)
-        port = server.add_insecure_port(f"{self.cfg.host}:{self.cfg.port}")
+        address = f"{self.cfg.host}:{self.cfg.port}"
+        port = server.add_insecure_port(address) if self.tls is None else \
+            server.add_secure_port(address, self.tls.server_credentials())
         if port == 0:
             raise OSError(f"rpc: could not bind {self.cfg.host}:{self.cfg.port}")
         await server.start()
@@ -208,11 +213,13 @@ class RpcNode:
         if self.cfg.bulk_transport == "tcp":
             self.bulk = BulkServer(peer_id=self.peer_id, counters=self.counters, pool=self.buffers,
                                    ticket_key=self.secret.tickets, payload_key=self.secret.payloads,
-                                   hello_timeout_s=min(self.cfg.call_timeout_s, BULK_HELLO_TIMEOUT_S))
+                                   hello_timeout_s=min(self.cfg.call_timeout_s, BULK_HELLO_TIMEOUT_S),
+                                   tls=None if self.tls is None else self.tls.server_context)
             await self.bulk.start(self.cfg.host, self.cfg.bulk_port)
         host = "127.0.0.1" if self.cfg.host in ("0.0.0.0", "::", "") else self.cfg.host
         endpoint = self.cfg.announce or f"{host}:{port}"
-        log.info("rpc server of %s listening on %s:%d (announce %s)", self.peer_id, self.cfg.host, port, endpoint)
+        log.info("rpc server of %s listening on %s:%d (announce %s)%s", self.peer_id, self.cfg.host, port, endpoint,
+                 "" if self.tls is None else f", TLS, certificate {self.tls.identity.fingerprint()[:16]}")
         return endpoint
 
     async def _shutdown(self) -> None:
@@ -268,7 +275,9 @@ class RpcNode:
         """A cached channel to `endpoint` (call from the node's loop)."""
         ch = self._channels.get(endpoint)
         if ch is None:
-            ch = aio.insecure_channel(endpoint, options=self.options)
+            ch = aio.insecure_channel(endpoint, options=self.options) if self.tls is None else \
+                aio.secure_channel(endpoint, self.tls.channel_credentials(),
+                                   options=[*self.options, *self.tls.channel_options()])
             self._channels[endpoint] = ch
         return ch
 
@@ -277,6 +286,11 @@ class RpcNode:
         `endpoint`: our peer id and a fresh proof of the run key (never the key itself)."""
         return ((PEER_HEADER, self.peer_id),
                 (AUTH_HEADER, self._signer.header(method=method, callee=endpoint, now=time.time())))
+
+    @property
+    def bulk_tls(self) -> ssl.SSLContext | None:
+        """The client context bulk transfers use with `rpc.tls`, else None."""
+        return None if self.tls is None else self.tls.client_context
 
     def ticket_proof(self, token: bytes) -> bytes:
         """What this node sends with a bulk ticket it was given: proof that it is the caller it was issued to."""

@@ -34,6 +34,7 @@ class RunSecret:
     calls: bytes = field(repr=False)
     tickets: bytes = field(repr=False)
     payloads: bytes = field(repr=False)
+    tls: bytes = field(repr=False)
     open: bool
 
     @classmethod
@@ -44,7 +45,7 @@ class RunSecret:
             return hmac.new(key, _LABEL + use, hashlib.sha256).digest()
 
         return cls(records=derive(b"records"), calls=derive(b"calls"), tickets=derive(b"tickets"),
-                   payloads=derive(b"payloads"), open=not run_key)
+                   payloads=derive(b"payloads"), tls=derive(b"tls-authority"), open=not run_key)
 
     def fingerprint(self) -> str:
         """A short public name of the key (the same on every holder), for logs and errors: never the key."""

@@ -1,0 +1,105 @@
+"""`rpc.tls`: rounds over TLS (gRPC and the bulk port) equal the reference; a node of another run key, or
+one without TLS, cannot take part; the bytes on the wire are ciphertext."""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+import time
+
+import pytest
+import torch
+from allreduce_swarm import RPC, Swarm, deltas_for, reference_mean
+
+from swarmtrain.averaging.reducer import shard_bounds
+from swarmtrain.rpc import bulk
+from swarmtrain.rpc.errors import RpcError, RpcRejected
+from swarmtrain.rpc.node import RpcNode
+from swarmtrain.rpc.tls import TlsWithoutKeyError
+
+pytestmark = pytest.mark.integration
+
+NAMES = ["a", "b", "c"]
+NUMEL = 120_000
+TLS = dataclasses.replace(RPC, tls=True)
+IO_S = 10.0
+
+
+@pytest.mark.parametrize("transport", ["tcp", "grpc"])
+def test_rounds_over_tls_match_the_reference(transport: str) -> None:
+    cfg = dataclasses.replace(TLS, bulk_transport=transport)
+    with Swarm(NAMES, rpc=dict.fromkeys(NAMES, cfg)) as swarm:
+        for round_index in range(2):
+            deltas = deltas_for(NAMES, NUMEL, seed=round_index)
+            results = swarm.average(round_index, deltas)
+            expected = reference_mean(deltas, NAMES, shard_bounds(NUMEL, (0.0,) * len(NAMES)))
+            for name, r in results.items():
+                assert r.committed, f"{name}: {r.reason}"
+                assert r.mean is not None and torch.equal(r.mean, expected), name
+        if transport == "tcp":  # the payloads took the bulk port (its receive buffers came back), none refused
+            assert all(n.bulk is not None and n.bulk.refused_connections == 0 and n.buffers.idle_bytes > 0
+                       for n in swarm.nodes.values())
+
+
+@pytest.mark.parametrize("other", [dataclasses.replace(TLS, run_key="another"), RPC], ids=["other-key", "plain"])
+def test_a_node_of_another_key_or_without_tls_cannot_take_part(other) -> None:
+    """A member whose certificates come from another run key (or who speaks plain TCP to TLS peers) fails
+    every call to and from the others: they commit without it, on the mean of their own two shards."""
+    cfgs = {"a": TLS, "b": TLS, "c": other}
+    with Swarm(NAMES, rpc=cfgs) as swarm:
+        deltas = deltas_for(NAMES, NUMEL, seed=0)
+        results = swarm.average(0, deltas)
+        assert not results["c"].committed
+        bounds = shard_bounds(NUMEL, (0.0,) * len(NAMES))
+        for name in ("a", "b"):
+            r = results[name]
+            assert r.committed and r.members == ("a", "b"), (name, r.reason)
+            assert r.mean is not None
+            for lo, hi in bounds[:2]:  # the shards a and b reduce: the mean of a's and b's parts exactly
+                assert torch.equal(r.mean[lo:hi], reference_mean(deltas, ["a", "b"], bounds)[lo:hi]), name
+
+
+def _upload(client: RpcNode, server: RpcNode, payload: bytes, *, tls_ctx) -> list[bytes]:
+    got: list[bytes] = []
+
+    async def consume(view: memoryview) -> None:
+        got.append(bytes(view))
+
+    async def issue() -> bytes:
+        assert server.bulk is not None
+        return server.bulk.expect_upload(peer=client.peer_id, what="push of shard 0", size_bytes=len(payload),
+                                         deadline=time.monotonic() + IO_S, consume=consume)
+
+    token = server.run(issue(), timeout_s=IO_S)
+    assert server.bulk is not None
+    client.run(bulk.upload("127.0.0.1", server.bulk.port, token, client.ticket_proof(token), payload,
+                           mac_key=client.secret.payloads, deadline=time.monotonic() + IO_S, what="push",
+                           counters=client.counters, peer=server.peer_id, tls=tls_ctx), timeout_s=IO_S + 5)
+    return got
+
+
+def test_bulk_port_over_tls_moves_bytes_and_refuses_a_stranger_certificate() -> None:
+    server = RpcNode(TLS, peer_id="r")
+    client = RpcNode(TLS, peer_id="x", serve=False)
+    stranger = RpcNode(dataclasses.replace(TLS, run_key="another"), peer_id="x", serve=False)
+    server.start(), client.start(), stranger.start()
+    try:
+        payload = secrets.token_bytes(3_000_001)  # several TLS records and write chunks, odd length
+        assert _upload(client, server, payload, tls_ctx=client.bulk_tls) == [payload]
+        # The stranger trusts another authority: the server's certificate fails its check at once.
+        with pytest.raises(RpcRejected) as info:
+            _upload(stranger, server, payload, tls_ctx=stranger.bulk_tls)
+        assert info.value.code == "UNAUTHENTICATED" and "certificate" in info.value.details
+        # A plain client to a TLS port: its hello is not a TLS handshake, the connection is refused.
+        with pytest.raises(RpcError):
+            _upload(client, server, payload, tls_ctx=None)
+        assert server.bulk is not None and server.bulk.refused_connections >= 1
+        assert _upload(client, server, payload[:10], tls_ctx=client.bulk_tls) == [payload[:10]]  # still serving
+    finally:
+        for node in (server, client, stranger):
+            node.close()
+
+
+def test_tls_without_a_run_key_is_refused() -> None:
+    with pytest.raises(TlsWithoutKeyError, match="needs a run key"):
+        RpcNode(dataclasses.replace(TLS, run_key=""), peer_id="a")
