@@ -1,6 +1,6 @@
 """All-reduce benchmark: one payload among N local peers (one process each, 1 torch thread) through
 swarmtrain's butterfly (fp32 / fp16 / int8 over the bulk TCP port; fp32 over gRPC streams as
-"ours-grpc"), hivemind's DecentralizedAverager and torch.distributed gloo all_reduce, arms interleaved
+"ours-grpc"; both again with rpc.tls as "ours-tls" and "ours-grpc-tls"), hivemind's DecentralizedAverager and torch.distributed gloo all_reduce, arms interleaved
 and repeated; prints seconds, effective GB/s, bytes sent and ratios.
 
     python benchmarks/allreduce.py --numel 25000000 100000000 --peers 2 4 --repeats 3
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-ARMS = ("ours", "ours-fp16", "ours-int8", "ours-grpc", "hivemind", "gloo")
+ARMS = ("ours", "ours-fp16", "ours-int8", "ours-grpc", "ours-tls", "ours-grpc-tls", "hivemind", "gloo")
 
 
 def payload(rank: int, numel: int) -> torch.Tensor:
@@ -74,9 +74,10 @@ def worker_ours(args: argparse.Namespace) -> None:
     from swarmtrain.config import AveragingConfig, RpcConfig
     from swarmtrain.rpc.node import RpcNode
 
-    codec = {"ours": "fp32", "ours-fp16": "fp16", "ours-int8": "int8", "ours-grpc": "fp32"}[args.arm]
+    codec = {"ours-fp16": "fp16", "ours-int8": "int8"}.get(args.arm, "fp32")
     rpc = RpcConfig(run_key="bench", chunk_bytes=args.chunk_bytes, max_message_bytes=4 * args.chunk_bytes,
-                    call_timeout_s=300.0, bulk_transport="grpc" if args.arm == "ours-grpc" else "tcp")
+                    call_timeout_s=300.0, bulk_transport="grpc" if "grpc" in args.arm else "tcp",
+                    tls=args.arm.endswith("-tls"))
     avg = AveragingConfig(min_peers=2, allreduce_timeout_s=300.0, contribution_window_s=240.0, max_retries=0)
     node = RpcNode(rpc, peer_id=f"p{args.rank}")
     group: list[Group] = []
@@ -290,6 +291,11 @@ def _report(numel: int, world: int, times: dict[str, list[dict[str, Any]]]) -> d
                 ratio = ours / row["arms"][other]["median_s"]
                 row[f"ours_over_{other}"] = ratio
                 print(f"  ours / {other}: {ratio:.2f}x")
+    for plain, tls in (("ours", "ours-tls"), ("ours-grpc", "ours-grpc-tls")):  # what rpc.tls costs
+        if plain in row["arms"] and tls in row["arms"]:
+            ratio = row["arms"][tls]["median_s"] / row["arms"][plain]["median_s"]
+            row[f"{tls}_over_{plain}"] = ratio
+            print(f"  {tls} / {plain}: {ratio:.2f}x")
     return row
 
 

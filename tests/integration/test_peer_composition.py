@@ -357,6 +357,17 @@ def test_merge_keeps_local_sections_and_refuses_run_wide_overrides() -> None:
         merge_run_config(swarm, local, local_overrides=["model.preset=tiny"])
 
 
+def test_merge_takes_rpc_tls_from_the_run_and_refuses_a_peers_own() -> None:
+    """A TLS peer and a plain one cannot talk: rpc.tls is the run's, whatever the peer's file says."""
+    for run_tls, local_tls in ((True, False), (False, True)):
+        swarm = load_config(overrides=[f"rpc.tls={str(run_tls).lower()}"])
+        local = load_config(overrides=[f"rpc.tls={str(local_tls).lower()}", "rpc.port=5555"])
+        merged = merge_run_config(swarm, local)
+        assert merged.rpc.tls is run_tls and merged.rpc.port == 5555
+    with pytest.raises(ConfigError, match=r"rpc\.tls: comes from the swarm"):
+        merge_run_config(swarm, local, local_overrides=["rpc.tls=true"])
+
+
 def test_merge_takes_the_peers_shard_index_and_refuses_one_the_run_has_not() -> None:
     swarm = load_config(overrides=["data.num_shards=4", "data.batch_size=2"])
     local = load_config(overrides=["data.shard_index=3"])

@@ -3,19 +3,25 @@ one without TLS, cannot take part; the bytes on the wire are ciphertext."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import secrets
 import time
+from pathlib import Path
 
 import pytest
 import torch
 from allreduce_swarm import RPC, Swarm, deltas_for, reference_mean
 
 from swarmtrain.averaging.reducer import shard_bounds
+from swarmtrain.config import load_config
+from swarmtrain.peer import Peer
 from swarmtrain.rpc import bulk
 from swarmtrain.rpc.errors import RpcError, RpcRejected
 from swarmtrain.rpc.node import RpcNode
 from swarmtrain.rpc.tls import TlsWithoutKeyError
+from swarmtrain.telemetry import EventWriter, HealEvent
+from swarmtrain.testing.cluster import TINY_RUN, EventLog, LoopbackServices, hashes_by_round, publish_run, run_peer, story
 
 pytestmark = pytest.mark.integration
 
@@ -103,3 +109,41 @@ def test_bulk_port_over_tls_moves_bytes_and_refuses_a_stranger_certificate() -> 
 def test_tls_without_a_run_key_is_refused() -> None:
     with pytest.raises(TlsWithoutKeyError, match="needs a run key"):
         RpcNode(dataclasses.replace(TLS, run_key=""), peer_id="a")
+
+
+@pytest.mark.timeout(180)
+def test_a_tls_run_commits_with_one_hash_and_a_late_joiner_heals_over_tls(tmp_path: Path) -> None:
+    """rpc.tls comes from the run: three peers that never set it speak TLS only (gRPC and bulk port), a and b
+    commit every round with one hash, c joins late and heals (state over TLS), then commits with them."""
+    rounds, join_at, key = 4, 1, "the run's secret"
+    run = [*TINY_RUN, "averaging.matchmaking_timeout_s=1.0", "averaging.allreduce_timeout_s=10",
+           "averaging.contribution_window_s=3", "discovery.heartbeat_s=0.2", "discovery.record_ttl_s=3.0",
+           "rpc.call_timeout_s=3.0", f"diloco.rounds={rounds}", "rpc.tls=true"]
+
+    async def main() -> tuple[dict[str, EventLog], dict[str, bool]]:
+        services = LoopbackServices()
+        await publish_run(services.registry, run, run_key=key)
+        outs = {n: EventLog() for n in "abc"}
+        peers = {n: Peer(load_config(overrides=[f"checkpoint.dir={str(tmp_path / n)!r}", f"rpc.run_key={key!r}"]),
+                         writer=EventWriter(outs[n]), services=services) for n in "abc"}
+        tls: dict[str, bool] = {}
+
+        def started(peer: Peer) -> None:
+            node = peer.plane.node  # type: ignore[union-attr]
+            tls[node.peer_id] = node.tls is not None and node.bulk is not None and node.bulk._tls is not None
+
+        stop = asyncio.Event()
+        tasks = [asyncio.create_task(run_peer(peers[n], stop, started=started)) for n in "ab"]
+        while not any(e.committed and e.round >= join_at for e in outs["a"].rounds()):
+            await asyncio.sleep(0.05)
+        tasks.append(asyncio.create_task(run_peer(peers["c"], stop, started=started)))
+        assert await asyncio.wait_for(asyncio.gather(*tasks), timeout=150) == ["done"] * 3
+        return outs, tls
+
+    outs, tls = asyncio.run(main())
+    told = story(outs)
+    assert len(tls) == 3 and all(tls.values()), tls
+    by_round = hashes_by_round(outs)
+    assert sorted(by_round) == list(range(rounds)) and all(len(h) == 1 for h in by_round.values()), told
+    assert [e for e in outs["c"].events() if isinstance(e, HealEvent)], told
+    assert any(e.committed and len(e.members) == 3 for e in outs["c"].rounds()), told

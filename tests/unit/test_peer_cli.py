@@ -98,3 +98,15 @@ def test_an_empty_run_key_on_a_reachable_address_exits_with_one_line(argv: list[
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"swarmtrain {argv[0]}: error: the run key is empty")
     assert "--insecure" in err[0] and "SWARMTRAIN_RUN_KEY" in err[0]
+
+
+@pytest.mark.parametrize("command", ["coordinator", "peer"])
+def test_tls_without_a_run_key_exits_with_one_line(command: str, monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.delenv("SWARMTRAIN_RUN_KEY", raising=False)
+    join = ["--join", "/ip4/127.0.0.1/tcp/1/p2p/QmX"] if command == "peer" else []
+    args = build_parser().parse_args([command, *join, "--set", "rpc.tls=true"])
+    assert args._module.run(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"swarmtrain {command}: error: rpc.tls needs a run key (its certificates are derived from it): "
+                   "set SWARMTRAIN_RUN_KEY or rpc.run_key"]
