@@ -357,6 +357,10 @@ class RpcConfig:
     bulk_port: int = 0
     """TCP port of the bulk data path (with `bulk_transport = "tcp"`); 0 = any free port. Peers learn it
     from the gRPC call that precedes each transfer."""
+    state_donors: int = 3
+    """Donors a joiner downloads the swarm's state from at once, a range of it from each (they must serve
+    one blob, which must hash to what the swarm announces); if that fails, one donor at a time. 1 = one
+    donor at a time."""
     tls: bool = False
     """Encrypt the data plane (gRPC and the bulk port) with TLS 1.3. The certificates come from the run key
     (an authority every key holder derives, a fresh leaf per process), so it needs a run key; every peer of
@@ -366,6 +370,7 @@ class RpcConfig:
     def __post_init__(self) -> None:
         check(0 <= self.port < 65536, "rpc.port", "must be in [0, 65535]")
         check(self.bulk_transport in ("tcp", "grpc"), "rpc.bulk_transport", "must be 'tcp' or 'grpc'")
+        check(1 <= self.state_donors <= 64, "rpc.state_donors", "must be in [1, 64]")
         check(0 <= self.bulk_port < 65536, "rpc.bulk_port", "must be in [0, 65535]")
         check(self.call_timeout_s > 0, "rpc.call_timeout_s", "must be > 0")
         check(1024 <= self.chunk_bytes <= self.max_message_bytes, "rpc.chunk_bytes", "must be in [1024, rpc.max_message_bytes]")

@@ -61,21 +61,26 @@ class Healing:
             return None
         self.phase = "healing"
         from_round = self.worker.round
-        for donor in plan.donors:
+        # A range from each of several donors at once first (they must serve one blob); then one at a time.
+        width = min(self.cfg.rpc.state_donors, len(plan.donors))
+        tries = ([plan.donors[:width]] if width > 1 else []) + [[d] for d in plan.donors]
+        for donors in tries:
             start = time.perf_counter()
+            names = ", ".join(d.peer_id for d in donors)
             try:
-                state = await self.plane.fetch_state(donor.endpoint)
+                state, served = await self.plane.fetch_state([d.endpoint for d in donors])
             except Exception as e:
-                log.warning("state download from %s (%s) failed: %s", donor.peer_id, donor.endpoint, e)
+                log.warning("state download from %s failed: %s", names, e)
                 continue
+            source = ",".join(d.peer_id for d in donors if d.endpoint in served)
             if state.round != plan.round:
-                log.info("%s served round %d, not the swarm's round %d (it moved on): next donor", donor.peer_id,
-                         state.round, plan.round)
+                log.info("%s served round %d, not the swarm's round %d (moved on): next donor", source, state.round,
+                         plan.round)
                 continue
             served_hash = await asyncio.to_thread(flat_hash, state.theta_global)
             if served_hash != plan.state_hash:
-                log.warning("%s served round %d with θ_global %s, not the %s the swarm announces: refused",
-                            donor.peer_id, state.round, served_hash[:12], plan.state_hash[:12])
+                log.warning("%s served round %d with θ_global %s, not the %s the swarm announces: refused", source,
+                            state.round, served_hash[:12], plan.state_hash[:12])
                 continue
             keep = keeps_progress(own_round=own, donor_round=state.round, keep_progress_rounds=keep_progress_rounds,
                                   want_hash=want_hash)
@@ -88,7 +93,7 @@ class Healing:
             self._round_ends_at = ends or 0.0
             self._join_by = None if ends is None else (state.round, time.monotonic() + ends - self._now())
             await self._publish_committed_state()
-            self.writer.emit(HealEvent(from_round=from_round, to_round=state.round, source=donor.peer_id,
+            self.writer.emit(HealEvent(from_round=from_round, to_round=state.round, source=source,
                                        hash=self.worker.global_hash(), peer=self._peer_id,
                                        transfer_s=round(time.perf_counter() - start, 4)))
             self.phase = "training"
@@ -97,7 +102,7 @@ class Healing:
             self._beat_soon()
             assert self._beat_task is not None
             await self._beat_task
-            return donor.peer_id
+            return source
         self.phase = "training"
         log.warning("behind the swarm (round %d < %d) but no donor delivered its state %s", self.worker.round,
                     plan.round, plan.state_hash[:12])

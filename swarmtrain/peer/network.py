@@ -29,7 +29,7 @@ from swarmtrain.config import DiscoveryConfig, RunConfig, to_dict
 from swarmtrain.discovery import Discovery
 from swarmtrain.peer.services import LivePeerState, PeerError, PeerState
 from swarmtrain.rpc.node import RpcNode
-from swarmtrain.sync.transfer import StateServer, StateSnapshot, fetch_state
+from swarmtrain.sync.transfer import StateServer, StateSnapshot, fetch_state, fetch_state_parallel
 
 __all__ = ["NetworkPlane", "NetworkServices"]
 
@@ -164,22 +164,29 @@ class NetworkPlane:
     def unreported_bytes(self) -> tuple[int, int]:
         return self.averager.unreported_bytes()
 
-    async def fetch_state(self, endpoint: str) -> PeerState:
+    async def fetch_state(self, endpoints: Sequence[str]) -> tuple[PeerState, tuple[str, ...]]:
         expected = {name: shape for name, shape in self.param_shapes}
-        snap = await asyncio.to_thread(fetch_state, self.node, [endpoint], run_id=self.cfg.train.run_id,
-                                       expected_shapes=expected, timeout_s=self._fetch_timeout_s)
+        if len(endpoints) > 1:
+            snap, served = await asyncio.to_thread(fetch_state_parallel, self.node, endpoints,
+                                                   run_id=self.cfg.train.run_id, expected_shapes=expected,
+                                                   timeout_s=self._fetch_timeout_s)
+        else:
+            snap = await asyncio.to_thread(fetch_state, self.node, endpoints, run_id=self.cfg.train.run_id,
+                                           expected_shapes=expected, timeout_s=self._fetch_timeout_s)
+            served = tuple(endpoints)
+        who = ", ".join(served)
         if snap.config.train.run_nonce != self.cfg.train.run_nonce:
-            raise PeerError(f"{endpoint} serves a state of another run of {self.cfg.train.run_id!r} (nonce "
+            raise PeerError(f"{who} serves a state of another run of {self.cfg.train.run_id!r} (nonce "
                             f"{snap.config.train.run_nonce!r}, this run's is {self.cfg.train.run_nonce!r})")
         ours, theirs = to_dict(self.cfg), to_dict(snap.config)
         differing = [s for s in RUN_SECTIONS_THAT_MUST_MATCH if ours[s] != theirs[s]]
         if differing:
-            raise PeerError(f"{endpoint} serves a state of a differently configured run ({', '.join(differing)})")
+            raise PeerError(f"{who} serves a state of a differently configured run ({', '.join(differing)})")
         theta = torch.cat([snap.params[name].reshape(-1).to(torch.float32) for name, _ in self.param_shapes])
         momentum = None
         if snap.momentum:
             momentum = torch.cat([snap.momentum[name].reshape(-1).to(torch.float32) for name, _ in self.param_shapes])
-        return PeerState(round=snap.round, theta_global=theta, outer_momentum=momentum, members=snap.members)
+        return PeerState(round=snap.round, theta_global=theta, outer_momentum=momentum, members=snap.members), served
 
     async def aclose(self) -> None:
         self._cancel_prematch()

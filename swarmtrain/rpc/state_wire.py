@@ -20,7 +20,7 @@ from swarmtrain.trust import payload_mac
 from swarmtrain.wire import sync_pb2 as pb
 from swarmtrain.wire import sync_pb2_grpc as pb_grpc
 
-__all__ = ["StateBlob", "StateClient", "StateSource", "serve_state"]
+__all__ = ["StateBlob", "StateClient", "StateRange", "StateSource", "serve_state"]
 
 log = logging.getLogger(__name__)
 GET_STATE = "/swarmtrain.wire.StateTransfer/GetState"  # the full method name a call's proof covers
@@ -65,6 +65,12 @@ class _Servicer:
                                 why)
             return
         blob = state.blob
+        length = request.length or len(blob) - request.offset
+        if request.offset < 0 or length < 0 or request.offset + length > len(blob):
+            why = f"range [{request.offset}, +{request.length}) is outside the {len(blob)}-byte state"
+            log.warning("%s refused GetState from %s: %s", self.node.peer_id, peer, why)
+            await context.abort(grpc.StatusCode.OUT_OF_RANGE, why)
+            return
         header = pb.StateHeader(run_id=state.run_id, round=state.round, config_json=state.config_json,
                                 total_bytes=len(state.blob), sha256=state.sha256)
         header.mac = _header_mac(self.node, header)
@@ -74,12 +80,16 @@ class _Servicer:
             blob = truncate(original) if fault.action == "truncate" else corrupt(original)
             if fault.action == "forge":  # the checksum rewritten to match: only the MAC can tell
                 header.sha256 = hashlib.sha256(blob).digest()
-        step, view = self.node.cfg.chunk_bytes, memoryview(blob)
+        if request.header_only:
+            yield pb.StateChunk(header=header)
+            return
+        step, view = self.node.cfg.chunk_bytes, memoryview(blob)[request.offset:request.offset + length]
         yield pb.StateChunk(header=header, data=bytes(view[:step]))
-        for start in range(step, len(blob), step):
+        for start in range(step, len(view), step):
             yield pb.StateChunk(data=bytes(view[start:start + step]))
-        self.node.counters.add_sent(peer, len(blob))
-        log.info("%s served round-%d state (%d B) to %s", self.node.peer_id, state.round, len(blob), peer)
+        self.node.counters.add_sent(peer, len(view))
+        log.info("%s served round-%d state (%d of %d B) to %s", self.node.peer_id, state.round, len(view), len(blob),
+                 peer)
 
 
 def _header_mac(node: RpcNode, header: pb.StateHeader) -> bytes:
@@ -96,44 +106,81 @@ def serve_state(node: RpcNode, source: StateSource, *, fault_hook: FaultHook | N
     node.add_service(lambda server: server.add_generic_rpc_handlers((handler,)))
 
 
+@dataclass(frozen=True)
+class StateRange:
+    """Part of a donor's state: its header (of the whole blob) and `data`, bytes [offset, offset + len(data))."""
+
+    header: pb.StateHeader
+    offset: int
+    data: bytes | bytearray | memoryview
+
+
 class StateClient:
-    """Downloads a peer's state blob (run on the node's loop); checks sizes, not content."""
+    """Downloads a peer's state blob, or a range of it (run on the node's loop); checks sizes, not content."""
 
     def __init__(self, node: RpcNode) -> None:
         self.node = node
 
     async def get_state(self, endpoint: str, *, run_id: str, max_bytes: int, deadline: float) -> StateBlob:
-        stub = pb_grpc.StateTransferStub(self.node.channel(endpoint))
+        """The whole blob `endpoint` serves."""
+        part = await self.get_range(endpoint, run_id=run_id, max_bytes=max_bytes, deadline=deadline)
+        h = part.header
+        return StateBlob(h.run_id, h.round, h.config_json, part.data, bytes(h.sha256))
 
-        async def once() -> StateBlob:
+    async def get_range(self, endpoint: str, *, run_id: str, max_bytes: int, deadline: float, offset: int = 0,
+                        length: int | None = None, into: memoryview | None = None,
+                        header_only: bool = False) -> StateRange:
+        """Bytes [offset, offset + length) of the blob `endpoint` serves (to its end when `length` is None),
+        written into `into` when given (exactly `length` bytes), with the blob's header, whose MAC is
+        checked. `header_only`: the header alone (data empty)."""
+        stub = pb_grpc.StateTransferStub(self.node.channel(endpoint))
+        request = pb.StateRequest(run_id=run_id, offset=offset, length=length or 0, header_only=header_only)
+
+        async def once() -> StateRange:
             header: pb.StateHeader | None = None
-            buf, received = bytearray(), 0
+            buf, want, received = into, 0, 0
             try:
-                call = stub.GetState(pb.StateRequest(run_id=run_id), timeout=remaining_s(deadline),
-                                     metadata=self.node.metadata(GET_STATE, endpoint))
+                call = stub.GetState(request, timeout=remaining_s(deadline), metadata=self.node.metadata(GET_STATE, endpoint))
                 async for chunk in call:
                     if header is None:
                         header = chunk.header
-                        if not hmac.compare_digest(header.mac, _header_mac(self.node, header)):
+                        want = self._check_header(call, header, offset=offset, length=length, max_bytes=max_bytes)
+                        if header_only:
                             call.cancel()
-                            raise RpcRejected("INVALID_REPLY", "the state header's MAC is wrong: altered on the "
-                                                               "way, or served by a peer without the run key")
-                        if not 0 <= header.total_bytes <= max_bytes:
+                            return StateRange(header, offset, b"")
+                        if buf is None:
+                            buf = memoryview(bytearray(want))
+                        elif len(buf) != want:
                             call.cancel()
-                            raise RpcRejected("INVALID_REPLY", f"state of {header.total_bytes} bytes exceeds the "
-                                                               f"{max_bytes}-byte limit")
-                        buf = bytearray(header.total_bytes)
-                    if received + len(chunk.data) > header.total_bytes:
+                            raise ValueError(f"get_range: {len(buf)}-byte buffer for a {want}-byte range")
+                    assert buf is not None
+                    if received + len(chunk.data) > want:
                         call.cancel()
-                        raise RpcRejected("INVALID_REPLY", f"state exceeds its declared {header.total_bytes} bytes")
+                        raise RpcRejected("INVALID_REPLY", f"state range exceeds its {want} bytes")
                     buf[received:received + len(chunk.data)] = chunk.data
                     received += len(chunk.data)
             except aio.AioRpcError as e:
                 raise translate(e) from None
-            if header is None or received != header.total_bytes:
-                raise RpcRejected("INVALID_REPLY", f"truncated state: {received} of "
-                                                   f"{header.total_bytes if header else '?'} bytes")
+            if header is None or received != want or buf is None:
+                raise RpcRejected("INVALID_REPLY", f"truncated state: {received} of {want if header else '?'} bytes")
             self.node.counters.add_received(endpoint, received)
-            return StateBlob(header.run_id, header.round, header.config_json, bytes(buf), bytes(header.sha256))
+            return StateRange(header, offset, buf if into is not None else buf.obj)  # type: ignore[arg-type]
 
         return await self.node.retrying(once, endpoint=endpoint, deadline=deadline, what=f"state from {endpoint}")
+
+    def _check_header(self, call: aio.UnaryStreamCall, header: pb.StateHeader, *, offset: int, length: int | None,
+                      max_bytes: int) -> int:
+        """The bytes the range will hold; RpcRejected for a header altered on the way or over the limit."""
+        if not hmac.compare_digest(header.mac, _header_mac(self.node, header)):
+            call.cancel()
+            raise RpcRejected("INVALID_REPLY", "the state header's MAC is wrong: altered on the way, or served by a "
+                                               "peer without the run key")
+        if not 0 <= header.total_bytes <= max_bytes:
+            call.cancel()
+            raise RpcRejected("INVALID_REPLY", f"state of {header.total_bytes} bytes exceeds the {max_bytes}-byte limit")
+        want = header.total_bytes - offset if length is None else length
+        if offset < 0 or want < 0 or offset + want > header.total_bytes:
+            call.cancel()
+            raise RpcRejected("INVALID_REPLY", f"range [{offset}, +{want}) is outside the {header.total_bytes}-byte "
+                                               "state its donor declares")
+        return want

@@ -3,6 +3,7 @@ verify (sha256, names, shapes, finite) and hand it to a joining or lagging peer.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import logging
@@ -24,7 +25,8 @@ from swarmtrain.rpc.faults import FaultHook
 from swarmtrain.rpc.node import RpcError, RpcNode
 from swarmtrain.rpc.state_wire import StateBlob, StateClient, serve_state
 
-__all__ = ["LiveState", "StateServer", "StateSnapshot", "StateTransferError", "fetch_state", "state_size_limit"]
+__all__ = ["LiveState", "StateServer", "StateSnapshot", "StateTransferError", "fetch_state", "fetch_state_parallel",
+           "split_ranges", "state_size_limit"]
 
 log = logging.getLogger(__name__)
 
@@ -169,16 +171,21 @@ state with the peer's own tensors) or None before there is one; while inside, th
 class StateServer:
     """Serves this peer's committed state to joiners. Construct before `node.start()`.
 
-    `serve(live)` serves the peer's live state, serialized when a joiner asks: nothing is held between
-    requests (a peer serves rarely, and a blob kept ready would cost two copies of the model all the
-    time). The copy is taken while `live` holds the state still (the peer's outer step or heal waits
-    for it, about one memory copy of θ and momentum), hashed afterwards, and shared by the requests
-    for the same state that arrive while it is still being streamed. `publish(snapshot)` serves a
-    fixed state instead, serialized at once.
+    `serve(live)` serves the peer's live state, serialized when a joiner asks: nothing is held for
+    long between requests (a peer serves rarely, and a blob kept ready would cost two copies of the
+    model all the time). The copy is taken while `live` holds the state still (the peer's outer step
+    or heal waits for it, about one memory copy of θ and momentum), hashed afterwards, and shared by
+    the requests for the same state that arrive while it is streamed or within `hold_s` of the last
+    one (a joiner asks several donors for headers, then each for a range). `publish(snapshot)` serves
+    a fixed state instead, serialized at once.
     """
 
-    def __init__(self, node: RpcNode, *, fault_hook: FaultHook | None = None) -> None:
+    def __init__(self, node: RpcNode, *, fault_hook: FaultHook | None = None, hold_s: float = 10.0) -> None:
         self._lock = threading.Lock()  # one serialization at a time: concurrent joiners share its blob
+        self._node = node
+        self._hold_s = hold_s
+        self._held: StateBlob | None = None  # the last served blob, kept `hold_s` after its last request
+        self._held_until = 0.0  # time.monotonic()
         self._live: LiveState | None = None
         self._fixed: StateBlob | None = None
         self._shared: tuple[Hashable, weakref.ref[StateBlob]] | None = None
@@ -187,7 +194,7 @@ class StateServer:
     def serve(self, live: LiveState) -> None:
         """Serve the state `live` yields from now on (see LiveState), in place of any published one."""
         with self._lock:
-            self._live, self._fixed, self._shared = live, None, None
+            self._live, self._fixed, self._shared, self._held = live, None, None, None
 
     def publish(self, snapshot: StateSnapshot) -> None:
         """Serve `snapshot` from now on, serialized now (the caller may change its tensors afterwards)."""
@@ -195,7 +202,7 @@ class StateServer:
         with self._lock:
             if self._fixed is not None and snapshot.round < self._fixed.round:
                 raise ValueError(f"publish: round {snapshot.round} is older than the served {self._fixed.round}")
-            self._live, self._fixed, self._shared = None, state, None
+            self._live, self._fixed, self._shared, self._held = None, state, None, None
 
     def current(self) -> StateBlob | None:
         """The state to stream now, or None before there is one. Blocking: call it off the event loop."""
@@ -208,11 +215,27 @@ class StateServer:
                 key, snapshot = live
                 shared = self._shared[1]() if self._shared is not None and self._shared[0] == key else None
                 if shared is not None:
+                    self._hold(shared)
                     return shared
                 blob = safetensors_blob(_named(snapshot), metadata=_metadata(snapshot))
             state = _state_blob(snapshot, blob)  # hashed after the live state is released
             self._shared = (key, weakref.ref(state))
+            self._hold(state)
             return state
+
+    def _hold(self, state: StateBlob) -> None:
+        """Keep `state` for `hold_s` more seconds (caller holds the lock; the release runs on the node's loop)."""
+        if self._hold_s <= 0:
+            return
+        self._held, self._held_until = state, time.monotonic() + self._hold_s
+        loop = self._node.loop
+        loop.call_soon_threadsafe(loop.call_later, self._hold_s, self._release_held)
+
+    def _release_held(self) -> None:
+        # Without the lock (a serialization may hold it for seconds, and this runs on the event loop): at
+        # worst a blob held again just now is dropped early, and the next request serializes it again.
+        if time.monotonic() >= self._held_until:
+            self._held = None
 
 
 def state_size_limit(shapes: Mapping[str, Sequence[int]]) -> int:
@@ -228,8 +251,7 @@ def fetch_state(node: RpcNode, endpoints: Sequence[str], *, run_id: str, min_rou
     """Download and verify the state from the first of `endpoints` (newest first, say) that serves a
     valid one at round >= `min_round`; StateTransferError when none does within `timeout_s`. A state
     may take `max_bytes`, by default what one of `expected_shapes` can take (`state_size_limit`)."""
-    if max_bytes is None:
-        max_bytes = UNBOUNDED_STATE_BYTES if expected_shapes is None else state_size_limit(expected_shapes)
+    max_bytes = _max_bytes(max_bytes, expected_shapes)
     client = StateClient(node)
     deadline = time.monotonic() + timeout_s
     errors: list[str] = []
@@ -251,3 +273,81 @@ def fetch_state(node: RpcNode, endpoints: Sequence[str], *, run_id: str, min_rou
         log.info("downloaded round-%d state (%d B) from %s", snapshot.round, len(state.blob), endpoint)
         return snapshot
     raise StateTransferError(f"no peer served a valid state: {'; '.join(errors) or 'no endpoints given'}")
+
+
+def _max_bytes(max_bytes: int | None, expected_shapes: Mapping[str, Sequence[int]] | None) -> int:
+    if max_bytes is not None:
+        return max_bytes
+    return UNBOUNDED_STATE_BYTES if expected_shapes is None else state_size_limit(expected_shapes)
+
+
+def fetch_state_parallel(node: RpcNode, endpoints: Sequence[str], *, run_id: str,
+                         expected_shapes: Mapping[str, Sequence[int]] | None = None, max_bytes: int | None = None,
+                         timeout_s: float = 120.0) -> tuple[StateSnapshot, tuple[str, ...]]:
+    """The state most of `endpoints` serve, a range from each: (the verified snapshot, the endpoints
+    that served it). Each donor is first asked for its header (sha256 and size of the blob it
+    serves); the blob that most of them serve (at least two) is split into one range per donor,
+    fetched at once; a range whose donor fails or has moved on is fetched from another of them. The
+    whole blob must hash to the header's sha256: one donor serving other bytes fails the download
+    (StateTransferError), and the caller goes on one donor at a time."""
+    deadline = time.monotonic() + timeout_s
+    state, served = node.run(_download_ranges(StateClient(node), list(endpoints), run_id=run_id,
+                                              max_bytes=_max_bytes(max_bytes, expected_shapes), deadline=deadline),
+                             timeout_s=timeout_s + 5.0)
+    try:
+        snapshot = decode_snapshot(state, expected_shapes=expected_shapes)
+    except StateTransferError as e:
+        raise StateTransferError(f"{e}: a range from one of {', '.join(served)} is not the state its header "
+                                 "announces") from None
+    log.info("downloaded round-%d state (%d B) in %d ranges from %s", snapshot.round, len(state.blob), len(served),
+             ", ".join(served))
+    return snapshot, served
+
+
+def split_ranges(total: int, parts: int) -> list[tuple[int, int]]:
+    """[lo, hi) ranges covering [0, total) in `parts` nearly equal non-empty pieces (fewer for tiny blobs)."""
+    parts = max(1, min(parts, total))
+    edges = [total * i // parts for i in range(parts + 1)]
+    return [(edges[i], edges[i + 1]) for i in range(parts)]
+
+
+async def _download_ranges(client: StateClient, endpoints: list[str], *, run_id: str, max_bytes: int,
+                           deadline: float) -> tuple[StateBlob, tuple[str, ...]]:
+    heads = await asyncio.gather(*(client.get_range(e, run_id=run_id, max_bytes=max_bytes, deadline=deadline,
+                                                    header_only=True) for e in endpoints), return_exceptions=True)
+    # Donors of one blob: the config in a header is each donor's own (its local sections differ), not compared.
+    same: dict[tuple[str, int, int, bytes], list[str]] = {}
+    configs: dict[str, str] = {}
+    for endpoint, head in zip(endpoints, heads, strict=True):
+        if isinstance(head, BaseException):
+            log.info("state header from %s: %s", endpoint, head)
+            continue
+        h = head.header
+        same.setdefault((h.run_id, h.round, h.total_bytes, bytes(h.sha256)), []).append(endpoint)
+        configs[endpoint] = h.config_json
+    if not same or max(len(v) for v in same.values()) < 2:
+        raise StateTransferError(f"no two of {len(endpoints)} donors serve the same state")
+    key, donors = max(same.items(), key=lambda kv: len(kv[1]))  # the first of the largest: donors' order breaks ties
+    run, round_index, total, sha256 = key
+    buf = bytearray(total)
+    view = memoryview(buf)
+    ranges = split_ranges(total, len(donors))
+
+    async def fetch(i: int) -> str:
+        lo, hi = ranges[i]
+        errors = []
+        for endpoint in donors[i:] + donors[:i]:  # its own donor first, then the others in turn
+            try:
+                part = await client.get_range(endpoint, run_id=run_id, max_bytes=max_bytes, deadline=deadline,
+                                              offset=lo, length=hi - lo, into=view[lo:hi])
+            except RpcError as e:
+                errors.append(f"{endpoint}: {e}")
+                continue
+            if bytes(part.header.sha256) != sha256:
+                errors.append(f"{endpoint}: serves another state now (it moved on)")
+                continue
+            return endpoint
+        raise StateTransferError(f"state bytes [{lo}, {hi}) from no donor: {'; '.join(errors)}")
+
+    served = await asyncio.gather(*(fetch(i) for i in range(len(ranges))))
+    return StateBlob(run, round_index, configs[donors[0]], buf, sha256), tuple(dict.fromkeys(served))

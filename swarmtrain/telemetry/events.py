@@ -59,7 +59,7 @@ class HealEvent:
 
     from_round: int
     to_round: int
-    source: str  # peer id of the donor
+    source: str  # peer id of the donor; several, comma-separated, when each served a range of the state
     hash: str
     peer: str = ""
     transfer_s: float = 0.0

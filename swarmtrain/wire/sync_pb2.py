@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aswarmtrain/wire/sync.proto\x12\x0fswarmtrain.wire\"\x1e\n\x0cStateRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"s\n\x0bStateHeader\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x13\n\x0b\x63onfig_json\x18\x03 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x03\x12\x0e\n\x06sha256\x18\x05 \x01(\x0c\x12\x0b\n\x03mac\x18\x06 \x01(\x0c\"H\n\nStateChunk\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1c.swarmtrain.wire.StateHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x32Y\n\rStateTransfer\x12H\n\x08GetState\x12\x1d.swarmtrain.wire.StateRequest\x1a\x1b.swarmtrain.wire.StateChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aswarmtrain/wire/sync.proto\x12\x0fswarmtrain.wire\"S\n\x0cStateRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0e\n\x06length\x18\x03 \x01(\x03\x12\x13\n\x0bheader_only\x18\x04 \x01(\x08\"s\n\x0bStateHeader\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x13\n\x0b\x63onfig_json\x18\x03 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x03\x12\x0e\n\x06sha256\x18\x05 \x01(\x0c\x12\x0b\n\x03mac\x18\x06 \x01(\x0c\"H\n\nStateChunk\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1c.swarmtrain.wire.StateHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x32Y\n\rStateTransfer\x12H\n\x08GetState\x12\x1d.swarmtrain.wire.StateRequest\x1a\x1b.swarmtrain.wire.StateChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,11 +32,11 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'swarmtrain.wire.sync_pb2', 
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_STATEREQUEST']._serialized_start=47
-  _globals['_STATEREQUEST']._serialized_end=77
-  _globals['_STATEHEADER']._serialized_start=79
-  _globals['_STATEHEADER']._serialized_end=194
-  _globals['_STATECHUNK']._serialized_start=196
-  _globals['_STATECHUNK']._serialized_end=268
-  _globals['_STATETRANSFER']._serialized_start=270
-  _globals['_STATETRANSFER']._serialized_end=359
+  _globals['_STATEREQUEST']._serialized_end=130
+  _globals['_STATEHEADER']._serialized_start=132
+  _globals['_STATEHEADER']._serialized_end=247
+  _globals['_STATECHUNK']._serialized_start=249
+  _globals['_STATECHUNK']._serialized_end=321
+  _globals['_STATETRANSFER']._serialized_start=323
+  _globals['_STATETRANSFER']._serialized_end=412
 # @@protoc_insertion_point(module_scope)

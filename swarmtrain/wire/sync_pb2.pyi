@@ -6,10 +6,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class StateRequest(_message.Message):
-    __slots__ = ("run_id",)
+    __slots__ = ("run_id", "offset", "length", "header_only")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    HEADER_ONLY_FIELD_NUMBER: _ClassVar[int]
     run_id: str
-    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
+    offset: int
+    length: int
+    header_only: bool
+    def __init__(self, run_id: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., header_only: _Optional[bool] = ...) -> None: ...
 
 class StateHeader(_message.Message):
     __slots__ = ("run_id", "round", "config_json", "total_bytes", "sha256", "mac")

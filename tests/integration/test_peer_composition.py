@@ -122,8 +122,12 @@ class FakePlane:
     def unreported_bytes(self) -> tuple[int, int]:
         return 0, 0  # the double counts every byte in its round results
 
-    async def fetch_state(self, endpoint: str) -> PeerState:
-        return self.services.states[endpoint]()
+    async def fetch_state(self, endpoints: Sequence[str]) -> tuple[PeerState, tuple[str, ...]]:
+        """Like the real plane: several donors must serve one state (a range each), else it fails."""
+        states = [self.services.states[e]() for e in endpoints]
+        if any(s.round != states[0].round or not torch.equal(s.theta_global, states[0].theta_global) for s in states):
+            raise RuntimeError(f"the donors at {list(endpoints)} serve different states")
+        return states[0], tuple(endpoints)
 
     async def aclose(self) -> None:
         self.services.states.pop(self.endpoint, None)

@@ -21,7 +21,15 @@ from swarmtrain.rpc.errors import RpcError, RpcRejected
 from swarmtrain.rpc.node import RpcNode
 from swarmtrain.rpc.tls import TlsWithoutKeyError
 from swarmtrain.telemetry import EventWriter, HealEvent
-from swarmtrain.testing.cluster import TINY_RUN, EventLog, LoopbackServices, hashes_by_round, publish_run, run_peer, story
+from swarmtrain.testing.cluster import (
+    TINY_RUN,
+    EventLog,
+    LoopbackServices,
+    hashes_by_round,
+    publish_run,
+    run_peer,
+    story,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -114,7 +122,8 @@ def test_tls_without_a_run_key_is_refused() -> None:
 @pytest.mark.timeout(180)
 def test_a_tls_run_commits_with_one_hash_and_a_late_joiner_heals_over_tls(tmp_path: Path) -> None:
     """rpc.tls comes from the run: three peers that never set it speak TLS only (gRPC and bulk port), a and b
-    commit every round with one hash, c joins late and heals (state over TLS), then commits with them."""
+    commit every round with one hash, c joins late and heals (a range of the state from each, over TLS),
+    then commits with them."""
     rounds, join_at, key = 4, 1, "the run's secret"
     run = [*TINY_RUN, "averaging.matchmaking_timeout_s=1.0", "averaging.allreduce_timeout_s=10",
            "averaging.contribution_window_s=3", "discovery.heartbeat_s=0.2", "discovery.record_ttl_s=3.0",
@@ -145,5 +154,6 @@ def test_a_tls_run_commits_with_one_hash_and_a_late_joiner_heals_over_tls(tmp_pa
     assert len(tls) == 3 and all(tls.values()), tls
     by_round = hashes_by_round(outs)
     assert sorted(by_round) == list(range(rounds)) and all(len(h) == 1 for h in by_round.values()), told
-    assert [e for e in outs["c"].events() if isinstance(e, HealEvent)], told
+    heals = [e for e in outs["c"].events() if isinstance(e, HealEvent)]
+    assert heals and len(heals[0].source.split(",")) == 2, told  # a range of the state from each of a and b
     assert any(e.committed and len(e.members) == 3 for e in outs["c"].rounds()), told
