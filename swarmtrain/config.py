@@ -30,6 +30,7 @@ from swarmtrain.config_sections import (
     InnerConfig,
     ModelConfig,
     OuterConfig,
+    PipelineConfig,
     RpcConfig,
     TrainConfig,
     check,
@@ -46,6 +47,7 @@ __all__ = [
     "InnerConfig",
     "ModelConfig",
     "OuterConfig",
+    "PipelineConfig",
     "RpcConfig",
     "RunConfig",
     "TrainConfig",
@@ -74,6 +76,7 @@ class RunConfig:
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
     rpc: RpcConfig = field(default_factory=RpcConfig)
     averaging: AveragingConfig = field(default_factory=AveragingConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def __post_init__(self) -> None:
@@ -85,6 +88,9 @@ class RunConfig:
                f"{self.data.seq_len} exceeds the model's context length {context_len} (model.preset/model.context_len)")
         check(self.model.vocab_size >= BYTE_VOCAB_SIZE, "model.vocab_size",
                f"{self.model.vocab_size} is smaller than the data's {BYTE_VOCAB_SIZE} byte-level tokens")
+        n_layer = self.model.n_layer or PRESETS[self.model.preset].n_layer
+        check(self.pipeline.stages <= n_layer, "pipeline.stages",
+              f"{self.pipeline.stages} stages for a model of {n_layer} blocks: a stage holds at least one")
 
     def replace(self, **sections: Any) -> RunConfig:
         """Return a copy with whole sections or `section={key: value}` dicts merged in."""

@@ -425,6 +425,55 @@ class AveragingConfig:
 
 
 @dataclass(frozen=True)
+class PipelineConfig:
+    """SWARM pipelines: the model's blocks cut into stages served by several peers (docs/pipeline.md)."""
+
+    stages: int = 0
+    """Stages the model's transformer blocks are cut into, in order and as evenly as they go; trainers hold
+    the embeddings and the head. 0 = no pipeline: every peer holds the whole model (DiLoCo data parallel)."""
+    microbatch_size: int = 4
+    """Sequences per micro-batch: what one call to a stage carries."""
+    samples_per_step: int = 16
+    """Sequences a server (and a trainer) accumulates gradients over before its inner optimizer step; a
+    multiple of `microbatch_size`."""
+    call_timeout_s: float = 10.0
+    """Deadline in seconds of a call to a stage server that has no latency history yet."""
+    deadline_factor: float = 4.0
+    """A call to a server with a latency history gets this multiple of its p95 latency (at least
+    `min_deadline_s`, at most `call_timeout_s`) before it is re-sent to another server of the stage."""
+    min_deadline_s: float = 0.5
+    """Shortest deadline in seconds of a call to a stage server."""
+    avoid_s: float = 10.0
+    """Seconds a server that failed a call is avoided (doubled at each further failure, up to 8×) unless
+    no other server of its stage is left."""
+    activation_codec: str = "fp32"
+    """Codec of activations and their gradients on the wire: `fp32`, `fp16`, `bf16` or `int8`."""
+    max_contexts: int = 256
+    """Micro-batches a server keeps the input of, for their backward (the oldest go first)."""
+    context_ttl_s: float = 120.0
+    """Seconds a server keeps a micro-batch's input for its backward."""
+    max_stale_steps: int = 1
+    """A server refuses the backward of a micro-batch whose forward ran more than this many of its inner
+    steps ago (the trainer then runs that stage's forward again)."""
+
+    def __post_init__(self) -> None:
+        check(self.stages >= 0, "pipeline.stages", "must be >= 0 (0 = no pipeline)")
+        check(self.microbatch_size >= 1, "pipeline.microbatch_size", "must be >= 1")
+        check(self.samples_per_step >= self.microbatch_size and self.samples_per_step % self.microbatch_size == 0,
+              "pipeline.samples_per_step", f"{self.samples_per_step} must be a positive multiple of "
+              f"pipeline.microbatch_size ({self.microbatch_size})")
+        for key in ("call_timeout_s", "min_deadline_s", "avoid_s", "context_ttl_s"):
+            check(getattr(self, key) > 0, f"pipeline.{key}", "must be > 0")
+        check(self.min_deadline_s <= self.call_timeout_s, "pipeline.min_deadline_s",
+              f"{self.min_deadline_s} must not exceed pipeline.call_timeout_s ({self.call_timeout_s})")
+        check(self.deadline_factor >= 1, "pipeline.deadline_factor", "must be >= 1")
+        check(self.activation_codec in ("fp32", "fp16", "bf16", "int8"), "pipeline.activation_codec",
+              f"{self.activation_codec!r} is not fp32, fp16, bf16 or int8")
+        check(self.max_contexts >= 1, "pipeline.max_contexts", "must be >= 1")
+        check(self.max_stale_steps >= 0, "pipeline.max_stale_steps", "must be >= 0")
+
+
+@dataclass(frozen=True)
 class CheckpointConfig:
     """Where and how often a peer saves its state (it resumes from the newest good checkpoint on restart)."""
 

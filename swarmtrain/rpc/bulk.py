@@ -62,7 +62,8 @@ TOKEN_BYTES = 16
 PROOF_BYTES = 16
 BULK_HELLO_TIMEOUT_S = 2.0  # a member's hello follows its ticket call at once
 MAX_UNAUTHENTICATED = 64  # connections still before their hello; a new one past it closes the oldest
-CODES = ("OK", "INVALID_ARGUMENT", "FAILED_PRECONDITION", "NOT_FOUND", "RESOURCE_EXHAUSTED", "UNAUTHENTICATED")
+CODES = ("OK", "INVALID_ARGUMENT", "FAILED_PRECONDITION", "NOT_FOUND", "RESOURCE_EXHAUSTED", "UNAUTHENTICATED",
+         "ABORTED")
 _STATUS = struct.Struct("!BI")
 _SIZE = struct.Struct("!Q")
 _MAX_MESSAGE_BYTES = 4096

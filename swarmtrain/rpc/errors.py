@@ -29,7 +29,7 @@ class RpcRejected(RpcError):
 class Rejected(ValueError):
     """Raised by a service implementation to refuse a request; the servicer maps `kind` to a status."""
 
-    KINDS = ("invalid", "precondition", "not_found", "too_large")
+    KINDS = ("invalid", "precondition", "not_found", "too_large", "aborted")
 
     def __init__(self, message: str, *, kind: str = "invalid") -> None:
         assert kind in self.KINDS, kind
@@ -38,7 +38,7 @@ class Rejected(ValueError):
 
 
 _KIND_NAMES = {"invalid": "INVALID_ARGUMENT", "precondition": "FAILED_PRECONDITION", "not_found": "NOT_FOUND",
-               "too_large": "RESOURCE_EXHAUSTED"}
+               "too_large": "RESOURCE_EXHAUSTED", "aborted": "ABORTED"}
 
 
 def status_name(rejected: Rejected) -> str:

@@ -256,6 +256,11 @@ class RpcNode:
         return self._endpoint
 
     @property
+    def running(self) -> bool:
+        """Started and not closed."""
+        return self._loop is not None
+
+    @property
     def loop(self) -> asyncio.AbstractEventLoop:
         if self._loop is None:
             raise RuntimeError("RpcNode: not started")

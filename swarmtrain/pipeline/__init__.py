@@ -1,0 +1,28 @@
+"""SWARM pipelines: a model too big for one peer, cut into stages that several servers each serve.
+
+Trainers hold the data, the embeddings and the head, and drive each micro-batch through one server
+per stage (routing.py), re-sending it to another server of the stage when one fails or stalls;
+servers hold a contiguous range of transformer blocks (parts.py, server.py) and step their own
+inner optimizer once they have accumulated enough samples. docs/pipeline.md has the whole design.
+"""
+
+from swarmtrain.pipeline.cut import stage_blocks, stage_of_block
+from swarmtrain.pipeline.errors import (
+    BadActivation,
+    PipelineError,
+    StageLost,
+    StaleContext,
+    UnknownMicrobatch,
+    WrongStage,
+)
+
+__all__ = [
+    "BadActivation",
+    "PipelineError",
+    "StageLost",
+    "StaleContext",
+    "UnknownMicrobatch",
+    "WrongStage",
+    "stage_blocks",
+    "stage_of_block",
+]

@@ -1,0 +1,158 @@
+"""The model's parts in a pipeline: a stage's blocks (servers) and the two ends (trainers).
+
+A block's initial weights depend on the run's seed and the block's index only, not on how the model
+is cut: re-cutting a run keeps every block's weights. `assemble` puts parts back into one GPT (the
+single-process reference of the tests, and an export of a pipeline's model). With `model.init_from`
+each part reads only its own tensors from the file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from swarmtrain.config import ConfigError, ModelConfig
+from swarmtrain.models.gpt import GPT, Block, resolve_shape
+from swarmtrain.models.presets import GPTShape
+from swarmtrain.pipeline.cut import stage_blocks
+
+__all__ = ["StageBlocks", "TrainerEnds", "assemble", "build_ends", "build_stage"]
+
+_STD = 0.02
+
+
+class StageBlocks(nn.Module):
+    """Blocks `blocks` of the model (a stage): (B, T, C) activations in, the same shape out."""
+
+    def __init__(self, shape: GPTShape, blocks: range, *, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.shape = shape
+        self.block_ids = blocks
+        self.blocks = nn.ModuleList(Block(shape, dropout) for _ in blocks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+    def state_names(self) -> dict[str, str]:
+        """This part's state_dict names -> the full GPT's names."""
+        return {name: f"blocks.{self.block_ids[int(name.split('.')[1])]}.{name.split('.', 2)[2]}"
+                for name in self.state_dict()}
+
+
+class TrainerEnds(nn.Module):
+    """The embeddings before the first stage and the head after the last (tied to the token embedding)."""
+
+    def __init__(self, shape: GPTShape, *, vocab_size: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.shape = shape
+        self.tok_emb = nn.Embedding(vocab_size, shape.n_embd)
+        self.pos_emb = nn.Embedding(shape.context_len, shape.n_embd)
+        self.drop = nn.Dropout(dropout)
+        self.ln_f = nn.LayerNorm(shape.n_embd)
+        self.head = nn.Linear(shape.n_embd, vocab_size, bias=False)
+        self.head.weight = self.tok_emb.weight
+
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:  # (B, T) tokens -> (B, T, C)
+        t = idx.shape[1]
+        if t > self.shape.context_len:
+            raise ValueError(f"sequence length {t} exceeds the model's context_len {self.shape.context_len}")
+        return self.drop(self.tok_emb(idx) + self.pos_emb(torch.arange(t, device=idx.device)))
+
+    def loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:  # the last stage's output -> mean CE
+        logits = self.head(self.ln_f(x))
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+
+    def state_names(self) -> dict[str, str]:
+        return {name: name for name in self.state_dict()}
+
+
+def _generator(seed: int, what: str) -> torch.Generator:
+    digest = hashlib.sha256(f"{seed}/{what}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+
+
+@torch.no_grad()
+def _init(module: nn.Module, generator: torch.Generator, n_layer: int) -> None:
+    """GPT-2's init (models/gpt.py): N(0, 0.02) weights, zero biases, residual projections scaled down."""
+    for m in module.modules():
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, mean=0.0, std=_STD, generator=generator)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+        if isinstance(m, nn.LayerNorm):
+            m.reset_parameters()
+    for name, p in module.named_parameters():
+        if name.endswith("proj.weight") or name.endswith("mlp.2.weight"):
+            nn.init.normal_(p, mean=0.0, std=_STD / math.sqrt(2 * n_layer), generator=generator)
+
+
+def build_stage(cfg: ModelConfig, stage: int, stages: int, *, seed: int) -> StageBlocks:
+    """Stage `stage` of `stages`, each block initialized from (seed, its index), or read from `init_from`."""
+    shape = resolve_shape(cfg)
+    blocks = stage_blocks(shape.n_layer, stages)[stage]
+    with torch.device("meta"):
+        part = StageBlocks(shape, blocks, dropout=cfg.dropout)
+    part.to_empty(device="cpu")
+    for block_id, block in zip(blocks, part.blocks, strict=True):
+        _init(block, _generator(seed, f"block/{block_id}"), shape.n_layer)
+    if cfg.init_from:
+        _load(part, cfg.init_from, part.state_names())
+    return part
+
+
+def build_ends(cfg: ModelConfig, *, seed: int) -> TrainerEnds:
+    """The trainer's part, initialized from (seed, "ends"), or read from `init_from`."""
+    shape = resolve_shape(cfg)
+    with torch.device("meta"):
+        part = TrainerEnds(shape, vocab_size=cfg.vocab_size, dropout=cfg.dropout)
+    part.to_empty(device="cpu")
+    part.head.weight = part.tok_emb.weight
+    _init(part, _generator(seed, "ends"), shape.n_layer)
+    if cfg.init_from:
+        _load(part, cfg.init_from, part.state_names())
+    return part
+
+
+def _load(part: nn.Module, path: str, names: dict[str, str]) -> None:
+    """This part's tensors of a full GPT state_dict in a safetensors file (only those are read)."""
+    from safetensors import SafetensorError, safe_open
+
+    if not Path(path).is_file():
+        raise ConfigError(f"model.init_from: {path}: no such file")
+    own = part.state_dict()
+    try:
+        with safe_open(path, framework="pt") as f:
+            present = set(f.keys())
+            missing = sorted(full for full in names.values() if full not in present)
+            if missing:
+                raise ConfigError(f"model.init_from: {path} lacks {missing[:5]} of this part")
+            tensors = {mine: f.get_tensor(full) for mine, full in names.items()}
+    except (SafetensorError, OSError) as e:
+        raise ConfigError(f"model.init_from: {path}: not a readable safetensors file ({e})") from e
+    wrong = [f"{k} {tuple(t.shape)} != {tuple(own[k].shape)}" for k, t in tensors.items() if t.shape != own[k].shape]
+    if wrong:
+        raise ConfigError(f"model.init_from: {path} does not fit this part: {wrong[:5]}")
+    part.load_state_dict({k: t.to(own[k].dtype) for k, t in tensors.items()})
+
+
+def assemble(ends: TrainerEnds, stages: Sequence[StageBlocks], *, vocab_size: int) -> GPT:
+    """One GPT holding copies of the parts' weights (stages in order, covering every block)."""
+    shape = ends.shape
+    model = GPT(shape, vocab_size=vocab_size)
+    state = {name: t.detach().clone() for name, t in ends.state_dict().items()}
+    for part in stages:
+        own = part.state_dict()
+        state.update({full: own[mine].detach().clone() for mine, full in part.state_names().items()})
+    missing = sorted(set(model.state_dict()) - set(state))
+    if missing:
+        raise ValueError(f"assemble: the parts do not cover {missing[:5]}")
+    model.load_state_dict(state)
+    return model

@@ -1,0 +1,47 @@
+"""A stage server on the data plane: the Pipeline service's handler around a StageServer."""
+
+from __future__ import annotations
+
+import asyncio
+
+from swarmtrain.pipeline.errors import PipelineError
+from swarmtrain.pipeline.server import StageServer
+from swarmtrain.pipeline.tensors import TensorCodec
+from swarmtrain.rpc.errors import Rejected
+from swarmtrain.rpc.node import RpcNode
+from swarmtrain.rpc.pipeline_wire import serve_pipeline
+from swarmtrain.wire import pipeline_pb2 as pb
+
+__all__ = ["serve_stage"]
+
+_KINDS = {"INVALID_ARGUMENT": "invalid", "FAILED_PRECONDITION": "precondition", "NOT_FOUND": "not_found",
+          "ABORTED": "aborted", "UNAVAILABLE": "precondition"}
+
+
+class _StageHandler:
+    def __init__(self, server: StageServer, codec: TensorCodec) -> None:
+        self.server = server
+        self.codec = codec
+        self.waiting = 0  # calls in this handler: the queue a reply reports
+
+    async def __call__(self, method: str, caller: str, call: pb.StageCall) -> pb.StageReply:
+        self.waiting += 1
+        try:
+            what = "forward input" if method == "Forward" else "backward gradient"
+            tensor = self.codec.decode(call.shape, call.tensor, what=what)
+            key = f"{caller}\0{call.microbatch}"  # a caller's micro-batch ids are its own
+            if method == "Forward":
+                out = await asyncio.to_thread(self.server.forward, call.stage, key, tensor, seed=call.seed)
+            else:
+                out = await asyncio.to_thread(self.server.backward, call.stage, key, tensor, samples=call.samples)
+            shape, data = self.codec.encode(out)
+            return pb.StageReply(shape=shape, tensor=data, queue=self.waiting - 1, step=self.server.step)
+        except PipelineError as e:
+            raise Rejected(str(e), kind=_KINDS[e.code]) from None
+        finally:
+            self.waiting -= 1
+
+
+def serve_stage(node: RpcNode, server: StageServer, *, codec: TensorCodec) -> None:
+    """Serve `server`'s stage on `node` (before `node.start()`)."""
+    serve_pipeline(node, _StageHandler(server, codec))

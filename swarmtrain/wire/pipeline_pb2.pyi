@@ -1,0 +1,35 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable
+from typing import ClassVar as _ClassVar, Optional as _Optional
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class StageCall(_message.Message):
+    __slots__ = ("stage", "microbatch", "shape", "tensor", "seed", "samples")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCH_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    stage: int
+    microbatch: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    tensor: bytes
+    seed: int
+    samples: int
+    def __init__(self, stage: _Optional[int] = ..., microbatch: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., tensor: _Optional[bytes] = ..., seed: _Optional[int] = ..., samples: _Optional[int] = ...) -> None: ...
+
+class StageReply(_message.Message):
+    __slots__ = ("shape", "tensor", "queue", "step")
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    tensor: bytes
+    queue: int
+    step: int
+    def __init__(self, shape: _Optional[_Iterable[int]] = ..., tensor: _Optional[bytes] = ..., queue: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,69 @@
+"""S stages × 1 server, 1 trainer, synchronous stepping, fp32 activations: after 20 steps the weights
+equal those of the same GPT trained in one process on the same micro-batches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from swarmtrain.config import load_config
+from swarmtrain.diloco.inner import build_inner_optimizer, lr_factor, set_lr
+from swarmtrain.testing.pipeline import PipelineSwarm, reference_model
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+
+STEPS = 20
+
+
+def _config(stages: int, n_layer: int):
+    return load_config(overrides=[
+        "model.preset=tiny", f"model.n_layer={n_layer}", "data.seq_len=16", "inner.warmup_steps=3",
+        "inner.grad_clip=0", "diloco.rounds=4", "diloco.inner_steps=5", f"pipeline.stages={stages}",
+        "pipeline.microbatch_size=2", "pipeline.samples_per_step=6", "rpc.run_key='k'",
+    ])
+
+
+def _batches(cfg, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(5)
+    n, t = cfg.pipeline.samples_per_step, cfg.data.seq_len
+    return [(torch.randint(0, 256, (n, t), generator=g), torch.randint(0, 256, (n, t), generator=g))
+            for _ in range(steps)]
+
+
+def _train_in_one_process(cfg, batches) -> tuple[torch.nn.Module, list[float]]:
+    model = reference_model(cfg)
+    opt = build_inner_optimizer(model, cfg.inner)
+    total = cfg.diloco.rounds * cfg.diloco.inner_steps
+    size, n = cfg.pipeline.microbatch_size, cfg.pipeline.samples_per_step
+    losses = []
+    for step, (idx, targets) in enumerate(batches):
+        set_lr(opt, cfg.inner.lr * lr_factor(step, cfg=cfg.inner, total_steps=total))
+        step_losses = []
+        for i in range(0, n, size):
+            _, loss = model(idx[i:i + size], targets[i:i + size])
+            assert loss is not None
+            (loss * size / n).backward()
+            step_losses.append(loss.item())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(sum(step_losses) / len(step_losses))
+    return model, losses
+
+
+@pytest.mark.parametrize(("stages", "n_layer"), [(2, 2), (3, 4)])
+def test_pipeline_training_equals_one_process(stages: int, n_layer: int) -> None:
+    cfg = _config(stages, n_layer)
+    batches = _batches(cfg, STEPS)
+    reference, ref_losses = _train_in_one_process(cfg, batches)
+    with PipelineSwarm(cfg, max_inflight=1) as swarm:
+        trainer = swarm.pipeline_trainers[0]
+        reports = [trainer.step(idx, targets, timeout_s=60) for idx, targets in batches]
+        got = swarm.model()
+    assert [r.lost for r in reports] == [0] * STEPS and [r.rerouted for r in reports] == [0] * STEPS
+    assert all(s.server.step == STEPS for s in swarm.servers)
+    assert [r.loss for r in reports] == pytest.approx(ref_losses, rel=1e-5)
+    ref_state, got_state = reference.state_dict(), got.state_dict()
+    moved = max((ref_state[k] - reference_model(cfg).state_dict()[k]).abs().max().item() for k in ref_state)
+    assert moved > 1e-3  # 20 steps changed the weights: the comparison below means something
+    for name, t in ref_state.items():
+        torch.testing.assert_close(got_state[name], t, rtol=1e-4, atol=1e-6, msg=name)
