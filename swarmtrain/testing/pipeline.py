@@ -43,6 +43,7 @@ class PipelineSwarm:
     servers: list[ServerProcess] = field(default_factory=list)
     trainer_nodes: list[RpcNode] = field(default_factory=list)
     pipeline_trainers: list[PipelineTrainer] = field(default_factory=list)
+    forgotten: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         cfg, pipe = self.cfg, self.cfg.pipeline
@@ -78,13 +79,17 @@ class PipelineSwarm:
             node.close()
 
     def live(self) -> list[Server]:
-        """What the directory would list: the servers whose node is running."""
-        return [s.info for s in self.servers if s.node.running]
+        """What the directory lists: every server whose record has not expired (a killed one's lingers
+        until `forget`, as a DHT record does until its TTL)."""
+        return [s.info for s in self.servers if s.name not in self.forgotten]
 
-    def kill(self, name: str) -> ServerProcess:
-        """Stop a server's node at once (its calls in flight fail, nothing is answered any more)."""
+    def kill(self, name: str, *, forget: bool = False) -> ServerProcess:
+        """Stop a server's node at once (calls in flight fail, nothing is answered any more); with `forget`
+        its record is gone too."""
         victim = next(s for s in self.servers if s.name == name)
         victim.node.close()
+        if forget:
+            self.forgotten.add(name)
         return victim
 
     def model(self, *, trainer: int = 0, replica: int = 0) -> GPT:
