@@ -64,11 +64,16 @@ def _float(kind: str, d: Mapping[str, Any], name: str) -> float:
     return float(v)
 
 
-def _shard_index(kind: str, d: Mapping[str, Any]) -> int:
-    v = d.get("shard_index", -1)  # absent in records of peers from before data shards
+def _index_or_none(kind: str, d: Mapping[str, Any], name: str) -> int:
+    v = d.get(name, -1)  # absent in records of peers from before the field: -1, none
     if not isinstance(v, int) or isinstance(v, bool) or v < -1:
-        raise _field(kind, "shard_index", f"expected an int >= -1, got {v!r}")
+        raise _field(kind, name, f"expected an int >= -1, got {v!r}")
     return v
+
+
+def _optional_int(kind: str, d: Mapping[str, Any], name: str) -> int:
+    """A count newer peers add: absent in older peers' records, where it reads as 0."""
+    return _int(kind, d, name) if name in d else 0
 
 
 def _optional_float(kind: str, d: Mapping[str, Any], name: str) -> float:
@@ -237,8 +242,16 @@ class PeerRecord(Record):
     shard_index: int = -1  # the data slot it reads in a run with data.num_shards > 0; -1 = none
     round_ends_at: float = 0.0  # unix seconds it expects its inner steps of `round` to end; 0 = unknown
     clock_offset_s: float = 0.0  # its estimate of (swarm clock − its clock); 0 = none (discovery/clock.py)
+    stage: int = -1  # a stage_server's stage of the pipeline; -1 = none
+    latency_s: float = 0.0  # a stage_server's mean seconds per call (EWMA); 0 = unknown
+    queue: int = 0  # a stage_server's calls waiting
 
     def __post_init__(self) -> None:
+        if self.stage < -1 or (self.role == "stage_server") != (self.stage >= 0):
+            raise _field(self.KIND, "stage", f"{self.stage} does not fit role {self.role!r} (a stage_server has a "
+                                             "stage >= 0, nobody else one)")
+        if not math.isfinite(self.latency_s) or self.latency_s < 0 or self.queue < 0:
+            raise _field(self.KIND, "latency_s", f"latency {self.latency_s} and queue {self.queue} must be >= 0")
         if not math.isfinite(self.clock_offset_s) or abs(self.clock_offset_s) > MAX_CLOCK_OFFSET_S:
             raise _field(self.KIND, "clock_offset_s", f"expected a number within ±{MAX_CLOCK_OFFSET_S:.0f}, "
                                                       f"got {self.clock_offset_s}")
@@ -266,7 +279,8 @@ class PeerRecord(Record):
                 "throughput_tokens_per_s": self.throughput_tokens_per_s,
                 "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s, "heartbeat_at": self.heartbeat_at,
                 "shard_index": self.shard_index, "round_ends_at": self.round_ends_at,
-                "clock_offset_s": self.clock_offset_s}
+                "clock_offset_s": self.clock_offset_s, "stage": self.stage, "latency_s": self.latency_s,
+                "queue": self.queue}
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> PeerRecord:
@@ -276,8 +290,10 @@ class PeerRecord(Record):
                    state_hash=_str(k, d, "state_hash"),
                    throughput_tokens_per_s=_float(k, d, "throughput_tokens_per_s"),
                    bandwidth_bytes_per_s=_float(k, d, "bandwidth_bytes_per_s"),
-                   heartbeat_at=_float(k, d, "heartbeat_at"), shard_index=_shard_index(k, d),
-                   round_ends_at=_optional_float(k, d, "round_ends_at"), clock_offset_s=_clock_offset(k, d))
+                   heartbeat_at=_float(k, d, "heartbeat_at"), shard_index=_index_or_none(k, d, "shard_index"),
+                   round_ends_at=_optional_float(k, d, "round_ends_at"), clock_offset_s=_clock_offset(k, d),
+                   stage=_index_or_none(k, d, "stage"), latency_s=_optional_float(k, d, "latency_s"),
+                   queue=_optional_int(k, d, "queue"))
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ from swarmtrain.models import build_model
 from swarmtrain.peer.config import merge_run_config
 from swarmtrain.peer.data import choose_shard, peer_batches, peer_seed, saved_slot
 from swarmtrain.peer.healing import Healing
+from swarmtrain.peer.joining import fetch_run_config
 from swarmtrain.peer.membership import Membership
 from swarmtrain.peer.overlap import OverlappedRounds
 from swarmtrain.peer.presence import Presence
@@ -162,18 +163,8 @@ class Peer(OverlappedRounds, Healing):
 
     async def _fetch_run(self) -> RunConfig:
         assert self.discovery is not None
-        deadline = time.monotonic() + RUN_FETCH_TIMEOUT_S
-        join_ids = [m.rsplit("/p2p/", 1)[1] for m in self.local.discovery.initial_peers if "/p2p/" in m]
-        while True:
-            record = await self.discovery.fetch_run(coordinator_id=self.coordinator_id, join_ids=join_ids,
-                                                    timeout_s=self.local.rpc.call_timeout_s)
-            if record is not None:
-                log.info("run %s from coordinator %s at round %d", record.run_id, record.coordinator_id, record.round)
-                return record.run_config()
-            if time.monotonic() > deadline:
-                raise PeerError(f"no run record for run {self.local.train.run_id!r} found in the swarm within "
-                                f"{RUN_FETCH_TIMEOUT_S:.0f}s (is --join a live coordinator, is train.run_id right?)")
-            await asyncio.sleep(0.5)
+        return await fetch_run_config(self.discovery, self.local, coordinator_id=self.coordinator_id,
+                                      timeout_s=RUN_FETCH_TIMEOUT_S)
 
     def _build_worker(self, peer_id: str, codec: Codec) -> DilocoWorker:
         cfg = self.cfg

@@ -1,7 +1,8 @@
 """Which server of a stage gets a micro-batch: expected completion time, randomized (SWARM's wiring).
 
-Each server's expected time is its latency EWMA (a stage's median when it has none yet) times one
-plus the calls this trainer has in flight to it plus the queue it last reported. A server is drawn
+Each server's expected time is its latency EWMA (what its record says, then the stage's median, while
+this trainer has none) times one plus the calls this trainer has in flight to it plus the queue it
+last reported. A server is drawn
 with probability proportional to 1 / expected time, so load spreads and a slow server still gets a
 share in proportion to its speed. A call that fails or passes its deadline (a multiple of that
 server's p95 latency) marks the server failed: it is avoided for `avoid_s`, doubling with each
@@ -14,7 +15,7 @@ from __future__ import annotations
 import collections
 import random
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from swarmtrain.config import PipelineConfig
@@ -37,6 +38,7 @@ class Server:
 @dataclass
 class _Health:
     ewma_s: float | None = None
+    hinted_s: float | None = None  # from the server's record, until this trainer measured it
     latencies: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=_WINDOW))
     in_flight: int = 0
     queue: int = 0
@@ -52,8 +54,9 @@ class Router:
         self._servers: dict[int, list[Server]] = {}
         self._health: dict[Server, _Health] = {}
 
-    def update(self, servers: Sequence[Server]) -> None:
-        """The live servers (from their records); others are forgotten, known ones keep their history."""
+    def update(self, servers: Sequence[Server], *, hints: Mapping[Server, tuple[float, int]] | None = None) -> None:
+        """The live servers (from their records); others are forgotten, known ones keep their history.
+        `hints`: (latency EWMA, queue) a server published, used until this trainer has its own figures."""
         by_stage: dict[int, list[Server]] = {}
         for s in servers:
             by_stage.setdefault(s.stage, []).append(s)
@@ -61,14 +64,19 @@ class Router:
         live = set(servers)
         self._health = {s: h for s, h in self._health.items() if s in live}
         for s in servers:
-            self._health.setdefault(s, _Health())
+            h = self._health.setdefault(s, _Health())
+            latency, queue = (hints or {}).get(s, (0.0, 0))
+            if h.ewma_s is None and latency > 0:
+                h.hinted_s = latency
+            if not h.latencies:
+                h.queue = queue
 
     def servers(self, stage: int) -> list[Server]:
         return list(self._servers.get(stage, ()))
 
     def expected_s(self, server: Server) -> float:
         h = self._health[server]
-        base = h.ewma_s if h.ewma_s is not None else self._stage_median(server.stage)
+        base = h.ewma_s if h.ewma_s is not None else h.hinted_s or self._stage_median(server.stage)
         return base * (1 + h.in_flight + h.queue)
 
     def _stage_median(self, stage: int) -> float:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 from swarmtrain.pipeline.errors import PipelineError
 from swarmtrain.pipeline.server import StageServer
@@ -12,20 +13,28 @@ from swarmtrain.rpc.node import RpcNode
 from swarmtrain.rpc.pipeline_wire import serve_pipeline
 from swarmtrain.wire import pipeline_pb2 as pb
 
-__all__ = ["serve_stage"]
+__all__ = ["StageHandler", "serve_stage"]
 
 _KINDS = {"INVALID_ARGUMENT": "invalid", "FAILED_PRECONDITION": "precondition", "NOT_FOUND": "not_found",
           "ABORTED": "aborted", "UNAVAILABLE": "precondition"}
 
 
-class _StageHandler:
+_EWMA = 0.3
+
+
+class StageHandler:
+    """The Pipeline service's handler; `latency_s` (EWMA of a call's seconds here) and `waiting` (calls in
+    the handler) go into the server's record."""
+
     def __init__(self, server: StageServer, codec: TensorCodec) -> None:
         self.server = server
         self.codec = codec
         self.waiting = 0  # calls in this handler: the queue a reply reports
+        self.latency_s = 0.0
 
     async def __call__(self, method: str, caller: str, call: pb.StageCall) -> pb.StageReply:
         self.waiting += 1
+        start = time.monotonic()
         try:
             what = "forward input" if method == "Forward" else "backward gradient"
             tensor = self.codec.decode(call.shape, call.tensor, what=what)
@@ -35,6 +44,8 @@ class _StageHandler:
             else:
                 out = await asyncio.to_thread(self.server.backward, call.stage, key, tensor, samples=call.samples)
             shape, data = self.codec.encode(out)
+            took = time.monotonic() - start
+            self.latency_s = took if not self.latency_s else (1 - _EWMA) * self.latency_s + _EWMA * took
             return pb.StageReply(shape=shape, tensor=data, queue=self.waiting - 1, step=self.server.step)
         except PipelineError as e:
             raise Rejected(str(e), kind=_KINDS[e.code]) from None
@@ -42,6 +53,8 @@ class _StageHandler:
             self.waiting -= 1
 
 
-def serve_stage(node: RpcNode, server: StageServer, *, codec: TensorCodec) -> None:
+def serve_stage(node: RpcNode, server: StageServer, *, codec: TensorCodec) -> StageHandler:
     """Serve `server`'s stage on `node` (before `node.start()`)."""
-    serve_pipeline(node, _StageHandler(server, codec))
+    handler = StageHandler(server, codec)
+    serve_pipeline(node, handler)
+    return handler

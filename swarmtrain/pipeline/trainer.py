@@ -16,7 +16,7 @@ import asyncio
 import random
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,6 +68,7 @@ class PipelineTrainer:
     """Drives micro-batches through the stages; `servers()` lists the live stage servers (their records)."""
 
     def __init__(self, node: RpcNode, ends: TrainerEnds, cfg: RunConfig, *, servers: Callable[[], Sequence[Server]],
+                 hints: Callable[[], Mapping[Server, tuple[float, int]]] | None = None,
                  clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None,
                  max_inflight: int = 0) -> None:
         if cfg.pipeline.stages < 1:
@@ -77,6 +78,7 @@ class PipelineTrainer:
         self.cfg = cfg
         self.pipe = cfg.pipeline
         self.servers = servers
+        self.hints = hints or dict
         self.rng = rng or random.Random()
         self.router = Router(self.pipe, clock=clock, rng=self.rng)
         self.clock = clock
@@ -102,7 +104,7 @@ class PipelineTrainer:
         if idx.shape[0] != n or targets.shape != idx.shape:
             raise ValueError(f"a step takes ({n}, T) tokens and targets of one shape, got {tuple(idx.shape)} and "
                              f"{tuple(targets.shape)}")
-        self.router.update(self.servers())
+        self.router.update(self.servers(), hints=self.hints())
         tally = _Tally(seconds=[[] for _ in range(self.pipe.stages)])
         gate = asyncio.Semaphore(self.max_inflight)
         size = self.pipe.microbatch_size
@@ -200,7 +202,7 @@ class PipelineTrainer:
         server = self.router.choose(stage, exclude=tried)
         if server is None and not refreshed[0]:  # every known server failed this call: maybe new ones joined
             refreshed[0] = True
-            self.router.update(self.servers())
+            self.router.update(self.servers(), hints=self.hints())
             tried.intersection_update(self.router.servers(stage))
             server = self.router.choose(stage, exclude=tried)
         if server is None:

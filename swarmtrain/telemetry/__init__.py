@@ -10,6 +10,8 @@ from swarmtrain.telemetry.events import (
     LeaveEvent,
     ReadyLine,
     RoundEvent,
+    StageStepEvent,
+    StepEvent,
     format_ready,
     parse_line,
 )
@@ -23,7 +25,9 @@ __all__ = [
     "RoundCounters",
     "RoundEvent",
     "RoundTotals",
+    "StageStepEvent",
     "StatusSnapshot",
+    "StepEvent",
     "format_ready",
     "parse_line",
 ]

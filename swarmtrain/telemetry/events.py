@@ -20,6 +20,8 @@ __all__ = [
     "Line",
     "ReadyLine",
     "RoundEvent",
+    "StageStepEvent",
+    "StepEvent",
     "format_ready",
     "parse_line",
 ]
@@ -83,19 +85,53 @@ class LeaveEvent:
 
 
 @dataclass(frozen=True)
+class StepEvent:
+    """One inner step of a pipeline trainer: its micro-batches, how many were re-sent and lost."""
+
+    step: int
+    loss: float | None  # mean loss of the step's completed micro-batches (None: all lost)
+    samples: int  # sequences whose micro-batch completed
+    microbatches: int
+    rerouted: int  # calls re-sent to another server of their stage
+    lost: int
+    stage_latency_s: tuple[float, ...]  # mean seconds of a call to each stage
+    peer: str = ""
+    lost_reasons: tuple[str, ...] = ()
+
+    event: str = field(default="step", init=False)
+
+
+@dataclass(frozen=True)
+class StageStepEvent:
+    """One inner step of a pipeline stage server."""
+
+    stage: int
+    step: int
+    samples_per_s: float  # sequences this server trained on per second since its previous step
+    forwards: int
+    backwards: int
+    refused: int  # calls answered with a typed error so far
+    peer: str = ""
+
+    event: str = field(default="stage_step", init=False)
+
+
+@dataclass(frozen=True)
 class ReadyLine:
     """The `READY {json}` line a daemon prints once it is listening; `info` is its JSON payload."""
 
     info: dict[str, Any]
 
 
-Event = RoundEvent | HealEvent | LeaveEvent
+Event = RoundEvent | HealEvent | LeaveEvent | StepEvent | StageStepEvent
 Line = Event | ReadyLine
 
-_EVENT_TYPES: dict[str, type[RoundEvent] | type[HealEvent] | type[LeaveEvent]] = {
+_EVENT_TYPES: dict[str, type[Event]] = {
     "round": RoundEvent,
     "heal": HealEvent,
     "leave": LeaveEvent,
+    "step": StepEvent,
+    "stage_step": StageStepEvent,
 }
 
 
@@ -118,12 +154,16 @@ def format_ready(info: dict[str, Any]) -> str:
     return READY_PREFIX + json.dumps(info, separators=(", ", ": "))
 
 
-def _build(cls: type[RoundEvent] | type[HealEvent] | type[LeaveEvent], obj: dict[str, Any]) -> Event:
+_LIST_FIELDS = ("members", "stage_latency_s", "lost_reasons")
+
+
+def _build(cls: type[Event], obj: dict[str, Any]) -> Event:
     fields = {k: v for k, v in obj.items() if k != "event"}
-    if "members" in fields:
-        if not isinstance(fields["members"], list):
-            raise EventError(f"{obj.get('event')} event: 'members' must be a list, got {fields['members']!r}")
-        fields["members"] = tuple(fields["members"])
+    for name in _LIST_FIELDS:
+        if name in fields:
+            if not isinstance(fields[name], list):
+                raise EventError(f"{obj.get('event')} event: {name!r} must be a list, got {fields[name]!r}")
+            fields[name] = tuple(fields[name])
     try:
         return cls(**fields)
     except TypeError as e:

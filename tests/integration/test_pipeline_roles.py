@@ -1,0 +1,79 @@
+"""The pipeline's daemon roles on an in-memory DHT with real loopback gRPC: servers announce their stage
+(or take the least served one), a trainer finds them through their records and trains its steps; a server
+that leaves mid-run is routed around and the trainer loses nothing."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from swarmtrain.config import load_config
+from swarmtrain.discovery import PeerRecord
+from swarmtrain.pipeline.roles import StageServerRole, TrainerRole, least_served_stage
+from swarmtrain.telemetry import EventWriter, LeaveEvent, ReadyLine, StageStepEvent, StepEvent
+from swarmtrain.testing.cluster import EventLog, LoopbackServices, publish_run
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+
+KEY = "pipeline key"
+RUN = ["model.preset=tiny", "model.n_layer=3", "data.max_corpus_bytes=300000", "data.seq_len=16",
+       "inner.warmup_steps=2", "diloco.rounds=3", "diloco.inner_steps=6", "pipeline.stages=2",
+       "pipeline.microbatch_size=2", "pipeline.samples_per_step=8", "pipeline.call_timeout_s=3",
+       "discovery.heartbeat_s=0.2", "discovery.record_ttl_s=3", "rpc.call_timeout_s=3"]
+
+
+def _local():
+    return load_config(overrides=[f"rpc.run_key={KEY!r}"])
+
+
+def test_the_least_served_stage_counts_servers_per_block() -> None:
+    def server(i: int, stage: int) -> PeerRecord:
+        return PeerRecord(run_id="r", peer_id=f"p{i}", endpoint=f"127.0.0.1:{1000 + i}", role="stage_server",
+                          stage=stage)
+
+    assert least_served_stage([], n_layer=3, stages=2) == 0
+    # stage 0 holds 2 blocks, stage 1 one: one server on stage 0 still leaves stage 1 less served per block
+    assert least_served_stage([server(1, 0)], n_layer=3, stages=2) == 1
+    assert least_served_stage([server(1, 0), server(2, 1)], n_layer=3, stages=2) == 0
+    assert least_served_stage([server(1, 0), server(2, 0), server(3, 1)], n_layer=3, stages=2) == 0  # a tie
+
+
+def test_servers_and_a_trainer_find_each_other_and_a_leaving_server_costs_no_microbatch() -> None:
+    async def main() -> dict[str, EventLog]:
+        services = LoopbackServices()
+        await publish_run(services.registry, RUN, run_key=KEY)
+        logs = {n: EventLog() for n in ("a", "b", "c", "d", "t")}
+        servers = {}
+        for name, stage in (("a", 0), ("b", 1), ("c", None), ("d", None)):
+            role = StageServerRole(_local(), stage=stage, writer=EventWriter(logs[name]), services=services)
+            await role.start()  # one after another: c and d each take the least served stage then
+            servers[name] = role
+        trainer = TrainerRole(_local(), writer=EventWriter(logs["t"]), services=services)
+        await trainer.start()
+        stop = asyncio.Event()
+        run = asyncio.create_task(trainer.run(stop))
+        while trainer.trainer is None or trainer.trainer.step_count < 6:
+            await asyncio.sleep(0.05)
+        await servers["d"].aclose("signal")  # d leaves (its record is withdrawn) while the trainer trains
+        reason = await asyncio.wait_for(run, timeout=120)
+        await trainer.aclose(reason)
+        stop.set()
+        for name in ("a", "b", "c"):
+            await servers[name].aclose("signal")
+        return logs
+
+    logs = asyncio.run(main())
+    ready = {n: next(e for e in log.events() if isinstance(e, ReadyLine)).info for n, log in logs.items()}
+    # c: 0.5 servers per block on stage 0 against 1 on stage 1; d: 1 and 1, a tie, the earlier stage
+    assert [ready[n]["stage"] for n in "abcd"] == [0, 1, 0, 0]
+    assert ready["a"]["blocks"] == [0, 2] and ready["b"]["blocks"] == [2, 3]
+    steps = [e for e in logs["t"].events() if isinstance(e, StepEvent)]
+    assert [e.step for e in steps] == list(range(1, 19)) and sum(e.lost for e in steps) == 0
+    assert sum(e.microbatches for e in steps) == 18 * 4 and all(len(e.stage_latency_s) == 2 for e in steps)
+    assert steps[-1].loss is not None and steps[-1].loss < steps[0].loss  # type: ignore[operator]
+    leave = [e for e in logs["t"].events() if isinstance(e, LeaveEvent)]
+    assert leave and leave[0].reason == "done" and leave[0].round == 18
+    server_steps = {n: [e for e in logs[n].events() if isinstance(e, StageStepEvent)] for n in "abc"}
+    assert all(server_steps[n] for n in "abc")  # every server stepped on its share of the samples
+    assert all(e.stage == ready[n]["stage"] for n in "abc" for e in server_steps[n])
