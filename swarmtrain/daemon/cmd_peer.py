@@ -6,7 +6,8 @@ import argparse
 
 from swarmtrain.daemon.options import add_config_options, add_insecure_option
 
-HELP = "join a run as a DiLoCo peer: prints READY {json}, then one JSON line per round"
+HELP = ("join a run as a DiLoCo peer (or a pipeline stage server or trainer): prints READY {json}, then one JSON "
+        "line per round (per step)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,6 +29,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="in a run with data.num_shards > 0: the slot of the data stream this peer reads "
                              "(default: its checkpoint's slot, else the lowest slot no live peer reads)")
     parser.add_argument("--coordinator-id", help="the coordinator's peer id, if several publish this run")
+    parser.add_argument("--role", choices=("worker", "server", "trainer"), default="worker",
+                        help="worker: a DiLoCo peer holding the whole model (default); in a run with "
+                             "pipeline.stages > 0, server: serve one stage's blocks, trainer: hold the data, "
+                             "embeddings and head and drive micro-batches through the stages")
+    parser.add_argument("--stage", type=int, metavar="K",
+                        help="with --role server: the stage to serve (default: the one with the fewest servers "
+                             "per block)")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                         help="human-readable progress on stderr: a status line per second, a line per round, "
                              "heal and leave (default: on when stderr is a terminal); stdout is unchanged")
@@ -89,6 +97,18 @@ def run(args: argparse.Namespace) -> int:
     if refused:
         print(f"swarmtrain peer: error: {refused}", file=sys.stderr)
         return 2
+    if args.stage is not None and args.role != "server":
+        print("swarmtrain peer: error: --stage goes with --role server", file=sys.stderr)
+        return 2
+    if args.role != "worker":
+        from swarmtrain.pipeline.process import run_pipeline_process
+
+        try:
+            return run_pipeline_process(local, role=args.role, stage=args.stage, local_overrides=args.overrides,
+                                        coordinator_id=args.coordinator_id)
+        except PeerError as e:
+            print(f"swarmtrain peer: error: {e}", file=sys.stderr)
+            return 1
     progress = None
     if progress_enabled(args, stderr_is_tty=sys.stderr.isatty()):
         progress = ConsoleProgress(sys.stderr, in_place=sys.stderr.isatty())

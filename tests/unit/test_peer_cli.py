@@ -110,3 +110,10 @@ def test_tls_without_a_run_key_exits_with_one_line(command: str, monkeypatch: py
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"swarmtrain {command}: error: rpc.tls needs a run key (its certificates are derived from it): "
                    "set SWARMTRAIN_RUN_KEY or rpc.run_key"]
+
+
+def test_stage_without_the_server_role_exits_with_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    args = build_parser().parse_args(["peer", "--join", "/ip4/127.0.0.1/tcp/1/p2p/QmX", "--stage", "1",
+                                      "--set", "rpc.run_key='k'"])
+    assert args._module.run(args) == 2
+    assert capsys.readouterr().err.strip() == "swarmtrain peer: error: --stage goes with --role server"

@@ -1,0 +1,44 @@
+"""`swarmtrain peer --role server|trainer` as a process: one role on uvloop; SIGTERM/SIGINT leave."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Sequence
+
+from swarmtrain.config import RunConfig
+from swarmtrain.daemon.signals import StopSignals
+from swarmtrain.pipeline.roles import StageServerRole, TrainerRole
+from swarmtrain.telemetry import EventWriter
+
+__all__ = ["run_pipeline_process"]
+
+
+def run_pipeline_process(local: RunConfig, *, role: str, stage: int | None = None,
+                         local_overrides: Sequence[str] = (), coordinator_id: str | None = None) -> int:
+    """Run a stage server (`role="server"`) or a trainer until done or signalled; 0 on a clean leave."""
+    import uvloop
+
+    from swarmtrain.peer.network import NetworkServices
+
+    writer = EventWriter(sys.stdout)
+    kw = {"writer": writer, "services": NetworkServices(), "local_overrides": local_overrides,
+          "coordinator_id": coordinator_id}
+    runner_role = StageServerRole(local, stage=stage, **kw) if role == "server" else TrainerRole(local, **kw)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(_main(runner_role))
+
+
+async def _main(role: StageServerRole | TrainerRole) -> int:
+    stop = asyncio.Event()
+    StopSignals(leaving="leaving").install(stop)
+    reason = "error"
+    try:
+        await role.start()
+        reason = await role.run(stop)
+    except Exception as e:
+        reason = f"error: {e}"
+        raise
+    finally:
+        await role.aclose(reason)
+    return 0

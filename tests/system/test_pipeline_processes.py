@@ -1,0 +1,69 @@
+"""A pipeline of real processes: coordinator + 2 stages × 2 servers + 2 trainers on 127.0.0.1. One stage-1
+server is SIGKILLed and one stage-0 server SIGSTOPped (longer than its calls' deadlines) while the
+trainers train: every micro-batch sent completes (lost = 0, rerouted > 0) and the loss keeps falling."""
+
+from __future__ import annotations
+
+import pytest
+
+from swarmtrain.daemon.children import Child
+from swarmtrain.telemetry import LeaveEvent, StepEvent
+from swarmtrain.telemetry.events import Line
+from swarmtrain.testing.procs import ProcessSet, sigcont, sigkill, sigstop
+
+pytestmark = [pytest.mark.system, pytest.mark.timeout(420)]
+
+KEY = "pipeline run key"
+STEPS = 36  # diloco.rounds × diloco.inner_steps
+RUN = [
+    "model.preset=tiny", "data.max_corpus_bytes=400000", "data.seq_len=32", "inner.warmup_steps=2",
+    "inner.lr=3e-3", "diloco.rounds=3", "diloco.inner_steps=12", "pipeline.stages=2", "pipeline.microbatch_size=2",
+    "pipeline.samples_per_step=8", "pipeline.call_timeout_s=4", "pipeline.min_deadline_s=0.5",
+    "pipeline.avoid_s=20", "discovery.heartbeat_s=0.5", "discovery.record_ttl_s=4.0", "rpc.call_timeout_s=4.0",
+    "train.threads=1",
+]
+START_S = 120.0
+
+
+def _steps(child: Child) -> list[StepEvent]:
+    return [x for x in child.snapshot() if isinstance(x, StepEvent)]
+
+
+def _at_step(n: int):  # noqa: ANN202
+    def match(line: Line) -> bool:
+        return isinstance(line, StepEvent) and line.step >= n
+    return match
+
+
+def test_killed_and_stalled_stage_servers_cost_no_microbatch(procs: ProcessSet,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SWARMTRAIN_RUN_KEY", KEY)
+    _, join = procs.coordinator(RUN, timeout_s=START_S)
+    servers = {f"s{k}{x}": procs.peer(f"s{k}{x}", join, "--role", "server", "--stage", str(k))
+               for k in (0, 1) for x in "ab"}
+    for s in servers.values():
+        s.wait_ready(timeout_s=START_S)
+    trainers = [procs.peer(f"t{i}", join, "--role", "trainer") for i in (1, 2)]
+    for t in trainers:
+        t.wait_ready(timeout_s=START_S)
+
+    trainers[0].wait_for(_at_step(8), timeout_s=120, what="trainer step 8")
+    sigkill(servers["s1a"])
+    trainers[0].wait_for(_at_step(16), timeout_s=120, what="trainer step 16 after the kill")
+    sigstop(servers["s0a"])
+    trainers[0].wait_for(_at_step(24), timeout_s=180, what="trainer step 24 with a server stopped")
+    sigcont(servers["s0a"])
+    for t in trainers:
+        t.wait_for(lambda line: isinstance(line, LeaveEvent), timeout_s=240, what="the trainer's leave")
+
+    for t in trainers:
+        steps = _steps(t)
+        leave = next(x for x in t.snapshot() if isinstance(x, LeaveEvent))
+        assert leave.reason == "done" and [s.step for s in steps] == list(range(1, STEPS + 1))
+        assert sum(s.lost for s in steps) == 0, [s.lost_reasons for s in steps if s.lost]
+        assert sum(s.microbatches for s in steps) == STEPS * 4
+        losses = [s.loss for s in steps]
+        assert all(x is not None for x in losses)
+        third = STEPS // 3
+        assert sum(losses[-third:]) < 0.9 * sum(losses[:third]), losses  # type: ignore[arg-type]
+    assert sum(s.rerouted for t in trainers for s in _steps(t) if s.step > 8) > 0
