@@ -2,8 +2,9 @@
 
 Both join like a DiLoCo peer (the DHT, the run record of the coordinator `--join` names, the run's
 config with the peer's own sections) and announce a peer record by heartbeat. A server holds one
-stage (`--stage K`, else the stage with the fewest servers per block) and serves it until signalled,
-printing a `stage_step` line per inner step. A trainer reads the run's data, lists the live servers
+stage (`--stage K`, else the stage with the fewest servers per block), starts from the weights of a
+live server of that stage when there is one (a `heal` line), and serves it until signalled, printing
+a `stage_step` line per inner step. A trainer reads the run's data, lists the live servers
 from their records (stage, latency, queue) and trains `diloco.rounds × diloco.inner_steps` inner
 steps through them, printing a `step` line per step, then leaves.
 """
@@ -14,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -35,7 +36,8 @@ from swarmtrain.pipeline.service import StageHandler, serve_stage
 from swarmtrain.pipeline.tensors import TensorCodec
 from swarmtrain.pipeline.trainer import PipelineTrainer
 from swarmtrain.rpc.node import RpcNode
-from swarmtrain.telemetry import EventWriter, LeaveEvent, StageStepEvent, StepEvent
+from swarmtrain.sync.transfer import StateServer, StateSnapshot, StateTransferError, fetch_state
+from swarmtrain.telemetry import EventWriter, HealEvent, LeaveEvent, StageStepEvent, StepEvent
 from swarmtrain.trust import resolve_run_key
 
 __all__ = ["StageServerRole", "TrainerRole", "least_served_stage", "servers_of"]
@@ -139,7 +141,9 @@ class StageServerRole(_Role):
         self.node = RpcNode(cfg.rpc, peer_id=discovery.peer_id)
         codec = TensorCodec(pipe.activation_codec, max_shape=(pipe.microbatch_size, cfg.data.seq_len, shape.n_embd))
         self.handler = serve_stage(self.node, self.server, codec=codec)
+        StateServer(self.node).serve(self._live_part)  # for servers that join this stage later
         await asyncio.to_thread(self.node.start, timeout_s=cfg.rpc.call_timeout_s + 10.0)
+        await self._heal(discovery)
         await self._announce()
         blocks = stage_blocks(shape.n_layer, pipe.stages)[self.stage]
         info = {"role": "server", "peer_id": discovery.peer_id, "endpoint": self.node.endpoint,
@@ -147,6 +151,43 @@ class StageServerRole(_Role):
                 "num_params": sum(p.numel() for p in part.parameters())}
         self.writer.ready(info)
         return info
+
+    @contextlib.contextmanager
+    def _live_part(self) -> Iterator[tuple[Hashable, StateSnapshot] | None]:
+        """This stage's weights for a joining server, held still while they are copied."""
+        server = self.server
+        if server is None:
+            yield None
+            return
+        with server.still():
+            yield server.version, StateSnapshot(round=server.step, params=server.part.state_dict(), momentum={},
+                                                config=self.cfg)
+
+    async def _heal(self, discovery: Discovery) -> None:
+        """Start from the weights of a live server of this stage (the one furthest on first), if there is one."""
+        assert self.server is not None and self.node is not None
+        cfg = self.cfg
+        peers = await discovery.live_peers(timeout_s=cfg.rpc.call_timeout_s)
+        donors = sorted((p for p in peers if p.role == "stage_server" and p.stage == self.stage and p.endpoint
+                         and p.peer_id != discovery.peer_id), key=lambda p: -p.round)
+        shapes = {name: tuple(t.shape) for name, t in self.server.part.state_dict().items()}
+        for donor in donors:
+            start = time.perf_counter()
+            try:
+                snapshot = await asyncio.to_thread(fetch_state, self.node, [donor.endpoint], run_id=cfg.train.run_id,
+                                                   expected_shapes=shapes, timeout_s=4 * cfg.rpc.call_timeout_s)
+                if snapshot.config.train.run_nonce != cfg.train.run_nonce:
+                    raise StateTransferError(f"its state is of another run (nonce {snapshot.config.train.run_nonce!r})")
+                await asyncio.to_thread(self.server.adopt, snapshot.params, step=snapshot.round)
+            except (StateTransferError, ValueError) as e:
+                log.warning("stage %d: no state from %s: %s", self.stage, donor.peer_id, e)
+                continue
+            self.writer.emit(HealEvent(from_round=0, to_round=snapshot.round, source=donor.peer_id, hash="",
+                                       peer=discovery.peer_id, transfer_s=round(time.perf_counter() - start, 4)))
+            return
+        if donors:
+            log.warning("stage %d: no live server of this stage gave its weights; starting from the run's init",
+                        self.stage)
 
     def _record(self) -> PeerRecord:
         assert self.discovery is not None and self.node is not None and self.server is not None

@@ -16,9 +16,10 @@ serialized by one lock: a CPU server computes one micro-batch at a time anyway.
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -68,10 +69,32 @@ class StageServer:
         self._lock = threading.Lock()
         self._contexts: collections.OrderedDict[str, _Context] = collections.OrderedDict()
         self.step = 0
+        self.version = 0  # changes whenever the weights do (a step, an adoption)
         self.samples = 0
         self.forwards = self.backwards = self.refused = 0
         part.train()
         set_lr(self.optimizer, inner.lr * lr_factor(0, cfg=inner, total_steps=total_steps))
+
+    @contextlib.contextmanager
+    def still(self) -> Iterator[None]:
+        """Hold the part's weights still (no call runs meanwhile): a joiner's copy of them is taken inside."""
+        with self._lock:
+            yield
+
+    def adopt(self, params: Mapping[str, torch.Tensor], *, step: int) -> None:
+        """Take a live server's weights and step count (a server joining its stage); the optimizer's moments
+        start afresh, and contexts from before are dropped."""
+        with self._lock:
+            own = self.part.state_dict()
+            if set(params) != set(own) or any(params[k].shape != own[k].shape for k in own):
+                raise ValueError(f"stage {self.stage}: the weights offered do not fit this part")
+            self.part.load_state_dict(dict(params))
+            self.optimizer.zero_grad(set_to_none=True)
+            self.optimizer.state.clear()
+            self.version += 1
+            self._contexts.clear()
+            self.step, self.samples = step, 0
+            set_lr(self.optimizer, self.inner.lr * lr_factor(step, cfg=self.inner, total_steps=self.total_steps))
 
     def stats(self) -> StageStats:
         with self._lock:
@@ -158,6 +181,7 @@ class StageServer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
+        self.version += 1
         self.samples -= self.cfg.samples_per_step
         set_lr(self.optimizer, self.inner.lr * lr_factor(self.step, cfg=self.inner, total_steps=self.total_steps))
         if self.on_step is not None:

@@ -7,11 +7,12 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 
 from swarmtrain.config import load_config
 from swarmtrain.discovery import PeerRecord
 from swarmtrain.pipeline.roles import StageServerRole, TrainerRole, least_served_stage
-from swarmtrain.telemetry import EventWriter, LeaveEvent, ReadyLine, StageStepEvent, StepEvent
+from swarmtrain.telemetry import EventWriter, HealEvent, LeaveEvent, ReadyLine, StageStepEvent, StepEvent
 from swarmtrain.testing.cluster import EventLog, LoopbackServices, publish_run
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
@@ -43,7 +44,7 @@ def test_servers_and_a_trainer_find_each_other_and_a_leaving_server_costs_no_mic
     async def main() -> dict[str, EventLog]:
         services = LoopbackServices()
         await publish_run(services.registry, RUN, run_key=KEY)
-        logs = {n: EventLog() for n in ("a", "b", "c", "d", "t")}
+        logs = {n: EventLog() for n in ("a", "b", "c", "d", "t")}  # e: a late server, added below
         servers = {}
         for name, stage in (("a", 0), ("b", 1), ("c", None), ("d", None)):
             role = StageServerRole(_local(), stage=stage, writer=EventWriter(logs[name]), services=services)
@@ -58,13 +59,24 @@ def test_servers_and_a_trainer_find_each_other_and_a_leaving_server_costs_no_mic
         await servers["d"].aclose("signal")  # d leaves (its record is withdrawn) while the trainer trains
         reason = await asyncio.wait_for(run, timeout=120)
         await trainer.aclose(reason)
+        # A server joining stage 0 now starts from the weights of a live server of that stage.
+        logs["e"] = EventLog()
+        late = StageServerRole(_local(), stage=0, writer=EventWriter(logs["e"]), services=services)
+        await late.start()
+        heal = next(e for e in logs["e"].events() if isinstance(e, HealEvent))
+        donor = next(r for r in servers.values() if r.discovery is not None and r.discovery.peer_id == heal.source)
+        assert donor.stage == 0 and late.server is not None and donor.server is not None
+        assert heal.to_round == donor.server.step == late.server.step > 0
+        for name, t in donor.server.part.state_dict().items():
+            assert torch.equal(late.server.part.state_dict()[name], t), name
         stop.set()
         for name in ("a", "b", "c"):
             await servers[name].aclose("signal")
+        await late.aclose("signal")
         return logs
 
     logs = asyncio.run(main())
-    ready = {n: next(e for e in log.events() if isinstance(e, ReadyLine)).info for n, log in logs.items()}
+    ready = {n: next(e for e in log.events() if isinstance(e, ReadyLine)).info for n, log in logs.items() if n != "e"}
     # c: 0.5 servers per block on stage 0 against 1 on stage 1; d: 1 and 1, a tie, the earlier stage
     assert [ready[n]["stage"] for n in "abcd"] == [0, 1, 0, 0]
     assert ready["a"]["blocks"] == [0, 2] and ready["b"]["blocks"] == [2, 3]

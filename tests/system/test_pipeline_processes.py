@@ -4,6 +4,8 @@ trainers train: every micro-batch sent completes (lost = 0, rerouted > 0) and th
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from swarmtrain.daemon.children import Child
@@ -29,7 +31,7 @@ def _steps(child: Child) -> list[StepEvent]:
     return [x for x in child.snapshot() if isinstance(x, StepEvent)]
 
 
-def _at_step(n: int):  # noqa: ANN202
+def _at_step(n: int) -> Callable[[Line], bool]:
     def match(line: Line) -> bool:
         return isinstance(line, StepEvent) and line.step >= n
     return match
