@@ -203,7 +203,7 @@ class StageServerRole(_Role):
         self._last_step = (stats.step, now)
         self.writer.emit(StageStepEvent(stage=stats.stage, step=stats.step, samples_per_s=round(rate, 3),
                                         forwards=stats.forwards, backwards=stats.backwards, refused=stats.refused,
-                                        peer=self.discovery.peer_id if self.discovery else ""))
+                                        peer=self.discovery.peer_id if self.discovery else "", at=time.time()))
 
     async def run(self, stop: asyncio.Event) -> str:
         """Serve until `stop` (a server has no end of its own: the trainers decide when the run is over)."""
@@ -281,7 +281,8 @@ class TrainerRole(_Role):
                                        else report.loss, samples=report.samples, microbatches=report.microbatches,
                                        rerouted=report.rerouted, lost=report.lost,
                                        stage_latency_s=tuple(round(s, 4) for s in report.stage_latency_s),
-                                       peer=self.discovery.peer_id, lost_reasons=tuple(report.lost_reasons)))
+                                       peer=self.discovery.peer_id, lost_reasons=tuple(report.lost_reasons),
+                                       at=time.time()))
         return "done"
 
     async def aclose(self, reason: str) -> None:

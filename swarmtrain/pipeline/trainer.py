@@ -5,8 +5,10 @@ gradient back through the same servers in reverse. The trainer keeps every stage
 until the micro-batch completes, so a failure at stage k re-sends from stage k's input, never from
 the start: a forward that fails or passes its deadline goes to another server of the stage; a
 backward whose server died, restarted or dropped the micro-batch's input runs that stage's forward
-again on some server and the backward there. A micro-batch is lost only when a stage has no server
-left that answers; it is counted and its reason kept. (One lost in its backward has already added
+again on some server and the backward there. When every listed server of a stage failed a call, the
+trainer reads the server list again for up to `pipeline.call_timeout_s` (a server restarting, a new
+one). A micro-batch is lost only when a stage has no server that answers within that time; it is
+counted and its reason kept. (One lost in its backward has already added
 its gradients to the stages after the failing one and to the head.)
 """
 
@@ -37,6 +39,7 @@ from swarmtrain.wire import pipeline_pb2 as pb
 __all__ = ["PipelineTrainer", "StepReport"]
 
 _CONTEXT_GONE = ("NOT_FOUND", "ABORTED")  # the server is fine; the micro-batch's input there is not
+_LIST_POLL_S = 0.25  # how often the server list is read again while a stage has no server left to try
 
 
 @dataclass
@@ -198,25 +201,27 @@ class PipelineTrainer:
     def _attempts(self, stage: int) -> int:
         return 2 * max(1, len(self.router.servers(stage))) + 1
 
-    def _next(self, stage: int, tried: set[Server], refreshed: list[bool]) -> Server:
+    async def _next(self, stage: int, tried: set[Server]) -> Server:
+        """A server of `stage` not tried yet for this call. When every listed one was, the list is read
+        again, for up to `pipeline.call_timeout_s`, until it names another (one restarted, or new)."""
         server = self.router.choose(stage, exclude=tried)
-        if server is None and not refreshed[0]:  # every known server failed this call: maybe new ones joined
-            refreshed[0] = True
+        deadline = self.clock() + self.pipe.call_timeout_s
+        while server is None:
             self.router.update(self.servers(), hints=self.hints())
-            tried.intersection_update(self.router.servers(stage))
             server = self.router.choose(stage, exclude=tried)
-        if server is None:
-            raise StageLost(f"stage {stage}: no server left to try")
+            if server is None:
+                if self.clock() >= deadline:
+                    raise StageLost(f"stage {stage}: no server left to try")
+                await asyncio.sleep(_LIST_POLL_S)
         return server
 
     async def _forward(self, stage: int, mb: str, x: torch.Tensor, seed: int,
                        tally: _Tally) -> tuple[torch.Tensor, Server]:
         tried: set[Server] = set()
-        refreshed = [False]
         reasons = []
         for _attempt in range(self._attempts(stage)):
             try:
-                server = self._next(stage, tried, refreshed)
+                server = await self._next(stage, tried)
             except StageLost:
                 break
             start = self.clock()
@@ -247,10 +252,9 @@ class PipelineTrainer:
         tally.rerouted += 1
         # The stage's forward again, then the backward, on one server (the same one if it is alive).
         tried: set[Server] = set() if alive else {server}
-        refreshed = [False]
         for attempt in range(self._attempts(stage)):
             try:
-                other = self._next(stage, tried, refreshed)
+                other = await self._next(stage, tried)
             except StageLost:
                 break
             again = f"{mb}/{stage}.{attempt}"

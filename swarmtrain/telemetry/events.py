@@ -97,6 +97,7 @@ class StepEvent:
     stage_latency_s: tuple[float, ...]  # mean seconds of a call to each stage
     peer: str = ""
     lost_reasons: tuple[str, ...] = ()
+    at: float = 0.0  # unix seconds when the step ended
 
     event: str = field(default="step", init=False)
 
@@ -112,6 +113,7 @@ class StageStepEvent:
     backwards: int
     refused: int  # calls answered with a typed error so far
     peer: str = ""
+    at: float = 0.0  # unix seconds when the step ended
 
     event: str = field(default="stage_step", init=False)
 

@@ -1,0 +1,169 @@
+"""Pipeline benchmark: samples/s of a SWARM pipeline of real processes on 127.0.0.1 against the same model
+trained in one process, and with one stage server killed and restarted every PERIOD seconds against the
+same pipeline without failures; peak RSS of every process.
+
+    python benchmarks/pipeline.py --seconds 60 --period 30 --failure-seconds 100
+
+Arms, one after another (each its own processes, every process 1 torch thread):
+  one process   the same GPT (the pipeline's parts assembled) trained on the same micro-batches and steps
+  pipeline 1×   coordinator + one server per stage + one trainer
+  pipeline 2×   two servers per stage + one trainer, failure-free
+  2×, churn     the same, one server SIGKILLed and restarted every PERIOD s (round-robin; it heals from
+                its stage when it comes back)
+A pipeline arm's rate is counted from the trainer's step lines (their `at` times) once WARMUP steps are
+done, over the arm's window.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+WARMUP = 3
+RUN = [
+    "model.preset=small", "data.max_corpus_bytes=2000000", "data.seq_len=64", "inner.warmup_steps=5",
+    "diloco.rounds=1000", "diloco.inner_steps=100", "pipeline.microbatch_size=4", "pipeline.samples_per_step=16",
+    "pipeline.call_timeout_s=10", "pipeline.min_deadline_s=1", "pipeline.avoid_s=15",
+    "discovery.heartbeat_s=1", "discovery.record_ttl_s=5", "rpc.call_timeout_s=10", "train.threads=1",
+]
+
+
+def vm_hwm_mb(pid: int) -> float:
+    """Peak resident memory of a live process, MB (from /proc)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+# -- the one-process arm (a subprocess, so its memory and threads are its own) ------------------------------
+def single(overrides: list[str], seconds: float) -> None:
+    import torch
+
+    from swarmtrain.config import load_config
+    from swarmtrain.data import load_corpus
+    from swarmtrain.diloco.inner import build_inner_optimizer, lr_factor, set_lr
+    from swarmtrain.peer.data import peer_batches
+    from swarmtrain.testing.pipeline import reference_model
+
+    torch.set_num_threads(1)
+    cfg = load_config(overrides=overrides)
+    model = reference_model(cfg)
+    opt = build_inner_optimizer(model, cfg.inner)
+    n, size = cfg.pipeline.samples_per_step, cfg.pipeline.microbatch_size
+    batches = iter(peer_batches(cfg.replace(data={"batch_size": n}), load_corpus(cfg.data).train, "single"))
+    total = cfg.diloco.rounds * cfg.diloco.inner_steps
+    times, losses = [], []
+    start = time.monotonic()
+    step = 0
+    while time.monotonic() - start < seconds or step < WARMUP + 2:
+        idx, targets = next(batches)
+        set_lr(opt, cfg.inner.lr * lr_factor(step, cfg=cfg.inner, total_steps=total))
+        for i in range(0, n, size):
+            _, loss = model(idx[i:i + size], targets[i:i + size])
+            assert loss is not None
+            (loss * size / n).backward()
+        if cfg.inner.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.inner.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        times.append(time.time())
+        losses.append(loss.item())
+    rate = n * (len(times) - 1 - WARMUP) / (times[-1] - times[WARMUP])
+    print(json.dumps({"samples_per_s": rate, "steps": step, "peak_rss_mb": vm_hwm_mb(os.getpid()),
+                      "params": sum(p.numel() for p in model.parameters()), "last_loss": losses[-1]}))
+
+
+def run_single(overrides: list[str], seconds: float) -> dict[str, Any]:
+    out = subprocess.run([sys.executable, __file__, "--worker-single", "--seconds", str(seconds),
+                          *[x for o in overrides for x in ("--set", o)]], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+# -- the pipeline arms -------------------------------------------------------------------------------------
+def run_pipeline(overrides: list[str], *, per_stage: int, stages: int, seconds: float, period: float,
+                 log_dir: Path) -> dict[str, Any]:
+    from swarmtrain.telemetry import HealEvent, StepEvent
+    from swarmtrain.testing.procs import ProcessSet, sigkill
+
+    with ProcessSet(log_dir) as procs:
+        _, join = procs.coordinator(overrides, timeout_s=180)
+        # Stages interleaved: consecutive kills hit different stages, so one stage loses one server at a time.
+        names = [(f"s{k}{chr(97 + x)}", k) for x in range(per_stage) for k in range(stages)]
+        servers = {name: procs.peer(name, join, "--role", "server", "--stage", str(k)) for name, k in names}
+        for s in servers.values():
+            s.wait_ready(timeout_s=180)
+        trainer = procs.peer("trainer", join, "--role", "trainer")
+        trainer.wait_ready(timeout_s=180)
+        trainer.wait_for(lambda x: isinstance(x, StepEvent) and x.step >= WARMUP, timeout_s=300, what="warm-up")
+        start = time.monotonic()
+        kills, turn, heals = 0, 0, 0
+        while time.monotonic() - start < seconds:
+            time.sleep(min(1.0, seconds - (time.monotonic() - start)) if seconds > 0 else 0)
+            if period and time.monotonic() - start >= period * (kills + 1):
+                name, k = names[turn % len(names)]
+                turn += 1
+                sigkill(servers[name])
+                servers[name] = procs.peer(name, join, "--role", "server", "--stage", str(k))
+                kills += 1
+        steps = [x for x in trainer.snapshot() if isinstance(x, StepEvent)]
+        rss = {name: vm_hwm_mb(c.proc.pid) for name, c in [*servers.items(), ("trainer", trainer)] if c.alive}
+        heals = sum(1 for c in servers.values() for x in c.snapshot() if isinstance(x, HealEvent) and x.to_round > 0)
+    timed = [s for s in steps if s.step > WARMUP]
+    rate = sum(s.samples for s in timed[1:]) / (timed[-1].at - timed[0].at) if len(timed) > 1 else float("nan")
+    return {"samples_per_s": rate, "steps": len(steps), "microbatches": sum(s.microbatches for s in steps),
+            "lost": sum(s.lost for s in steps), "rerouted": sum(s.rerouted for s in steps), "kills": kills,
+            "heals": heals, "peak_rss_mb": rss, "last_loss": steps[-1].loss if steps else None,
+            "first_loss": steps[0].loss if steps else None}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--stages", type=int, default=2)
+    ap.add_argument("--seconds", type=float, default=60.0, help="timed window of the failure-free arms")
+    ap.add_argument("--failure-seconds", type=float, default=100.0, help="timed window of the churn arm")
+    ap.add_argument("--period", type=float, default=30.0, help="seconds between two kills in the churn arm")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "pipeline.json"))
+    ap.add_argument("--worker-single", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    overrides = [*RUN, f"pipeline.stages={args.stages}", *args.overrides]
+    if args.worker_single:
+        single(args.overrides, args.seconds)
+        return
+    os.environ.setdefault("SWARMTRAIN_RUN_KEY", "pipeline benchmark key")
+    logs = Path(tempfile.mkdtemp(prefix="swarmtrain-pipeline-bench-"))
+    results: dict[str, Any] = {"command": " ".join(sys.argv), "overrides": overrides}
+    results["single"] = run_single(overrides, args.seconds)
+    print("one process:", json.dumps(results["single"]))
+    for key, per_stage, seconds, period in (("pipeline_1x", 1, args.seconds, 0.0),
+                                            ("pipeline_2x", 2, args.seconds, 0.0),
+                                            ("pipeline_2x_churn", 2, args.failure_seconds, args.period)):
+        results[key] = run_pipeline(overrides, per_stage=per_stage, stages=args.stages, seconds=seconds,
+                                    period=period, log_dir=logs / key)
+        print(f"{key}:", json.dumps(results[key]))
+    single_rate = results["single"]["samples_per_s"]
+    results["efficiency_1x"] = results["pipeline_1x"]["samples_per_s"] / single_rate
+    results["efficiency_2x"] = results["pipeline_2x"]["samples_per_s"] / single_rate
+    results["churn_over_failure_free"] = (results["pipeline_2x_churn"]["samples_per_s"]
+                                          / results["pipeline_2x"]["samples_per_s"])
+    for k in ("efficiency_1x", "efficiency_2x", "churn_over_failure_free"):
+        print(f"{k}: {results[k]:.2f}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=2))
+    print(f"saved {args.out} (process logs in {logs})")
+
+
+if __name__ == "__main__":
+    main()
