@@ -128,6 +128,29 @@ def run_pipeline(overrides: list[str], *, per_stage: int, stages: int, seconds: 
             "first_loss": steps[0].loss if steps else None}
 
 
+def baseline_rss_mb() -> float:
+    """Peak RSS of a process that imports what a stage server imports and builds no model."""
+    code = ("import swarmtrain.pipeline.roles, swarmtrain.peer.network, torch, os; "
+            "print(open(f'/proc/{os.getpid()}/status').read())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    return next(int(x.split()[1]) / 1024 for x in out.splitlines() if x.startswith("VmHWM:"))
+
+
+def memory(overrides: list[str], *, stages: int, seconds: float, log_dir: Path) -> dict[str, Any]:
+    """Peak RSS of one process training the whole model against each stage server and the trainer."""
+    from swarmtrain.config import load_config
+    from swarmtrain.pipeline.parts import build_ends, build_stage
+
+    cfg = load_config(overrides=overrides)
+    shares = [sum(p.numel() for p in build_stage(cfg.model, k, stages, seed=0).parameters()) for k in range(stages)]
+    ends = sum(p.numel() for p in build_ends(cfg.model, seed=0).parameters())
+    one = run_single(overrides, seconds)
+    piped = run_pipeline(overrides, per_stage=1, stages=stages, seconds=seconds, period=0.0, log_dir=log_dir)
+    return {"baseline_rss_mb": baseline_rss_mb(), "params_per_stage": shares, "params_trainer": ends,
+            "params_total": one["params"], "single_peak_rss_mb": one["peak_rss_mb"],
+            "pipeline_peak_rss_mb": piped["peak_rss_mb"], "single_steps": one["steps"], "pipeline_steps": piped["steps"]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--stages", type=int, default=2)
@@ -136,6 +159,9 @@ def main() -> None:
     ap.add_argument("--period", type=float, default=30.0, help="seconds between two kills in the churn arm")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "pipeline.json"))
+    ap.add_argument("--memory", action="store_true",
+                    help="instead: peak RSS of one process against each stage server, on a larger model "
+                         "(model.n_layer=8, n_embd=768; a few steps)")
     ap.add_argument("--worker-single", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     overrides = [*RUN, f"pipeline.stages={args.stages}", *args.overrides]
@@ -144,6 +170,15 @@ def main() -> None:
         return
     os.environ.setdefault("SWARMTRAIN_RUN_KEY", "pipeline benchmark key")
     logs = Path(tempfile.mkdtemp(prefix="swarmtrain-pipeline-bench-"))
+    if args.memory:
+        big = [*overrides, "model.n_layer=8", "model.n_embd=768", "model.n_head=12", "data.seq_len=64"]
+        result = {"command": " ".join(sys.argv), "overrides": big,
+                  **memory(big, stages=args.stages, seconds=args.seconds, log_dir=logs / "memory")}
+        print(json.dumps(result, indent=2))
+        out = Path(args.out).with_name("pipeline-memory.json") if args.out.endswith("pipeline.json") else Path(args.out)
+        out.write_text(json.dumps(result, indent=2))
+        print(f"saved {out}")
+        return
     results: dict[str, Any] = {"command": " ".join(sys.argv), "overrides": overrides}
     results["single"] = run_single(overrides, args.seconds)
     print("one process:", json.dumps(results["single"]))

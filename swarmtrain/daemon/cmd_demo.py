@@ -48,6 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout-s", type=float, default=600.0, help="give up after this long (default: 600)")
     parser.add_argument("--start-timeout-s", type=float, default=120.0,
                         help="how long each process may take to print READY (default: 120)")
+    parser.add_argument("--pipeline", action="store_true",
+                        help="a SWARM pipeline instead: 2 stages × 2 stage servers and 2 trainers, one server "
+                             "killed half-way (--rounds × diloco.inner_steps steps per trainer)")
     add_config_options(parser)
 
 
@@ -73,6 +76,21 @@ class DemoOutcome:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.pipeline:
+        from swarmtrain.daemon.demo_pipeline import PIPELINE_OVERRIDES, run_pipeline_demo
+
+        overrides = [*PIPELINE_OVERRIDES, f"diloco.rounds={args.rounds}", *args.overrides]
+        cfg = config_from_args(argparse.Namespace(config=args.config, overrides=overrides))
+        previous = _raise_on_sigterm()
+        try:
+            return run_pipeline_demo(cfg, overrides, ["--config", args.config] if args.config else [],
+                                     log_dir=args.log_dir, start_timeout_s=args.start_timeout_s,
+                                     timeout_s=args.timeout_s)
+        except KeyboardInterrupt:
+            _say("interrupted: stopping all processes")
+            return 130
+        finally:
+            signal.signal(signal.SIGTERM, previous)
     # The demo knows its peers, so they read disjoint slots of the data (--set data.num_shards=0: each
     # its own permutation, as in an open swarm).
     overrides = [*DEMO_OVERRIDES, f"diloco.rounds={args.rounds}", f"data.num_shards={args.peers}",

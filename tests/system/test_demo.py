@@ -23,3 +23,16 @@ def test_demo_two_peers_two_rounds(procs: ProcessSet, tmp_path: Path) -> None:
     assert "result: OK" in out
     logs = sorted(p.name for p in (tmp_path / "demo-logs").iterdir())
     assert logs == ["coordinator.log", "peer0.log", "peer1.log"]
+
+
+def test_pipeline_demo_kills_a_server_and_loses_no_microbatch(procs: ProcessSet, tmp_path: Path) -> None:
+    demo = procs.spawn("demo", "demo", "--pipeline", "--rounds", "3", "--log-dir", str(tmp_path / "pipe-logs"))
+    rc = demo.proc.wait(timeout=240)
+    demo.close()
+    out = "\n".join(demo.raw_tail)
+    assert rc == 0, out
+    assert "killed s1a (SIGKILL)" in out and "result: OK" in out, out
+    summary = next(x for x in demo.raw_tail if "micro-batches sent" in x)
+    assert summary.strip().startswith("micro-batches sent 240, completed 240,") and summary.endswith("lost 0"), out
+    logs = sorted(p.name for p in (tmp_path / "pipe-logs").iterdir())
+    assert logs == ["coordinator.log", "s0a.log", "s0b.log", "s1a.log", "s1b.log", "t0.log", "t1.log"]
