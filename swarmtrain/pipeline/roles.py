@@ -213,6 +213,8 @@ class StageServerRole(_Role):
     async def aclose(self, reason: str) -> None:
         step = self.server.step if self.server is not None else 0
         await super().aclose(reason)
+        if self.handler is not None:
+            await asyncio.to_thread(self.handler.close)
         self.writer.emit(LeaveEvent(round=step, reason=reason,
                                     peer=self.discovery.peer_id if self.discovery is not None else ""))
 

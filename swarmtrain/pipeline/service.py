@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
 import time
 
 from swarmtrain.pipeline.errors import PipelineError
@@ -29,8 +31,15 @@ class StageHandler:
     def __init__(self, server: StageServer, codec: TensorCodec) -> None:
         self.server = server
         self.codec = codec
+        # One compute thread: the server runs one call at a time anyway, and torch's buffers then come from
+        # one malloc arena instead of one per executor thread (measured: ~0.3-0.5 GB less peak RSS).
+        self._compute = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage")
         self.waiting = 0  # calls in this handler: the queue a reply reports
         self.latency_s = 0.0
+
+    def close(self) -> None:
+        """Stop the compute thread (after the node stopped serving)."""
+        self._compute.shutdown(wait=True, cancel_futures=True)
 
     async def __call__(self, method: str, caller: str, call: pb.StageCall) -> pb.StageReply:
         self.waiting += 1
@@ -39,10 +48,12 @@ class StageHandler:
             what = "forward input" if method == "Forward" else "backward gradient"
             tensor = self.codec.decode(call.shape, call.tensor, what=what)
             key = f"{caller}\0{call.microbatch}"  # a caller's micro-batch ids are its own
+            loop = asyncio.get_running_loop()
             if method == "Forward":
-                out = await asyncio.to_thread(self.server.forward, call.stage, key, tensor, seed=call.seed)
+                work = functools.partial(self.server.forward, call.stage, key, tensor, seed=call.seed)
             else:
-                out = await asyncio.to_thread(self.server.backward, call.stage, key, tensor, samples=call.samples)
+                work = functools.partial(self.server.backward, call.stage, key, tensor, samples=call.samples)
+            out = await loop.run_in_executor(self._compute, work)
             shape, data = self.codec.encode(out)
             took = time.monotonic() - start
             self.latency_s = took if not self.latency_s else (1 - _EWMA) * self.latency_s + _EWMA * took

@@ -9,7 +9,7 @@ from swarmtrain.models.gpt import GPT, resolve_shape
 from swarmtrain.pipeline.parts import assemble, build_ends, build_stage
 from swarmtrain.pipeline.routing import Server
 from swarmtrain.pipeline.server import StageServer
-from swarmtrain.pipeline.service import serve_stage
+from swarmtrain.pipeline.service import StageHandler, serve_stage
 from swarmtrain.pipeline.tensors import TensorCodec
 from swarmtrain.pipeline.trainer import PipelineTrainer
 from swarmtrain.rpc.node import RpcNode
@@ -25,6 +25,7 @@ class ServerProcess:
     stage: int
     node: RpcNode
     server: StageServer
+    handler: StageHandler
 
     @property
     def info(self) -> Server:
@@ -64,8 +65,8 @@ class PipelineSwarm:
         part = build_stage(cfg.model, stage, cfg.pipeline.stages, seed=cfg.train.seed)
         server = StageServer(part, stage=stage, pipeline=cfg.pipeline, inner=cfg.inner,
                              total_steps=cfg.diloco.rounds * cfg.diloco.inner_steps, seq_len=cfg.data.seq_len)
-        serve_stage(node, server, codec=codec)
-        return ServerProcess(name, stage, node, server)
+        handler = serve_stage(node, server, codec=codec)
+        return ServerProcess(name, stage, node, server, handler)
 
     def __enter__(self) -> PipelineSwarm:
         for s in self.servers:
@@ -77,6 +78,8 @@ class PipelineSwarm:
     def __exit__(self, *exc: object) -> None:
         for node in [*self.trainer_nodes, *(s.node for s in self.servers)]:
             node.close()
+        for s in self.servers:
+            s.handler.close()
 
     def live(self) -> list[Server]:
         """What the directory lists: every server whose record has not expired (a killed one's lingers
