@@ -1,6 +1,7 @@
 """A pipeline of real processes: coordinator + 2 stages × 2 servers + 2 trainers on 127.0.0.1. One stage-1
-server is SIGKILLed and one stage-0 server SIGSTOPped (longer than its calls' deadlines) while the
-trainers train: every micro-batch sent completes (lost = 0, rerouted > 0) and the loss keeps falling."""
+server is SIGKILLed (and restarted: it starts from its stage's weights and serves again) and one stage-0
+server SIGSTOPped (longer than its calls' deadlines) while the trainers train: every micro-batch sent
+completes (lost = 0, rerouted > 0) and the loss keeps falling."""
 
 from __future__ import annotations
 
@@ -9,18 +10,18 @@ from collections.abc import Callable
 import pytest
 
 from swarmtrain.daemon.children import Child
-from swarmtrain.telemetry import LeaveEvent, StepEvent
+from swarmtrain.telemetry import HealEvent, LeaveEvent, StageStepEvent, StepEvent
 from swarmtrain.telemetry.events import Line
 from swarmtrain.testing.procs import ProcessSet, sigcont, sigkill, sigstop
 
 pytestmark = [pytest.mark.system, pytest.mark.timeout(420)]
 
 KEY = "pipeline run key"
-STEPS = 36  # diloco.rounds × diloco.inner_steps
+STEPS = 160  # diloco.rounds × diloco.inner_steps
 RUN = [
-    "model.preset=tiny", "data.max_corpus_bytes=400000", "data.seq_len=32", "inner.warmup_steps=2",
-    "inner.lr=3e-3", "diloco.rounds=3", "diloco.inner_steps=12", "pipeline.stages=2", "pipeline.microbatch_size=2",
-    "pipeline.samples_per_step=8", "pipeline.call_timeout_s=4", "pipeline.min_deadline_s=0.5",
+    "model.preset=small", "data.max_corpus_bytes=400000", "data.seq_len=64", "inner.warmup_steps=2",
+    "inner.lr=3e-3", "diloco.rounds=4", "diloco.inner_steps=40", "pipeline.stages=2", "pipeline.microbatch_size=4",
+    "pipeline.samples_per_step=16", "pipeline.call_timeout_s=4", "pipeline.min_deadline_s=0.5",
     "pipeline.avoid_s=20", "discovery.heartbeat_s=0.5", "discovery.record_ttl_s=4.0", "rpc.call_timeout_s=4.0",
     "train.threads=1",
 ]
@@ -51,12 +52,18 @@ def test_killed_and_stalled_stage_servers_cost_no_microbatch(procs: ProcessSet,
 
     trainers[0].wait_for(_at_step(8), timeout_s=120, what="trainer step 8")
     sigkill(servers["s1a"])
-    trainers[0].wait_for(_at_step(16), timeout_s=120, what="trainer step 16 after the kill")
+    trainers[0].wait_for(_at_step(12), timeout_s=120, what="trainer step 12 after the kill")
+    # s1a comes back: it starts from s1b's weights (a heal line) and serves again.
+    back = procs.peer("s1a", join, "--role", "server", "--stage", "1")
+    back.wait_ready(timeout_s=START_S)
+    back_at = max(s.step for s in _steps(trainers[0]))
+    assert back_at < STEPS - 40, "the run ended before the restarted server could serve: make it longer"
+    trainers[0].wait_for(_at_step(back_at + 10), timeout_s=120, what="10 trainer steps after the restart")
     sigstop(servers["s0a"])
-    trainers[0].wait_for(_at_step(24), timeout_s=180, what="trainer step 24 with a server stopped")
+    trainers[0].wait_for(_at_step(back_at + 25), timeout_s=180, what="15 trainer steps with a server stopped")
     sigcont(servers["s0a"])
     for t in trainers:
-        t.wait_for(lambda line: isinstance(line, LeaveEvent), timeout_s=240, what="the trainer's leave")
+        t.wait_for(lambda line: isinstance(line, LeaveEvent), timeout_s=300, what="the trainer's leave")
 
     for t in trainers:
         steps = _steps(t)
@@ -69,3 +76,7 @@ def test_killed_and_stalled_stage_servers_cost_no_microbatch(procs: ProcessSet,
         third = STEPS // 3
         assert sum(losses[-third:]) < 0.9 * sum(losses[:third]), losses  # type: ignore[arg-type]
     assert sum(s.rerouted for t in trainers for s in _steps(t) if s.step > 8) > 0
+    heal = next(x for x in back.snapshot() if isinstance(x, HealEvent))
+    assert heal.to_round > 0 and heal.source != ""
+    served = [x for x in back.snapshot() if isinstance(x, StageStepEvent)]
+    assert served and served[-1].backwards > 0 and served[-1].step > heal.to_round  # it trained on after joining
