@@ -191,3 +191,16 @@ def group_alive(pgid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def start_coordinator(overrides: Sequence[str], config_args: Sequence[str], *, log_dir: Path, timeout_s: float,
+                      children: list[Child]) -> str:
+    """Start `swarmtrain coordinator` with `--set` overrides (appended to `children` at once, so the caller
+    stops it whatever happens next) and return the first multiaddr of its READY line, which peers join."""
+    sets = [x for o in overrides for x in ("--set", o)]
+    coord = Child("coordinator", swarmtrain_argv("coordinator", *config_args, *sets), log_path=log_dir / "coordinator.log")
+    children.append(coord)
+    maddrs = coord.wait_ready(timeout_s=timeout_s).get("maddrs")
+    if not isinstance(maddrs, list) or not maddrs:
+        raise ChildExitedError(f"the coordinator's READY line has no 'maddrs' list: {maddrs!r}")
+    return str(maddrs[0])

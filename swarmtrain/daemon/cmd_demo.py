@@ -13,7 +13,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from swarmtrain.daemon.children import Child, ChildExitedError, swarmtrain_argv
+from swarmtrain.daemon.children import Child, ChildExitedError, start_coordinator, swarmtrain_argv
 from swarmtrain.daemon.options import add_config_options, config_from_args
 from swarmtrain.telemetry.events import Line
 from swarmtrain.telemetry.progress import RoundSummary, SwarmProgress, format_bytes, format_round
@@ -110,11 +110,8 @@ def run(args: argparse.Namespace) -> int:
         _say(f"swarmtrain demo: coordinator + {args.peers} peers on 127.0.0.1, {args.rounds} rounds of "
              f"{cfg.diloco.inner_steps} inner steps, model {cfg.model.preset}, codec {cfg.compress.codec}; "
              f"logs in {log_dir}")
-        sets = [x for o in overrides for x in ("--set", o)]
-        coord = Child("coordinator", swarmtrain_argv("coordinator", *config_args, *sets),
-                      log_path=log_dir / "coordinator.log")
-        children.append(coord)
-        join = _join_addr(coord.wait_ready(timeout_s=args.start_timeout_s))
+        join = start_coordinator(overrides, config_args, log_dir=log_dir, timeout_s=args.start_timeout_s,
+                                 children=children)
         _say(f"coordinator ready at {join}")
         peers = [Child(f"peer{i}", swarmtrain_argv("peer", "--join", join,
                                                    *(["--shard-index", str(i)] if cfg.data.num_shards else [])),
@@ -144,13 +141,6 @@ def run(args: argparse.Namespace) -> int:
 
 class DemoError(ValueError):
     """The demo's arguments are wrong or a child misbehaved in a way the demo cannot recover from."""
-
-
-def _join_addr(info: dict[str, object]) -> str:
-    maddrs = info.get("maddrs")
-    if not isinstance(maddrs, list) or not maddrs:
-        raise DemoError(f"coordinator READY line has no 'maddrs' list: {info}")
-    return str(maddrs[0])
 
 
 def _follow(peers: list[Child], lines: queue.Queue[tuple[str, Line]], *, started: float,

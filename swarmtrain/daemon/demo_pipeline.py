@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from swarmtrain.config import RunConfig
-from swarmtrain.daemon.children import Child, ChildExitedError, swarmtrain_argv
+from swarmtrain.daemon.children import Child, ChildExitedError, start_coordinator, swarmtrain_argv
 from swarmtrain.telemetry.events import LeaveEvent, Line, StepEvent
 
 __all__ = ["PIPELINE_OVERRIDES", "run_pipeline_demo"]
@@ -51,14 +51,7 @@ def run_pipeline_demo(cfg: RunConfig, overrides: list[str], config_args: list[st
         _say(f"swarmtrain demo --pipeline: coordinator + {cfg.pipeline.stages} stages × 2 servers + {TRAINERS} "
              f"trainers on 127.0.0.1, {steps} steps each, model {cfg.model.preset}; {VICTIM} is killed half-way; "
              f"logs in {logs}")
-        sets = [x for o in overrides for x in ("--set", o)]
-        coord = Child("coordinator", swarmtrain_argv("coordinator", *config_args, *sets),
-                      log_path=logs / "coordinator.log")
-        children.append(coord)
-        maddrs = coord.wait_ready(timeout_s=start_timeout_s).get("maddrs")
-        if not isinstance(maddrs, list) or not maddrs:
-            raise ChildExitedError(f"the coordinator's READY line has no maddrs: {maddrs!r}")
-        join = str(maddrs[0])
+        join = start_coordinator(overrides, config_args, log_dir=logs, timeout_s=start_timeout_s, children=children)
         servers = {name: Child(name, swarmtrain_argv("peer", "--join", join, "--role", "server", "--stage", str(k)),
                                log_path=logs / f"{name}.log") for name, k in SERVERS}
         children.extend(servers.values())

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import sys
 from collections.abc import Sequence
+from typing import Any, Protocol
 
 from swarmtrain.config import RunConfig
 from swarmtrain.daemon.signals import StopSignals
@@ -17,7 +18,7 @@ from swarmtrain.peer.root import Peer
 from swarmtrain.telemetry import EventWriter
 from swarmtrain.telemetry.console import ConsoleEventWriter, ConsoleProgress
 
-__all__ = ["run_peer_process"]
+__all__ = ["Role", "run_peer_process", "run_role"]
 
 
 def run_peer_process(local: RunConfig, *, local_overrides: Sequence[str] = (), coordinator_id: str | None = None,
@@ -34,20 +35,31 @@ def run_peer_process(local: RunConfig, *, local_overrides: Sequence[str] = (), c
     peer = Peer(local, writer=writer, services=NetworkServices(), local_overrides=local_overrides,
                 coordinator_id=coordinator_id, on_step=None if progress is None else progress.on_step)
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(_main(peer))
+        return runner.run(run_role(peer, leaving="leaving gracefully at the next round boundary"))
 
 
-async def _main(peer: Peer) -> int:
+class Role(Protocol):
+    """What runs as a process: a DiLoCo peer, a pipeline stage server or trainer."""
+
+    async def start(self) -> dict[str, Any]: ...
+
+    async def run(self, stop: asyncio.Event) -> str: ...
+
+    async def aclose(self, reason: str) -> None: ...
+
+
+async def run_role(role: Role, *, leaving: str) -> int:
+    """Start `role`, run it until it ends or a signal sets its stop (`leaving` is logged), always close it."""
     stop = asyncio.Event()
     # Never uninstalled: a second signal must work until the process is gone (interpreter exit included).
-    StopSignals(leaving="leaving gracefully at the next round boundary").install(stop)
+    StopSignals(leaving=leaving).install(stop)
     reason = "error"
     try:
-        await peer.start()
-        reason = await peer.run(stop)
+        await role.start()
+        reason = await role.run(stop)
     except Exception as e:
         reason = f"error: {e}"
         raise
     finally:
-        await peer.aclose(reason)
+        await role.aclose(reason)
     return 0

@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from swarmtrain.config import RunConfig
-from swarmtrain.daemon.signals import StopSignals
+from swarmtrain.peer.process import run_role
 from swarmtrain.pipeline.roles import StageServerRole, TrainerRole
 from swarmtrain.telemetry import EventWriter
 
@@ -26,19 +26,4 @@ def run_pipeline_process(local: RunConfig, *, role: str, stage: int | None = Non
           "coordinator_id": coordinator_id}
     runner_role = StageServerRole(local, stage=stage, **kw) if role == "server" else TrainerRole(local, **kw)
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(_main(runner_role))
-
-
-async def _main(role: StageServerRole | TrainerRole) -> int:
-    stop = asyncio.Event()
-    StopSignals(leaving="leaving").install(stop)
-    reason = "error"
-    try:
-        await role.start()
-        reason = await role.run(stop)
-    except Exception as e:
-        reason = f"error: {e}"
-        raise
-    finally:
-        await role.aclose(reason)
-    return 0
+        return runner.run(run_role(runner_role, leaving="leaving"))

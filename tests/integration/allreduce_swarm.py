@@ -77,3 +77,16 @@ def reference_mean(deltas: dict[str, torch.Tensor], contributors: Sequence[str],
         parts = [c.decode(c.encode(deltas[p][lo:hi])) for p in contributors]
         out[lo:hi] = c.decode(c.encode(mean_of(parts)))
     return out
+
+
+def check_rounds(swarm: Swarm, names: Sequence[str], numel: int, count: int) -> None:
+    """`count` rounds of every peer in `names`: each commits the exact mean of everyone's Δ."""
+    from swarmtrain.averaging.reducer import shard_bounds
+
+    for round_index in range(count):
+        deltas = deltas_for(names, numel, seed=round_index)
+        results = swarm.average(round_index, deltas)
+        expected = reference_mean(deltas, names, shard_bounds(numel, (0.0,) * len(names)))
+        for name, r in results.items():
+            assert r.committed, f"{name}: {r.reason}"
+            assert r.mean is not None and torch.equal(r.mean, expected), name

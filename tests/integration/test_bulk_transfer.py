@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from allreduce_swarm import RPC, Swarm, deltas_for, reference_mean
+from allreduce_swarm import RPC, Swarm, check_rounds, deltas_for, reference_mean
 
 from swarmtrain.averaging.reducer import shard_bounds
 from swarmtrain.compress import get_codec
@@ -34,13 +34,7 @@ IO_S = 10.0
 
 
 def _rounds(swarm: Swarm, count: int) -> None:
-    for round_index in range(count):
-        deltas = deltas_for(NAMES, NUMEL, seed=round_index)
-        results = swarm.average(round_index, deltas)
-        expected = reference_mean(deltas, NAMES, shard_bounds(NUMEL, (0.0,) * len(NAMES)))
-        for name, r in results.items():
-            assert r.committed, f"{name}: {r.reason}"
-            assert r.mean is not None and torch.equal(r.mean, expected), name
+    check_rounds(swarm, NAMES, NUMEL, count)
 
 
 def _counted(swarm: Swarm, expected: tuple[int, int]) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from allreduce_swarm import RPC, Swarm, deltas_for, reference_mean
+from allreduce_swarm import RPC, Swarm, check_rounds, deltas_for, reference_mean
 
 from swarmtrain.averaging.reducer import shard_bounds
 from swarmtrain.config import load_config
@@ -43,13 +43,7 @@ IO_S = 10.0
 def test_rounds_over_tls_match_the_reference(transport: str) -> None:
     cfg = dataclasses.replace(TLS, bulk_transport=transport)
     with Swarm(NAMES, rpc=dict.fromkeys(NAMES, cfg)) as swarm:
-        for round_index in range(2):
-            deltas = deltas_for(NAMES, NUMEL, seed=round_index)
-            results = swarm.average(round_index, deltas)
-            expected = reference_mean(deltas, NAMES, shard_bounds(NUMEL, (0.0,) * len(NAMES)))
-            for name, r in results.items():
-                assert r.committed, f"{name}: {r.reason}"
-                assert r.mean is not None and torch.equal(r.mean, expected), name
+        check_rounds(swarm, NAMES, NUMEL, 2)
         if transport == "tcp":  # the payloads took the bulk port (its receive buffers came back), none refused
             assert all(n.bulk is not None and n.bulk.refused_connections == 0 and n.buffers.idle_bytes > 0
                        for n in swarm.nodes.values())
