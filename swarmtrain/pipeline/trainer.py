@@ -92,7 +92,7 @@ class PipelineTrainer:
         self.optimizer = build_inner_optimizer(ends, cfg.inner)
         self.total_steps = cfg.diloco.rounds * cfg.diloco.inner_steps
         self.max_inflight = max_inflight or self.pipe.samples_per_step // self.pipe.microbatch_size
-        self._lock = threading.Lock()  # the ends' autograd: one micro-batch at a time, in a fixed order per step
+        self._lock = threading.Lock()  # the ends' autograd: one micro-batch at a time
         self.step_count = 0
         self._sent = 0
         set_lr(self.optimizer, cfg.inner.lr * lr_factor(0, cfg=cfg.inner, total_steps=self.total_steps))
