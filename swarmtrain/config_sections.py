@@ -50,6 +50,10 @@ class TrainConfig:
     """Where a peer trains: `auto` (CUDA when available, else CPU), `cpu`, `cuda` or `cuda:N`."""
     threads: int = 0
     """torch intra-op threads of the process; 0 = torch's default."""
+    memory_budget_mb: int = 0
+    """Memory this peer may give the model's training state, in MB (a peer's own; 0 = no limit). A worker
+    whose whole model needs more refuses to start (join as a pipeline stage server instead); a stage server
+    takes only a stage that fits (docs/pipeline.md#memory)."""
     run_nonce: str = ""
     """This run among all runs of the same `run_id` (`[A-Za-z0-9._-]`, at most 64): peers refuse a
     checkpoint or a donor's state of another nonce, naming both. Empty: the coordinator draws a random
@@ -62,6 +66,7 @@ class TrainConfig:
               "must be at most 64 of [A-Za-z0-9._-]")
         check(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"), "train.device", f"{self.device!r} is not auto, cpu or cuda[:N]")
         check(self.threads >= 0, "train.threads", "must be >= 0")
+        check(self.memory_budget_mb >= 0, "train.memory_budget_mb", "must be >= 0 (0 = no limit)")
 
 
 @dataclass(frozen=True)

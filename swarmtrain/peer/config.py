@@ -12,7 +12,8 @@ __all__ = ["LOCAL_KEYS", "LOCAL_SECTIONS", "RUN_KEYS", "merge_run_config"]
 # Sections a peer owns itself; every other section is the run's and comes from the coordinator.
 LOCAL_SECTIONS = ("discovery", "rpc", "checkpoint")
 # Single keys a peer owns in the run's sections (data.shard_index: which slot of a sharded run it reads).
-LOCAL_KEYS: dict[str, tuple[str, ...]] = {"train": ("device", "threads"), "data": ("shard_index",)}
+LOCAL_KEYS: dict[str, tuple[str, ...]] = {"train": ("device", "threads", "memory_budget_mb"),
+                                          "data": ("shard_index",)}
 # Single keys of a peer's own sections that the run decides (rpc.tls: a TLS peer and a plain one cannot talk).
 RUN_KEYS: dict[str, tuple[str, ...]] = {"rpc": ("tls",)}
 

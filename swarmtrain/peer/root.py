@@ -48,6 +48,7 @@ from swarmtrain.peer.overlap import OverlappedRounds
 from swarmtrain.peer.presence import Presence
 from swarmtrain.peer.rounds import LocalRoundError, PendingRound, group_reporter, interruptible
 from swarmtrain.peer.services import DataPlane, PeerError, PeerServices, PeerState
+from swarmtrain.pipeline.memory import check_worker_budget
 from swarmtrain.round import Average, Finish, Heal, RoundMachine, Train, Wait
 from swarmtrain.sync.checkpoint import (
     DirectoryClaim,
@@ -127,6 +128,7 @@ class Peer(OverlappedRounds, Healing):
                                                        run_key=resolve_run_key(self.local.rpc.run_key))
         self.discovery = discovery
         self.cfg = merge_run_config(await self._fetch_run(), self.local, local_overrides=self.local_overrides)
+        check_worker_budget(self.cfg)
         if self.cfg.train.threads:
             torch.set_num_threads(self.cfg.train.threads)
         loaded = self._load_checkpoint()

@@ -29,6 +29,7 @@ from swarmtrain.peer.data import peer_batches
 from swarmtrain.peer.joining import fetch_run_config
 from swarmtrain.peer.services import PeerError, PeerServices
 from swarmtrain.pipeline.cut import stage_blocks
+from swarmtrain.pipeline.memory import MB, server_bytes
 from swarmtrain.pipeline.parts import build_ends, build_stage
 from swarmtrain.pipeline.routing import Server
 from swarmtrain.pipeline.server import StageServer, StageStats
@@ -56,14 +57,26 @@ def servers_of(peers: Sequence[PeerRecord], stages: int) -> tuple[list[Server], 
     return servers, hints
 
 
-def least_served_stage(peers: Sequence[PeerRecord], *, n_layer: int, stages: int) -> int:
-    """The stage with the fewest live servers per block it holds (its demand: every micro-batch passes
-    every block once); the earliest on a tie."""
+def least_served_stage(peers: Sequence[PeerRecord], *, n_layer: int, stages: int,
+                       allowed: Sequence[int] | None = None) -> int:
+    """Of the `allowed` stages (default all), the one with the fewest live servers per block it holds (its
+    demand: every micro-batch passes every block once); the earliest on a tie."""
     counts = [0] * stages
     for s in servers_of(peers, stages)[0]:
         counts[s.stage] += 1
     sizes = [len(blocks) for blocks in stage_blocks(n_layer, stages)]
-    return min(range(stages), key=lambda k: (counts[k] / sizes[k], k))
+    return min(range(stages) if allowed is None else allowed, key=lambda k: (counts[k] / sizes[k], k))
+
+
+def _fitting_stages(cfg: RunConfig) -> list[int]:
+    """The stages whose training state fits this peer's `train.memory_budget_mb` (all without one)."""
+    need = server_bytes(cfg.model, cfg.pipeline, seq_len=cfg.data.seq_len)
+    budget = cfg.train.memory_budget_mb
+    fitting = [k for k, b in enumerate(need) if not budget or b <= budget * MB]
+    if not fitting:
+        raise PeerError(f"no stage fits train.memory_budget_mb={budget}: the smallest needs "
+                        f"{min(need) / MB:.0f} MB (docs/pipeline.md#memory); cut the model into more stages")
+    return fitting
 
 
 class _Role:
@@ -129,11 +142,16 @@ class StageServerRole(_Role):
         discovery = await self._join()
         cfg, pipe = self.cfg, self.cfg.pipeline
         shape = resolve_shape(cfg.model)
+        fitting = _fitting_stages(cfg)
         if self.stage is None:
             peers = await discovery.live_peers(timeout_s=cfg.rpc.call_timeout_s)
-            self.stage = least_served_stage(peers, n_layer=shape.n_layer, stages=pipe.stages)
+            self.stage = least_served_stage(peers, n_layer=shape.n_layer, stages=pipe.stages, allowed=fitting)
         if not 0 <= self.stage < pipe.stages:
             raise PeerError(f"--stage {self.stage}: this run has stages 0..{pipe.stages - 1}")
+        if self.stage not in fitting:
+            need = server_bytes(cfg.model, pipe, seq_len=cfg.data.seq_len)[self.stage]
+            raise PeerError(f"stage {self.stage} needs {need / MB:.0f} MB to train, more than train.memory_budget_mb="
+                            f"{cfg.train.memory_budget_mb} (stages that fit: {fitting})")
         part = await asyncio.to_thread(build_stage, cfg.model, self.stage, pipe.stages, seed=cfg.train.seed)
         self.server = StageServer(part, stage=self.stage, pipeline=pipe, inner=cfg.inner,
                                   total_steps=cfg.diloco.rounds * cfg.diloco.inner_steps, seq_len=cfg.data.seq_len,

@@ -89,3 +89,41 @@ def test_servers_and_a_trainer_find_each_other_and_a_leaving_server_costs_no_mic
     server_steps = {n: [e for e in logs[n].events() if isinstance(e, StageStepEvent)] for n in "abc"}
     assert all(server_steps[n] for n in "abc")  # every server stepped on its share of the samples
     assert all(e.stage == ready[n]["stage"] for n in "abc" for e in server_steps[n])
+
+
+def test_a_server_takes_only_a_stage_that_fits_its_memory_budget() -> None:
+    """n_layer=3 in 2 stages: stage 0 holds 2 blocks, stage 1 one. A budget between the two stages' needs:
+    without --stage the server takes stage 1 (though stage 0 is the less served), --stage 0 is refused, and
+    a budget below both is refused naming the smallest need."""
+    from swarmtrain.peer.services import PeerError
+    from swarmtrain.pipeline.memory import MB, server_bytes
+
+    cfg = load_config(overrides=RUN)
+    small, big = sorted(server_bytes(cfg.model, cfg.pipeline, seq_len=cfg.data.seq_len))
+    budget = (small + big) // 2 // MB
+
+    def local(mb: int):
+        return load_config(overrides=[f"rpc.run_key={KEY!r}", f"train.memory_budget_mb={mb}"])
+
+    async def main() -> tuple[int | None, list[str]]:
+        services = LoopbackServices()
+        await publish_run(services.registry, RUN, run_key=KEY)
+        fits = StageServerRole(local(budget), writer=EventWriter(EventLog()), services=services)
+        await fits.start()
+        errors = []
+        for stage, mb in ((0, budget), (None, 1)):
+            role = StageServerRole(local(mb), stage=stage, writer=EventWriter(EventLog()), services=services)
+            try:
+                await role.start()
+            except PeerError as e:
+                errors.append(str(e))
+            finally:
+                await role.aclose("refused")
+        stage = fits.stage
+        await fits.aclose("signal")
+        return stage, errors
+
+    stage, errors = asyncio.run(main())
+    assert stage == 1
+    assert len(errors) == 2 and f"stage 0 needs {big / MB:.0f} MB" in errors[0] and "stages that fit: [1]" in errors[0]
+    assert f"the smallest needs {small / MB:.0f} MB" in errors[1]
