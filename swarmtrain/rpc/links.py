@@ -87,9 +87,10 @@ class TlsLink:
             try:
                 return self._tls.read(len(view), view)
             except ssl.SSLWantReadError:
+                if self._in.eof:  # the end of the stream, with no TLS record left half-read
+                    return 0
                 await self._flush()  # e.g. a key update to answer
-                if not await self._fill():
-                    continue  # the next read reports the end of the stream
+                await self._fill()  # at the end of the stream, the next read reports it
             except (ssl.SSLEOFError, ssl.SSLZeroReturnError):
                 return 0
 
