@@ -204,3 +204,12 @@ def start_coordinator(overrides: Sequence[str], config_args: Sequence[str], *, l
     if not isinstance(maddrs, list) or not maddrs:
         raise ChildExitedError(f"the coordinator's READY line has no 'maddrs' list: {maddrs!r}")
     return str(maddrs[0])
+
+
+def stop_all(children: Sequence[Child], *, timeout_s: float = 10.0) -> None:
+    """Stop `children` newest first: SIGTERM (then SIGKILL after `timeout_s`) the live ones, reap the rest."""
+    for child in reversed(children):
+        if child.alive:
+            child.terminate(timeout_s=timeout_s)
+        else:
+            child.close()

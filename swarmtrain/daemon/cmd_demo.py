@@ -13,7 +13,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from swarmtrain.daemon.children import Child, ChildExitedError, start_coordinator, swarmtrain_argv
+from swarmtrain.daemon.children import Child, ChildExitedError, start_coordinator, stop_all, swarmtrain_argv
 from swarmtrain.daemon.options import add_config_options, config_from_args
 from swarmtrain.telemetry.events import Line
 from swarmtrain.telemetry.progress import RoundSummary, SwarmProgress, format_bytes, format_round
@@ -131,11 +131,7 @@ def run(args: argparse.Namespace) -> int:
         _say("interrupted: stopping all processes")
         return 130
     finally:
-        for child in reversed(children):
-            if child.alive:
-                child.terminate(timeout_s=10.0)
-            else:
-                child.close()
+        stop_all(children)
         signal.signal(signal.SIGTERM, previous)
 
 

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from swarmtrain.config import RunConfig
-from swarmtrain.daemon.children import Child, ChildExitedError, start_coordinator, swarmtrain_argv
+from swarmtrain.daemon.children import Child, ChildExitedError, start_coordinator, stop_all, swarmtrain_argv
 from swarmtrain.telemetry.events import LeaveEvent, Line, StepEvent
 
 __all__ = ["PIPELINE_OVERRIDES", "run_pipeline_demo"]
@@ -70,11 +70,7 @@ def run_pipeline_demo(cfg: RunConfig, overrides: list[str], config_args: list[st
         _say(f"demo failed: {e}")
         return 1
     finally:
-        for child in reversed(children):
-            if child.alive:
-                child.terminate(timeout_s=10.0)
-            else:
-                child.close()
+        stop_all(children)
 
 
 def _follow(trainers: list[Child], servers: dict[str, Child], lines: queue.Queue[tuple[str, Line]], *, steps: int,

@@ -11,6 +11,7 @@ steps through them, printing a `step` line per step, then leaves.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import logging
@@ -79,7 +80,7 @@ def _fitting_stages(cfg: RunConfig) -> list[int]:
     return fitting
 
 
-class _Role:
+class _Role(abc.ABC):
     role = ""
 
     def __init__(self, local: RunConfig, *, writer: EventWriter, services: PeerServices,
@@ -107,8 +108,9 @@ class _Role:
             torch.set_num_threads(self.cfg.train.threads)
         return discovery
 
+    @abc.abstractmethod
     def _record(self) -> PeerRecord:
-        raise NotImplementedError
+        """The peer record this role announces by heartbeat."""
 
     async def _announce(self) -> None:
         assert self.discovery is not None
