@@ -458,8 +458,8 @@ class PipelineConfig:
     context_ttl_s: float = 120.0
     """Seconds a server keeps a micro-batch's input for its backward."""
     max_stale_steps: int = 1
-    """A server refuses the backward of a micro-batch whose forward ran more than this many of its inner
-    steps ago (the trainer then runs that stage's forward again)."""
+    """A server refuses the backward of a micro-batch whose forward ran more than this many of its steps
+    ago, inner or outer (the trainer then runs that stage's forward again)."""
 
     def __post_init__(self) -> None:
         check(self.stages >= 0, "pipeline.stages", "must be >= 0 (0 = no pipeline)")

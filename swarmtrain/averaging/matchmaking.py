@@ -88,13 +88,16 @@ class Matchmaker:
     def __init__(self, discovery: Discovery, *, min_peers: int, window_s: float, settle_s: float | None = None,
                  decision_timeout_s: float | None = None, io_timeout_s: float | None = None,
                  poll_s: float | None = None, commit_timeout_s: float | None = None,
-                 early_close: bool = True) -> None:
+                 early_close: bool = True, role: str = "worker") -> None:
+        """`role`: the peers (by their record's role) that average with this one: a round closes early
+        once all of them posted."""
         if min_peers < 1:
             raise ValueError(f"min_peers must be >= 1, got {min_peers}")
         if window_s <= 0:
             raise ValueError(f"window_s must be > 0, got {window_s}")
         self._d = discovery
         self.early_close = early_close
+        self.role = role
         self.min_peers = min_peers
         self.window_s = window_s
         self.settle_s = settle_s if settle_s is not None else 0.25 * window_s
@@ -110,9 +113,9 @@ class Matchmaker:
         self._first_open: dict[int, int] = {}  # round -> the first attempt not known to be over
 
     @classmethod
-    def from_config(cls, discovery: Discovery, cfg: AveragingConfig) -> Matchmaker:
+    def from_config(cls, discovery: Discovery, cfg: AveragingConfig, *, role: str = "worker") -> Matchmaker:
         return cls(discovery, min_peers=cfg.min_peers, window_s=cfg.matchmaking_timeout_s,
-                   commit_timeout_s=cfg.allreduce_timeout_s)
+                   commit_timeout_s=cfg.allreduce_timeout_s, role=role)
 
     def _now(self) -> float:
         return self._d.now()
@@ -176,7 +179,7 @@ class Matchmaker:
         expected: set[str] = set()
         if self.early_close:
             peers = await self._d.live_peers(timeout_s=self.io_timeout_s)
-            expected = {p.peer_id for p in peers if p.round <= round_index and p.role == "worker"}
+            expected = {p.peer_id for p in peers if p.round <= round_index and p.role == self.role}
         while True:
             entries = await self._entries(round_index, attempt, own)
             if self._now() >= close_at + self.settle_s:

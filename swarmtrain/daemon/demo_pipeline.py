@@ -1,6 +1,7 @@
 """`swarmtrain demo --pipeline`: a coordinator, 2 stages × 2 stage servers and 2 trainers on 127.0.0.1; one
-server is SIGKILLed half-way; prints the trainers' progress and a summary (loss before/after, micro-batches
-sent, completed, re-sent, lost)."""
+server is SIGKILLed half-way; prints the trainers' progress, each part's outer rounds (a stage's servers, the
+trainers' ends) and a summary (loss before/after, micro-batches sent, completed, re-sent, lost, rounds
+committed per part and whether their holders agree on θ_global)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 
 from swarmtrain.config import RunConfig
 from swarmtrain.daemon.children import Child, ChildExitedError, start_coordinator, stop_all, swarmtrain_argv
-from swarmtrain.telemetry.events import LeaveEvent, Line, StepEvent
+from swarmtrain.telemetry.events import LeaveEvent, Line, StageRoundEvent, StepEvent
 
 __all__ = ["PIPELINE_OVERRIDES", "run_pipeline_demo"]
 
@@ -53,7 +54,8 @@ def run_pipeline_demo(cfg: RunConfig, overrides: list[str], config_args: list[st
              f"logs in {logs}")
         join = start_coordinator(overrides, config_args, log_dir=logs, timeout_s=start_timeout_s, children=children)
         servers = {name: Child(name, swarmtrain_argv("peer", "--join", join, "--role", "server", "--stage", str(k)),
-                               log_path=logs / f"{name}.log") for name, k in SERVERS}
+                               log_path=logs / f"{name}.log", on_line=lambda name, line: lines.put((name, line)))
+                   for name, k in SERVERS}
         children.extend(servers.values())
         for name, child in servers.items():
             info = child.wait_ready(timeout_s=start_timeout_s)
@@ -76,6 +78,7 @@ def run_pipeline_demo(cfg: RunConfig, overrides: list[str], config_args: list[st
 def _follow(trainers: list[Child], servers: dict[str, Child], lines: queue.Queue[tuple[str, Line]], *, steps: int,
             deadline: float, started: float) -> int:
     seen: dict[str, list[StepEvent]] = {t.name: [] for t in trainers}
+    rounds: dict[int, dict[int, set[str]]] = {}  # part (stage, -1 = ends) -> committed round -> hashes
     left: set[str] = set()
     killed = False
     while len(left) < len(trainers):
@@ -88,7 +91,9 @@ def _follow(trainers: list[Child], servers: dict[str, Child], lines: queue.Queue
                 if not t.alive and t.name not in left:
                     raise ChildExitedError(f"{t.name} exited early; {t.diagnostics(tail_lines=5)}") from None
             continue
-        if isinstance(line, LeaveEvent):
+        if isinstance(line, StageRoundEvent):
+            _round_line(name, line, rounds, started)
+        elif isinstance(line, LeaveEvent) and name in seen:
             left.add(name)
         elif isinstance(line, StepEvent):
             seen[name].append(line)
@@ -108,12 +113,34 @@ def _follow(trainers: list[Child], servers: dict[str, Child], lines: queue.Queue
     before = [s.loss for v in seen.values() for s in v[:tenth] if s.loss is not None]
     after = [s.loss for v in seen.values() for s in v[-tenth:] if s.loss is not None]
     first, last = sum(before) / max(len(before), 1), sum(after) / max(len(after), 1)
-    ok = lost == 0 and bool(before) and bool(after) and last < first
+    agree = all(len(hashes) == 1 for part in rounds.values() for hashes in part.values())
+    ok = lost == 0 and bool(before) and bool(after) and last < first and agree
     _say("summary:")
     _say(f"  loss (first / last {tenth} steps of each trainer): {first:.3f} -> {last:.3f}")
     _say(f"  micro-batches sent {sent}, completed {sent - lost}, re-sent to another server {rerouted}, lost {lost}")
+    for part in sorted(rounds):
+        _say(f"  {_part(part)}: {len(rounds[part])} outer rounds committed, "
+             f"{'one θ_global hash per round' if agree else 'holders DISAGREE on θ_global'}")
     _say(f"  wall time {time.monotonic() - started:.1f}s; result: {'OK' if ok else 'FAILED'}")
     return 0 if ok else 1
+
+
+def _part(stage: int) -> str:
+    return "trainers' ends" if stage < 0 else f"stage {stage}"
+
+
+def _round_line(name: str, line: StageRoundEvent, rounds: dict[int, dict[int, set[str]]], started: float) -> None:
+    """Record a part's round; print it the first time one of its holders reports it committed, and every abort."""
+    if not line.committed:
+        _say(f"[{time.monotonic() - started:6.1f}s] {_part(line.stage)} round {line.round} aborted at {name}: "
+             f"{line.reason}")
+        return
+    part = rounds.setdefault(line.stage, {})
+    first = line.round not in part
+    part.setdefault(line.round, set()).add(line.hash)
+    if first:
+        _say(f"[{time.monotonic() - started:6.1f}s] {_part(line.stage)} round {line.round} committed "
+             f"({len(line.members)} holders, θ_global {line.hash[:12]}, reported by {name})")
 
 
 def _say(text: str) -> None:

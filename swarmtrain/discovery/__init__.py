@@ -7,6 +7,7 @@ hivemind_dht.py  HivemindDiscovery: one hivemind.DHT per peer, RSA owner-signed 
               explicitly: importing hivemind is heavy, so this package does not)
 clock.py      estimate_clock_offset_s: this clock against the swarm's, from heartbeat times
 heartbeat.py  Heartbeat: keep this peer's record alive, withdraw on leave
+scoped.py     ScopedDiscovery: one averaging scope's view (a pipeline stage's servers, its trainers)
 coordinator.py  RunPublisher: the coordinator publishes the run record and keeps its round current
 """
 
@@ -22,6 +23,7 @@ from swarmtrain.discovery.records import (
     RecordError,
     RunRecord,
 )
+from swarmtrain.discovery.scoped import ScopedDiscovery
 
 __all__ = [
     "DepartureRecord",
@@ -37,5 +39,6 @@ __all__ = [
     "RecordError",
     "RunConflictError",
     "RunRecord",
+    "ScopedDiscovery",
     "estimate_clock_offset_s",
 ]

@@ -100,17 +100,22 @@ class Discovery(Protocol):
         swarm for longer than its links lived); returns how many answered."""
         ...
 
-    async def post_entry(self, entry: MatchEntry, *, keep_s: float, timeout_s: float) -> None:
-        """Store `entry` under (round, attempt) until `entry.posted_at + keep_s`."""
+    async def post_entry(self, entry: MatchEntry, *, keep_s: float, timeout_s: float, scope: str = "") -> None:
+        """Store `entry` under (scope, round, attempt) until `entry.posted_at + keep_s`.
+
+        `scope` names the peers that average one part of the model ("" = the whole model; a pipeline
+        stage's servers match under their stage): rounds of different scopes never meet."""
         ...
 
-    async def round_entries(self, round_index: int, attempt: int, *, timeout_s: float) -> tuple[MatchEntry, ...]: ...
+    async def round_entries(self, round_index: int, attempt: int, *, timeout_s: float,
+                            scope: str = "") -> tuple[MatchEntry, ...]: ...
 
-    async def post_group(self, record: GroupRecord, *, keep_s: float, timeout_s: float) -> None:
-        """Store `record` under (round, attempt) until `record.window_close_at + keep_s`."""
+    async def post_group(self, record: GroupRecord, *, keep_s: float, timeout_s: float, scope: str = "") -> None:
+        """Store `record` under (scope, round, attempt) until `record.window_close_at + keep_s`."""
         ...
 
-    async def round_groups(self, round_index: int, attempt: int, *, timeout_s: float) -> tuple[GroupRecord, ...]: ...
+    async def round_groups(self, round_index: int, attempt: int, *, timeout_s: float,
+                           scope: str = "") -> tuple[GroupRecord, ...]: ...
 
     async def aclose(self) -> None: ...
 
@@ -259,26 +264,30 @@ class RecordDirectory(abc.ABC):
     def _departure_keep_s(self) -> float:
         return max(DEPARTURE_KEEP_S, 10 * self._ttl_s)
 
-    async def post_entry(self, entry: MatchEntry, *, keep_s: float, timeout_s: float) -> None:
-        await self._put_record(self._match_key(entry.round, entry.attempt, "entries"), entry,
+    async def post_entry(self, entry: MatchEntry, *, keep_s: float, timeout_s: float, scope: str = "") -> None:
+        await self._put_record(self._match_key(entry.round, entry.attempt, "entries", scope), entry,
                                expires_at=entry.posted_at + keep_s, timeout_s=timeout_s)
 
-    async def round_entries(self, round_index: int, attempt: int, *, timeout_s: float) -> tuple[MatchEntry, ...]:
-        return await self._attempt_records(MatchEntry, round_index, attempt, "entries", timeout_s=timeout_s)
+    async def round_entries(self, round_index: int, attempt: int, *, timeout_s: float,
+                            scope: str = "") -> tuple[MatchEntry, ...]:
+        return await self._attempt_records(MatchEntry, round_index, attempt, "entries", scope, timeout_s=timeout_s)
 
-    async def post_group(self, record: GroupRecord, *, keep_s: float, timeout_s: float) -> None:
-        await self._put_record(self._match_key(record.round, record.attempt, "group"), record,
+    async def post_group(self, record: GroupRecord, *, keep_s: float, timeout_s: float, scope: str = "") -> None:
+        await self._put_record(self._match_key(record.round, record.attempt, "group", scope), record,
                                expires_at=record.window_close_at + keep_s, timeout_s=timeout_s)
 
-    async def round_groups(self, round_index: int, attempt: int, *, timeout_s: float) -> tuple[GroupRecord, ...]:
-        return await self._attempt_records(GroupRecord, round_index, attempt, "group", timeout_s=timeout_s)
+    async def round_groups(self, round_index: int, attempt: int, *, timeout_s: float,
+                           scope: str = "") -> tuple[GroupRecord, ...]:
+        return await self._attempt_records(GroupRecord, round_index, attempt, "group", scope, timeout_s=timeout_s)
 
-    def _match_key(self, round_index: int, attempt: int, name: str) -> str:
-        return self._key(f"round/{round_index}/{attempt}/{name}")
+    def _match_key(self, round_index: int, attempt: int, name: str, scope: str = "") -> str:
+        if "/" in scope:
+            raise ValueError(f"an averaging scope is one path segment, got {scope!r}")
+        return self._key(f"{scope + '/' if scope else ''}round/{round_index}/{attempt}/{name}")
 
-    async def _attempt_records(self, cls: type[M], round_index: int, attempt: int, name: str, *,
+    async def _attempt_records(self, cls: type[M], round_index: int, attempt: int, name: str, scope: str, *,
                                timeout_s: float) -> tuple[M, ...]:
         """The valid records of one (round, attempt) slot, sorted by owner (entries: member, group: leader)."""
-        records = await self._decoded(cls, self._match_key(round_index, attempt, name), timeout_s=timeout_s)
+        records = await self._decoded(cls, self._match_key(round_index, attempt, name, scope), timeout_s=timeout_s)
         return tuple(sorted((r for r in records if r.round == round_index and r.attempt == attempt),
                             key=lambda r: r.owner_id))

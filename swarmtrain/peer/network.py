@@ -47,9 +47,12 @@ class NetworkServices:
         return await HivemindDiscovery.create(cfg, run_id=run_id, run_key=run_key)
 
     async def open_data_plane(self, cfg: RunConfig, *, discovery: Discovery, codec: Codec,
-                              param_shapes: Sequence[tuple[str, tuple[int, ...]]]) -> NetworkPlane:
+                              param_shapes: Sequence[tuple[str, tuple[int, ...]]], role: str = "worker",
+                              before_start: Callable[[RpcNode], None] | None = None) -> NetworkPlane:
         plane = NetworkPlane(cfg, discovery=discovery, codec=codec, param_shapes=param_shapes,
-                             loop=asyncio.get_running_loop())
+                             loop=asyncio.get_running_loop(), role=role)
+        if before_start is not None:
+            before_start(plane.node)
         await asyncio.to_thread(plane.start)
         return plane
 
@@ -65,14 +68,17 @@ class NetworkPlane:
     """One RpcNode serving the all-reduce and state transfer; `average` forms the round's group first."""
 
     def __init__(self, cfg: RunConfig, *, discovery: Discovery, codec: Codec,
-                 param_shapes: Sequence[tuple[str, tuple[int, ...]]], loop: asyncio.AbstractEventLoop) -> None:
+                 param_shapes: Sequence[tuple[str, tuple[int, ...]]], loop: asyncio.AbstractEventLoop,
+                 role: str = "worker") -> None:
+        """`role`: of the peers this one averages with (a pipeline part's plane: "stage_server", "trainer"),
+        through `discovery` (a ScopedDiscovery for a pipeline part)."""
         self.cfg = cfg
         self.discovery = discovery
         self.loop = loop
         self.param_shapes = list(param_shapes)
         self.client_mode = cfg.discovery.client_mode
         self.node = RpcNode(cfg.rpc, peer_id=discovery.peer_id, serve=not self.client_mode)
-        self.matchmaker = Matchmaker.from_config(discovery, cfg.averaging)
+        self.matchmaker = Matchmaker.from_config(discovery, cfg.averaging, role=role)
         # This peer's votes outlive a restart from its checkpoint directory (averaging/ballot.py).
         votes = VoteBook(Path(cfg.checkpoint.dir) / VOTES_FILE if cfg.checkpoint.dir else None)
         self.averager = NetworkAverager(self.node, run_id=cfg.train.run_id, group_provider=self._group,

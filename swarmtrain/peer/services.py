@@ -14,6 +14,7 @@ from swarmtrain.averaging.protocol import AverageResult
 from swarmtrain.compress import Codec
 from swarmtrain.config import DiscoveryConfig, RunConfig
 from swarmtrain.discovery import Discovery
+from swarmtrain.rpc.node import RpcNode
 
 __all__ = ["DataPlane", "LivePeerState", "PeerError", "PeerServices", "PeerState"]
 
@@ -88,8 +89,12 @@ class PeerServices(Protocol):
     async def open_discovery(self, cfg: DiscoveryConfig, *, run_id: str, run_key: str) -> Discovery: ...
 
     async def open_data_plane(self, cfg: RunConfig, *, discovery: Discovery, codec: Codec,
-                              param_shapes: Sequence[tuple[str, tuple[int, ...]]]) -> DataPlane:
-        """`param_shapes`: the model's (name, shape) in θ's flat order, for named state transfer."""
+                              param_shapes: Sequence[tuple[str, tuple[int, ...]]], role: str = "worker",
+                              before_start: Callable[[RpcNode], None] | None = None) -> DataPlane:
+        """`param_shapes`: the model's (name, shape) in θ's flat order, for named state transfer.
+
+        `role`: of the peers this one averages with (a pipeline part: "stage_server" or "trainer", over a
+        ScopedDiscovery); `before_start` adds services to the plane's node before it listens (a stage)."""
         ...
 
     async def visible_maddrs(self, discovery: Discovery) -> list[str]:

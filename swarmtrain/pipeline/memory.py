@@ -1,8 +1,9 @@
 """What a part of the model needs in memory to train, against a peer's `train.memory_budget_mb`.
 
 Counted: the training state only, in fp32 — weights, gradients and AdamW's two moments (16 bytes a
-parameter); a DiLoCo worker adds θ_global and the outer momentum (8 more); a stage server adds the
-inputs it keeps for backwards (`pipeline.max_contexts` micro-batches). Not counted: the runtime
+parameter); θ_global and the outer momentum (8 more) for every holder of a part, since a DiLoCo worker,
+a stage server and a trainer all run outer rounds on what they hold; a stage server adds the inputs it
+keeps for backwards (`pipeline.max_contexts` micro-batches). Not counted: the runtime
 (Python, torch, gRPC, the DHT client: about 0.25 GB on a CPU machine) and transient buffers (the
 activations of one micro-batch, encoded payloads), which measured peaks add on top
 (docs/benchmarks.md#pipeline).
@@ -42,17 +43,18 @@ def worker_bytes(cfg: ModelConfig) -> int:
 
 
 def trainer_bytes(cfg: ModelConfig) -> int:
-    """A pipeline trainer: the embeddings' and head's training state."""
+    """A pipeline trainer: the embeddings' and head's training state and their outer state."""
     shape = resolve_shape(cfg)
     with torch.device("meta"):
-        return sum(p.numel() for p in TrainerEnds(shape, vocab_size=cfg.vocab_size).parameters()) * _TRAIN_BYTES
+        ends = sum(p.numel() for p in TrainerEnds(shape, vocab_size=cfg.vocab_size).parameters())
+    return ends * (_TRAIN_BYTES + _OUTER_BYTES)
 
 
 def server_bytes(cfg: ModelConfig, pipe: PipelineConfig, *, seq_len: int) -> list[int]:
-    """A stage server of each stage: its blocks' training state and the inputs it keeps for backwards."""
+    """A stage server of each stage: its blocks' training and outer state and the inputs it keeps for backwards."""
     width = resolve_shape(cfg).n_embd
     contexts = pipe.max_contexts * pipe.microbatch_size * seq_len * width * 4
-    return [n * _TRAIN_BYTES + contexts for n in stage_params(cfg, pipe.stages)]
+    return [n * (_TRAIN_BYTES + _OUTER_BYTES) + contexts for n in stage_params(cfg, pipe.stages)]
 
 
 def check_worker_budget(cfg: RunConfig) -> None:

@@ -2,11 +2,13 @@
 
 Both join like a DiLoCo peer (the DHT, the run record of the coordinator `--join` names, the run's
 config with the peer's own sections) and announce a peer record by heartbeat. A server holds one
-stage (`--stage K`, else the stage with the fewest servers per block), starts from the weights of a
-live server of that stage when there is one (a `heal` line), and serves it until signalled, printing
-a `stage_step` line per inner step. A trainer reads the run's data, lists the live servers
+stage (`--stage K`, else the stage with the fewest servers per block), starts from its stage's
+θ_global when the stage's servers are past round 0 (a `heal` line), and serves it until signalled,
+printing a `stage_step` line per inner step. A trainer reads the run's data, lists the live servers
 from their records (stage, latency, queue) and trains `diloco.rounds × diloco.inner_steps` inner
-steps through them, printing a `step` line per step, then leaves.
+steps through them, printing a `step` line per step, then leaves. Each averages its part with the
+other holders of that part (outer.py: a stage's servers, the trainers), printing a `stage_round` line
+per round; one node serves its calls, the all-reduce and its part's state.
 """
 
 from __future__ import annotations
@@ -16,21 +18,23 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from swarmtrain.compress import codec_from_config
 from swarmtrain.config import RunConfig
 from swarmtrain.data import load_corpus
-from swarmtrain.discovery import Discovery, Heartbeat, PeerRecord
+from swarmtrain.discovery import Discovery, Heartbeat, PeerRecord, ScopedDiscovery
 from swarmtrain.models.gpt import resolve_shape
 from swarmtrain.peer.config import merge_run_config
-from swarmtrain.peer.data import peer_batches
+from swarmtrain.peer.data import peer_batches, peer_seed
 from swarmtrain.peer.joining import fetch_run_config
-from swarmtrain.peer.services import PeerError, PeerServices
+from swarmtrain.peer.services import DataPlane, PeerError, PeerServices
 from swarmtrain.pipeline.cut import stage_blocks
 from swarmtrain.pipeline.memory import MB, server_bytes
+from swarmtrain.pipeline.outer import PartRounds
 from swarmtrain.pipeline.parts import build_ends, build_stage
 from swarmtrain.pipeline.routing import Server
 from swarmtrain.pipeline.server import StageServer, StageStats
@@ -38,8 +42,7 @@ from swarmtrain.pipeline.service import StageHandler, serve_stage
 from swarmtrain.pipeline.tensors import TensorCodec
 from swarmtrain.pipeline.trainer import PipelineTrainer
 from swarmtrain.rpc.node import RpcNode
-from swarmtrain.sync.transfer import StateServer, StateSnapshot, StateTransferError, fetch_state
-from swarmtrain.telemetry import EventWriter, HealEvent, LeaveEvent, StageStepEvent, StepEvent
+from swarmtrain.telemetry import EventWriter, LeaveEvent, StageStepEvent, StepEvent
 from swarmtrain.trust import resolve_run_key
 
 __all__ = ["StageServerRole", "TrainerRole", "least_served_stage", "servers_of"]
@@ -92,7 +95,9 @@ class _Role(abc.ABC):
         self.coordinator_id = coordinator_id
         self.cfg = local
         self.discovery: Discovery | None = None
-        self.node: RpcNode | None = None
+        self.node: RpcNode | None = None  # the plane's: the role's calls, the all-reduce, its part's state
+        self.plane: DataPlane | None = None
+        self.rounds: PartRounds | None = None
         self.heartbeat: Heartbeat | None = None
 
     async def _join(self) -> Discovery:
@@ -107,6 +112,39 @@ class _Role(abc.ABC):
         if self.cfg.train.threads:
             torch.set_num_threads(self.cfg.train.threads)
         return discovery
+
+    async def _open_plane(self, part: torch.nn.Module, *, scope: str, member: Any, role: str,
+                          serve: Any = None) -> ScopedDiscovery:
+        """The data plane of `part`'s holders (its matchmaking under `scope`; `serve(node)` adds this role's
+        own service before the node listens); returns the scope's view of the DHT."""
+        assert self.discovery is not None
+        cfg = self.cfg
+        scoped = ScopedDiscovery(self.discovery, scope=scope, member=member)
+        codec = codec_from_config(cfg.compress, seed=peer_seed(cfg.train.seed + 2, self.discovery.peer_id))
+
+        def before_start(node: RpcNode) -> None:
+            self.node = node
+            if serve is not None:
+                serve(node)
+
+        self.plane = await self.services.open_data_plane(
+            cfg, discovery=scoped, codec=codec, role=role, before_start=before_start,
+            param_shapes=[(name, tuple(p.shape)) for name, p in part.named_parameters()])
+        return scoped
+
+    def _rounds(self, part: torch.nn.Module, scoped: ScopedDiscovery, *, stage: int, still: Any,
+                apply_now: bool, on_heal: Any = None) -> PartRounds:
+        assert self.plane is not None
+        self.rounds = PartRounds(list(part.parameters()), plane=self.plane, discovery=scoped, cfg=self.cfg,
+                                 stage=stage, still=still, emit=self.writer.emit, apply_now=apply_now,
+                                 on_heal=on_heal)
+        return self.rounds
+
+    def _part_fields(self) -> dict[str, Any]:
+        """The record's fields of this role's part: its outer round, θ_global's hash, when its round ends."""
+        assert self.rounds is not None
+        return {"round": self.rounds.round, "state_hash": self.rounds.hash,
+                "round_ends_at": self.rounds.round_ends_at()}
 
     @abc.abstractmethod
     def _record(self) -> PeerRecord:
@@ -123,8 +161,10 @@ class _Role(abc.ABC):
         """Stop beating, withdraw the record, close the data plane and the DHT node (each best effort)."""
         if self.heartbeat is not None:
             await self.heartbeat.aclose(withdraw=True)
-        if self.node is not None:
-            await asyncio.to_thread(self.node.close)
+        if self.rounds is not None:
+            await self.rounds.aclose()
+        if self.plane is not None:
+            await self.plane.aclose()
         if self.discovery is not None:
             await self.discovery.aclose()
         log.info("%s left: %s", self.role, reason)
@@ -155,16 +195,24 @@ class StageServerRole(_Role):
             raise PeerError(f"stage {self.stage} needs {need / MB:.0f} MB to train, more than train.memory_budget_mb="
                             f"{cfg.train.memory_budget_mb} (stages that fit: {fitting})")
         part = await asyncio.to_thread(build_stage, cfg.model, self.stage, pipe.stages, seed=cfg.train.seed)
-        self.server = StageServer(part, stage=self.stage, pipeline=pipe, inner=cfg.inner,
-                                  total_steps=cfg.diloco.rounds * cfg.diloco.inner_steps, seq_len=cfg.data.seq_len,
-                                  on_step=self._on_step)
-        self.node = RpcNode(cfg.rpc, peer_id=discovery.peer_id)
+        server = self.server = StageServer(part, stage=self.stage, pipeline=pipe, inner=cfg.inner,
+                                           total_steps=cfg.diloco.rounds * cfg.diloco.inner_steps,
+                                           seq_len=cfg.data.seq_len, on_step=self._on_step)
         codec = TensorCodec(pipe.activation_codec, max_shape=(pipe.microbatch_size, cfg.data.seq_len, shape.n_embd))
-        self.handler = serve_stage(self.node, self.server, codec=codec)
-        StateServer(self.node).serve(self._live_part)  # for servers that join this stage later
-        await asyncio.to_thread(self.node.start, timeout_s=cfg.rpc.call_timeout_s + 10.0)
-        await self._heal(discovery)
+
+        def serve(node: RpcNode) -> None:
+            self.handler = serve_stage(node, server, codec=codec)
+
+        k = self.stage
+        scoped = await self._open_plane(part, scope=f"stage{k}", role="stage_server", serve=serve,
+                                        member=lambda p: p.role == "stage_server" and p.stage == k)
+        h = cfg.diloco.inner_steps  # a healed server takes up the schedule where its stage's round puts it
+        rounds = self._rounds(part, scoped, stage=k, still=server.moving, apply_now=True,
+                              on_heal=lambda r: server.resume_at(r * h))
+        await rounds.join()  # the stage's θ_global if its servers are past round 0
         await self._announce()
+        rounds.start()
+        assert self.node is not None
         blocks = stage_blocks(shape.n_layer, pipe.stages)[self.stage]
         info = {"role": "server", "peer_id": discovery.peer_id, "endpoint": self.node.endpoint,
                 "run_id": cfg.train.run_id, "stage": self.stage, "blocks": [blocks.start, blocks.stop],
@@ -172,51 +220,16 @@ class StageServerRole(_Role):
         self.writer.ready(info)
         return info
 
-    @contextlib.contextmanager
-    def _live_part(self) -> Iterator[tuple[Hashable, StateSnapshot] | None]:
-        """This stage's weights for a joining server, held still while they are copied."""
-        server = self.server
-        if server is None:
-            yield None
-            return
-        with server.still():
-            yield server.version, StateSnapshot(round=server.step, params=server.part.state_dict(), momentum={},
-                                                config=self.cfg)
-
-    async def _heal(self, discovery: Discovery) -> None:
-        """Start from the weights of a live server of this stage (the one furthest on first), if there is one."""
-        assert self.server is not None and self.node is not None
-        cfg = self.cfg
-        peers = await discovery.live_peers(timeout_s=cfg.rpc.call_timeout_s)
-        donors = sorted((p for p in peers if p.role == "stage_server" and p.stage == self.stage and p.endpoint
-                         and p.peer_id != discovery.peer_id), key=lambda p: -p.round)
-        shapes = {name: tuple(t.shape) for name, t in self.server.part.state_dict().items()}
-        for donor in donors:
-            start = time.perf_counter()
-            try:
-                snapshot = await asyncio.to_thread(fetch_state, self.node, [donor.endpoint], run_id=cfg.train.run_id,
-                                                   expected_shapes=shapes, timeout_s=4 * cfg.rpc.call_timeout_s)
-                if snapshot.config.train.run_nonce != cfg.train.run_nonce:
-                    raise StateTransferError(f"its state is of another run (nonce {snapshot.config.train.run_nonce!r})")
-                await asyncio.to_thread(self.server.adopt, snapshot.params, step=snapshot.round)
-            except (StateTransferError, ValueError) as e:
-                log.warning("stage %d: no state from %s: %s", self.stage, donor.peer_id, e)
-                continue
-            self.writer.emit(HealEvent(from_round=0, to_round=snapshot.round, source=donor.peer_id, hash="",
-                                       peer=discovery.peer_id, transfer_s=round(time.perf_counter() - start, 4)))
-            return
-        if donors:
-            log.warning("stage %d: no live server of this stage gave its weights; starting from the run's init",
-                        self.stage)
-
     def _record(self) -> PeerRecord:
         assert self.discovery is not None and self.node is not None and self.server is not None
         assert self.handler is not None and self.stage is not None
         return PeerRecord(run_id=self.cfg.train.run_id, peer_id=self.discovery.peer_id, endpoint=self.node.endpoint,
-                          role="stage_server", stage=self.stage, round=self.server.step,
-                          latency_s=self.handler.latency_s, queue=self.handler.waiting)
+                          role="stage_server", stage=self.stage, latency_s=self.handler.latency_s,
+                          queue=self.handler.waiting, **self._part_fields())
 
-    def _on_step(self, stats: StageStats) -> None:  # on the server's compute thread
+    def _on_step(self, stats: StageStats) -> None:  # on the server's compute thread, the weights still
+        if self.rounds is not None:
+            self.rounds.stepped()
         steps, at = self._last_step
         now = time.monotonic()
         rate = self.cfg.pipeline.samples_per_step * (stats.step - steps) / max(now - at, 1e-9)
@@ -257,10 +270,14 @@ class TrainerRole(_Role):
         corpus = await asyncio.to_thread(load_corpus, cfg.data)
         steps_cfg = cfg.replace(data={"batch_size": cfg.pipeline.samples_per_step})
         self._batches = iter(peer_batches(steps_cfg, corpus.train, discovery.peer_id))
-        self.node = RpcNode(cfg.rpc, peer_id=discovery.peer_id, serve=False)
-        await asyncio.to_thread(self.node.start, timeout_s=cfg.rpc.call_timeout_s + 10.0)
+        scoped = await self._open_plane(ends, scope="ends", role="trainer", member=lambda p: p.role == "trainer")
+        assert self.node is not None
         self.trainer = PipelineTrainer(self.node, ends, cfg, servers=lambda: self._servers,
                                        hints=lambda: self._hints)
+        # Applied between steps (settle): a step's micro-batches use the ends' weights throughout.
+        rounds = self._rounds(ends, scoped, stage=-1, still=contextlib.nullcontext, apply_now=False)
+        await rounds.join()
+        rounds.start()
         await self._list_servers()
         self._lister = asyncio.create_task(self._keep_listing())
         await self._announce()
@@ -285,13 +302,14 @@ class TrainerRole(_Role):
             await self._list_servers()
 
     def _record(self) -> PeerRecord:
-        assert self.discovery is not None and self.trainer is not None
-        return PeerRecord(run_id=self.cfg.train.run_id, peer_id=self.discovery.peer_id, endpoint="",
-                          role="trainer", client_mode=True, round=self.trainer.step_count)
+        assert self.discovery is not None and self.node is not None
+        return PeerRecord(run_id=self.cfg.train.run_id, peer_id=self.discovery.peer_id, endpoint=self.node.endpoint,
+                          role="trainer", client_mode=self.cfg.discovery.client_mode, **self._part_fields())
 
     async def run(self, stop: asyncio.Event) -> str:
         """Train until the run's inner steps are done (→ "done") or `stop` (→ "signal")."""
         assert self.trainer is not None and self.node is not None and self.discovery is not None
+        assert self.rounds is not None
         total = self.cfg.diloco.rounds * self.cfg.diloco.inner_steps
         while self.trainer.step_count < total:
             if stop.is_set():
@@ -305,6 +323,11 @@ class TrainerRole(_Role):
                                        stage_latency_s=tuple(round(s, 4) for s in report.stage_latency_s),
                                        peer=self.discovery.peer_id, lost_reasons=tuple(report.lost_reasons),
                                        at=time.time()))
+            self.rounds.stepped()
+            await self.rounds.settle()
+        a, r = self.cfg.averaging, self.cfg.rpc
+        # The last round: the other trainers average it too (bounded: matchmaking, then the all-reduce).
+        await self.rounds.finish(timeout_s=4 * a.matchmaking_timeout_s + 4 * r.call_timeout_s + a.allreduce_timeout_s)
         return "done"
 
     async def aclose(self, reason: str) -> None:

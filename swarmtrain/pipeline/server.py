@@ -6,7 +6,8 @@ the trainer's gradient. So a server may step between a micro-batch's forward and
 weights change in place, which saved autograd tensors would not survive), and the gradient it
 returns is exact for its weights at backward time; what the micro-batch saw downstream was computed
 with the weights of forward time. That staleness is bounded: a backward whose forward ran more than
-`max_stale_steps` inner steps ago is refused (StaleContext), and the trainer runs the forward again.
+`max_stale_steps` steps ago is refused (StaleContext), and the trainer runs the forward again. An
+outer step of the stage's round (or a heal: `moving()`) counts as a step here.
 
 Gradients accumulate over backwards until `samples_per_step` samples are in; then the inner
 optimizer steps (the run's AdamW and schedule, this part's own gradient clipping). Calls are
@@ -36,7 +37,7 @@ __all__ = ["StageServer", "StageStats"]
 class _Context:
     x: torch.Tensor
     seed: int
-    step: int  # inner steps this server had taken at the forward
+    moves: int  # inner and outer steps this server had taken at the forward
     born: float  # clock()
 
 
@@ -69,7 +70,8 @@ class StageServer:
         self._lock = threading.Lock()
         self._contexts: collections.OrderedDict[str, _Context] = collections.OrderedDict()
         self.step = 0
-        self.version = 0  # changes whenever the weights do (a step, an adoption)
+        self.outer_moves = 0  # outer steps and heals applied (they move the weights as inner steps do)
+        self.version = 0  # changes whenever the weights do (a step, an adoption, an outer step)
         self.samples = 0
         self.forwards = self.backwards = self.refused = 0
         part.train()
@@ -80,6 +82,25 @@ class StageServer:
         """Hold the part's weights still (no call runs meanwhile): a joiner's copy of them is taken inside."""
         with self._lock:
             yield
+
+    @contextlib.contextmanager
+    def moving(self) -> Iterator[None]:
+        """Hold the calls off while the weights are moved from outside (an outer step, a heal): counted
+        like an inner step against `max_stale_steps`."""
+        with self._lock:
+            yield
+            self.outer_moves += 1
+            self.version += 1
+
+    def resume_at(self, step: int) -> None:
+        """Take up the run's schedule at inner step `step` (a server that healed to its stage's round: call
+        inside `moving()`)."""
+        self.step = step
+        set_lr(self.optimizer, self.inner.lr * lr_factor(step, cfg=self.inner, total_steps=self.total_steps))
+
+    @property
+    def _moves(self) -> int:
+        return self.step + self.outer_moves
 
     def adopt(self, params: Mapping[str, torch.Tensor], *, step: int) -> None:
         """Take a live server's weights and step count (a server joining its stage); the optimizer's moments
@@ -136,7 +157,7 @@ class StageServer:
                 torch.manual_seed(seed)
                 y = self.part(x)
             self._contexts.pop(microbatch, None)
-            self._contexts[microbatch] = _Context(x, seed, self.step, self.clock())
+            self._contexts[microbatch] = _Context(x, seed, self._moves, self.clock())
             self._expire()
             self.forwards += 1
             return y
@@ -156,9 +177,9 @@ class StageServer:
                 self.refused += 1
                 raise BadActivation(f"backward gradient of shape {tuple(grad_y.shape)} for a forward of "
                                     f"{tuple(ctx.x.shape)}")
-            if self.step - ctx.step > self.cfg.max_stale_steps:
+            if self._moves - ctx.moves > self.cfg.max_stale_steps:
                 self.refused += 1
-                raise StaleContext(f"micro-batch {microbatch}'s forward ran {self.step - ctx.step} inner steps ago "
+                raise StaleContext(f"micro-batch {microbatch}'s forward ran {self._moves - ctx.moves} steps ago "
                                    f"(at most {self.cfg.max_stale_steps})")
             if not 1 <= samples <= ctx.x.shape[0]:
                 self.refused += 1

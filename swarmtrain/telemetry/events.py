@@ -20,6 +20,7 @@ __all__ = [
     "Line",
     "ReadyLine",
     "RoundEvent",
+    "StageRoundEvent",
     "StageStepEvent",
     "StepEvent",
     "format_ready",
@@ -119,13 +120,35 @@ class StageStepEvent:
 
 
 @dataclass(frozen=True)
+class StageRoundEvent:
+    """One outer round of a pipeline part, as one of its holders saw it: a stage's blocks averaged among
+    that stage's servers (`stage` >= 0), or the embeddings and head among the trainers (`stage` = -1).
+    `hash` is the hex hash of the part's θ_global after the round (one per committed round and part)."""
+
+    stage: int
+    round: int
+    committed: bool
+    members: tuple[str, ...]
+    hash: str
+    steps: int  # inner steps in the Δ sent
+    bytes_sent: int
+    bytes_received: int
+    comm_s: float
+    peer: str = ""
+    reason: str = ""  # why the round aborted, or who failed and was worked around
+    at: float = 0.0  # unix seconds when the round ended here
+
+    event: str = field(default="stage_round", init=False)
+
+
+@dataclass(frozen=True)
 class ReadyLine:
     """The `READY {json}` line a daemon prints once it is listening; `info` is its JSON payload."""
 
     info: dict[str, Any]
 
 
-Event = RoundEvent | HealEvent | LeaveEvent | StepEvent | StageStepEvent
+Event = RoundEvent | HealEvent | LeaveEvent | StepEvent | StageStepEvent | StageRoundEvent
 Line = Event | ReadyLine
 
 _EVENT_TYPES: dict[str, type[Event]] = {
@@ -134,6 +157,7 @@ _EVENT_TYPES: dict[str, type[Event]] = {
     "leave": LeaveEvent,
     "step": StepEvent,
     "stage_step": StageStepEvent,
+    "stage_round": StageRoundEvent,
 }
 
 

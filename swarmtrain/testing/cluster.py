@@ -13,6 +13,7 @@ from swarmtrain.config import DiscoveryConfig, RunConfig, load_config, to_dict
 from swarmtrain.discovery import Discovery, InMemoryDiscovery, InMemoryRegistry, RunRecord
 from swarmtrain.peer import Peer
 from swarmtrain.peer.network import NetworkPlane, NetworkServices
+from swarmtrain.rpc.node import RpcNode
 from swarmtrain.telemetry.events import HealEvent, Line, RoundEvent, parse_line
 from swarmtrain.testing.faults import FaultPlan
 
@@ -72,8 +73,10 @@ class LoopbackServices(NetworkServices):
         self.faults = faults  # consulted at every data-plane site of every peer (rpc/faults.py)
 
     async def open_data_plane(self, cfg: RunConfig, *, discovery: Discovery, codec: Codec,
-                              param_shapes: Sequence[tuple[str, tuple[int, ...]]]) -> NetworkPlane:
-        plane = await super().open_data_plane(cfg, discovery=discovery, codec=codec, param_shapes=param_shapes)
+                              param_shapes: Sequence[tuple[str, tuple[int, ...]]], role: str = "worker",
+                              before_start: Callable[[RpcNode], None] | None = None) -> NetworkPlane:
+        plane = await super().open_data_plane(cfg, discovery=discovery, codec=codec, param_shapes=param_shapes,
+                                              role=role, before_start=before_start)
         self.partition.peer_at[plane.endpoint] = discovery.peer_id
         plane.node.links = self.partition
         if self.faults is not None:

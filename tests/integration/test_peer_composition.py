@@ -146,7 +146,8 @@ class InMemoryServices:
                                  run_key=run_key)
 
     async def open_data_plane(self, cfg: RunConfig, *, discovery: Discovery, codec: Codec,
-                              param_shapes: Sequence[tuple[str, tuple[int, ...]]]) -> FakePlane:
+                              param_shapes: Sequence[tuple[str, tuple[int, ...]]], role: str = "worker",
+                              before_start: object = None) -> FakePlane:
         return FakePlane(self, discovery.peer_id)
 
     async def visible_maddrs(self, discovery: Discovery) -> list[str]:

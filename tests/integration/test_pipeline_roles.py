@@ -5,6 +5,7 @@ that leaves mid-run is routed around and the trainer loses nothing."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -12,20 +13,29 @@ import torch
 from swarmtrain.config import load_config
 from swarmtrain.discovery import PeerRecord
 from swarmtrain.pipeline.roles import StageServerRole, TrainerRole, least_served_stage
-from swarmtrain.telemetry import EventWriter, HealEvent, LeaveEvent, ReadyLine, StageStepEvent, StepEvent
+from swarmtrain.telemetry import (
+    EventWriter,
+    HealEvent,
+    LeaveEvent,
+    ReadyLine,
+    StageRoundEvent,
+    StageStepEvent,
+    StepEvent,
+)
 from swarmtrain.testing.cluster import EventLog, LoopbackServices, publish_run
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
 KEY = "pipeline key"
 RUN = ["model.preset=tiny", "model.n_layer=3", "data.max_corpus_bytes=300000", "data.seq_len=16",
-       "inner.warmup_steps=2", "diloco.rounds=3", "diloco.inner_steps=6", "pipeline.stages=2",
+       "inner.warmup_steps=2", "diloco.rounds=6", "diloco.inner_steps=3", "pipeline.stages=2",
        "pipeline.microbatch_size=2", "pipeline.samples_per_step=8", "pipeline.call_timeout_s=3",
        "discovery.heartbeat_s=0.2", "discovery.record_ttl_s=3", "rpc.call_timeout_s=3"]
 
 
 def _local():
-    return load_config(overrides=[f"rpc.run_key={KEY!r}"])
+    # discovery is each peer's own section: beats (and reads of the part's holders) every 0.2 s here
+    return load_config(overrides=[f"rpc.run_key={KEY!r}", "discovery.heartbeat_s=0.2", "discovery.record_ttl_s=3"])
 
 
 def test_the_least_served_stage_counts_servers_per_block() -> None:
@@ -59,16 +69,25 @@ def test_servers_and_a_trainer_find_each_other_and_a_leaving_server_costs_no_mic
         await servers["d"].aclose("signal")  # d leaves (its record is withdrawn) while the trainer trains
         reason = await asyncio.wait_for(run, timeout=120)
         await trainer.aclose(reason)
-        # A server joining stage 0 now starts from the weights of a live server of that stage.
+        # A server joining stage 0 now starts from that stage's θ_global (and outer momentum) of a live server.
+        holders = [servers[n] for n in "ac"]
+        deadline = time.monotonic() + 60
+        while any(r.rounds is None or r.rounds.round < 1 for r in holders):  # the last round may still be applied
+            assert time.monotonic() < deadline, "stage 0 committed no round"
+            await asyncio.sleep(0.05)
+        for r in holders:
+            assert r.heartbeat is not None
+            await r.heartbeat.beat()  # their records say so now, not at their next beat
         logs["e"] = EventLog()
         late = StageServerRole(_local(), stage=0, writer=EventWriter(logs["e"]), services=services)
         await late.start()
         heal = next(e for e in logs["e"].events() if isinstance(e, HealEvent))
-        donor = next(r for r in servers.values() if r.discovery is not None and r.discovery.peer_id == heal.source)
-        assert donor.stage == 0 and late.server is not None and donor.server is not None
-        assert heal.to_round == donor.server.step == late.server.step > 0
-        for name, t in donor.server.part.state_dict().items():
-            assert torch.equal(late.server.part.state_dict()[name], t), name
+        sources = heal.source.split(",")  # each served a range of the state
+        donor = next(r for r in servers.values() if r.discovery is not None and r.discovery.peer_id in sources)
+        assert donor.stage == 0 and late.rounds is not None and donor.rounds is not None and late.server is not None
+        assert heal.to_round == donor.rounds.round == late.rounds.round > 0 and heal.hash == donor.rounds.hash
+        assert torch.equal(late.rounds.theta, donor.rounds.theta)
+        assert torch.equal(torch.cat([p.reshape(-1) for p in late.server.part.parameters()]), donor.rounds.theta)
         stop.set()
         for name in ("a", "b", "c"):
             await servers[name].aclose("signal")
@@ -89,6 +108,16 @@ def test_servers_and_a_trainer_find_each_other_and_a_leaving_server_costs_no_mic
     server_steps = {n: [e for e in logs[n].events() if isinstance(e, StageStepEvent)] for n in "abc"}
     assert all(server_steps[n] for n in "abc")  # every server stepped on its share of the samples
     assert all(e.stage == ready[n]["stage"] for n in "abc" for e in server_steps[n])
+    # Stage 0's servers (a, c and d until it left) averaged their blocks: one θ_global hash per committed
+    # round. Stage 1 has one server and there is one trainer: alone in their parts, they never try.
+    rounds = [e for n in "acd" for e in logs[n].events() if isinstance(e, StageRoundEvent)]
+    committed = {}
+    for e in rounds:
+        assert e.stage == 0
+        if e.committed:
+            committed.setdefault(e.round, set()).add(e.hash)
+    assert committed and all(len(hashes) == 1 for hashes in committed.values()), committed
+    assert not [e for n in "bt" for e in logs[n].events() if isinstance(e, StageRoundEvent)]
 
 
 def test_a_server_takes_only_a_stage_that_fits_its_memory_budget() -> None:
@@ -100,7 +129,8 @@ def test_a_server_takes_only_a_stage_that_fits_its_memory_budget() -> None:
 
     cfg = load_config(overrides=RUN)
     small, big = sorted(server_bytes(cfg.model, cfg.pipeline, seq_len=cfg.data.seq_len))
-    budget = (small + big) // 2 // MB
+    budget = round((small + big) / 2 / MB)
+    assert small <= budget * MB < big
 
     def local(mb: int):
         return load_config(overrides=[f"rpc.run_key={KEY!r}", f"train.memory_budget_mb={mb}"])

@@ -1,7 +1,8 @@
-"""A pipeline of real processes: coordinator + 2 stages × 2 servers + 2 trainers on 127.0.0.1. One stage-1
-server is SIGKILLed (and restarted: it starts from its stage's weights and serves again) and one stage-0
-server SIGSTOPped (longer than its calls' deadlines) while the trainers train: every micro-batch sent
-completes (lost = 0, rerouted > 0) and the loss keeps falling."""
+"""A pipeline of real processes: coordinator + 2 stages × 2 servers + 2 trainers on 127.0.0.1. Once stage 1
+committed an outer round, one of its servers is SIGKILLed (and restarted: it heals to its stage's θ_global and
+serves again), then one stage-0 server SIGSTOPped (longer than its calls' deadlines) while the trainers train:
+every micro-batch sent completes (lost = 0, rerouted > 0), the loss keeps falling, and each part (each stage's
+servers, the trainers' ends) commits its outer rounds with one θ_global hash per round."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from collections.abc import Callable
 import pytest
 
 from swarmtrain.daemon.children import Child
-from swarmtrain.telemetry import HealEvent, LeaveEvent, StageStepEvent, StepEvent
+from swarmtrain.telemetry import HealEvent, LeaveEvent, StageRoundEvent, StageStepEvent, StepEvent
 from swarmtrain.telemetry.events import Line
 from swarmtrain.testing.procs import ProcessSet, sigcont, sigkill, sigstop
 
@@ -20,7 +21,7 @@ KEY = "pipeline run key"
 STEPS = 160  # diloco.rounds × diloco.inner_steps
 RUN = [
     "model.preset=small", "data.max_corpus_bytes=400000", "data.seq_len=64", "inner.warmup_steps=2",
-    "inner.lr=3e-3", "diloco.rounds=4", "diloco.inner_steps=40", "pipeline.stages=2", "pipeline.microbatch_size=4",
+    "inner.lr=3e-3", "diloco.rounds=8", "diloco.inner_steps=20", "pipeline.stages=2", "pipeline.microbatch_size=4",
     "pipeline.samples_per_step=16", "pipeline.call_timeout_s=4", "pipeline.min_deadline_s=0.5",
     "pipeline.avoid_s=20", "discovery.heartbeat_s=0.5", "discovery.record_ttl_s=4.0", "rpc.call_timeout_s=4.0",
     "train.threads=1",
@@ -30,6 +31,10 @@ START_S = 120.0
 
 def _steps(child: Child) -> list[StepEvent]:
     return [x for x in child.snapshot() if isinstance(x, StepEvent)]
+
+
+def _committed(line: Line) -> bool:
+    return isinstance(line, StageRoundEvent) and line.committed
 
 
 def _at_step(n: int) -> Callable[[Line], bool]:
@@ -50,10 +55,11 @@ def test_killed_and_stalled_stage_servers_cost_no_microbatch(procs: ProcessSet,
     for t in trainers:
         t.wait_ready(timeout_s=START_S)
 
-    trainers[0].wait_for(_at_step(8), timeout_s=120, what="trainer step 8")
+    servers["s1b"].wait_for(_committed, timeout_s=180, what="stage 1's first committed round")
     sigkill(servers["s1a"])
-    trainers[0].wait_for(_at_step(12), timeout_s=120, what="trainer step 12 after the kill")
-    # s1a comes back: it starts from s1b's weights (a heal line) and serves again.
+    killed_at = max(s.step for s in _steps(trainers[0]))
+    trainers[0].wait_for(_at_step(killed_at + 4), timeout_s=120, what="4 trainer steps after the kill")
+    # s1a comes back: it starts from stage 1's θ_global (a heal line from s1b) and serves again.
     back = procs.peer("s1a", join, "--role", "server", "--stage", "1")
     back.wait_ready(timeout_s=START_S)
     back_at = max(s.step for s in _steps(trainers[0]))
@@ -75,8 +81,19 @@ def test_killed_and_stalled_stage_servers_cost_no_microbatch(procs: ProcessSet,
         assert all(x is not None for x in losses)
         third = STEPS // 3
         assert sum(losses[-third:]) < 0.9 * sum(losses[:third]), losses  # type: ignore[arg-type]
-    assert sum(s.rerouted for t in trainers for s in _steps(t) if s.step > 8) > 0
+    assert sum(s.rerouted for t in trainers for s in _steps(t) if s.step > killed_at) > 0
     heal = next(x for x in back.snapshot() if isinstance(x, HealEvent))
-    assert heal.to_round > 0 and heal.source != ""
+    assert heal.to_round > 0 and heal.source == servers["s1b"].wait_ready(timeout_s=1)["peer_id"]
     served = [x for x in back.snapshot() if isinstance(x, StageStepEvent)]
-    assert served and served[-1].backwards > 0 and served[-1].step > heal.to_round  # it trained on after joining
+    # it trained on after joining, from where its stage's round puts the schedule
+    assert served and served[-1].backwards > 0 and served[-1].step > heal.to_round * 20
+    # Each part's holders commit their rounds with one θ_global hash per round (the restarted s1a too).
+    parts = {0: [servers["s0a"], servers["s0b"]], 1: [servers["s1a"], servers["s1b"], back], -1: trainers}
+    for stage, holders in parts.items():
+        committed: dict[int, set[str]] = {}
+        for child in holders:
+            for x in child.snapshot():
+                if isinstance(x, StageRoundEvent) and x.committed:
+                    assert x.stage == stage
+                    committed.setdefault(x.round, set()).add(x.hash)
+        assert len(committed) >= 2 and all(len(h) == 1 for h in committed.values()), (stage, committed)

@@ -26,9 +26,9 @@ def test_the_parts_add_up_to_the_model() -> None:
     blocks = stage_params(cfg.model, 2)
     assert len(blocks) == 2 and blocks[0] == 3 * blocks[1] / 2  # 3 blocks and 2
     assert worker_bytes(cfg.model) == total * 24
-    assert trainer_bytes(cfg.model) == (total - sum(blocks)) * 16
+    assert trainer_bytes(cfg.model) == (total - sum(blocks)) * 24  # + θ_global and the outer momentum
     contexts = cfg.pipeline.max_contexts * cfg.pipeline.microbatch_size * 32 * 128 * 4
-    assert server_bytes(cfg.model, cfg.pipeline, seq_len=32) == [b * 16 + contexts for b in blocks]
+    assert server_bytes(cfg.model, cfg.pipeline, seq_len=32) == [b * 24 + contexts for b in blocks]
 
 
 def test_a_worker_over_its_budget_is_refused_naming_both_figures() -> None:
