@@ -3,13 +3,17 @@ trained in one process, and with one stage server killed and restarted every PER
 same pipeline without failures; peak RSS of every process.
 
     python benchmarks/pipeline.py --seconds 60 --period 30 --failure-seconds 100
+    python benchmarks/pipeline.py --memory --seconds 20     # peak RSS, a 57M-parameter model
+    python benchmarks/pipeline.py --outer --seconds 90      # outer rounds off / plain averaging / DiLoCo
 
 Arms, one after another (each its own processes, every process 1 torch thread):
   one process   the same GPT (the pipeline's parts assembled) trained on the same micro-batches and steps
   pipeline 1×   coordinator + one server per stage + one trainer
   pipeline 2×   two servers per stage + one trainer, failure-free
-  2×, churn     the same, one server SIGKILLed and restarted every PERIOD s (round-robin; it heals from
-                its stage when it comes back)
+  2×, churn     the same, one server SIGKILLed and restarted every PERIOD s (round-robin; it heals to
+                its stage's θ_global when it comes back)
+The servers of a stage run their outer rounds (every diloco.inner_steps of their inner steps) in every
+arm; each arm reports how many each stage committed and whether its servers agreed on θ_global.
 A pipeline arm's rate is counted from the trainer's step lines (their `at` times) once WARMUP steps are
 done, over the arm's window.
 """
@@ -94,7 +98,7 @@ def run_single(overrides: list[str], seconds: float) -> dict[str, Any]:
 # -- the pipeline arms -------------------------------------------------------------------------------------
 def run_pipeline(overrides: list[str], *, per_stage: int, stages: int, seconds: float, period: float,
                  log_dir: Path) -> dict[str, Any]:
-    from swarmtrain.telemetry import HealEvent, StepEvent
+    from swarmtrain.telemetry import HealEvent, StageRoundEvent, StepEvent
     from swarmtrain.testing.procs import ProcessSet, sigkill
 
     with ProcessSet(log_dir) as procs:
@@ -102,6 +106,7 @@ def run_pipeline(overrides: list[str], *, per_stage: int, stages: int, seconds: 
         # Stages interleaved: consecutive kills hit different stages, so one stage loses one server at a time.
         names = [(f"s{k}{chr(97 + x)}", k) for x in range(per_stage) for k in range(stages)]
         servers = {name: procs.peer(name, join, "--role", "server", "--stage", str(k)) for name, k in names}
+        every = list(servers.values())  # killed ones too: their rounds count
         for s in servers.values():
             s.wait_ready(timeout_s=180)
         trainer = procs.peer("trainer", join, "--role", "trainer")
@@ -116,16 +121,33 @@ def run_pipeline(overrides: list[str], *, per_stage: int, stages: int, seconds: 
                 turn += 1
                 sigkill(servers[name])
                 servers[name] = procs.peer(name, join, "--role", "server", "--stage", str(k))
+                every.append(servers[name])
                 kills += 1
         steps = [x for x in trainer.snapshot() if isinstance(x, StepEvent)]
         rss = {name: vm_hwm_mb(c.proc.pid) for name, c in [*servers.items(), ("trainer", trainer)] if c.alive}
-        heals = sum(1 for c in servers.values() for x in c.snapshot() if isinstance(x, HealEvent) and x.to_round > 0)
+        heals = sum(1 for c in every for x in c.snapshot() if isinstance(x, HealEvent) and x.to_round > 0)
+        rounds = [x for c in every for x in c.snapshot() if isinstance(x, StageRoundEvent)]
+    hashes: dict[tuple[int, int], set[str]] = {}
+    for r in rounds:
+        if r.committed:
+            hashes.setdefault((r.stage, r.round), set()).add(r.hash)
+    outer = {"committed": {str(k): sum(1 for st, _ in hashes if st == k) for k in range(stages)},
+             "aborted_lines": sum(1 for r in rounds if not r.committed),
+             "one_hash_per_round": all(len(h) == 1 for h in hashes.values()),
+             "comm_s_mean": sum(r.comm_s for r in rounds if r.committed) / max(1, sum(r.committed for r in rounds))}
     timed = [s for s in steps if s.step > WARMUP]
     rate = sum(s.samples for s in timed[1:]) / (timed[-1].at - timed[0].at) if len(timed) > 1 else float("nan")
     return {"samples_per_s": rate, "steps": len(steps), "microbatches": sum(s.microbatches for s in steps),
             "lost": sum(s.lost for s in steps), "rerouted": sum(s.rerouted for s in steps), "kills": kills,
-            "heals": heals, "peak_rss_mb": rss, "last_loss": steps[-1].loss if steps else None,
+            "heals": heals, "outer_rounds": outer, "peak_rss_mb": rss, "loss_per_50_steps": _windows(steps, 50),
+            "last_loss": steps[-1].loss if steps else None,
             "first_loss": steps[0].loss if steps else None}
+
+
+def _windows(steps: list[Any], width: int) -> list[float]:
+    """The trainer's mean loss over each `width` consecutive steps (a full window only)."""
+    losses = [s.loss for s in steps if s.loss is not None]
+    return [round(sum(losses[i:i + width]) / width, 4) for i in range(0, len(losses) - width + 1, width)]
 
 
 def baseline_rss_mb() -> float:
@@ -162,6 +184,10 @@ def main() -> None:
     ap.add_argument("--memory", action="store_true",
                     help="instead: peak RSS of one process against each stage server, on a larger model "
                          "(model.n_layer=8, n_embd=768; a few steps)")
+    ap.add_argument("--outer", action="store_true",
+                    help="instead: 2 servers per stage, the stages' outer rounds off (averaging.min_peers=99), "
+                         "plain weight averaging (outer.lr=1, no momentum) and the run's DiLoCo outer step, "
+                         "one after another over --seconds each: samples/s and the trainer's loss per 50 steps")
     ap.add_argument("--worker-single", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     overrides = [*RUN, f"pipeline.stages={args.stages}", *args.overrides]
@@ -176,6 +202,21 @@ def main() -> None:
                   **memory(big, stages=args.stages, seconds=args.seconds, log_dir=logs / "memory")}
         print(json.dumps(result, indent=2))
         out = Path(args.out).with_name("pipeline-memory.json") if args.out.endswith("pipeline.json") else Path(args.out)
+        out.write_text(json.dumps(result, indent=2))
+        print(f"saved {out}")
+        return
+    if args.outer:
+        variants = {"no_outer_rounds": ["averaging.min_peers=99"],
+                    "plain_averaging": ["outer.lr=1.0", "outer.momentum=0", "outer.nesterov=false"],
+                    "diloco_outer": []}
+        result = {"command": " ".join(sys.argv), "overrides": overrides}
+        for key, extra in variants.items():
+            arm = run_pipeline([*overrides, *extra], per_stage=2, stages=args.stages, seconds=args.seconds,
+                               period=0.0, log_dir=logs / key)
+            result[key] = {"overrides": extra, **arm}
+            print(f"{key}:", json.dumps({k: arm[k] for k in ("samples_per_s", "steps", "outer_rounds",
+                                                              "loss_per_50_steps")}))
+        out = Path(args.out).with_name("pipeline-outer.json") if args.out.endswith("pipeline.json") else Path(args.out)
         out.write_text(json.dumps(result, indent=2))
         print(f"saved {out}")
         return

@@ -453,6 +453,9 @@ class PipelineConfig:
     no other server of its stage is left."""
     activation_codec: str = "fp32"
     """Codec of activations and their gradients on the wire: `fp32`, `fp16`, `bf16` or `int8`."""
+    bulk_min_bytes: int = 1 << 20
+    """An encoded activation or gradient of at least this many bytes travels over the server's bulk port
+    (with `rpc.bulk_transport = "tcp"`), smaller ones inside the gRPC call; 0 = always in the call."""
     max_contexts: int = 256
     """Micro-batches a server keeps the input of, for their backward (the oldest go first)."""
     context_ttl_s: float = 120.0
@@ -475,6 +478,7 @@ class PipelineConfig:
         check(self.activation_codec in ("fp32", "fp16", "bf16", "int8"), "pipeline.activation_codec",
               f"{self.activation_codec!r} is not fp32, fp16, bf16 or int8")
         check(self.max_contexts >= 1, "pipeline.max_contexts", "must be >= 1")
+        check(self.bulk_min_bytes >= 0, "pipeline.bulk_min_bytes", "must be >= 0 (0 = never)")
         check(self.max_stale_steps >= 0, "pipeline.max_stale_steps", "must be >= 0")
 
 

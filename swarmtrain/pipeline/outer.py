@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -215,6 +216,9 @@ class PartRounds:
 
     def _apply_round(self, c: _Commit) -> None:
         result = c.result
+        if result.committed and (result.mean is None or not bool(torch.isfinite(result.mean).all())):
+            result = dataclasses.replace(result, committed=False, mean=None,
+                                         reason="the group's mean is missing or holds NaN/Inf: not applied")
         if result.committed and result.mean is not None:
             with self._theta_lock:
                 shift = c.delta.sub_(self.theta)  # Δ − θ_old, then + θ_new: what θ_global moved, plus Δ

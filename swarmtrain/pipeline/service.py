@@ -67,5 +67,5 @@ class StageHandler:
 def serve_stage(node: RpcNode, server: StageServer, *, codec: TensorCodec) -> StageHandler:
     """Serve `server`'s stage on `node` (before `node.start()`)."""
     handler = StageHandler(server, codec)
-    serve_pipeline(node, handler)
+    serve_pipeline(node, handler, max_bytes=codec.max_bytes, max_uploads=server.cfg.max_contexts)
     return handler

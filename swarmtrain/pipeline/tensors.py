@@ -13,6 +13,8 @@ from swarmtrain.pipeline.errors import BadActivation
 
 __all__ = ["TensorCodec"]
 
+_HEADER_BYTES = 4096  # more than any codec's header and checksum
+
 
 class TensorCodec:
     """Encodes (B, T, C) float32 tensors with a codec; decodes only shapes within `max_shape`."""
@@ -20,6 +22,11 @@ class TensorCodec:
     def __init__(self, name: str, *, max_shape: tuple[int, int, int]) -> None:
         self.codec: Codec = get_codec(name)
         self.max_shape = max_shape
+
+    @property
+    def max_bytes(self) -> int:
+        """The largest encoding of a tensor within `max_shape` (fp32, the widest codec, and its header)."""
+        return math.prod(self.max_shape) * 4 + _HEADER_BYTES
 
     def encode(self, t: torch.Tensor) -> tuple[list[int], bytes]:
         return list(t.shape), self.codec.encode(t.detach().reshape(-1).to(torch.float32).contiguous())

@@ -85,10 +85,10 @@ class PipelineTrainer:
         self.rng = rng or random.Random()
         self.router = Router(self.pipe, clock=clock, rng=self.rng)
         self.clock = clock
-        self.client = PipelineClient(node)
         shape = resolve_shape(cfg.model)
         self.codec = TensorCodec(self.pipe.activation_codec,
                                  max_shape=(self.pipe.microbatch_size, cfg.data.seq_len, shape.n_embd))
+        self.client = PipelineClient(node, bulk_min_bytes=self.pipe.bulk_min_bytes, max_bytes=self.codec.max_bytes)
         self.optimizer = build_inner_optimizer(ends, cfg.inner)
         self.total_steps = cfg.diloco.rounds * cfg.diloco.inner_steps
         self.max_inflight = max_inflight or self.pipe.samples_per_step // self.pipe.microbatch_size

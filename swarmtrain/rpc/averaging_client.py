@@ -66,7 +66,7 @@ class AveragingClient:
                 ticket = await self._ticket("push", endpoint, wire_header, deadline)
                 if ticket.port:
                     proof = self.node.ticket_proof(ticket.token)
-                    await bulk.upload(_host(endpoint), ticket.port, ticket.token, proof, payload,
+                    await bulk.upload(bulk.host_of(endpoint), ticket.port, ticket.token, proof, payload,
                                       mac_key=self.node.secret.payloads, deadline=deadline,
                                       what=f"push of shard {h.shard}", counters=self.node.counters, peer=target,
                                       tls=self.node.bulk_tls)
@@ -123,7 +123,7 @@ class AveragingClient:
                                              f"max {max_bytes}")
                 if ticket.port:
                     proof = self.node.ticket_proof(ticket.token)
-                    return await bulk.download(_host(endpoint), ticket.port, ticket.token, proof,
+                    return await bulk.download(bulk.host_of(endpoint), ticket.port, ticket.token, proof,
                                                mac_key=self.node.secret.payloads,
                                                size_bytes=ticket.total_bytes, deadline=deadline,
                                                what=f"mean of shard {shard}", counters=self.node.counters,
@@ -199,11 +199,6 @@ class _Stub:
                                                response_deserializer=pb.BulkTicket.FromString)
         self.Vote = channel.unary_unary(f"/{SERVICE}/Vote", request_serializer=pb.VoteRequest.SerializeToString,
                                         response_deserializer=pb.VoteReply.FromString)
-
-
-def _host(endpoint: str) -> str:
-    """The host part of host:port ([v6] brackets removed): the bulk port lives on the same host."""
-    return endpoint.rpartition(":")[0].strip("[]")
 
 
 def _fetch_fields(raw: bytes, target: str) -> tuple[int, memoryview, bytes]:

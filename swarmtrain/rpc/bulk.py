@@ -53,7 +53,7 @@ if TYPE_CHECKING:
     from swarmtrain.rpc.node import ByteCounters
 
 __all__ = ["BULK_HELLO_TIMEOUT_S", "CODES", "MAC_BYTES", "MAGIC", "PROOF_BYTES", "TOKEN_BYTES", "BulkRefused", "BulkServer",
-           "check_hello", "download", "ticket_proof", "upload"]
+           "check_hello", "download", "host_of", "ticket_proof", "upload"]
 
 log = logging.getLogger(__name__)
 
@@ -362,6 +362,11 @@ class BulkServer:
 
 
 # -- client side ---------------------------------------------------------------------------------
+def host_of(endpoint: str) -> str:
+    """The host part of a gRPC host:port ([v6] brackets removed): the bulk port lives on the same host."""
+    return endpoint.rpartition(":")[0].strip("[]")
+
+
 async def _connect(loop: asyncio.AbstractEventLoop, host: str, port: int) -> socket.socket:
     family, kind, proto, _, addr = (await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM))[0]
     sock = socket.socket(family, kind, proto)

@@ -22,19 +22,22 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from swarmtrain.wire import averaging_pb2 as swarmtrain_dot_wire_dot_averaging__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eswarmtrain/wire/pipeline.proto\x12\x0fswarmtrain.wire\"l\n\tStageCall\x12\r\n\x05stage\x18\x01 \x01(\x05\x12\x12\n\nmicrobatch\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06tensor\x18\x04 \x01(\x0c\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x0f\n\x07samples\x18\x06 \x01(\x05\"H\n\nStageReply\x12\r\n\x05shape\x18\x01 \x03(\x03\x12\x0e\n\x06tensor\x18\x02 \x01(\x0c\x12\r\n\x05queue\x18\x03 \x01(\x05\x12\x0c\n\x04step\x18\x04 \x01(\x03\x32\x93\x01\n\x08Pipeline\x12\x42\n\x07\x46orward\x12\x1a.swarmtrain.wire.StageCall\x1a\x1b.swarmtrain.wire.StageReply\x12\x43\n\x08\x42\x61\x63kward\x12\x1a.swarmtrain.wire.StageCall\x1a\x1b.swarmtrain.wire.StageReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eswarmtrain/wire/pipeline.proto\x12\x0fswarmtrain.wire\x1a\x1fswarmtrain/wire/averaging.proto\"z\n\tStageCall\x12\r\n\x05stage\x18\x01 \x01(\x05\x12\x12\n\nmicrobatch\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06tensor\x18\x04 \x01(\x0c\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x0f\n\x07samples\x18\x06 \x01(\x05\x12\x0c\n\x04\x62ulk\x18\x07 \x01(\x08\"U\n\x0bStageUpload\x12\r\n\x05stage\x18\x01 \x01(\x05\x12\x12\n\nmicrobatch\x18\x02 \x01(\t\x12\x0e\n\x06method\x18\x03 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x03\"u\n\nStageReply\x12\r\n\x05shape\x18\x01 \x03(\x03\x12\x0e\n\x06tensor\x18\x02 \x01(\x0c\x12\r\n\x05queue\x18\x03 \x01(\x05\x12\x0c\n\x04step\x18\x04 \x01(\x03\x12+\n\x06ticket\x18\x05 \x01(\x0b\x32\x1b.swarmtrain.wire.BulkTicket2\xd8\x01\n\x08Pipeline\x12\x42\n\x07\x46orward\x12\x1a.swarmtrain.wire.StageCall\x1a\x1b.swarmtrain.wire.StageReply\x12\x43\n\x08\x42\x61\x63kward\x12\x1a.swarmtrain.wire.StageCall\x1a\x1b.swarmtrain.wire.StageReply\x12\x43\n\x06Upload\x12\x1c.swarmtrain.wire.StageUpload\x1a\x1b.swarmtrain.wire.BulkTicketb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'swarmtrain.wire.pipeline_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_STAGECALL']._serialized_start=51
-  _globals['_STAGECALL']._serialized_end=159
-  _globals['_STAGEREPLY']._serialized_start=161
-  _globals['_STAGEREPLY']._serialized_end=233
-  _globals['_PIPELINE']._serialized_start=236
-  _globals['_PIPELINE']._serialized_end=383
+  _globals['_STAGECALL']._serialized_start=84
+  _globals['_STAGECALL']._serialized_end=206
+  _globals['_STAGEUPLOAD']._serialized_start=208
+  _globals['_STAGEUPLOAD']._serialized_end=293
+  _globals['_STAGEREPLY']._serialized_start=295
+  _globals['_STAGEREPLY']._serialized_end=412
+  _globals['_PIPELINE']._serialized_start=415
+  _globals['_PIPELINE']._serialized_end=631
 # @@protoc_insertion_point(module_scope)

@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from swarmtrain.wire import averaging_pb2 as swarmtrain_dot_wire_dot_averaging__pb2
 from swarmtrain.wire import pipeline_pb2 as swarmtrain_dot_wire_dot_pipeline__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -44,6 +45,11 @@ class PipelineStub:
                 request_serializer=swarmtrain_dot_wire_dot_pipeline__pb2.StageCall.SerializeToString,
                 response_deserializer=swarmtrain_dot_wire_dot_pipeline__pb2.StageReply.FromString,
                 _registered_method=True)
+        self.Upload = channel.unary_unary(
+                '/swarmtrain.wire.Pipeline/Upload',
+                request_serializer=swarmtrain_dot_wire_dot_pipeline__pb2.StageUpload.SerializeToString,
+                response_deserializer=swarmtrain_dot_wire_dot_averaging__pb2.BulkTicket.FromString,
+                _registered_method=True)
 
 
 class PipelineServicer:
@@ -61,6 +67,12 @@ class PipelineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Upload(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PipelineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -73,6 +85,11 @@ def add_PipelineServicer_to_server(servicer, server):
                     servicer.Backward,
                     request_deserializer=swarmtrain_dot_wire_dot_pipeline__pb2.StageCall.FromString,
                     response_serializer=swarmtrain_dot_wire_dot_pipeline__pb2.StageReply.SerializeToString,
+            ),
+            'Upload': grpc.unary_unary_rpc_method_handler(
+                    servicer.Upload,
+                    request_deserializer=swarmtrain_dot_wire_dot_pipeline__pb2.StageUpload.FromString,
+                    response_serializer=swarmtrain_dot_wire_dot_averaging__pb2.BulkTicket.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -129,6 +146,33 @@ class Pipeline:
             '/swarmtrain.wire.Pipeline/Backward',
             swarmtrain_dot_wire_dot_pipeline__pb2.StageCall.SerializeToString,
             swarmtrain_dot_wire_dot_pipeline__pb2.StageReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Upload(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/swarmtrain.wire.Pipeline/Upload',
+            swarmtrain_dot_wire_dot_pipeline__pb2.StageUpload.SerializeToString,
+            swarmtrain_dot_wire_dot_averaging__pb2.BulkTicket.FromString,
             options,
             channel_credentials,
             insecure,

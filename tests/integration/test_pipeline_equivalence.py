@@ -1,5 +1,6 @@
 """S stages × 1 server, 1 trainer, synchronous stepping, fp32 activations: after 20 steps the weights
-equal those of the same GPT trained in one process on the same micro-batches."""
+equal those of the same GPT trained in one process on the same micro-batches; the same with every tensor
+sent over the servers' bulk port instead of inside the gRPC calls."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 STEPS = 20
 
 
-def _config(stages: int, n_layer: int):
-    return load_config(overrides=[
+def _config(stages: int, n_layer: int, bulk_min_bytes: int = 0):
+    return load_config(overrides=[f"pipeline.bulk_min_bytes={bulk_min_bytes}",
         "model.preset=tiny", f"model.n_layer={n_layer}", "data.seq_len=16", "inner.warmup_steps=3",
         "inner.grad_clip=0", "diloco.rounds=4", "diloco.inner_steps=5", f"pipeline.stages={stages}",
         "pipeline.microbatch_size=2", "pipeline.samples_per_step=6", "rpc.run_key='k'",
@@ -50,9 +51,24 @@ def _train_in_one_process(cfg, batches) -> tuple[torch.nn.Module, list[float]]:
     return model, losses
 
 
-@pytest.mark.parametrize(("stages", "n_layer"), [(2, 2), (3, 4)])
-def test_pipeline_training_equals_one_process(stages: int, n_layer: int) -> None:
-    cfg = _config(stages, n_layer)
+@pytest.mark.parametrize(("stages", "n_layer", "bulk_min_bytes"), [(2, 2, 0), (3, 4, 0), (2, 2, 1)])
+def test_pipeline_training_equals_one_process(stages: int, n_layer: int, bulk_min_bytes: int,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    from swarmtrain.rpc import bulk
+
+    moved_in_bulk = {"upload": 0, "download": 0}
+
+    def spying(name: str):
+        real = getattr(bulk, name)
+
+        def spy(*args, **kw):
+            moved_in_bulk[name] += 1
+            return real(*args, **kw)
+        return spy
+
+    for name in moved_in_bulk:
+        monkeypatch.setattr(bulk, name, spying(name))
+    cfg = _config(stages, n_layer, bulk_min_bytes)
     batches = _batches(cfg, STEPS)
     reference, ref_losses = _train_in_one_process(cfg, batches)
     with PipelineSwarm(cfg, max_inflight=1) as swarm:
@@ -60,6 +76,8 @@ def test_pipeline_training_equals_one_process(stages: int, n_layer: int) -> None
         reports = [trainer.step(idx, targets, timeout_s=60) for idx, targets in batches]
         got = swarm.model()
     assert [r.lost for r in reports] == [0] * STEPS and [r.rerouted for r in reports] == [0] * STEPS
+    calls = STEPS * 3 * 2 * stages  # micro-batches × (forward, backward) × stages
+    assert moved_in_bulk == ({"upload": calls, "download": calls} if bulk_min_bytes else {"upload": 0, "download": 0})
     assert all(s.server.step == STEPS for s in swarm.servers)
     assert [r.loss for r in reports] == pytest.approx(ref_losses, rel=1e-5)
     ref_state, got_state = reference.state_dict(), got.state_dict()

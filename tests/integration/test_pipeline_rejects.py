@@ -4,6 +4,7 @@ the server and the swarm go on."""
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 import torch
@@ -96,3 +97,64 @@ def test_stage_server_refuses_non_finite_and_non_float_inputs() -> None:
             server.forward(0, "x", bad, seed=0)
         with pytest.raises(ValueError, match="dtype"):
             server.forward(0, "y", torch.randn(2, 16, C, dtype=torch.float64), seed=0)
+
+
+def test_bulk_calls_refuse_missing_oversized_and_foreign_uploads() -> None:
+    """Tensors over the bulk port: a call naming no upload (or another caller's) is NOT_FOUND, an upload that
+    announces more than the stage's largest tensor or names no method is refused before any byte moves, a
+    payload longer than announced is refused by the bulk port; the server goes on serving bulk calls."""
+    from swarmtrain.rpc import bulk
+
+    with PipelineSwarm(CFG, servers_per_stage=1, trainers=2) as swarm:
+        me, other = swarm.trainer_nodes
+        ep = next(s for s in swarm.servers if s.stage == 0).node.endpoint
+        x = torch.randn(2, 16, C)
+        ok = {"stage": 0, "shape": [2, 16, C], "tensor": _tensor(swarm, x), "seed": 1}
+        codec = swarm.pipeline_trainers[0].codec
+        client = PipelineClient(me, bulk_min_bytes=1, max_bytes=codec.max_bytes)
+        reply = me.run(client.call(ep, "Forward", pb.StageCall(microbatch="b0", **ok), timeout_s=10), timeout_s=15)
+        inline = _call(me, ep, "Forward", microbatch="b1", **ok)
+        assert reply.tensor == inline.tensor and not reply.HasField("ticket")  # the same output either way
+
+        def upload(node: RpcNode, **fields) -> str:
+            async def ask() -> object:
+                stub = node.channel(ep).unary_unary("/swarmtrain.wire.Pipeline/Upload",
+                                                    request_serializer=pb.StageUpload.SerializeToString,
+                                                    response_deserializer=lambda b: b)
+                from grpc import aio
+                try:
+                    await stub(pb.StageUpload(**fields), timeout=5,
+                               metadata=node.metadata("/swarmtrain.wire.Pipeline/Upload", ep))
+                except aio.AioRpcError as e:
+                    return e.code().name
+                return "OK"
+            return str(node.run(ask(), timeout_s=10))
+
+        assert upload(me, stage=0, microbatch="u", method="Forward", total_bytes=codec.max_bytes + 1) \
+            == "INVALID_ARGUMENT"
+        assert upload(me, stage=0, microbatch="u", method="Delete", total_bytes=100) == "INVALID_ARGUMENT"
+        assert _refused(me, ep, "Forward", microbatch="never-uploaded", bulk=True, **{**ok, "tensor": b""}) \
+            == "NOT_FOUND"
+
+        # Uploaded by `other`, claimed by `me`: uploads are keyed by their caller.
+        theirs = PipelineClient(other, bulk_min_bytes=1, max_bytes=codec.max_bytes)
+        call = pb.StageCall(microbatch="mine", **ok)
+        assert other.run(theirs._upload(ep, "Forward", call, time.monotonic() + 10), timeout_s=15)
+        assert _refused(me, ep, "Forward", microbatch="mine", bulk=True, **{**ok, "tensor": b""}) == "NOT_FOUND"
+
+        # More bytes than the ticket announced: the bulk port refuses them.
+        real = bulk.upload
+
+        async def longer(*args, **kw):
+            payload = args[4]
+            return await real(*args[:4], bytes(payload) + b"\0" * 64, **kw)
+
+        bulk.upload = longer
+        try:
+            with pytest.raises(RpcRejected) as info:
+                me.run(client.call(ep, "Forward", pb.StageCall(microbatch="b2", **ok), timeout_s=10), timeout_s=15)
+        finally:
+            bulk.upload = real
+        assert info.value.code == "RESOURCE_EXHAUSTED"
+        again = me.run(client.call(ep, "Forward", pb.StageCall(microbatch="b3", **ok), timeout_s=10), timeout_s=15)
+        assert again.tensor == inline.tensor
