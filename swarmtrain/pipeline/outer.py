@@ -96,7 +96,9 @@ class PartRounds:
         self.on_heal = on_heal
         self.clock = clock
         self.theta = flatten(self.params)
-        self.outer = OuterOptimizer(cfg.outer, numel=self.theta.numel())
+        # Made at the first commit or heal: its momentum buffer is the part's size again, all zeros until
+        # then (a zero buffer and none step alike), and a server alone in its stage never needs it.
+        self._outer: OuterOptimizer | None = None
         self.round = 0
         self.hash = flat_hash(self.theta)
         self.version = 0
@@ -115,6 +117,13 @@ class PartRounds:
         self._follower: asyncio.Task[None] | None = None
         plane.serve_state(self._live)
         plane.publish_state(self._state())
+
+    @property
+    def outer(self) -> OuterOptimizer:
+        """The part's outer optimizer (its momentum buffer is the outer state a heal carries)."""
+        if self._outer is None:
+            self._outer = OuterOptimizer(self.cfg.outer, numel=self.theta.numel())
+        return self._outer
 
     # -- what the record announces ----------------------------------------------------------------
     def round_ends_at(self) -> float:
@@ -250,7 +259,10 @@ class PartRounds:
         before = self.round
         with self._theta_lock:
             self.theta.copy_(state.theta_global)
-            self.outer.load_state_tensors({} if state.outer_momentum is None else {"momentum": state.outer_momentum})
+            if state.outer_momentum is None:  # the donor's part never stepped (or has no momentum)
+                self._outer = None
+            else:
+                self.outer.load_state_tensors({"momentum": state.outer_momentum})
             self.round, self.hash = state.round, flat_hash(self.theta)
             self.version += 1
         assign_flat(self.theta, self.params)
@@ -322,7 +334,8 @@ class PartRounds:
         return "ends" if self.stage < 0 else f"stage {self.stage}"
 
     def _state(self) -> PeerState:
-        return PeerState(round=self.round, theta_global=self.theta, outer_momentum=self.outer.momentum_buffer,
+        momentum = None if self._outer is None else self._outer.momentum_buffer
+        return PeerState(round=self.round, theta_global=self.theta, outer_momentum=momentum,
                          state_hash=self.hash, version=self.version)
 
     @contextlib.contextmanager
