@@ -453,9 +453,11 @@ class PipelineConfig:
     no other server of its stage is left."""
     activation_codec: str = "fp32"
     """Codec of activations and their gradients on the wire: `fp32`, `fp16`, `bf16` or `int8`."""
-    bulk_min_bytes: int = 1 << 20
+    bulk_min_bytes: int = 8 << 20
     """An encoded activation or gradient of at least this many bytes travels over the server's bulk port
-    (with `rpc.bulk_transport = "tcp"`), smaller ones inside the gRPC call; 0 = always in the call."""
+    (with `rpc.bulk_transport = "tcp"`), smaller ones inside the gRPC call; 0 = only those too large for
+    `rpc.max_message_bytes`. The bulk path costs three more round trips: measured on loopback it is slower
+    than the call below about 16 MB (docs/benchmarks.md#pipeline)."""
     max_contexts: int = 256
     """Micro-batches a server keeps the input of, for their backward (the oldest go first)."""
     context_ttl_s: float = 120.0
@@ -478,7 +480,7 @@ class PipelineConfig:
         check(self.activation_codec in ("fp32", "fp16", "bf16", "int8"), "pipeline.activation_codec",
               f"{self.activation_codec!r} is not fp32, fp16, bf16 or int8")
         check(self.max_contexts >= 1, "pipeline.max_contexts", "must be >= 1")
-        check(self.bulk_min_bytes >= 0, "pipeline.bulk_min_bytes", "must be >= 0 (0 = never)")
+        check(self.bulk_min_bytes >= 0, "pipeline.bulk_min_bytes", "must be >= 0")
         check(self.max_stale_steps >= 0, "pipeline.max_stale_steps", "must be >= 0")
 
 

@@ -31,6 +31,7 @@ SERVICE = "swarmtrain.wire.Pipeline"
 MAX_LOGGED_REFUSALS_PER_KIND = 1000  # past it, refusals of one kind are counted, not logged
 MAX_UPLOADS = 256  # uploaded tensors a server keeps for their calls; a newer one drops the oldest
 _METHODS = ("Forward", "Backward")
+_MESSAGE_OVERHEAD_BYTES = 64 << 10  # a StageCall's fields besides its tensor, with room to spare
 
 StageHandler = Callable[[str, str, pb.StageCall], Awaitable[pb.StageReply]]
 """`handler(method, caller, call)`: method "Forward" or "Backward", the authenticated caller's peer id;
@@ -144,13 +145,18 @@ def serve_pipeline(node: RpcNode, handler: StageHandler, *, max_bytes: int, max_
 
 class PipelineClient:
     """Forward / Backward calls to stage servers (run on the node's loop); errors are RpcUnavailable,
-    RpcTimeout or RpcRejected (with the server's status name). A tensor of at least `bulk_min_bytes`
-    (0 = never) goes over the server's bulk port when this node has `rpc.bulk_transport` "tcp"."""
+    RpcTimeout or RpcRejected (with the server's status name). With `rpc.bulk_transport` "tcp" and a
+    `max_bytes`, a tensor of at least `bulk_min_bytes`, or too large for `rpc.max_message_bytes`, goes
+    over the server's bulk port."""
 
     def __init__(self, node: RpcNode, *, bulk_min_bytes: int = 0, max_bytes: int = 0) -> None:
         self.node = node
-        self.bulk_min_bytes = bulk_min_bytes if node.cfg.bulk_transport == "tcp" else 0
         self.max_bytes = max_bytes  # the largest reply tensor accepted over the bulk port (0 = no bulk)
+        # Past this a call's message would exceed rpc.max_message_bytes: over the bulk port whatever the setting.
+        fits = node.cfg.max_message_bytes - _MESSAGE_OVERHEAD_BYTES
+        self.bulk_min_bytes = 0
+        if node.cfg.bulk_transport == "tcp" and max_bytes:
+            self.bulk_min_bytes = min(bulk_min_bytes, fits) if bulk_min_bytes else fits
 
     def _stub(self, endpoint: str, method: str, reply: type) -> Callable[..., Awaitable[object]]:
         return self.node.channel(endpoint).unary_unary(
@@ -160,7 +166,7 @@ class PipelineClient:
     async def call(self, endpoint: str, method: str, call: pb.StageCall, *, timeout_s: float) -> pb.StageReply:
         deadline = time.monotonic() + timeout_s
         try:
-            if self.bulk_min_bytes and self.max_bytes and len(call.tensor) >= self.bulk_min_bytes:
+            if self.bulk_min_bytes and len(call.tensor) >= self.bulk_min_bytes:
                 sent = await self._upload(endpoint, method, call, deadline)
                 if sent:
                     return await self._bulk_call(endpoint, method, call, deadline)

@@ -16,8 +16,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 STEPS = 20
 
 
-def _config(stages: int, n_layer: int, bulk_min_bytes: int = 0):
-    return load_config(overrides=[f"pipeline.bulk_min_bytes={bulk_min_bytes}",
+def _config(stages: int, n_layer: int, bulk_min_bytes: int = 1 << 30, max_message_bytes: int = 8 << 20):
+    return load_config(overrides=[f"pipeline.bulk_min_bytes={bulk_min_bytes}", f"rpc.max_message_bytes={max_message_bytes}",
+                                  f"rpc.chunk_bytes={min(max_message_bytes, 1 << 20)}",
         "model.preset=tiny", f"model.n_layer={n_layer}", "data.seq_len=16", "inner.warmup_steps=3",
         "inner.grad_clip=0", "diloco.rounds=4", "diloco.inner_steps=5", f"pipeline.stages={stages}",
         "pipeline.microbatch_size=2", "pipeline.samples_per_step=6", "rpc.run_key='k'",
@@ -51,8 +52,15 @@ def _train_in_one_process(cfg, batches) -> tuple[torch.nn.Module, list[float]]:
     return model, losses
 
 
-@pytest.mark.parametrize(("stages", "n_layer", "bulk_min_bytes"), [(2, 2, 0), (3, 4, 0), (2, 2, 1)])
+# (stages, layers, pipeline.bulk_min_bytes, rpc.max_message_bytes, tensors over the bulk port)
+CASES = [(2, 2, 1 << 30, 8 << 20, False), (3, 4, 1 << 30, 8 << 20, False),
+         (2, 2, 1, 8 << 20, True),  # every tensor from 1 byte up
+         (2, 2, 0, 70_000, True)]  # 0: only what a call could not carry (8 KB here, past 70 KB less headroom)
+
+
+@pytest.mark.parametrize(("stages", "n_layer", "bulk_min_bytes", "max_message_bytes", "via_bulk"), CASES)
 def test_pipeline_training_equals_one_process(stages: int, n_layer: int, bulk_min_bytes: int,
+                                              max_message_bytes: int, via_bulk: bool,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     from swarmtrain.rpc import bulk
 
@@ -68,7 +76,7 @@ def test_pipeline_training_equals_one_process(stages: int, n_layer: int, bulk_mi
 
     for name in moved_in_bulk:
         monkeypatch.setattr(bulk, name, spying(name))
-    cfg = _config(stages, n_layer, bulk_min_bytes)
+    cfg = _config(stages, n_layer, bulk_min_bytes, max_message_bytes)
     batches = _batches(cfg, STEPS)
     reference, ref_losses = _train_in_one_process(cfg, batches)
     with PipelineSwarm(cfg, max_inflight=1) as swarm:
@@ -77,7 +85,7 @@ def test_pipeline_training_equals_one_process(stages: int, n_layer: int, bulk_mi
         got = swarm.model()
     assert [r.lost for r in reports] == [0] * STEPS and [r.rerouted for r in reports] == [0] * STEPS
     calls = STEPS * 3 * 2 * stages  # micro-batches × (forward, backward) × stages
-    assert moved_in_bulk == ({"upload": calls, "download": calls} if bulk_min_bytes else {"upload": 0, "download": 0})
+    assert moved_in_bulk == ({"upload": calls, "download": calls} if via_bulk else {"upload": 0, "download": 0})
     assert all(s.server.step == STEPS for s in swarm.servers)
     assert [r.loss for r in reports] == pytest.approx(ref_losses, rel=1e-5)
     ref_state, got_state = reference.state_dict(), got.state_dict()
