@@ -15,7 +15,6 @@ import torch
 
 from swarmtrain.config import ModelConfig, PipelineConfig, RunConfig
 from swarmtrain.models.gpt import resolve_shape
-from swarmtrain.peer.services import PeerError
 from swarmtrain.pipeline.cut import stage_blocks
 from swarmtrain.pipeline.parts import StageBlocks, TrainerEnds
 
@@ -59,6 +58,8 @@ def server_bytes(cfg: ModelConfig, pipe: PipelineConfig, *, seq_len: int) -> lis
 
 def check_worker_budget(cfg: RunConfig) -> None:
     """A DiLoCo worker holds the whole model: PeerError when its training state exceeds the peer's budget."""
+    from swarmtrain.peer.services import PeerError  # here: the peer package imports this module
+
     budget = cfg.train.memory_budget_mb
     if budget and (need := worker_bytes(cfg.model)) > budget * MB:
         hint = "join as a stage server (--role server)" if cfg.pipeline.stages else \

@@ -40,3 +40,13 @@ def test_a_worker_over_its_budget_is_refused_naming_both_figures() -> None:
         check_worker_budget(cfg.replace(train={"memory_budget_mb": 1}))
     with pytest.raises(PeerError, match=r"join as a stage server"):
         check_worker_budget(cfg.replace(train={"memory_budget_mb": 1}, pipeline={"stages": 2}))
+
+
+def test_the_memory_count_imports_first() -> None:
+    """The peer package imports pipeline.memory; importing it first in a fresh interpreter must not cycle."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", "import swarmtrain.pipeline.memory"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
