@@ -79,8 +79,11 @@ def test_killed_and_stalled_stage_servers_cost_no_microbatch(procs: ProcessSet,
         assert sum(s.microbatches for s in steps) == STEPS * 4
         losses = [s.loss for s in steps]
         assert all(x is not None for x in losses)
-        third = STEPS // 3
-        assert sum(losses[-third:]) < 0.9 * sum(losses[:third]), losses  # type: ignore[arg-type]
+        # It learns through the kill and the stall: the last 40 steps well below the first 10 (the loss drops
+        # from ~5.4 to a ~2.9 plateau in 10 steps and creeps down from there: thirds of the run differ by
+        # too little to compare without flaking).
+        first, last = losses[:10], losses[-40:]
+        assert sum(last) / len(last) < 0.8 * sum(first) / len(first), losses  # type: ignore[arg-type]
     assert sum(s.rerouted for t in trainers for s in _steps(t) if s.step > killed_at) > 0
     heal = next(x for x in back.snapshot() if isinstance(x, HealEvent))
     assert heal.to_round > 0 and heal.source == servers["s1b"].wait_ready(timeout_s=1)["peer_id"]
