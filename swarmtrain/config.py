@@ -24,6 +24,7 @@ from swarmtrain.config_sections import (
     CheckpointConfig,
     CompressConfig,
     ConfigError,
+    DashboardConfig,
     DataConfig,
     DilocoConfig,
     DiscoveryConfig,
@@ -41,6 +42,7 @@ __all__ = [
     "CheckpointConfig",
     "CompressConfig",
     "ConfigError",
+    "DashboardConfig",
     "DataConfig",
     "DilocoConfig",
     "DiscoveryConfig",
@@ -78,6 +80,7 @@ class RunConfig:
     averaging: AveragingConfig = field(default_factory=AveragingConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    dashboard: DashboardConfig = field(default_factory=DashboardConfig)
 
     def __post_init__(self) -> None:
         # Cross-section checks: each would otherwise fail only after start-up, deep inside training.

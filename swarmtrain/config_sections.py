@@ -485,6 +485,29 @@ class PipelineConfig:
 
 
 @dataclass(frozen=True)
+class DashboardConfig:
+    """The coordinator's dashboard (`swarmtrain coordinator --dashboard-port`): its history and alerts."""
+
+    db: str = ""
+    """SQLite file of the dashboard's history; empty = `swarmtrain-<run_id>.dashboard.sqlite` in the
+    coordinator's working directory. A restarted coordinator keeps its charts from it."""
+    retention_rounds: int = 10000
+    """Rounds of history kept (the newest; older samples and aborts are deleted)."""
+    poll_s: float = 0.0
+    """Seconds between two reads of the live peer records; 0 = `discovery.heartbeat_s`."""
+    stuck_after_s: float = 600.0
+    """Alert "stuck round" when live peers reached no new round for this many seconds."""
+    silent_window_s: float = 600.0
+    """Alert "silent peer" for a peer whose record expired without a departure, for this many seconds."""
+
+    def __post_init__(self) -> None:
+        check(self.retention_rounds >= 1, "dashboard.retention_rounds", "must be >= 1")
+        check(self.poll_s >= 0, "dashboard.poll_s", "must be >= 0 (0 = discovery.heartbeat_s)")
+        for key in ("stuck_after_s", "silent_window_s"):
+            check(getattr(self, key) > 0, f"dashboard.{key}", "must be > 0")
+
+
+@dataclass(frozen=True)
 class CheckpointConfig:
     """Where and how often a peer saves its state (it resumes from the newest good checkpoint on restart)."""
 

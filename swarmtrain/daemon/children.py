@@ -7,6 +7,7 @@ hivemind DHT process and that process's `p2pd` too, like a machine that crashes 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -194,16 +195,21 @@ def group_alive(pgid: int) -> bool:
 
 
 def start_coordinator(overrides: Sequence[str], config_args: Sequence[str], *, log_dir: Path, timeout_s: float,
-                      children: list[Child]) -> str:
+                      children: list[Child], dashboard: bool = False) -> tuple[str, str]:
     """Start `swarmtrain coordinator` with `--set` overrides (appended to `children` at once, so the caller
-    stops it whatever happens next) and return the first multiaddr of its READY line, which peers join."""
+    stops it whatever happens next); returns the first multiaddr of its READY line, which peers join, and
+    with `dashboard` the URL of its dashboard on 127.0.0.1 (history in `log_dir`), else ""."""
     sets = [x for o in overrides for x in ("--set", o)]
-    coord = Child("coordinator", swarmtrain_argv("coordinator", *config_args, *sets), log_path=log_dir / "coordinator.log")
+    extra = ["--dashboard-port", "0", "--set", f"dashboard.db={json.dumps(str(log_dir / 'dashboard.sqlite'))}"] \
+        if dashboard else []
+    coord = Child("coordinator", swarmtrain_argv("coordinator", *config_args, *sets, *extra),
+                  log_path=log_dir / "coordinator.log")
     children.append(coord)
-    maddrs = coord.wait_ready(timeout_s=timeout_s).get("maddrs")
+    info = coord.wait_ready(timeout_s=timeout_s)
+    maddrs = info.get("maddrs")
     if not isinstance(maddrs, list) or not maddrs:
         raise ChildExitedError(f"the coordinator's READY line has no 'maddrs' list: {maddrs!r}")
-    return str(maddrs[0])
+    return str(maddrs[0]), str(info.get("dashboard", ""))
 
 
 def stop_all(children: Sequence[Child], *, timeout_s: float = 10.0) -> None:

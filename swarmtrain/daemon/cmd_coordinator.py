@@ -12,8 +12,9 @@ import asyncio
 import json
 import sys
 from collections.abc import Awaitable
+from typing import TYPE_CHECKING
 
-from swarmtrain.config import DiscoveryConfig
+from swarmtrain.config import DiscoveryConfig, RunConfig
 from swarmtrain.daemon.options import (
     add_config_options,
     add_insecure_option,
@@ -21,6 +22,10 @@ from swarmtrain.daemon.options import (
     exposure_error,
 )
 from swarmtrain.daemon.signals import OVERRUN_STATUS, StopSignals
+
+if TYPE_CHECKING:
+    from swarmtrain.dashboard import Dashboard
+    from swarmtrain.discovery import Discovery
 
 HELP = "start a run: the first DHT node, publishes the run config, prints READY {json} with its multiaddrs"
 # Past discovery.shutdown_timeout_s: the DHT's forced stop (at most 3 s) and this process's own exit.
@@ -39,6 +44,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="multiaddr others should dial when it differs from the bound one; repeatable")
     parser.add_argument("--nat-port-map", action="store_true",
                         help="let the DHT ask the home router for a port mapping (UPnP/NAT-PMP)")
+    parser.add_argument("--dashboard-port", type=int, metavar="PORT",
+                        help="serve the dashboard (page, JSON API, /metrics) on this port (0: any free port; the "
+                             "READY line's \"dashboard\" says which); off by default")
+    parser.add_argument("--dashboard-host", default="127.0.0.1",
+                        help="address the dashboard listens on (default 127.0.0.1; it is read-only)")
     add_insecure_option(parser)
     add_config_options(parser)
     parser.epilog = EPILOG
@@ -70,6 +80,7 @@ async def _serve(args: argparse.Namespace) -> int:
         print(f"swarmtrain coordinator: error: {refused}", file=sys.stderr)
         return 2
     stop = asyncio.Event()
+    dashboard: Dashboard | None = None
     # Never uninstalled: a second signal must work until the process is gone (interpreter exit included).
     StopSignals(leaving="stopping the coordinator",
                 deadline_s=cfg.discovery.shutdown_timeout_s + SHUTDOWN_MARGIN_S).install(stop)
@@ -79,15 +90,33 @@ async def _serve(args: argparse.Namespace) -> int:
         cfg = await with_run_nonce(discovery, cfg, timeout_s=cfg.rpc.call_timeout_s)
         publisher = RunPublisher(discovery, cfg)
         await publisher.publish()
+        if args.dashboard_port is not None:
+            dashboard = await _open_dashboard(discovery, cfg, host=args.dashboard_host, port=args.dashboard_port)
         EventWriter(sys.stdout).ready({
             "role": "coordinator", "peer_id": discovery.peer_id, "run_id": cfg.train.run_id,
             "run_nonce": cfg.train.run_nonce,
             "maddrs": await discovery.visible_maddrs(),
+            **({"dashboard": f"http://{args.dashboard_host}:{dashboard.port}/"} if dashboard is not None else {}),
         })
         await _until(stop, publisher.serve(stop))
     finally:
+        if dashboard is not None:
+            await dashboard.close()
         await discovery.aclose()
     return 0
+
+
+async def _open_dashboard(discovery: Discovery, cfg: RunConfig, *, host: str, port: int) -> Dashboard:
+    """The coordinator's dashboard, listening (its history in `dashboard.db`, or a file named after the run)."""
+    from swarmtrain.dashboard import Collector, Dashboard, History
+
+    d = cfg.dashboard
+    history = History(d.db or f"swarmtrain-{cfg.train.run_id}.dashboard.sqlite", retention_rounds=d.retention_rounds)
+    collector = Collector(discovery, history, d, record_ttl_s=cfg.discovery.record_ttl_s,
+                          io_timeout_s=cfg.rpc.call_timeout_s)
+    dashboard = Dashboard(collector, host=host, port=port, poll_s=d.poll_s or cfg.discovery.heartbeat_s)
+    await dashboard.start()
+    return dashboard
 
 
 async def _until(stop: asyncio.Event, work: Awaitable[None]) -> None:

@@ -48,6 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout-s", type=float, default=600.0, help="give up after this long (default: 600)")
     parser.add_argument("--start-timeout-s", type=float, default=120.0,
                         help="how long each process may take to print READY (default: 120)")
+    parser.add_argument("--hold", action="store_true",
+                        help="after the last round keep the coordinator and its dashboard up until Ctrl-C / SIGTERM")
     parser.add_argument("--pipeline", action="store_true",
                         help="a SWARM pipeline instead: 2 stages × 2 stage servers and 2 trainers, one server "
                              "killed half-way (--rounds × diloco.inner_steps steps per trainer)")
@@ -85,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             return run_pipeline_demo(cfg, overrides, ["--config", args.config] if args.config else [],
                                      log_dir=args.log_dir, start_timeout_s=args.start_timeout_s,
-                                     timeout_s=args.timeout_s)
+                                     timeout_s=args.timeout_s, hold=_hold if args.hold else None)
         except KeyboardInterrupt:
             _say("interrupted: stopping all processes")
             return 130
@@ -110,9 +112,10 @@ def run(args: argparse.Namespace) -> int:
         _say(f"swarmtrain demo: coordinator + {args.peers} peers on 127.0.0.1, {args.rounds} rounds of "
              f"{cfg.diloco.inner_steps} inner steps, model {cfg.model.preset}, codec {cfg.compress.codec}; "
              f"logs in {log_dir}")
-        join = start_coordinator(overrides, config_args, log_dir=log_dir, timeout_s=args.start_timeout_s,
-                                 children=children)
+        join, dashboard = start_coordinator(overrides, config_args, log_dir=log_dir, timeout_s=args.start_timeout_s,
+                                            children=children, dashboard=True)
         _say(f"coordinator ready at {join}")
+        _say(f"dashboard: {dashboard} (open it in a browser; --hold keeps it up after the last round)")
         peers = [Child(f"peer{i}", swarmtrain_argv("peer", "--join", join,
                                                    *(["--shard-index", str(i)] if cfg.data.num_shards else [])),
                        log_path=log_dir / f"peer{i}.log", on_line=lambda name, line: lines.put((name, line)))
@@ -123,6 +126,8 @@ def run(args: argparse.Namespace) -> int:
             _say(f"{p.name} ready: id {str(info.get('peer_id', '?'))[:16]}, grpc {info.get('endpoint', '?')}")
         outcome = _follow(peers, lines, started=started, timeout_s=args.timeout_s)
         _print_summary(outcome, started=started, log_dir=log_dir)
+        if args.hold:
+            _hold(dashboard)
         return 0 if outcome.ok else 1
     except (DemoError, ChildExitedError, TimeoutError) as e:
         _say(f"demo failed: {e}")
@@ -133,6 +138,16 @@ def run(args: argparse.Namespace) -> int:
     finally:
         stop_all(children)
         signal.signal(signal.SIGTERM, previous)
+
+
+def _hold(dashboard: str) -> None:
+    """Keep the coordinator (and its dashboard) up until interrupted (KeyboardInterrupt: also on SIGTERM)."""
+    _say(f"holding: the dashboard stays at {dashboard}; Ctrl-C to stop")
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        _say("stopping")
 
 
 class DemoError(ValueError):

@@ -36,6 +36,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stage", type=int, metavar="K",
                         help="with --role server: the stage to serve (default: the one with the fewest servers "
                              "per block)")
+    parser.add_argument("--metrics-port", type=int, metavar="PORT",
+                        help="serve this peer's Prometheus metrics at http://HOST:PORT/metrics (0: any free port; "
+                             "the READY line's \"metrics\" says which); off by default")
+    parser.add_argument("--metrics-host", default="127.0.0.1",
+                        help="address the metrics endpoint listens on (default 127.0.0.1)")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                         help="human-readable progress on stderr: a status line per second, a line per round, "
                              "heal and leave (default: on when stderr is a terminal); stdout is unchanged")
@@ -74,6 +79,11 @@ def progress_enabled(args: argparse.Namespace, *, stderr_is_tty: bool) -> bool:
     return stderr_is_tty if args.progress is None else bool(args.progress)
 
 
+def _metrics(args: argparse.Namespace) -> tuple[str, int] | None:
+    """(host, port) of the metrics endpoint, or None without --metrics-port."""
+    return None if args.metrics_port is None else (args.metrics_host, args.metrics_port)
+
+
 def _toml_str(s: str) -> str:
     return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
@@ -105,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
 
         try:
             return run_pipeline_process(local, role=args.role, stage=args.stage, local_overrides=args.overrides,
-                                        coordinator_id=args.coordinator_id)
+                                        coordinator_id=args.coordinator_id, metrics=_metrics(args))
         except PeerError as e:
             print(f"swarmtrain peer: error: {e}", file=sys.stderr)
             return 1
@@ -115,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         with progress.active() if progress is not None else contextlib.nullcontext():
             return run_peer_process(local, local_overrides=args.overrides, coordinator_id=args.coordinator_id,
-                                    progress=progress)
+                                    progress=progress, metrics=_metrics(args))
     except PeerError as e:
         print(f"swarmtrain peer: error: {e}", file=sys.stderr)
         return 1

@@ -10,6 +10,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from swarmtrain.config import RunConfig
@@ -40,7 +41,7 @@ VICTIM = "s1a"
 
 
 def run_pipeline_demo(cfg: RunConfig, overrides: list[str], config_args: list[str], *, log_dir: str | None,
-                      start_timeout_s: float, timeout_s: float) -> int:
+                      start_timeout_s: float, timeout_s: float, hold: Callable[[str], None] | None = None) -> int:
     """Run the pipeline demo; 0 when no micro-batch was lost and the loss fell."""
     steps = cfg.diloco.rounds * cfg.diloco.inner_steps
     logs = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="swarmtrain-pipeline-demo-"))
@@ -52,7 +53,9 @@ def run_pipeline_demo(cfg: RunConfig, overrides: list[str], config_args: list[st
         _say(f"swarmtrain demo --pipeline: coordinator + {cfg.pipeline.stages} stages × 2 servers + {TRAINERS} "
              f"trainers on 127.0.0.1, {steps} steps each, model {cfg.model.preset}; {VICTIM} is killed half-way; "
              f"logs in {logs}")
-        join = start_coordinator(overrides, config_args, log_dir=logs, timeout_s=start_timeout_s, children=children)
+        join, dashboard = start_coordinator(overrides, config_args, log_dir=logs, timeout_s=start_timeout_s,
+                                            children=children, dashboard=True)
+        _say(f"dashboard: {dashboard}")
         servers = {name: Child(name, swarmtrain_argv("peer", "--join", join, "--role", "server", "--stage", str(k)),
                                log_path=logs / f"{name}.log", on_line=lambda name, line: lines.put((name, line)))
                    for name, k in SERVERS}
@@ -67,7 +70,10 @@ def run_pipeline_demo(cfg: RunConfig, overrides: list[str], config_args: list[st
         children.extend(trainers)
         for t in trainers:
             t.wait_ready(timeout_s=start_timeout_s)
-        return _follow(trainers, servers, lines, steps=steps, deadline=started + timeout_s, started=started)
+        rc = _follow(trainers, servers, lines, steps=steps, deadline=started + timeout_s, started=started)
+        if hold is not None:
+            hold(dashboard)  # the coordinator and its dashboard stay up until interrupted
+        return rc
     except (ChildExitedError, TimeoutError) as e:
         _say(f"demo failed: {e}")
         return 1

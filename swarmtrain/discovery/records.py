@@ -12,6 +12,7 @@ from typing import Any, ClassVar, TypeVar
 
 from swarmtrain.averaging.group import Member
 from swarmtrain.config import ConfigError, RunConfig, from_dict
+from swarmtrain.discovery.stats import PeerStats, StatsError
 
 __all__ = [
     "ROLES",
@@ -87,6 +88,15 @@ def _clock_offset(kind: str, d: Mapping[str, Any]) -> float:
     if not isinstance(v, (int, float)) or isinstance(v, bool):
         raise _field(kind, "clock_offset_s", f"expected a number, got {v!r}")
     return float(v)
+
+
+def _stats(kind: str, d: Mapping[str, Any]) -> PeerStats | None:
+    if "stats" not in d:
+        return None
+    try:
+        return PeerStats.from_json(d["stats"])
+    except StatsError as e:
+        raise _field(kind, "stats", str(e)) from None
 
 
 def _bool(kind: str, d: Mapping[str, Any], name: str) -> bool:
@@ -245,6 +255,7 @@ class PeerRecord(Record):
     stage: int = -1  # a stage_server's stage of the pipeline; -1 = none
     latency_s: float = 0.0  # a stage_server's mean seconds per call (EWMA); 0 = unknown
     queue: int = 0  # a stage_server's calls waiting
+    stats: PeerStats | None = None  # its work so far, for the dashboard (absent in older peers' records)
 
     def __post_init__(self) -> None:
         if self.stage < -1 or (self.role == "stage_server") != (self.stage >= 0):
@@ -280,7 +291,7 @@ class PeerRecord(Record):
                 "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s, "heartbeat_at": self.heartbeat_at,
                 "shard_index": self.shard_index, "round_ends_at": self.round_ends_at,
                 "clock_offset_s": self.clock_offset_s, "stage": self.stage, "latency_s": self.latency_s,
-                "queue": self.queue}
+                "queue": self.queue, **({} if self.stats is None else {"stats": self.stats.to_json()})}
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> PeerRecord:
@@ -293,7 +304,7 @@ class PeerRecord(Record):
                    heartbeat_at=_float(k, d, "heartbeat_at"), shard_index=_index_or_none(k, d, "shard_index"),
                    round_ends_at=_optional_float(k, d, "round_ends_at"), clock_offset_s=_clock_offset(k, d),
                    stage=_index_or_none(k, d, "stage"), latency_s=_optional_float(k, d, "latency_s"),
-                   queue=_optional_int(k, d, "queue"))
+                   queue=_optional_int(k, d, "queue"), stats=_stats(k, d))
 
 
 @dataclass(frozen=True)

@@ -17,15 +17,18 @@ from swarmtrain.daemon.signals import StopSignals
 from swarmtrain.peer.root import Peer
 from swarmtrain.telemetry import EventWriter
 from swarmtrain.telemetry.console import ConsoleEventWriter, ConsoleProgress
+from swarmtrain.telemetry.prometheus import serve_metrics
+from swarmtrain.telemetry.tally import Tally
 
-__all__ = ["Role", "run_peer_process", "run_role"]
+__all__ = ["Role", "run_peer_process", "run_role", "serve_role_metrics"]
 
 
 def run_peer_process(local: RunConfig, *, local_overrides: Sequence[str] = (), coordinator_id: str | None = None,
-                     progress: ConsoleProgress | None = None) -> int:
+                     progress: ConsoleProgress | None = None, metrics: tuple[str, int] | None = None) -> int:
     """`swarmtrain peer`: one peer on uvloop until its rounds are done or it is signalled; 0 on a clean leave.
 
-    With `progress`, the peer's events and inner steps are also rendered there (stdout is unchanged).
+    With `progress`, the peer's events and inner steps are also rendered there (stdout is unchanged); with
+    `metrics` (host, port), its Prometheus metrics are served there.
     """
     import uvloop
 
@@ -34,8 +37,22 @@ def run_peer_process(local: RunConfig, *, local_overrides: Sequence[str] = (), c
     writer = EventWriter(sys.stdout) if progress is None else ConsoleEventWriter(sys.stdout, progress)
     peer = Peer(local, writer=writer, services=NetworkServices(), local_overrides=local_overrides,
                 coordinator_id=coordinator_id, on_step=None if progress is None else progress.on_step)
+    serve_role_metrics(peer, metrics)
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         return runner.run(run_role(peer, leaving="leaving gracefully at the next round boundary"))
+
+
+class Measured(Protocol):
+    tally: Tally
+    metrics: str
+
+
+def serve_role_metrics(role: Measured, metrics: tuple[str, int] | None) -> None:
+    """Serve `role`'s tally as Prometheus metrics at `metrics` (host, port), before it starts (its READY line
+    then names the endpoint)."""
+    if metrics is not None:
+        host, port = metrics
+        role.metrics = f"{host}:{serve_metrics(role.tally, port=port, host=host)}"
 
 
 class Role(Protocol):

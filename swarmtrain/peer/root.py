@@ -58,6 +58,7 @@ from swarmtrain.sync.checkpoint import (
     save_checkpoint,
 )
 from swarmtrain.telemetry import EventWriter, LeaveEvent, RoundEvent, StatusSnapshot
+from swarmtrain.telemetry.tally import Tally
 from swarmtrain.trust import resolve_run_key
 
 __all__ = ["DataPlane", "Peer", "PeerError", "PeerServices", "PeerState", "merge_run_config"]
@@ -112,6 +113,8 @@ class Peer(OverlappedRounds, Healing):
         # through an outer step or a hash not computed yet
         self._announced: tuple[int, str] = (0, "")
         self._claim: DirectoryClaim | None = None
+        self.tally, self.metrics = Tally(), ""  # its work so far (record stats, /metrics at `metrics`: host:port)
+        writer.listeners.append(self.tally.observe)
 
     # ------------------------------------------------------------------ start
 
@@ -135,6 +138,8 @@ class Peer(OverlappedRounds, Healing):
         self.cfg = await choose_shard(self.cfg, discovery, saved=saved_slot(
             loaded.meta.get("worker") if loaded else None, num_shards=self.cfg.data.num_shards))
         self.pace = Pace(self.cfg.diloco)
+        t = self.tally
+        t.tokens_per_step, t.peer, t.role = self.cfg.data.batch_size * self.cfg.data.seq_len, discovery.peer_id, "worker"
         codec = codec_from_config(self.cfg.compress, seed=peer_seed(self.cfg.train.seed + 2, discovery.peer_id))
         worker = await asyncio.to_thread(self._build_worker, discovery.peer_id, codec)
         if loaded is not None:
@@ -158,7 +163,7 @@ class Peer(OverlappedRounds, Healing):
         await self.heartbeat.start()
         info = {"peer_id": discovery.peer_id, "endpoint": self.endpoint, "run_id": self.cfg.train.run_id,
                 "maddrs": await self.services.visible_maddrs(discovery), "round": self.worker.round,
-                "hash": self._announced[1], "num_params": self.worker.numel}
+                "hash": self._announced[1], "num_params": self.worker.numel, **({"metrics": self.metrics} if self.metrics else {})}
         self.writer.ready(info)
         self.phase = "training"
         return info
@@ -223,7 +228,8 @@ class Peer(OverlappedRounds, Healing):
                           endpoint="" if self.cfg.discovery.client_mode else self.endpoint, role="worker",
                           client_mode=self.cfg.discovery.client_mode, round=self._announced[0],
                           state_hash=self._announced[1], shard_index=self.cfg.data.shard_index,
-                          round_ends_at=self._round_ends_at, clock_offset_s=self._presence().clock_offset_s)
+                          round_ends_at=self._round_ends_at, clock_offset_s=self._presence().clock_offset_s,
+                          stats=self.tally.stats())
 
     # ------------------------------------------------------------------ rounds
 

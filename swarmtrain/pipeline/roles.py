@@ -43,6 +43,7 @@ from swarmtrain.pipeline.tensors import TensorCodec
 from swarmtrain.pipeline.trainer import PipelineTrainer
 from swarmtrain.rpc.node import RpcNode
 from swarmtrain.telemetry import EventWriter, LeaveEvent, StageStepEvent, StepEvent
+from swarmtrain.telemetry.tally import Tally
 from swarmtrain.trust import resolve_run_key
 
 __all__ = ["StageServerRole", "TrainerRole", "least_served_stage", "servers_of"]
@@ -99,6 +100,8 @@ class _Role(abc.ABC):
         self.plane: DataPlane | None = None
         self.rounds: PartRounds | None = None
         self.heartbeat: Heartbeat | None = None
+        self.tally, self.metrics = Tally(), ""  # its work so far (record stats, /metrics at `metrics`: host:port)
+        writer.listeners.append(self.tally.observe)
 
     async def _join(self) -> Discovery:
         discovery = await self.services.open_discovery(self.local.discovery, run_id=self.local.train.run_id,
@@ -111,6 +114,7 @@ class _Role(abc.ABC):
                             "--role, as a DiLoCo worker")
         if self.cfg.train.threads:
             torch.set_num_threads(self.cfg.train.threads)
+        self.tally.seq_len, self.tally.peer, self.tally.role = self.cfg.data.seq_len, discovery.peer_id, self.role
         return discovery
 
     async def _open_plane(self, part: torch.nn.Module, *, scope: str, member: Any, role: str,
@@ -144,7 +148,10 @@ class _Role(abc.ABC):
         """The record's fields of this role's part: its outer round, θ_global's hash, when its round ends."""
         assert self.rounds is not None
         return {"round": self.rounds.round, "state_hash": self.rounds.hash,
-                "round_ends_at": self.rounds.round_ends_at()}
+                "round_ends_at": self.rounds.round_ends_at(), "stats": self.tally.stats()}
+
+    def _metrics_info(self) -> dict[str, str]:
+        return {"metrics": self.metrics} if self.metrics else {}
 
     @abc.abstractmethod
     def _record(self) -> PeerRecord:
@@ -216,7 +223,7 @@ class StageServerRole(_Role):
         blocks = stage_blocks(shape.n_layer, pipe.stages)[self.stage]
         info = {"role": "server", "peer_id": discovery.peer_id, "endpoint": self.node.endpoint,
                 "run_id": cfg.train.run_id, "stage": self.stage, "blocks": [blocks.start, blocks.stop],
-                "num_params": sum(p.numel() for p in part.parameters())}
+                "num_params": sum(p.numel() for p in part.parameters()), **self._metrics_info()}
         self.writer.ready(info)
         return info
 
@@ -283,7 +290,7 @@ class TrainerRole(_Role):
         await self._announce()
         info = {"role": "trainer", "peer_id": discovery.peer_id, "run_id": cfg.train.run_id,
                 "stages": cfg.pipeline.stages, "servers": len(self._servers),
-                "num_params": sum(p.numel() for p in ends.parameters())}
+                "num_params": sum(p.numel() for p in ends.parameters()), **self._metrics_info()}
         self.writer.ready(info)
         return info
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, TextIO
 
@@ -222,15 +223,19 @@ def parse_line(line: str) -> Line | None:
 class EventWriter:
     """Writes READY and event lines to a stream (stdout), one line each, flushed, thread-safe."""
 
-    def __init__(self, stream: TextIO) -> None:
+    def __init__(self, stream: TextIO, *, listeners: Sequence[Callable[[Event], None]] = ()) -> None:
+        """`listeners` see every event written, after its line (a Tally: the peer's stats and metrics)."""
         self._stream = stream
         self._lock = threading.Lock()
+        self.listeners = list(listeners)
 
     def ready(self, info: dict[str, Any]) -> None:
         self._write(format_ready(info))
 
     def emit(self, event: Event) -> None:
         self._write(to_json(event))
+        for listen in self.listeners:
+            listen(event)
 
     def _write(self, line: str) -> None:
         with self._lock:

@@ -150,11 +150,12 @@ def _listening_ports(argv: list[str]) -> set[int]:
     """The TCP ports `swarmtrain ARGV` listens on, from the config its flags resolve to (0: any free port)."""
     args = build_parser().parse_args(argv)
     cfg = load_config(overrides=[*args._module.local_overrides(args), *args.overrides])
-    if argv[0] == "coordinator":  # the coordinator is a DHT node and nothing else
-        return {cfg.discovery.port}
+    if argv[0] == "coordinator":  # a DHT node, and its dashboard when asked for
+        return {cfg.discovery.port} | ({args.dashboard_port} if args.dashboard_port is not None else set())
     assert argv[0] == "peer", argv
     bulk = {cfg.rpc.bulk_port} if cfg.rpc.bulk_transport == "tcp" and not cfg.discovery.client_mode else set()
-    return {cfg.rpc.port, cfg.discovery.port} | bulk
+    metrics = {args.metrics_port} if args.metrics_port is not None else set()
+    return {cfg.rpc.port, cfg.discovery.port} | bulk | metrics
 
 
 def _container_port(entry: str | int | dict[str, Any]) -> int:
@@ -172,7 +173,7 @@ def test_container_port_reads_every_ports_syntax() -> None:
 def test_every_published_or_exposed_port_is_one_a_process_listens_on() -> None:
     services = _compose({**_env_example(), **RUN_KEY})["services"]
     listening = {name: _listening_ports(_resolved_command(svc)) for name, svc in services.items()}
-    assert listening == {"coordinator": {7001}, "peer": {7000, 7001, 7010}}
+    assert listening == {"coordinator": {7001, 8080}, "peer": {7000, 7001, 7010, 9100}}
     for name, svc in services.items():
         published = {_container_port(p) for p in svc.get("ports", [])} | {int(p) for p in svc.get("expose", [])}
         assert published <= listening[name], f"{name} publishes {sorted(published - listening[name])}: nothing serves it"
