@@ -63,8 +63,8 @@ class Collector:
         self.live: list[_Seen] = []
         self.departed: set[str] = set()
         self.allreduce_s = Histogram()
-        for seconds in history.comm_seconds():
-            self.allreduce_s.observe(seconds)
+        counts, total = history.comm_histogram(self.allreduce_s.bounds)
+        self.allreduce_s.counts, self.allreduce_s.total, self.allreduce_s.n = counts, total, sum(counts)
         # Where each (peer, part) was at its newest sample: from the stored records, so a restart goes on.
         self._last: dict[tuple[str, int], _Last] = {}
         for row in history.peers():

@@ -166,9 +166,13 @@ class History:
         row = self.db.execute("SELECT first_at FROM rounds ORDER BY round DESC LIMIT 1").fetchone()
         return None if row is None or row[0] is None else float(row[0])
 
-    def comm_seconds(self) -> list[float]:
-        """Every sample's averaging seconds (the swarm's all-reduce histogram)."""
-        return [float(x) for (x,) in self.db.execute("SELECT comm_s FROM samples WHERE comm_s > 0")]
+    def comm_histogram(self, bounds: Sequence[float]) -> tuple[list[int], float]:
+        """The kept samples' averaging seconds (> 0) per bucket (`bounds` upper bounds, then +Inf), and their sum:
+        counted in SQL, so a restart with millions of samples does not read them one by one."""
+        cases = ", ".join(f"SUM(comm_s > {lo!r} AND comm_s <= {hi!r})" for lo, hi in zip((0.0, *bounds[:-1]), bounds, strict=True))
+        row = self.db.execute(f"SELECT {cases}, SUM(comm_s > {bounds[-1]!r}), SUM(comm_s) FROM samples "
+                              "WHERE comm_s > 0").fetchone()
+        return [int(x or 0) for x in row[:-1]], float(row[-1] or 0.0)
 
     def _transaction(self) -> _Transaction:
         return _Transaction(self.db)

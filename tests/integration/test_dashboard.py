@@ -2,7 +2,7 @@
 loopback gRPC, in-memory DHT): /api/status lists both peers with the round and θ hash their round lines
 say; the coordinator's and a peer's /metrics parse with prometheus_client's own parser and carry the
 counters their JSON lines add up to; malformed queries get 400; a record with absurd values is listed as
-invalid and charted nowhere; a restarted dashboard keeps its history."""
+invalid and charted nowhere; a restarted dashboard keeps its history; the dashboard never writes to the DHT."""
 
 from __future__ import annotations
 
@@ -36,6 +36,16 @@ RUN = [*TINY_RUN, "diloco.inner_steps=20", "averaging.matchmaking_timeout_s=1.0"
        "rpc.call_timeout_s=3.0", f"diloco.rounds={ROUNDS + 50}"]  # they train on while the test looks
 
 
+class ReadOnlyDiscovery(InMemoryDiscovery):
+    """The coordinator's DHT view for the dashboard: any write fails the test (the dashboard only reads)."""
+
+    async def _put(self, key: str, value: bytes, *, expires_at: float, timeout_s: float) -> None:
+        raise AssertionError(f"the dashboard wrote {key} to the DHT")
+
+    async def _delete(self, key: str, *, timeout_s: float) -> None:
+        raise AssertionError(f"the dashboard deleted {key} from the DHT")
+
+
 def _get(url: str) -> tuple[int, bytes]:
     try:
         with urllib.request.urlopen(url, timeout=10) as resp:
@@ -66,7 +76,7 @@ def test_dashboard_api_and_metrics_match_the_peers_lines(tmp_path: Path) -> None
         metrics_port = serve_metrics(peers["a"].tally, port=0, host="127.0.0.1")
         stop = asyncio.Event()
         runs = [asyncio.create_task(run_peer(p, stop)) for p in peers.values()]
-        coordinator = InMemoryDiscovery(services.registry, run_id=cfg.train.run_id, record_ttl_s=3.0,
+        coordinator = ReadOnlyDiscovery(services.registry, run_id=cfg.train.run_id, record_ttl_s=3.0,
                                         peer_id="coordinator", run_key=KEY)
         db = tmp_path / "dash.sqlite"
         dash_cfg = cfg.dashboard

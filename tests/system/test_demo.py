@@ -22,7 +22,8 @@ def test_demo_two_peers_two_rounds(procs: ProcessSet, tmp_path: Path) -> None:
     assert "rounds committed: 2; rounds where hashes differed: 0" in out
     assert "result: OK" in out
     logs = sorted(p.name for p in (tmp_path / "demo-logs").iterdir())
-    assert logs == ["coordinator.log", "peer0.log", "peer1.log"]
+    assert logs == ["coordinator.log", "dashboard.sqlite", "peer0.log", "peer1.log"]  # the dashboard's history too
+    assert any(x.startswith("dashboard: http://127.0.0.1:") for x in demo.raw_tail), out
 
 
 def test_pipeline_demo_kills_a_server_and_loses_no_microbatch(procs: ProcessSet, tmp_path: Path) -> None:
@@ -35,4 +36,5 @@ def test_pipeline_demo_kills_a_server_and_loses_no_microbatch(procs: ProcessSet,
     summary = next(x for x in demo.raw_tail if "micro-batches sent" in x)
     assert summary.strip().startswith("micro-batches sent 240, completed 240,") and summary.endswith("lost 0"), out
     logs = sorted(p.name for p in (tmp_path / "pipe-logs").iterdir())
-    assert logs == ["coordinator.log", "s0a.log", "s0b.log", "s1a.log", "s1b.log", "t0.log", "t1.log"]
+    assert logs == ["coordinator.log", "dashboard.sqlite", "s0a.log", "s0b.log", "s1a.log", "s1b.log", "t0.log",
+                    "t1.log"]

@@ -93,3 +93,17 @@ def test_query_parameters_are_checked() -> None:
     for raw in ("x", "1.5", "-1", "11", ""):
         with pytest.raises(QueryError, match="since"):
             int_param({"since": raw}, "since", default=0, lo=0, hi=10)
+
+
+def test_the_stored_allreduce_histogram_matches_the_live_one() -> None:
+    """A restarted coordinator counts its all-reduce histogram in SQL: the same buckets as observing each."""
+    from swarmtrain.telemetry.tally import Histogram
+
+    seconds = [0.0, 0.01, 0.05, 0.3, 7.0, 500.0, 0.012]  # 0: a peer's first sample, not a round
+    h = History(":memory:", retention_rounds=100)
+    h.add([Sample("a", -2, r, 0.0, "x", None, None, 1, 1.0, 1, 1.0, c) for r, c in enumerate(seconds)])
+    live = Histogram()
+    for c in seconds:
+        if c > 0:
+            live.observe(c)
+    assert h.comm_histogram(live.bounds) == (live.counts, pytest.approx(live.total))

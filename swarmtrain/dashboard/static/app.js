@@ -92,6 +92,7 @@ function renderStatus(s) {
     if (p.problems.length) state.title = p.problems.join("; ");
     body.appendChild(tr);
   }
+  markRendered("status");
   document.body.dataset.peers = String(s.peers.length);
 }
 
@@ -151,6 +152,16 @@ function renderRounds() {
     body.appendChild(tr);
   }
   document.body.dataset.rounds = String(rounds.length);
+  markRendered("rounds");
+}
+
+// Milliseconds from navigation to the first render of both the status and the rounds (a benchmark reads it).
+const firstRenders = new Set();
+function markRendered(what) {
+  firstRenders.add(what);
+  if (firstRenders.size === 2 && !document.body.dataset.renderMs) {
+    document.body.dataset.renderMs = String(Math.round(performance.now()));
+  }
 }
 
 async function getJSON(path) {
