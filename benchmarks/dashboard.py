@@ -4,7 +4,8 @@ with PEERS live peer records and ROUNDS rounds of history (a sample from every p
     python benchmarks/dashboard.py --peers 200 --rounds 10000 --requests 50
 
 Targets (docs/dashboard.md): every API route answers in < 100 ms, the page renders (peers table, charts
-and rounds timeline all drawn) in < 2 s. The history is filled through the same History.add the
+and rounds timeline all drawn) in < 2 s: measured as headless Chromium's wall time to load the page and
+run it to idle, less its time for a static file of the same server (browser start-up), loads alternating. The history is filled through the same History.add the
 coordinator uses; the records are announced on an in-memory DHT; the server is the real aiohttp app.
 """
 
@@ -34,18 +35,20 @@ def _get_ms(url: str) -> float:
     return 1000 * (time.perf_counter() - start)
 
 
-async def _render_ms(url: str, exe: str) -> tuple[float, dict[str, str]]:
-    """The page's own time from navigation to its first full render (its body's data-render-ms), in real time."""
-    from swarmtrain.testing.dashboard import CHROMIUM_ARGS
-
-    proc = await asyncio.create_subprocess_exec(exe, *CHROMIUM_ARGS, "--timeout=10000", "--dump-dom", url,
-                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
-    dom = (await asyncio.wait_for(proc.communicate(), timeout=120))[0].decode()
+async def _load_s(url: str, exe: str) -> tuple[float, dict[str, str]]:
+    """Wall seconds for headless Chromium to load `url`, run its script until idle (virtual time lets its
+    timers fire without waiting) and dump the DOM; with the body's data-* attributes the page set."""
     import re
 
+    from swarmtrain.testing.dashboard import CHROMIUM_ARGS
+
+    start = time.perf_counter()
+    proc = await asyncio.create_subprocess_exec(exe, *CHROMIUM_ARGS, "--virtual-time-budget=3000", "--dump-dom", url,
+                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+    dom = (await asyncio.wait_for(proc.communicate(), timeout=120))[0].decode()
+    took = time.perf_counter() - start
     body = re.search(r"<body([^>]*)>", dom)
-    attrs = dict(re.findall(r'data-([\w-]+)="([^"]*)"', body.group(1))) if body else {}
-    return float(attrs.get("render-ms", "nan")), attrs
+    return took, dict(re.findall(r'data-([\w-]+)="([^"]*)"', body.group(1))) if body else {}
 
 
 async def run(peers: int, rounds: int, requests: int, renders: int) -> dict[str, Any]:
@@ -76,14 +79,18 @@ async def run(peers: int, rounds: int, requests: int, renders: int) -> dict[str,
     exe = chromium()
     render: dict[str, Any] = {"chromium": exe is not None}
     if exe is not None:
-        times, attrs = [], {}
+        # The page against a static file of the same server, loads alternating: the difference is what the
+        # page's fetches, script, tables and charts cost on top of starting a browser.
+        page, plain, attrs = [], [], {}
         for _ in range(renders):
-            ms, attrs = await _render_ms(base + "/", exe)
-            times.append(ms)
-        render.update(render_ms=times, median_ms=statistics.median(times), peers_rendered=attrs.get("peers"),
-                      rounds_rendered=attrs.get("rounds"), charts=attrs.get("charts"))
-        print(f"page render: median {render['median_ms']:.0f} ms over {renders} loads "
-              f"({attrs.get('peers')} peers, {attrs.get('rounds')} rounds, {attrs.get('charts')} charts)", flush=True)
+            took, attrs = await _load_s(base + "/", exe)
+            page.append(took)
+            plain.append((await _load_s(base + "/static/vendor/uPlot.min.css", exe))[0])
+        render.update(page_s=page, plain_s=plain, render_s=statistics.median(page) - statistics.median(plain),
+                      peers_rendered=attrs.get("peers"), rounds_rendered=attrs.get("rounds"), charts=attrs.get("charts"))
+        print(f"page load {statistics.median(page):.2f} s, a static file {statistics.median(plain):.2f} s: the page "
+              f"renders in {render['render_s']:.2f} s ({attrs.get('peers')} peers, {attrs.get('rounds')} rounds, "
+              f"{attrs.get('charts')} charts)", flush=True)
     await dashboard.close()
     return {"peers": peers, "rounds": rounds, "samples": peers * rounds, "fill_s": fill_s,
             "db_bytes": db.stat().st_size, "latency": latency, "render": render}

@@ -114,7 +114,8 @@ class Dashboard:
     async def _rounds(self, request: web.Request) -> web.Response:
         since = int_param(request.query, "since", default=0, lo=0, hi=2**62)
         limit = int_param(request.query, "limit", default=1000, lo=1, hi=MAX_ROUNDS_LIMIT)
-        return web.json_response(self.collector.history.rounds(since=since, limit=limit))
+        return web.Response(text=self.collector.history.rounds_json(since=since, limit=limit),
+                            content_type="application/json")
 
     async def _metrics(self, _: web.Request) -> web.Response:
         resp = web.Response(body=render(self.collector))

@@ -138,23 +138,25 @@ class History:
         got = dict(self.db.execute("SELECT name, value FROM totals").fetchall())
         return {name: float(got.get(name, 0.0)) for name in TOTALS}
 
+    def rounds_json(self, *, since: int, limit: int) -> str:
+        """The timeline from round `since` as a JSON array, oldest first: per round and part, its members,
+        hashes, mean losses, sums and aborts. Built by SQLite's JSON functions: 10,000 rows without a Python
+        object per row (the API's biggest answer)."""
+        row = self.db.execute(
+            "SELECT json_group_array(json_object("
+            "'round', r.round, 'part', r.part, 'members', r.members, 'hashes', json(r.hashes),"
+            "'loss', CASE WHEN r.loss_n > 0 THEN r.loss_sum / r.loss_n END,"
+            "'val_loss', CASE WHEN r.val_n > 0 THEN r.val_sum / r.val_n END,"
+            "'tokens', r.tokens, 'bytes', r.bytes, 'comm_s', r.comm_sum / r.members, 'compute_s', r.compute_s,"
+            "'at', r.first_at, 'aborts', (SELECT json_group_array(json_object('peer', a.peer_id, 'at', a.at,"
+            "'reason', a.reason)) FROM (SELECT * FROM aborts WHERE round = r.round AND part = r.part ORDER BY at) a)))"
+            " FROM (SELECT * FROM rounds WHERE round >= ? ORDER BY round, part LIMIT ?) r", (since, limit)).fetchone()
+        return str(row[0])
+
     def rounds(self, *, since: int, limit: int) -> list[dict[str, Any]]:
-        """The timeline from round `since`: per round and part, its members, hashes, mean losses, sums, aborts."""
-        rows = self.db.execute(
-            "SELECT round, part, members, hashes, loss_sum, loss_n, val_sum, val_n, tokens, bytes, comm_sum, "
-            "compute_s, first_at FROM rounds WHERE round >= ? ORDER BY round, part LIMIT ?", (since, limit)).fetchall()
-        aborts: dict[tuple[int, int], list[dict[str, Any]]] = {}
-        if rows:
-            for peer, part, r, at, reason in self.db.execute(
-                    "SELECT peer_id, part, round, at, reason FROM aborts WHERE round BETWEEN ? AND ? ORDER BY at",
-                    (rows[0][0], rows[-1][0])):
-                aborts.setdefault((r, part), []).append({"peer": peer, "at": at, "reason": reason})
-        return [{"round": r, "part": part, "members": n, "hashes": json.loads(hashes),
-                 "loss": loss_sum / loss_n if loss_n else None, "val_loss": val_sum / val_n if val_n else None,
-                 "tokens": tokens, "bytes": nbytes, "comm_s": comm_sum / n, "compute_s": compute_s, "at": at,
-                 "aborts": aborts.get((r, part), [])}
-                for r, part, n, hashes, loss_sum, loss_n, val_sum, val_n, tokens, nbytes, comm_sum, compute_s, at
-                in rows]
+        """`rounds_json` decoded."""
+        out: list[dict[str, Any]] = json.loads(self.rounds_json(since=since, limit=limit))
+        return out
 
     def members(self, round_index: int, part: int) -> list[str]:
         """The peers sampled at a round of a part."""
