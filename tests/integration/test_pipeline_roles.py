@@ -88,6 +88,12 @@ def test_servers_and_a_trainer_find_each_other_and_a_leaving_server_costs_no_mic
         assert heal.to_round == donor.rounds.round == late.rounds.round > 0 and heal.hash == donor.rounds.hash
         assert torch.equal(late.rounds.theta, donor.rounds.theta)
         assert torch.equal(torch.cat([p.reshape(-1) for p in late.server.part.parameters()]), donor.rounds.theta)
+        # The records carry the stats the dashboard reads: the stage's committed rounds, the late server's heal.
+        assert donor.discovery is not None and late.discovery is not None
+        records = {p.peer_id: p for p in await donor.discovery.live_peers(timeout_s=3)}
+        donor_stats, late_stats = records[donor.discovery.peer_id].stats, records[late.discovery.peer_id].stats
+        assert donor_stats is not None and donor_stats.rounds_committed >= 1
+        assert late_stats is not None and late_stats.heals == 1 and late_stats.version
         stop.set()
         for name in ("a", "b", "c"):
             await servers[name].aclose("signal")
