@@ -38,17 +38,13 @@ def _get_ms(url: str) -> float:
 async def _load_s(url: str, exe: str) -> tuple[float, dict[str, str]]:
     """Wall seconds for headless Chromium to load `url`, run its script until idle (virtual time lets its
     timers fire without waiting) and dump the DOM; with the body's data-* attributes the page set."""
-    import re
-
-    from swarmtrain.testing.dashboard import CHROMIUM_ARGS
+    from swarmtrain.testing.dashboard import CHROMIUM_ARGS, body_data
 
     start = time.perf_counter()
     proc = await asyncio.create_subprocess_exec(exe, *CHROMIUM_ARGS, "--virtual-time-budget=3000", "--dump-dom", url,
                                                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
     dom = (await asyncio.wait_for(proc.communicate(), timeout=120))[0].decode()
-    took = time.perf_counter() - start
-    body = re.search(r"<body([^>]*)>", dom)
-    return took, dict(re.findall(r'data-([\w-]+)="([^"]*)"', body.group(1))) if body else {}
+    return time.perf_counter() - start, body_data(dom)
 
 
 async def run(peers: int, rounds: int, requests: int, renders: int) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from swarmtrain.dashboard.history import History, Sample
 from swarmtrain.discovery import InMemoryDiscovery, InMemoryRegistry, PeerRecord
 from swarmtrain.discovery.stats import PeerStats
 
-__all__ = ["CHROMIUM_ARGS", "chromium", "fill_history", "rendered", "synthetic_peers"]
+__all__ = ["CHROMIUM_ARGS", "body_data", "chromium", "fill_history", "rendered", "synthetic_peers"]
 
 CHROMIUM_ARGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--hide-scrollbars",
                  "--window-size=1400,2000")
@@ -52,6 +52,12 @@ def fill_history(history: History, *, rounds: int, peers_per_round: int, seed: i
         history.add(samples, [("p0", -2, r, 1000.0 + r, "late")] if r % 100 == 0 else [])
 
 
+def body_data(dom: str) -> dict[str, str]:
+    """The `data-*` attributes of a dumped page's body (what the page's script set once it rendered)."""
+    body = re.search(r"<body([^>]*)>", dom)
+    return dict(re.findall(r'data-([\w-]+)="([^"]*)"', body.group(1))) if body else {}
+
+
 async def rendered(url: str, *, screenshot: Path | None = None, budget_ms: int = 8000) -> dict[str, str]:
     """Load `url` in headless Chromium (its timers run `budget_ms` of virtual time) and return the body's
     `data-*` attributes the page's script sets once it rendered (peers, charts, rounds), plus the DOM; with
@@ -63,8 +69,7 @@ async def rendered(url: str, *, screenshot: Path | None = None, budget_ms: int =
                                                 "--dump-dom", url, stdout=asyncio.subprocess.PIPE,
                                                 stderr=asyncio.subprocess.DEVNULL)
     dom = (await asyncio.wait_for(proc.communicate(), timeout=120))[0].decode()
-    body = re.search(r"<body([^>]*)>", dom)
-    attrs = dict(re.findall(r'data-(\w+)="([^"]*)"', body.group(1))) if body else {}
+    attrs = body_data(dom)
     if screenshot is not None:
         shot = await asyncio.create_subprocess_exec(exe, *CHROMIUM_ARGS, f"--virtual-time-budget={budget_ms}",
                                                     f"--screenshot={screenshot}", url,
