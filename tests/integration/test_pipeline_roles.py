@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from swarmtrain.config import load_config
+from swarmtrain.diloco.flat import flat_hash
 from swarmtrain.discovery import PeerRecord
 from swarmtrain.pipeline.roles import StageServerRole, TrainerRole, least_served_stage
 from swarmtrain.telemetry import (
@@ -30,7 +31,9 @@ KEY = "pipeline key"
 RUN = ["model.preset=tiny", "model.n_layer=3", "data.max_corpus_bytes=300000", "data.seq_len=16",
        "inner.warmup_steps=2", "diloco.rounds=6", "diloco.inner_steps=3", "pipeline.stages=2",
        "pipeline.microbatch_size=2", "pipeline.samples_per_step=8", "pipeline.call_timeout_s=3",
-       "discovery.heartbeat_s=0.2", "discovery.record_ttl_s=3", "rpc.call_timeout_s=3"]
+       "discovery.heartbeat_s=0.2", "discovery.record_ttl_s=3", "rpc.call_timeout_s=3",
+       # SWARM's plain averaging: at 3 steps a round, Nesterov momentum 0.9 overshoots (docs/pipeline.md)
+       "outer.lr=1.0", "outer.momentum=0", "outer.nesterov=false"]
 
 
 def _local():
@@ -84,16 +87,21 @@ def test_servers_and_a_trainer_find_each_other_and_a_leaving_server_costs_no_mic
         heal = next(e for e in logs["e"].events() if isinstance(e, HealEvent))
         sources = heal.source.split(",")  # each served a range of the state
         donor = next(r for r in servers.values() if r.discovery is not None and r.discovery.peer_id in sources)
-        assert donor.stage == 0 and late.rounds is not None and donor.rounds is not None and late.server is not None
-        assert heal.to_round == donor.rounds.round == late.rounds.round > 0 and heal.hash == donor.rounds.hash
-        assert torch.equal(late.rounds.theta, donor.rounds.theta)
-        assert torch.equal(torch.cat([p.reshape(-1) for p in late.server.part.parameters()]), donor.rounds.theta)
+        assert donor.stage == 0 and late.rounds is not None and late.server is not None
+        # The stage may still be finishing a round started by the last steps: the late server heals to a round
+        # the stage committed, with the θ_global hash the stage committed it with, and holds exactly that θ.
+        committed = {e.round + 1: e.hash for n in "acd" for e in logs[n].events()
+                     if isinstance(e, StageRoundEvent) and e.committed}
+        assert heal.to_round > 0 and committed[heal.to_round] == heal.hash
+        with late.server.still():
+            assert committed[late.rounds.round] == late.rounds.hash == flat_hash(late.rounds.theta)
+            assert torch.equal(torch.cat([p.reshape(-1) for p in late.server.part.parameters()]), late.rounds.theta)
         # The records carry the stats the dashboard reads: the stage's committed rounds, the late server's heal.
         assert donor.discovery is not None and late.discovery is not None
         records = {p.peer_id: p for p in await donor.discovery.live_peers(timeout_s=3)}
         donor_stats, late_stats = records[donor.discovery.peer_id].stats, records[late.discovery.peer_id].stats
         assert donor_stats is not None and donor_stats.rounds_committed >= 1
-        assert late_stats is not None and late_stats.heals == 1 and late_stats.version
+        assert late_stats is not None and late_stats.heals >= 1 and late_stats.version
         stop.set()
         for name in ("a", "b", "c"):
             await servers[name].aclose("signal")
