@@ -19,6 +19,9 @@ class KernelStatus:
     NON_FINITE = 1
     OVERFLOW = 2
     BAD_SCALE = 4
+    BAD_OFFSET = 8  # sparse: an offset not below its chunk's length, or not strictly ascending
+    BAD_PADDING = 16  # sparse: a padding bit after a chunk's codes or offsets is set
+    SCALE_OVERFLOW = 32  # sparse: a kept magnitude overflows bfloat16
 
 
 def check_status(status: int, *, what: str, qmax: int = INT8_QMAX) -> None:
@@ -30,7 +33,13 @@ def check_status(status: int, *, what: str, qmax: int = INT8_QMAX) -> None:
     if status & KernelStatus.OVERFLOW:
         raise CodecError(f"block scale overflows fp16 (absmax > {65504 * qmax:g}): use fp32 scales")
     if status & KernelStatus.BAD_SCALE:
-        raise CodecError(f"{what}: non-finite (NaN/Inf) or negative block scale")
+        raise CodecError(f"{what}: non-finite (NaN/Inf) or negative block scale, or lo > hi")
+    if status & KernelStatus.BAD_OFFSET:
+        raise CodecError(f"{what}: an offset is not below its chunk's length or not strictly ascending")
+    if status & KernelStatus.BAD_PADDING:
+        raise CodecError(f"{what}: padding bits after a chunk's codes or offsets are not zero")
+    if status & KernelStatus.SCALE_OVERFLOW:
+        raise CodecError(f"{what}: a kept value's magnitude overflows bfloat16 (> 3.39e38)")
     raise AssertionError(f"{what}: unknown kernel status {status}")
 
 
