@@ -94,6 +94,10 @@ class RunConfig:
         n_layer = self.model.n_layer or PRESETS[self.model.preset].n_layer
         check(self.pipeline.stages <= n_layer, "pipeline.stages",
               f"{self.pipeline.stages} stages for a model of {n_layer} blocks: a stage holds at least one")
+        gather = self.averaging.combine == "gather" or (self.averaging.combine == "auto" and self.compress.codec == "sparse")
+        check(not (gather and self.averaging.aggregator != "mean"), "averaging.aggregator",
+              f"{self.averaging.aggregator!r} with gathered contributions (compress.codec = {self.compress.codec!r}, "
+              f"averaging.combine = {self.averaging.combine!r}): members average them by their mean")
 
     def replace(self, **sections: Any) -> RunConfig:
         """Return a copy with whole sections or `section={key: value}` dicts merged in."""

@@ -248,7 +248,9 @@ class CompressConfig:
 
     codec: str = "int8"
     """`int8` or `int4` (blockwise absmax quantization: 1 or 0.5 bytes per value plus a scale per block),
-    `fp16` or `bf16` (2 bytes) or `fp32` (4 bytes, lossless)."""
+    `fp16` or `bf16` (2 bytes), `fp32` (4 bytes, lossless), or `sparse`: per chunk of `chunk_size`
+    values only the `density` largest in magnitude, at `bits` bits each plus their offsets (needs
+    `error_feedback`)."""
     block_size: int = 64
     """`int8`/`int4`: values per quantization block, each with its own scale (even, >= 2)."""
     scale_dtype: str = "fp32"
@@ -262,10 +264,30 @@ class CompressConfig:
     error_feedback: bool = False
     """Keep what the codec lost of this peer's Δ (Δ − decode(encode(Δ))) and add it to its next Δ once the
     round commits."""
+    error_feedback_decay: float = 1.0
+    """With `error_feedback`: the residual is multiplied by this before it is added to the next Δ (β of
+    SparseLoCo's error-feedback accumulator; 1 = keep all of it)."""
+    density: float = 0.01
+    """`sparse`: fraction of each chunk's values sent (k = round(density × chunk_size), at least 1)."""
+    bits: int = 2
+    """`sparse`: bits per value sent (2, 4 or 8): a sign and 2^(bits−1) magnitudes between the chunk's
+    smallest and largest kept magnitude."""
+    chunk_size: int = 4096
+    """`sparse`: values per chunk; each chunk keeps its own top k (in [2, 65536])."""
 
     def __post_init__(self) -> None:
-        codecs = ("fp32", "fp16", "bf16", "int8", "int4")
+        codecs = ("fp32", "fp16", "bf16", "int8", "int4", "sparse")
         check(self.codec in codecs, "compress.codec", f"{self.codec!r} is not one of {codecs}")
+        check(0.0 < self.error_feedback_decay <= 1.0, "compress.error_feedback_decay", "must be in (0, 1]")
+        check(0.0 < self.density <= 1.0, "compress.density", "must be in (0, 1]")
+        check(self.bits in (2, 4, 8), "compress.bits", "must be 2, 4 or 8")
+        check(2 <= self.chunk_size <= 65536, "compress.chunk_size", "must be in [2, 65536]")
+        if self.codec == "sparse":
+            check(self.error_feedback, "compress.error_feedback",
+                  "must be true with compress.codec = 'sparse': without it the values a round does not send "
+                  "are lost for good")
+            check(self.zstd_level == 0, "compress.zstd_level", "must be 0 with compress.codec = 'sparse' (its "
+                  "payload does not compress)")
         check(self.block_size >= 2 and self.block_size % 2 == 0, "compress.block_size", "must be even and >= 2")
         check(self.scale_dtype in ("fp32", "fp16"), "compress.scale_dtype", "must be 'fp32' or 'fp16'")
         check(0 <= self.zstd_level <= 22, "compress.zstd_level", "must be in [0, 22]")
@@ -411,6 +433,11 @@ class AveragingConfig:
     trim: int = 1
     """With `aggregator = "trimmed_mean"`: contributions dropped at each end of every coordinate (fewer
     when a shard has at most 2·trim of them: the median for an odd count, the mean for two)."""
+    combine: str = "auto"
+    """What a reducer sends back: `reencode` = the mean of its shard, encoded with the run's codec;
+    `gather` = the contributions themselves (less the caller's own), which each member averages (every
+    contribution then crosses the network K − 1 times, and a sparse mean loses nothing to a second
+    encoding); `auto` = `gather` for the sparse codec, `reencode` for the others."""
 
     def __post_init__(self) -> None:
         check(self.min_peers >= 1, "averaging.min_peers", "must be >= 1")
@@ -421,6 +448,10 @@ class AveragingConfig:
         check(self.aggregator in ("mean", "trimmed_mean"), "averaging.aggregator",
               f"{self.aggregator!r} is not mean or trimmed_mean")
         check(self.trim >= 1, "averaging.trim", "must be >= 1")
+        check(self.combine in ("auto", "reencode", "gather"), "averaging.combine",
+              f"{self.combine!r} is not auto, reencode or gather")
+        check(not (self.combine == "gather" and self.aggregator != "mean"), "averaging.combine",
+              "gather needs averaging.aggregator = 'mean' (members average gathered contributions)")
         # A reducer fixes its contributors when its window closes; a window that outlasts the all-reduce's
         # deadline means no mean is ever served when a member is missing: every such round would abort.
         check(self.contribution_window_s < self.allreduce_timeout_s, "averaging.contribution_window_s",

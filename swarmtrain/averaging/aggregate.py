@@ -5,18 +5,32 @@ The trimmed mean (Yin et al., "Byzantine-robust distributed learning", 2018) dro
 the `trim` largest and `trim` smallest of the n contributions and averages the rest: with at most `trim`
 Byzantine members, every value left lies between two honest ones, whatever they sent. With n <= 2·trim
 it trims as much as n allows ((n−1)//2 each side: the median for odd n; the mean for n <= 2).
+
+Gathering (for sparse codecs, whose mean would need as many values as all contributions together): a
+reducer serves the contributions themselves, packed in a bundle, instead of re-encoding their mean, and
+every member computes the mean of the decoded contributions itself, in group order (`mean_of_gathered`):
+bit for bit the same on every member, and nothing is lost to a second encoding. A member's own
+contribution is left out of the bundle it is sent (it holds it already), so each contribution crosses
+the network (K − 1) times in all, as in a direct all-gather.
 """
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from swarmtrain.compress.codec import Codec
+from swarmtrain.compress.codec import Codec, CodecError
 
-__all__ = ["AGGREGATORS", "Aggregation", "aggregate_encoded", "mean_of", "mean_of_encoded"]
+__all__ = ["AGGREGATORS", "COMBINES", "Aggregation", "aggregate_encoded", "gathers", "mean_of", "mean_of_encoded",
+           "mean_of_gathered", "pack_bundle", "unpack_bundle"]
+
+COMBINES = ("auto", "reencode", "gather")
+_BUNDLE_MAGIC = b"SWTB"
+_BUNDLE_HEAD = struct.Struct("<4sI")
+_BUNDLE_LEN = struct.Struct("<Q")
 
 AGGREGATORS = ("mean", "trimmed_mean")
 _CHUNK = 1 << 18  # coordinates sorted at once: bounds the sort's own memory to n × this
@@ -29,12 +43,15 @@ class Aggregation:
 
     rule: str = "mean"
     trim: int = 1
+    gather: bool = False  # reducers serve the contributions (a bundle), members average them (module docstring)
 
     def __post_init__(self) -> None:
         if self.rule not in AGGREGATORS:
             raise ValueError(f"aggregator {self.rule!r} is not one of {AGGREGATORS}")
         if self.trim < 1:
             raise ValueError(f"trim must be >= 1, got {self.trim}")
+        if self.gather and self.rule != "mean":
+            raise ValueError(f"gathered contributions are averaged by their mean, not {self.rule!r}")
 
     def trimmed(self, num_parts: int) -> int:
         """How many are dropped at each end of every coordinate for `num_parts` contributions."""
@@ -59,6 +76,54 @@ def mean_of_encoded(codec: Codec, parts: Sequence[bytes | bytearray | memoryview
         codec.decode_accumulate(part, scratch.zero_())  # == decode(part): see reducer._own_checked
         out.add_(scratch)
     return out.div_(len(parts))
+
+
+def gathers(combine: str, codec_name: str) -> bool:
+    """Whether `averaging.combine` gathers contributions with this codec ("auto": for the sparse codec)."""
+    if combine not in COMBINES:
+        raise ValueError(f"combine {combine!r} is not one of {COMBINES}")
+    return combine == "gather" or (combine == "auto" and codec_name == "sparse")
+
+
+def mean_of_gathered(codec: Codec, parts: Sequence[bytes | bytearray | memoryview], *,
+                     out: torch.Tensor) -> torch.Tensor:
+    """The mean of the decoded `parts`, added into zeros in the given order and divided by their number:
+    what every member of a gathering round computes for each shard. `out` (fp32) receives it."""
+    if not parts:
+        raise ValueError("mean_of_gathered: no contributions")
+    out.zero_()
+    for part in parts:
+        codec.decode_accumulate(part, out)
+    return out.div_(len(parts))
+
+
+def pack_bundle(parts: Sequence[bytes | bytearray | memoryview]) -> bytes:
+    """Contributions as one message: magic, count, each length, then each one's bytes."""
+    head = _BUNDLE_HEAD.pack(_BUNDLE_MAGIC, len(parts))
+    return b"".join([head, *(_BUNDLE_LEN.pack(memoryview(p).nbytes) for p in parts), *parts])
+
+
+def unpack_bundle(data: bytes | bytearray | memoryview, *, max_parts: int) -> list[memoryview]:
+    """The contributions of a bundle (views into `data`); CodecError when it is malformed."""
+    mv = memoryview(data).cast("B") if not isinstance(data, memoryview) or data.format != "B" else data
+    if mv.nbytes < _BUNDLE_HEAD.size:
+        raise CodecError(f"bundle: {mv.nbytes} bytes cannot hold its {_BUNDLE_HEAD.size}-byte head")
+    magic, count = _BUNDLE_HEAD.unpack_from(mv)
+    if magic != _BUNDLE_MAGIC:
+        raise CodecError(f"bundle: bad magic {bytes(magic)!r} (expected {_BUNDLE_MAGIC!r})")
+    if count > max_parts:
+        raise CodecError(f"bundle: {count} contributions, at most {max_parts} expected")
+    at = _BUNDLE_HEAD.size + count * _BUNDLE_LEN.size
+    if mv.nbytes < at:
+        raise CodecError(f"bundle: truncated: {mv.nbytes} bytes cannot hold {count} lengths")
+    lengths = [_BUNDLE_LEN.unpack_from(mv, _BUNDLE_HEAD.size + i * _BUNDLE_LEN.size)[0] for i in range(count)]
+    if at + sum(lengths) != mv.nbytes:
+        raise CodecError(f"bundle: lengths add up to {at + sum(lengths)} bytes, the bundle has {mv.nbytes}")
+    parts = []
+    for n in lengths:
+        parts.append(mv[at:at + n])
+        at += n
+    return parts
 
 
 def aggregate_encoded(codec: Codec, parts: Sequence[bytes | bytearray | memoryview], rule: Aggregation, *,

@@ -7,7 +7,8 @@ One round, attempt a, reducers R_a (the group's non-client members minus those t
   3. quorum: C must hold >= min_peers members and more than half of the group, and more than half of
      the round's electorate E (the members of the commit that produced θ_global, which every member
      holding that θ_global knows alike), else abort;
-  4. pull: fetch every shard's mean over C (computed once per C by its reducer);
+  4. pull: fetch every shard's mean over C (computed once per C by its reducer), or with a sparse
+     codec the contributions over C (a bundle less this member's own), averaged here in group order;
   5. vote: ask the round's voters V for their vote for this session, and commit with a strict majority.
 
 Why every committed member holds the same mean: shard j's mean over C is a deterministic function
@@ -36,6 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from swarmtrain.averaging.aggregate import mean_of_gathered, unpack_bundle
 from swarmtrain.averaging.group import Group, Member
 from swarmtrain.averaging.protocol import AverageResult
 from swarmtrain.averaging.reducer import ReducerRegistry, max_encoded_bytes, shard_bounds
@@ -74,6 +76,7 @@ class AllReduce:
         self.cfg = cfg
         self.fault_hook = fault_hook
         self.peer_id = node.peer_id
+        self.gather = registry.aggregation.gather
 
     async def run(self, group: Group, delta: torch.Tensor, *, deadline: float,
                   electorate: tuple[str, ...] = ()) -> AverageResult:
@@ -112,9 +115,11 @@ class AllReduce:
         window_s = self.cfg.contribution_window_s
         push_deadline = min(deadline, t0 + self.cfg.contribution_window_s)
         shards = list(zip(reducers, bounds, strict=True))
+        own: dict[int, bytes] = {}  # this member's encoded shards: a gathering round adds them to the bundles
 
         async def encode_and_push(j: int, reducer: Member, lo: int, hi: int) -> None:
             payload = await asyncio.to_thread(self.codec.encode, delta[lo:hi])  # pipelined per shard
+            own[j] = payload
             await self._push(key, j, reducer, payload, hi - lo, push_deadline)
 
         pushes = await asyncio.gather(*(encode_and_push(j, m, lo, hi) for j, (m, (lo, hi)) in enumerate(shards)),
@@ -144,13 +149,21 @@ class AllReduce:
         # lands in its own slice once, zeroed in its decoding thread, off the event loop.
         mean = torch.from_numpy(self.node.buffers.lend(4 * delta.numel())).view(torch.float32)
 
-        def decode_into(data: bytes | bytearray | memoryview, out: torch.Tensor) -> None:
-            self.codec.decode_accumulate(data, out.zero_())
+        def decode_into(j: int, data: bytes | bytearray | memoryview, out: torch.Tensor) -> None:
+            if not self.gather:
+                self.codec.decode_accumulate(data, out.zero_())
+                return
+            parts: list[bytes | bytearray | memoryview] = list(unpack_bundle(data, max_parts=len(agreed)))
+            if self.peer_id in agreed:
+                parts.insert(agreed.index(self.peer_id), own[j])
+            if len(parts) != len(agreed):
+                raise CodecError(f"bundle of shard {j} holds {len(parts)} contributions, {len(agreed)} agreed")
+            mean_of_gathered(self.codec, parts, out=out)
 
         async def fetch_and_add(j: int, reducer: Member, lo: int, hi: int) -> None:
             data = await self._fetch(key, j, reducer, agreed, hi - lo, deadline)
             try:
-                await asyncio.to_thread(decode_into, data, mean[lo:hi])  # pipelined per shard
+                await asyncio.to_thread(decode_into, j, data, mean[lo:hi])  # pipelined per shard
             finally:
                 self.client.release(data)
 
@@ -236,8 +249,9 @@ class AllReduce:
             data = await self.registry.mean(key, shard, agreed, peer=self.peer_id)
             await self.registry.delivered(key, shard, peer=self.peer_id)
             return data
+        parts = len(agreed) if self.gather else 1
         return await self.client.fetch(reducer.endpoint, reducer.peer_id, key, shard, agreed,
-                                       max_bytes=max_encoded_bytes(numel), deadline=deadline)
+                                       max_bytes=parts * (max_encoded_bytes(numel) + 8) + 8, deadline=deadline)
 
 
 def _all_finite(t: torch.Tensor) -> bool:

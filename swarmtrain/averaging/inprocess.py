@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from swarmtrain.averaging.aggregate import Aggregation, aggregate_encoded
+from swarmtrain.averaging.aggregate import Aggregation, aggregate_encoded, mean_of_gathered
 from swarmtrain.averaging.protocol import AverageResult
 from swarmtrain.compress.codec import Codec, CodecError
 from swarmtrain.diloco.traffic import allreduce_bytes_per_peer
@@ -21,7 +21,8 @@ class InProcessGroup:
     Every Δ is encoded with `codec`, decoded and combined in fp32 by `aggregation` (the mean by
     default), and the result is encoded once more and decoded (the reducers send the re-encoded mean
     back), so quantization acts exactly where it acts on the wire. A Δ the codec refuses (NaN or Inf)
-    is left out, as a reducer refuses it. Byte counts come from the real encoded sizes (see
+    is left out, as a reducer refuses it. With `aggregation.gather` every member averages the decoded
+    contributions itself, as a gathering round does. Byte counts come from the real encoded sizes (see
     `allreduce_bytes_per_peer`). Sequential drivers call `average_all`; threaded workers each use a
     `member(k)` view, which satisfies the `Averager` protocol.
     """
@@ -59,6 +60,20 @@ class InProcessGroup:
             return [AverageResult(round=round_index, committed=False, mean=None, members=(),
                                   reason="every contribution was refused") for _ in deltas]
         numel = deltas[0].numel()
+        k = self.num_workers
+        total_in = sum(len(e) for e in accepted)
+        if self.aggregation.gather:
+            mean = mean_of_gathered(self.codec, accepted, out=torch.empty(numel))
+            return [
+                AverageResult(
+                    round=round_index, committed=True, mean=mean, members=members,
+                    # shard j of every contribution but the caller's goes from reducer j to the caller: each
+                    # contribution crosses the network K − 1 times in all (aggregate.py)
+                    bytes_sent=(k * len(e or b"") + (k - 2) * total_in) // k,
+                    bytes_received=total_in - len(e or b""),
+                )
+                for e in encoded
+            ]
         if self.aggregation.trimmed(len(accepted)):
             acc = aggregate_encoded(self.codec, accepted, self.aggregation, out=torch.empty(numel),
                                     scratch=torch.empty(numel))
@@ -69,8 +84,6 @@ class InProcessGroup:
             acc.div_(len(accepted))
         mean_bytes = self.codec.encode(acc)
         mean = self.codec.decode(mean_bytes).reshape(-1)
-        k = self.num_workers
-        total_in = sum(len(e) for e in accepted)
         return [
             AverageResult(
                 round=round_index, committed=True, mean=mean, members=members,

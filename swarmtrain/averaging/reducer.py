@@ -5,6 +5,8 @@ contribution window closes; the set of members it accepted is then fixed (its *c
 Members ask every reducer for that set, intersect them, and fetch each shard's mean over the
 intersection, which the reducer computes once per set: decoded contributions summed in fp32 in
 group order (so the result never depends on arrival order), divided by their number, encoded once.
+A gathering reducer (sparse codecs, aggregate.py) serves the contributions over the intersection
+instead, less the caller's own, and each member averages them.
 
 A reducer serves the means of any session; what keeps a round to one mean is the vote a member needs
 from a majority of the round's voters before it commits (ballot.py, allreduce.py). This peer's own vote
@@ -22,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from swarmtrain.averaging.aggregate import Aggregation, aggregate_encoded
+from swarmtrain.averaging.aggregate import Aggregation, aggregate_encoded, pack_bundle
 from swarmtrain.averaging.ballot import VoteBook
 from swarmtrain.averaging.group import Group
 from swarmtrain.compress import Codec, CodecError
@@ -294,6 +296,8 @@ class ReducerRegistry:
         if self._served is None or key.round >= self._served[0]:
             self._served = (key.round, key.session_id)
         order = [p for p in s.contributors if p in contributors]
+        if self.aggregation.gather:  # the contributions themselves, less the caller's own (aggregate.py)
+            return pack_bundle([s.received[p] for p in order if p != peer])
         async with s.mean_lock:
             data = s.means.get(tuple(order))
             if data is None:

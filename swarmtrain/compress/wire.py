@@ -53,6 +53,7 @@ class CodecId(IntEnum):
     BF16 = 3
     INT8 = 4
     INT4 = 5
+    SPARSE = 6
 
 
 class Flags(IntFlag):

@@ -271,11 +271,15 @@ class DilocoWorker:
             self.inner.state.clear()
 
     def delta(self) -> torch.Tensor:
-        """This round's contribution: Δ = θ_global − θ_local (+ the error-feedback residual)."""
+        """This round's contribution: Δ = θ_global − θ_local (+ β × the error-feedback residual)."""
         d = pseudo_gradient(self.theta_global, self.params)
         if self.residual is not None:
             assert self.codec is not None
-            d += self.residual
+            decay = self.cfg.compress.error_feedback_decay
+            if decay == 1.0:
+                d += self.residual
+            else:  # SparseLoCo's decayed accumulator
+                d.add_(self.residual, alpha=decay)
             # What the wire loses of our own contribution; adopted only if the round commits.
             self._pending_residual = d - self.codec.decode(self.codec.encode(d)).reshape(-1)
         return d

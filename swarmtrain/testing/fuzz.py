@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
+from swarmtrain.averaging.aggregate import mean_of_gathered, pack_bundle, unpack_bundle
 from swarmtrain.averaging.group import Member
 from swarmtrain.compress import CodecError, get_codec
 from swarmtrain.config import RunConfig, to_dict
@@ -126,7 +127,8 @@ def _codec_resign(data: bytes) -> bytes:
 
 
 def _codec_target(name: str) -> Target:
-    codec = get_codec(name)
+    # small sparse chunks: the seeds then hold several chunks, a short last one and multi-byte offsets
+    codec = get_codec(name, chunk_size=16, density=0.25) if name == "sparse" else get_codec(name)
     g = torch.Generator().manual_seed(0)
     seeds = tuple(codec.encode(torch.randn(shape, generator=g)) for shape in ((7,), (3, 65), (130,)))
 
@@ -135,6 +137,19 @@ def _codec_target(name: str) -> Target:
         return codec.decode_accumulate(data, torch.zeros(numel))
 
     return Target(f"codec:{name}", run, (CodecError,), seeds, _codec_resign)
+
+
+def _bundle_target() -> Target:
+    """A gathering reducer's reply: the bundle, then each contribution through the sparse codec."""
+    codec = get_codec("sparse", chunk_size=16, density=0.25)
+    g = torch.Generator().manual_seed(1)
+    seeds = (pack_bundle([codec.encode(torch.randn(40, generator=g)) for _ in range(3)]), pack_bundle([]))
+
+    def run(data: bytes) -> object:
+        parts = unpack_bundle(data, max_parts=8)
+        return mean_of_gathered(codec, parts, out=torch.empty(40)) if parts else None
+
+    return Target("bundle", run, (CodecError,), seeds)
 
 
 def _state_target() -> Target:
@@ -195,7 +210,8 @@ def _bulk_hello_target() -> Target:
 
 def _targets() -> tuple[Target, ...]:
     out = [_record_target(kind, cls, seeds) for kind, (cls, seeds) in _record_seeds().items()]
-    out += [_codec_target(name) for name in ("fp32", "fp16", "bf16", "int8", "int4")]
+    out += [_codec_target(name) for name in ("fp32", "fp16", "bf16", "int8", "int4", "sparse")]
+    out.append(_bundle_target())
     out += [_state_target(), _seal_target(), _call_target(), *_frames_targets(), _bulk_hello_target()]
     return tuple(out)
 

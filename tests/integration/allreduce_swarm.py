@@ -29,12 +29,12 @@ class Swarm:
 
     def __init__(self, names: Sequence[str], *, client_mode: Sequence[str] = (), fault_hook: FaultHook | None = None,
                  avg: AveragingConfig = AVG, codec: str = "fp32", bandwidth: dict[str, float] | None = None,
-                 rpc: dict[str, RpcConfig] | None = None) -> None:
+                 rpc: dict[str, RpcConfig] | None = None, codec_options: dict[str, object] | None = None) -> None:
         self.names = sorted(names)
         rpc = rpc or {}
         self.nodes = {n: RpcNode(rpc.get(n, RPC), peer_id=n, serve=n not in client_mode) for n in self.names}
         self.averagers = {n: NetworkAverager(self.nodes[n], run_id=RUN_ID, group_provider=self._group,
-                                             codec=get_codec(codec), cfg=avg, fault_hook=fault_hook)
+                                             codec=get_codec(codec, **(codec_options or {})), cfg=avg, fault_hook=fault_hook)
                           for n in self.names}
         self.client_mode = set(client_mode)
         self.bandwidth = bandwidth or {}

@@ -128,3 +128,19 @@ def test_evaluate_and_schedule(tiny_config: RunConfig) -> None:
     assert factors[0] == pytest.approx(1 / inner.warmup_steps) and factors[inner.warmup_steps - 1] == 1.0
     assert factors[total] == pytest.approx(inner.min_lr_ratio) and factors[-1] == pytest.approx(inner.min_lr_ratio)
     assert all(a >= b for a, b in zip(factors[inner.warmup_steps:], factors[inner.warmup_steps + 1:], strict=False))
+
+
+def test_a_decayed_residual_is_scaled_before_it_joins_the_next_delta(tiny_config: RunConfig) -> None:
+    cfg = tiny_config.replace(compress={"codec": "sparse", "error_feedback": True, "error_feedback_decay": 0.5,
+                                        "chunk_size": 64, "density": 0.05})
+    codec = get_codec("sparse", chunk_size=64, density=0.05)
+    w = _worker(cfg, codec=codec)
+    w.train_inner()
+    sent = w.delta()
+    kept = codec.decode(codec.encode(sent))
+    assert 0 < int((kept != 0).sum()) < sent.numel() // 10  # a sparse contribution
+    w.apply(_commit(w, kept))
+    assert w.residual is not None
+    torch.testing.assert_close(w.residual, sent - kept)
+    w.train_inner()
+    torch.testing.assert_close(w.delta(), (w.theta_global - flatten(w.params)) + 0.5 * (sent - kept))

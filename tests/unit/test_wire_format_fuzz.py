@@ -46,6 +46,11 @@ def _corpus(rng: random.Random) -> list[bytes]:
                 codec = get_codec(name, **opts)
                 for shape in shapes:
                     msgs.append(codec.encode(torch.randn(shape) * rng.choice([1e-3, 1.0, 100.0])))
+    for bits in (2, 4, 8):
+        codec = get_codec("sparse", chunk_size=rng.choice([2, 16, 100]), density=rng.choice([0.05, 0.3, 1.0]),
+                          bits=bits)
+        for shape in shapes:
+            msgs.append(codec.encode(torch.randn(shape) * rng.choice([1e-3, 1.0, 100.0])))
     return msgs
 
 
@@ -93,7 +98,7 @@ def _mutate(rng: random.Random, msg: bytes, corpus: list[bytes]) -> bytes:
 CATEGORIES = ("truncated", "trailing", "oversized", "bad magic", "version", "unknown codec", "codec mismatch",
               "unknown flag", "dtype code", "ndim", "dimension", "block size", "scale flags", "checksum",
               "shape mismatch", "zstd", "non-finite", "nan or inf", "negative", "too large", "-128", "nibble",
-              "out has")
+              "out has", "padding", "offset", "lo > hi", "prefix", "reserved")
 
 
 def _category(err: CodecError) -> str:
