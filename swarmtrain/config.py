@@ -94,6 +94,10 @@ class RunConfig:
         n_layer = self.model.n_layer or PRESETS[self.model.preset].n_layer
         check(self.pipeline.stages <= n_layer, "pipeline.stages",
               f"{self.pipeline.stages} stages for a model of {n_layer} blocks: a stage holds at least one")
+        check(self.diloco.fragments <= n_layer, "diloco.fragments",
+              f"{self.diloco.fragments} fragments for a model of {n_layer} blocks: a fragment holds at least one")
+        check(self.diloco.fragments == 1 or self.pipeline.stages == 0, "diloco.fragments",
+              "must be 1 with pipeline.stages > 0 (a stage's holders average whole stages)")
         gather = self.averaging.combine == "gather" or (self.averaging.combine == "auto" and self.compress.codec == "sparse")
         check(not (gather and self.averaging.aggregator != "mean"), "averaging.aggregator",
               f"{self.averaging.aggregator!r} with gathered contributions (compress.codec = {self.compress.codec!r}, "

@@ -232,8 +232,25 @@ class DilocoConfig:
     faster peer takes more steps, a slower one fewer (at least 1, at most 4 × `inner_steps`), and all of
     them post at once."""
 
+    fragments: int = 1
+    """Streaming DiLoCo: θ is cut into this many fragments by transformer block (fragment p holds blocks p,
+    p + P, …; the embeddings and final norm go with fragment 0), and each round syncs one fragment, in turn,
+    after `inner_steps / fragments` inner steps: every fragment is synced every `inner_steps` steps, and a
+    round sends about 1/P of θ. `rounds` counts these rounds (the run trains `rounds × inner_steps /
+    fragments` steps). 1 = classic DiLoCo. With `overlap`, a fragment's mean lands while the next inner
+    steps run (`overlap_max_steps` is Streaming DiLoCo's delay τ)."""
+
+    @property
+    def round_steps(self) -> int:
+        """Inner steps per round: H, or H / P with fragments."""
+        return self.inner_steps // self.fragments
+
     def __post_init__(self) -> None:
         check(self.inner_steps >= 1, "diloco.inner_steps", "must be >= 1")
+        check(self.fragments >= 1, "diloco.fragments", "must be >= 1")
+        check(self.inner_steps % self.fragments == 0, "diloco.fragments",
+              f"{self.fragments} does not divide diloco.inner_steps ({self.inner_steps}): each round syncs one "
+              f"fragment after inner_steps / fragments steps")
         check(self.pace in ("steps", "time"), "diloco.pace", f"{self.pace!r} is not 'steps' or 'time'")
         check(self.rounds >= 1, "diloco.rounds", "must be >= 1")
         check(self.eval_batches >= 1, "diloco.eval_batches", "must be >= 1")

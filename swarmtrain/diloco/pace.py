@@ -86,7 +86,7 @@ class Pace:
     """One peer's round budgets: fixed H steps, or a span learned from each committed round's group."""
 
     def __init__(self, cfg: DilocoConfig) -> None:
-        self.inner_steps = cfg.inner_steps
+        self.inner_steps = cfg.round_steps  # a round's H: inner_steps / fragments
         self.timed = cfg.pace == "time"
         self.span_s: float | None = None  # None until a committed round announced rates: H steps then
         self.last_rate = 0.0  # steps/s over this peer's last whole round (0: none trained yet)

@@ -128,7 +128,7 @@ def simulate_diloco(
         if on_round is not None:
             on_round(record)
 
-    H, delay = cfg.diloco.inner_steps, cfg.diloco.overlap_max_steps
+    H, delay = cfg.diloco.round_steps, cfg.diloco.overlap_max_steps
     for r in range(cfg.diloco.rounds):
         if inflight is not None and delay < H:  # the average lands after `delay` steps of this round
             early = [w.train_inner(delay) for w in workers]

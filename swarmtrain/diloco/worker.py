@@ -16,6 +16,7 @@ from swarmtrain.averaging.protocol import Averager, AverageResult
 from swarmtrain.compress.codec import Codec
 from swarmtrain.config import RunConfig
 from swarmtrain.diloco.flat import assign_flat, flat_hash, flatten, pseudo_gradient, snapshot
+from swarmtrain.diloco.fragments import Ranges, fragment_ranges, gather, scatter_
 from swarmtrain.diloco.inner import (
     build_inner_optimizer,
     load_optimizer_state,
@@ -145,9 +146,11 @@ class DilocoWorker:
         self.batches = batches
         self.after_round = after_round
         self.on_step = on_step
-        self.total_inner_steps = cfg.diloco.rounds * cfg.diloco.inner_steps
+        self.total_inner_steps = cfg.diloco.rounds * cfg.diloco.round_steps
         self.theta_global = snapshot(self.params, pin=self.device.type == "cuda")
         self.numel = self.theta_global.numel()
+        # Streaming DiLoCo (diloco.fragments > 1): round r syncs fragment r mod P; None = all of θ (classic)
+        self.fragments = fragment_ranges(self.model, cfg.diloco.fragments) if cfg.diloco.fragments > 1 else None
         self.outer = OuterOptimizer(cfg.outer, numel=self.numel)
         self.inner = build_inner_optimizer(self.model, cfg.inner)
         self.round = 0
@@ -172,12 +175,12 @@ class DilocoWorker:
     # ------------------------------------------------------------------ the round
 
     def train_inner(self, num_steps: int | None = None, *, budget: RoundBudget | None = None) -> InnerStats:
-        """Run `num_steps` (default `diloco.inner_steps`) inner optimizer steps on θ_local.
+        """Run `num_steps` (default: a round's, `diloco.inner_steps / diloco.fragments`) inner steps on θ_local.
 
         With `budget` (a time-paced round, `diloco.pace`), each step is added to it and the call ends
         early once the budget has no step left; at least one step runs.
         """
-        steps = self.cfg.diloco.inner_steps if num_steps is None else num_steps
+        steps = self.cfg.diloco.round_steps if num_steps is None else num_steps
         if steps < 1:
             raise ValueError(f"train_inner: num_steps must be >= 1, got {steps}")
         self.forward_module.train()
@@ -238,13 +241,13 @@ class DilocoWorker:
     def schedule_step(self) -> int:
         """The inner schedule's position: the swarm's progress, not this peer's step count.
 
-        round × H + the steps taken at this round. Every peer at round r trains at the same learning
+        round × H + the steps taken at this round (H / P with fragments). Every peer at round r trains at the same learning
         rate whenever it joined or healed: a joiner at 80% of the run trains at the swarm's rate
         instead of warming up from the peak. With `diloco.pace = "time"` a fast peer takes more than
         H steps in a round; it holds the round's last rate (H − 1) instead of running ahead. A worker
         that never commits a round (the data-parallel baseline of `simulate`) walks the whole schedule.
         """
-        h = self.cfg.diloco.inner_steps
+        h = self.cfg.diloco.round_steps
         step = self.round_step if self.cfg.diloco.pace == "steps" else min(self.round_step, h - 1)
         return (self.round + self._sent_early) * h + step
 
@@ -270,16 +273,25 @@ class DilocoWorker:
             log.warning("inner optimizer state holds NaN/Inf after a failed round: starting it afresh")
             self.inner.state.clear()
 
+    def fragment(self) -> Ranges | None:
+        """The flat ranges this round syncs (diloco.fragments > 1), None for all of θ."""
+        return None if self.fragments is None else self.fragments[self.round % len(self.fragments)]
+
     def delta(self) -> torch.Tensor:
-        """This round's contribution: Δ = θ_global − θ_local (+ β × the error-feedback residual)."""
+        """This round's contribution: Δ = θ_global − θ_local (+ β × the error-feedback residual), of this
+        round's fragment only with diloco.fragments (the fragment's values, in order)."""
         d = pseudo_gradient(self.theta_global, self.params)
+        frag = self.fragment()
+        if frag is not None:
+            d = gather(d, frag)
         if self.residual is not None:
             assert self.codec is not None
+            residual = self.residual if frag is None else gather(self.residual, frag)
             decay = self.cfg.compress.error_feedback_decay
             if decay == 1.0:
-                d += self.residual
+                d += residual
             else:  # SparseLoCo's decayed accumulator
-                d.add_(self.residual, alpha=decay)
+                d.add_(residual, alpha=decay)
             # What the wire loses of our own contribution; adopted only if the round commits.
             self._pending_residual = d - self.codec.decode(self.codec.encode(d)).reshape(-1)
         return d
@@ -298,10 +310,25 @@ class DilocoWorker:
         problem = self.delta_problem(delta)
         if problem:
             raise DeltaError(problem)
-        estimate = self.outer.preview(self.theta_global.detach().cpu(), delta)
-        assign_flat(estimate, self.params)
+        frag = self.fragment()
+        if frag is None:
+            estimate = self.outer.preview(self.theta_global.detach().cpu(), delta)
+            assign_flat(estimate, self.params)
+            carry = Carry(base=estimate, on_abort=since)
+        else:  # the fragment moves to its estimate; the others go on from where they are
+            estimate = self._fragment_outer(frag).preview(gather(self.theta_global.detach().cpu(), frag), delta)
+            carry = Carry(base=estimate, on_abort=gather(since, frag))
+            scatter_(since, frag, estimate)
+            assign_flat(since, self.params)
         self._sent_early, self.round_step = True, 0
-        return delta, Carry(base=estimate, on_abort=since)
+        return delta, carry
+
+    def _fragment_outer(self, frag: Ranges) -> OuterOptimizer:
+        """An outer optimizer over one fragment whose momentum buffer is a gathered copy of the fragment's."""
+        outer = OuterOptimizer(self.cfg.outer, numel=sum(hi - lo for lo, hi in frag))
+        if self.outer.momentum_buffer is not None:
+            outer.momentum_buffer = gather(self.outer.momentum_buffer, frag)
+        return outer
 
     def has_local_progress(self) -> bool:
         """Whether θ_local holds progress not yet in θ_global (trained since the last commit/heal)."""
@@ -317,26 +344,37 @@ class DilocoWorker:
         """
         if result.round != self.round:
             raise ValueError(f"averaging result is for round {result.round}, this worker is at round {self.round}")
-        if carry is not None and not carry.base.shape == carry.on_abort.shape == (self.numel,):
+        frag = self.fragment()
+        size = self.numel if frag is None else sum(hi - lo for lo, hi in frag)
+        if carry is not None and not carry.base.shape == carry.on_abort.shape == (size,):
             raise ValueError(f"apply: carry has shapes {tuple(carry.base.shape)}/{tuple(carry.on_abort.shape)}, "
-                             f"need ({self.numel},)")
+                             f"need ({size},)")
         if result.committed:
             if result.mean is None:
                 raise ValueError(f"round {result.round} committed without a mean pseudo-gradient")
             with self.global_lock:
-                self.outer.step(self.theta_global, result.mean.reshape(-1))
+                if frag is None:
+                    self.outer.step(self.theta_global, result.mean.reshape(-1))
+                else:
+                    self._step_fragment(frag, result.mean.reshape(-1))
                 self._theta_version += 1
                 self.members = tuple(result.members)
                 self.round += 1
             if self._pending_residual is not None:
-                self.residual = self._pending_residual
+                if frag is None:
+                    self.residual = self._pending_residual
+                else:
+                    assert self.residual is not None
+                    scatter_(self.residual, frag, self._pending_residual)
             if carry is None:  # overlapped, the steps taken since Δ was sent were already the new round's
                 self.round_step = 0
         elif carry is None:
             log.warning("round %d aborted (%s): keeping θ_global, dropping local progress", result.round, result.reason)
         self._pending_residual = None
         self._sent_early = False
-        if carry is None:
+        if frag is not None:
+            self._settle_fragment(frag, result.committed, carry)
+        elif carry is None:
             assign_flat(self.theta_global, self.params)
         else:  # the inner steps since Δ was sent, on top of the new θ_global (or back where Δ was taken)
             base = self.theta_global.detach().cpu() if result.committed else carry.on_abort
@@ -344,6 +382,26 @@ class DilocoWorker:
         if self.after_round is not None:
             self.after_round(self)
         return result.committed
+
+    def _step_fragment(self, frag: Ranges, mean: torch.Tensor) -> None:
+        """The outer step on one fragment of θ_global and of the momentum buffer."""
+        outer = self._fragment_outer(frag)
+        theta = gather(self.theta_global, frag)
+        outer.step(theta, mean)
+        scatter_(self.theta_global, frag, theta)
+        if outer.momentum_buffer is not None:
+            assert self.outer.momentum_buffer is not None
+            scatter_(self.outer.momentum_buffer, frag, outer.momentum_buffer)
+
+    def _settle_fragment(self, frag: Ranges, committed: bool, carry: Carry | None) -> None:
+        """θ_local after a fragment's round: its fragment restarts from θ_global (plus, overlapped, the steps
+        taken since Δ was sent); the other fragments keep their local progress."""
+        local = flatten(self.params)
+        theta = gather(self.theta_global.detach().cpu(), frag)
+        if carry is not None:
+            theta = (theta if committed else carry.on_abort) + (gather(local, frag) - carry.base)
+        scatter_(local, frag, theta)
+        assign_flat(local, self.params)
 
     def run_round(self, averager: Averager) -> RoundReport:
         """Inner steps, then average Δ through `averager`, then apply the outcome."""

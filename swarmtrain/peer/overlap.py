@@ -95,7 +95,7 @@ class OverlappedRounds:
         """
         assert self.worker is not None and self.plane is not None and pending.task is not None
         budget, lag = self.pace.budget(), self.cfg.diloco.overlap_max_steps
-        chunk = max(1, math.ceil(self.cfg.diloco.inner_steps / OVERLAP_CHUNKS))
+        chunk = max(1, math.ceil(self.cfg.diloco.round_steps / OVERLAP_CHUNKS))
         result: AverageResult | None = None
         matched = False
         while not stop.is_set():

@@ -1,0 +1,57 @@
+"""Streaming DiLoCo's fragments: θ cut into P parts by transformer block, synced one per round.
+
+Fragment p holds blocks p, p + P, p + 2P, … (strided, so every fragment spans the model's depth, as in
+Streaming DiLoCo); parameters outside the blocks (embeddings, the final norm) go with fragment 0. A
+fragment is a list of [lo, hi) ranges of the flat θ (model.parameters() order), adjacent ones merged.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["Ranges", "fragment_ranges", "gather", "scatter_"]
+
+Ranges = list[tuple[int, int]]
+_BLOCK = re.compile(r"(?:^|\.)blocks\.(\d+)\.")
+
+
+def fragment_ranges(model: nn.Module, fragments: int) -> list[Ranges]:
+    """The flat ranges of each of `fragments` fragments (ValueError when a fragment would be empty)."""
+    if fragments < 1:
+        raise ValueError(f"fragments must be >= 1, got {fragments}")
+    out: list[Ranges] = [[] for _ in range(fragments)]
+    offset = 0
+    for name, p in model.named_parameters():
+        match = _BLOCK.search(name)
+        frag = int(match.group(1)) % fragments if match else 0
+        n = p.numel()
+        ranges = out[frag]
+        if ranges and ranges[-1][1] == offset:
+            ranges[-1] = (ranges[-1][0], offset + n)
+        else:
+            ranges.append((offset, offset + n))
+        offset += n
+    empty = [f for f, r in enumerate(out) if not r]
+    if empty:
+        raise ValueError(f"diloco.fragments = {fragments}: fragment(s) {empty} would hold no parameter (the model "
+                         "has fewer transformer blocks than fragments)")
+    return out
+
+
+def gather(flat: torch.Tensor, ranges: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """The values of `ranges` of a flat tensor, as one new contiguous tensor."""
+    return torch.cat([flat[lo:hi] for lo, hi in ranges])
+
+
+def scatter_(flat: torch.Tensor, ranges: Sequence[tuple[int, int]], values: torch.Tensor) -> None:
+    """Writes `values` (as `gather` returned them) back into `ranges` of `flat`, in place."""
+    at = 0
+    for lo, hi in ranges:
+        flat[lo:hi].copy_(values[at:at + hi - lo])
+        at += hi - lo
+    if at != values.numel():
+        raise ValueError(f"scatter_: {values.numel()} values for ranges of {at}")
