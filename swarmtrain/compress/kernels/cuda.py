@@ -1,4 +1,5 @@
-"""The CUDA backend: quant_cuda.cu built at run time with nvcc, launched through ctypes on torch's stream."""
+"""The CUDA backend: quant_cuda.cu and sparse_cuda.cu built at run time with nvcc, launched through ctypes on
+torch's stream."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from swarmtrain.compress.codec import CodecError
 from swarmtrain.compress.kernels._build import build_shared_library
 from swarmtrain.compress.kernels.common import FusedKernels, check_status, stochastic_seed
 from swarmtrain.compress.quant import INT4_QMAX, INT8_QMAX, num_blocks
+from swarmtrain.compress.sparse import sparse_layout
 
 __all__ = ["CUDA_CFLAGS", "CudaKernels"]
 
@@ -25,18 +27,21 @@ _SIGNATURES: dict[str, list[type]] = {
     "st_cuda_int4_encode": [_P, _I64, _I64, _INT, _INT, ctypes.c_uint64, _P, _P, _P, _P, _P],
     "st_cuda_int8_decode": [_P, _I64, _I64, _P, _INT, _P, _INT, _P, _P],
     "st_cuda_int4_decode": [_P, _I64, _I64, _P, _INT, _P, _INT, _P, _P],
+    "st_cuda_sparse_encode": [_P, _I64, _INT, _INT, _INT, _P, _P, _P],
+    "st_cuda_sparse_decode": [_P, _I64, _INT, _INT, _INT, _P, _P, _P],
 }
 
 
 def _check_launch(rc: int, *, what: str) -> None:
     if rc == -8:
-        raise ValueError(f"{what}: bad argument (int4 needs an even block size)")
+        hint = " (int4 needs an even block size)" if what == "int4" else ""
+        raise ValueError(f"{what}: bad argument{hint}")
     if rc != 0:
         raise RuntimeError(f"{what}: CUDA launch failed with cudaError {rc}")
 
 
 class CudaKernels(FusedKernels):
-    """`quant.QuantBackend` on CUDA tensors: fused encode / decode / decode-accumulate kernels.
+    """`quant.QuantBackend` and `sparse.SparseBackend` on CUDA tensors: fused encode / decode(-accumulate).
 
     Launches on the tensor's device and torch's current stream, then reads the kernel status back
     (one sync), so errors surface as the same CodecError the reference raises.
@@ -45,8 +50,8 @@ class CudaKernels(FusedKernels):
     name = "cuda-fused"
 
     def __init__(self) -> None:
-        self._lib = build_shared_library("swarmtrain_quant_cuda", sources=["quant_cuda.cu"], cflags=("-O3",),
-                                         cuda_cflags=CUDA_CFLAGS)
+        self._lib = build_shared_library("swarmtrain_quant_cuda", sources=["quant_cuda.cu", "sparse_cuda.cu"],
+                                         cflags=("-O3",), cuda_cflags=CUDA_CFLAGS)
         for fn, argtypes in _SIGNATURES.items():
             getattr(self._lib, fn).argtypes = argtypes
             getattr(self._lib, fn).restype = ctypes.c_int
@@ -92,3 +97,41 @@ class CudaKernels(FusedKernels):
                     out.data_ptr(), int(accumulate), status.data_ptr(), torch.cuda.current_stream(dev).cuda_stream)
         _check_launch(rc, what=what)
         check_status(int(status.item()), what=what)
+
+    def sparse_encode(self, x: torch.Tensor, *, chunk: int, k: int, bits: int) -> torch.Tensor:
+        """`sparse.sparse_encode`: flat fp32 x -> the body (uint8, on x's device)."""
+        assert x.dim() == 1 and x.dtype == torch.float32 and x.device.type == "cuda", (x.shape, x.dtype, x.device)
+        x = x.contiguous()
+        lay = sparse_layout(x.numel(), chunk=chunk, k=k, bits=bits)
+        dev = x.device
+        words = torch.empty(-(-lay.body_bytes // 4), dtype=torch.int32, device=dev)  # the kernel ORs 32-bit words
+        body = words.view(torch.uint8)[: lay.body_bytes]
+        if lay.nchunks == 0:
+            return body
+        status = torch.zeros(1, dtype=torch.int32, device=dev)
+        with torch.cuda.device(dev):
+            rc = self._lib.st_cuda_sparse_encode(x.data_ptr(), x.numel(), chunk, k, bits, words.data_ptr(),
+                                                 status.data_ptr(), torch.cuda.current_stream(dev).cuda_stream)
+        _check_launch(rc, what="sparse")
+        check_status(int(status.item()), what="sparse")
+        return body
+
+    def sparse_decode_accumulate(self, body: torch.Tensor, *, numel: int, chunk: int, k: int, bits: int,
+                                 out: torch.Tensor) -> None:
+        """`sparse.sparse_decode_accumulate`: out += the decoded values; CodecError (out untouched) on a
+        malformed body."""
+        lay = sparse_layout(numel, chunk=chunk, k=k, bits=bits)
+        assert body.dtype == torch.uint8 and body.numel() == lay.body_bytes, (body.dtype, body.numel(), lay.body_bytes)
+        assert out.dtype == torch.float32 and out.is_contiguous() and out.numel() == numel, (out.dtype, out.shape)
+        dev = out.device
+        if body.device != dev:
+            raise CodecError(f"body on {body.device}, out on {dev}: both must share a device")
+        if lay.nchunks == 0:
+            return
+        body = body.contiguous()
+        status = torch.zeros(1, dtype=torch.int32, device=dev)
+        with torch.cuda.device(dev):
+            rc = self._lib.st_cuda_sparse_decode(body.data_ptr(), numel, chunk, k, bits, out.data_ptr(),
+                                                 status.data_ptr(), torch.cuda.current_stream(dev).cuda_stream)
+        _check_launch(rc, what="sparse")
+        check_status(int(status.item()), what="sparse")

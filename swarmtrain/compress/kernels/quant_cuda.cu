@@ -24,7 +24,18 @@ constexpr unsigned kFull = 0xffffffffu;
 constexpr uint32_t kAbsMask = 0x7fffffffu;
 constexpr uint32_t kInfBits = 0x7f800000u;
 
-enum Status : int { kOk = 0, kNonFinite = 1, kFp16Overflow = 2, kBadScale = 4, kBadArgument = 8 };
+// Device status bits OR-ed into *status (mirrors common.KernelStatus and quant_cpu.cpp).
+enum Status : int {
+  kOk = 0,
+  kNonFinite = 1,
+  kFp16Overflow = 2,
+  kBadScale = 4,        // a decode got a NaN/Inf or negative scale (sparse: or lo > hi)
+  kBadOffset = 8,       // sparse decode: an offset not below its chunk's length or not strictly ascending
+  kBadPadding = 16,     // sparse decode: a padding bit after a chunk's codes or offsets is set
+  kScaleOverflow = 32,  // sparse encode: a kept magnitude rounds to Inf in bfloat16
+};
+// A launcher's return for an impossible argument; otherwise it returns a cudaError_t (>= 0).
+constexpr int kBadArgument = -8;
 
 struct Layout {
   int64_t n;           // elements
@@ -262,7 +273,7 @@ unsigned int grid_for(int64_t units) {
 
 int encode(const float* x, int64_t n, int64_t bs, bool int4, int fp16_scales, int stochastic, uint64_t seed,
            void* q, void* scales, unsigned int* amax_tmp, int* status, cudaStream_t stream) {
-  if (bs < 1 || n < 0 || (int4 && bs % 2 != 0)) return -kBadArgument;
+  if (bs < 1 || n < 0 || (int4 && bs % 2 != 0)) return kBadArgument;
   if (n == 0) return cudaSuccess;
   const Layout l = make_layout(n, bs);
   const float qmax = int4 ? 7.0f : 127.0f;
@@ -285,7 +296,7 @@ int encode(const float* x, int64_t n, int64_t bs, bool int4, int fp16_scales, in
 
 int decode(const void* q, int64_t n, int64_t bs, bool int4, const void* scales, int fp16_scales, float* out,
            int accumulate, int* status, cudaStream_t stream) {
-  if (bs < 1 || n < 0 || (int4 && bs % 2 != 0)) return -kBadArgument;
+  if (bs < 1 || n < 0 || (int4 && bs % 2 != 0)) return kBadArgument;
   if (n == 0) return cudaSuccess;
   const Layout l = make_layout(n, bs);
   const int64_t nblocks = (n + bs - 1) / bs;
