@@ -1,8 +1,9 @@
 """Codec benchmark: size, error and encode / decode-accumulate GB/s of every codec, side by side with copy bandwidth.
 
 One run measures, on the same N(0, 1) fp32 tensor: every swarmtrain codec (fp32, fp16, bf16, int8,
-int4; with and without zstd) through the full codec (header, checksum, bytes), the int8/int4 kernels
-alone (fused and torch reference), hivemind's Uniform8BitQuantization and bitsandbytes' blockwise
+int4; with and without zstd) through the full codec (header, checksum, bytes), the int8/int4 and the
+chunked top-k sparse kernels alone (fused and torch reference; sparse at 1% and 2% density, 2-bit
+values), hivemind's Uniform8BitQuantization and bitsandbytes' blockwise
 8-bit (if installed), and `dst.copy_(src)` of the same size. Arms are interleaved round by round and
 each keeps its best time, so a noisy neighbour slows all arms alike. GB/s = input fp32 bytes / s.
 
@@ -20,11 +21,12 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
 
-from swarmtrain.compress import get_codec, quant
+from swarmtrain.compress import get_codec, quant, sparse
 from swarmtrain.compress.kernels import backend_name, fused_backend
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -49,6 +51,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--numel", type=int, default=1 << 24, help="elements of the fp32 tensor (default 16M = 64 MB)")
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--zstd-level", type=int, default=3, help="level of the +zstd arms")
+    p.add_argument("--sparse-chunk", type=int, default=4096, help="chunk of the sparse kernel arms")
+    p.add_argument("--sparse-bits", type=int, default=2, choices=sparse.SPARSE_BITS,
+                   help="value bits of the sparse arms")
     p.add_argument("--threads", type=int, default=1, help="torch / kernel CPU threads")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--rounds", type=int, default=5, help="timed rounds per arm (best is kept)")
@@ -96,6 +101,18 @@ def kernel_arm(label: str, backend: quant.QuantBackend, x: torch.Tensor, out: to
     rel, mx = _errors(x, decoded)
     size = (q.numel() * q.element_size() + s.numel() * s.element_size()) / x.numel()
     return Arm(label, size, rel, mx, lambda: enc(x, **kw), lambda: acc(q, s, block_size=block_size, out=out))
+
+
+def sparse_kernel_arm(label: str, backend: sparse.SparseBackend, x: torch.Tensor, out: torch.Tensor, *,
+                      chunk: int, density: float, bits: int) -> Arm:
+    """The chunked top-k encode / decode-accumulate functions alone: no header, checksum or bytes."""
+    kw = {"chunk": chunk, "k": max(1, min(chunk, round(density * chunk))), "bits": bits}
+    body = backend.sparse_encode(x, **kw)
+    decoded = torch.zeros_like(x)
+    backend.sparse_decode_accumulate(body, numel=x.numel(), out=decoded, **kw)
+    rel, mx = _errors(x, decoded)
+    return Arm(label, body.numel() / x.numel(), rel, mx, lambda: backend.sparse_encode(x, **kw),
+               lambda: backend.sparse_decode_accumulate(body, numel=x.numel(), out=out, **kw))
 
 
 def patch_hivemind_extract() -> bool:
@@ -159,6 +176,16 @@ def build_arms(x: torch.Tensor, out: torch.Tensor, args: argparse.Namespace, not
         kind = "int4" if int4 else "int8"
         arms.append(kernel_arm(f"{kind} kernel {backend_name(fused)}", fused, x, out, int4=int4, block_size=bs))
         arms.append(kernel_arm(f"{kind} kernel torch-reference", quant, x, out, int4=int4, block_size=bs))
+    sparse_backends: list[tuple[str, sparse.SparseBackend]] = [("torch-reference", sparse)]
+    if hasattr(fused, "sparse_encode"):
+        sparse_backends.insert(0, (backend_name(fused), cast(sparse.SparseBackend, fused)))
+    else:
+        notes.append(f"no fused sparse kernels on {x.device.type}: only the torch reference sparse arms")
+    for density in (0.01, 0.02):
+        for name, backend in sparse_backends:
+            label = f"sparse{density:.0%} b{args.sparse_bits} kernel {name}"
+            arms.append(sparse_kernel_arm(label, backend, x, out, chunk=args.sparse_chunk, density=density,
+                                          bits=args.sparse_bits))
     if x.device.type == "cpu":
         if patch_hivemind_extract():
             notes.append("patched hivemind Quantization.extract (int() of a 1-element array fails under numpy "

@@ -1,11 +1,11 @@
 """Fused CPU and CUDA kernels for the codecs, built at run time, and the choice of which path runs.
 
-_build.py: run-time build into a per-user cache keyed by source/flags/CPU hash. quant_cpu.cpp + cpu.py:
-the fused CPU backend (C ABI via ctypes). quant_cuda.cu + sparse_cuda.cu + cuda.py: the CUDA backend
-(int8/int4 and the sparse codec). common.py: status codes and stochastic seeds. `get_backend(device)`
-returns a `quant.QuantBackend`: the fused kernels when they build, otherwise the torch reference
-(swarmtrain.compress.quant), with one log line saying which path runs on that device type and why.
-`SWARMTRAIN_KERNELS=torch` forces the reference.
+_build.py: run-time build into a per-user cache keyed by source/flags/CPU hash. quant_cpu.cpp +
+sparse_cpu.cpp + cpu.py: the fused CPU backend (C ABI via ctypes). quant_cuda.cu + sparse_cuda.cu +
+cuda.py: the CUDA backend. Both cover int8/int4 and the sparse codec. common.py: status codes and
+stochastic seeds. `get_backend(device)` returns a `quant.QuantBackend`: the fused kernels when they
+build, otherwise the torch reference (swarmtrain.compress.quant), with one log line saying which path
+runs on that device type and why. `SWARMTRAIN_KERNELS=torch` forces the reference.
 """
 
 from __future__ import annotations

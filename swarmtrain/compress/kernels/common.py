@@ -13,7 +13,7 @@ __all__ = ["FusedKernels", "KernelStatus", "check_status", "stochastic_seed"]
 
 
 class KernelStatus:
-    """Status bits every kernel returns (mirrors the enum in quant_cpu.cpp and quant_cuda.cu)."""
+    """Status bits every kernel returns (mirrors the enums in quant_cpu.cpp, sparse_cpu.cpp, quant_cuda.cu)."""
 
     OK = 0
     NON_FINITE = 1

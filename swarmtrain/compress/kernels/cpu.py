@@ -1,4 +1,5 @@
-"""The fused CPU backend: quant_cpu.cpp built at run time, called through ctypes (the GIL is released)."""
+"""The fused CPU backend: quant_cpu.cpp (int8/int4) and sparse_cpu.cpp (chunked top-k) built at run time into
+one library, called through ctypes (the GIL is released)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 from swarmtrain.compress.kernels._build import build_shared_library
 from swarmtrain.compress.kernels.common import FusedKernels, check_status, stochastic_seed
 from swarmtrain.compress.quant import INT4_QMAX, INT8_QMAX, num_blocks
+from swarmtrain.compress.sparse import sparse_layout
 
 __all__ = ["CPU_CFLAGS", "CpuKernels"]
 
@@ -26,6 +28,8 @@ _SIGNATURES: dict[str, list[type]] = {
     "st_int4_encode": [_P, _I64, _I64, _INT, _INT, ctypes.c_uint64, _P, _P, _INT],
     "st_int8_decode": [_P, _I64, _I64, _P, _INT, _P, _INT, _INT],
     "st_int4_decode": [_P, _I64, _I64, _P, _INT, _P, _INT, _INT],
+    "st_sparse_encode": [_P, _I64, _INT, _INT, _INT, _P, _INT],
+    "st_sparse_decode": [_P, _I64, _INT, _INT, _INT, _P, _INT],
 }
 
 
@@ -40,17 +44,18 @@ def _scale_args(scales: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 
 class CpuKernels(FusedKernels):
-    """`quant.QuantBackend` on CPU tensors with fused, vectorized, OpenMP-threaded C++ kernels.
+    """`quant.QuantBackend` and `sparse.SparseBackend` on CPU tensors with fused, vectorized, OpenMP-threaded
+    C++ kernels.
 
-    Uses torch.get_num_threads() threads. Results equal swarmtrain.compress.quant bit for bit, except
-    stochastic rounding, whose noise comes from a counter-based hash instead of torch.rand.
+    Uses torch.get_num_threads() threads. Results equal swarmtrain.compress.quant and .sparse bit for bit,
+    except stochastic rounding, whose noise comes from a counter-based hash instead of torch.rand.
     """
 
     name = "cpu-fused"
 
     def __init__(self) -> None:
-        self._lib = build_shared_library("swarmtrain_quant_cpu", sources=["quant_cpu.cpp"], cflags=CPU_CFLAGS,
-                                         ldflags=_LDFLAGS)
+        self._lib = build_shared_library("swarmtrain_quant_cpu", sources=["quant_cpu.cpp", "sparse_cpu.cpp"],
+                                         cflags=CPU_CFLAGS, ldflags=_LDFLAGS)
         for fn, argtypes in _SIGNATURES.items():
             getattr(self._lib, fn).argtypes = argtypes
             getattr(self._lib, fn).restype = ctypes.c_int
@@ -81,3 +86,28 @@ class CpuKernels(FusedKernels):
         status = fn(q.data_ptr(), numel, block_size, scales.data_ptr(), fp16, out.data_ptr(), int(accumulate),
                     torch.get_num_threads())
         check_status(status, what="int4" if int4 else "int8")
+
+    def sparse_encode(self, x: torch.Tensor, *, chunk: int, k: int, bits: int) -> torch.Tensor:
+        """Flat fp32 x -> the sparse body (uint8). CodecError on NaN/Inf or a bfloat16 overflow."""
+        assert x.dim() == 1 and x.dtype == torch.float32, (x.shape, x.dtype)
+        x = _flat_f32(x)
+        lay = sparse_layout(x.numel(), chunk=chunk, k=k, bits=bits)
+        body = torch.empty(lay.body_bytes, dtype=torch.uint8)
+        status = self._lib.st_sparse_encode(x.data_ptr(), x.numel(), chunk, k, bits, body.data_ptr(),
+                                            torch.get_num_threads())
+        check_status(status, what="sparse")
+        return body
+
+    def sparse_decode_accumulate(self, body: torch.Tensor, *, numel: int, chunk: int, k: int, bits: int,
+                                 out: torch.Tensor) -> None:
+        """out += the decoded values; CodecError when the body is malformed (out is then untouched)."""
+        lay = sparse_layout(numel, chunk=chunk, k=k, bits=bits)
+        assert body.dtype == torch.uint8 and body.numel() == lay.body_bytes, (body.dtype, body.numel(),
+                                                                               lay.body_bytes)
+        assert out.dtype == torch.float32 and out.is_contiguous() and out.numel() == numel, (out.dtype,
+                                                                                              out.shape)
+        assert body.device.type == "cpu" and out.device.type == "cpu", (body.device, out.device)
+        body = body.contiguous()
+        status = self._lib.st_sparse_decode(body.data_ptr(), numel, chunk, k, bits, out.data_ptr(),
+                                            torch.get_num_threads())
+        check_status(status, what="sparse")
