@@ -161,5 +161,9 @@ def test_members_that_leave_gracefully_are_not_needed_for_the_next_commit(tmp_pa
     assert sorted(by_round) == list(range(ROUNDS)) and all(len(h) == 1 for h in by_round.values()), told
     for n in "cd":
         committed = [e for e in logs[n].rounds() if e.committed]
-        assert [e.round for e in committed] == list(range(ROUNDS)), told
+        # a leaver finishes the round it is in: a and b may still commit round leave_after + 1 with one survivor
+        # while the other was late for that group; that one heals over it (one hash per round all the same)
+        healed = {r for e in logs[n].events() if isinstance(e, HealEvent) for r in range(e.from_round, e.to_round)}
+        assert healed <= {leave_after + 1}, told
+        assert sorted({e.round for e in committed} | healed) == list(range(ROUNDS)), told
         assert all(len(e.members) == 2 for e in committed[-3:]), told
