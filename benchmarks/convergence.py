@@ -7,6 +7,7 @@ saves JSON + a loss-vs-tokens PNG under benchmarks/results/.
 
     python benchmarks/convergence.py                       # the README figures (2 processes)
     python benchmarks/convergence.py --codecs int8 int4+ef # extra DiLoCo arms at H=50
+    python benchmarks/convergence.py --inner-steps --codecs int8 sparse+ef+d=0.01+beta=0.95+mom=0+nest=false  # sparse vs int8
     python benchmarks/convergence.py --diloco-variant outer.lr=1.0,outer.momentum=0.8  # a tuning arm at H=50
 """
 
@@ -69,21 +70,34 @@ def build_arms(args: argparse.Namespace) -> list[Arm]:
 
 CODEC_SUFFIXES = {"ef": "compress.error_feedback=true", "zstd": "compress.zstd_level=3",
                   "fp16scales": "compress.scale_dtype=fp16"}
+# KEY=VALUE suffixes, e.g. "sparse+ef+d=0.01+b=2+beta=0.95+mom=0"
+CODEC_KEYS = {"d": "compress.density", "b": "compress.bits", "beta": "compress.error_feedback_decay",
+              "chunk": "compress.chunk_size", "combine": "averaging.combine", "mom": "outer.momentum", "nest": "outer.nesterov",
+              "olr": "outer.lr"}
 
 
 def codec_overrides(spec: str) -> tuple[str, ...]:
-    """"int8+zstd+fp16scales" -> the compress.* overrides of that arm (suffixes: ef, zstd, fp16scales)."""
+    """"int8+zstd+fp16scales" -> the overrides of that arm (suffixes: ef, zstd, fp16scales, and KEY=VALUE for
+    the keys of CODEC_KEYS)."""
     codec, *suffixes = spec.split("+")
-    unknown = [x for x in suffixes if x not in CODEC_SUFFIXES]
-    if unknown:
-        raise SystemExit(f"codec arm {spec!r}: unknown suffix {unknown[0]!r}; known: {sorted(CODEC_SUFFIXES)}")
-    return (f"compress.codec={codec}", *(CODEC_SUFFIXES[x] for x in suffixes))
+    out = [f"compress.codec={codec}"]
+    for x in suffixes:
+        key, _, value = x.partition("=")
+        if value and key in CODEC_KEYS:
+            out.append(f"{CODEC_KEYS[key]}={value}")
+        elif x in CODEC_SUFFIXES:
+            out.append(CODEC_SUFFIXES[x])
+        else:
+            raise SystemExit(f"codec arm {spec!r}: unknown suffix {x!r}; known: {sorted(CODEC_SUFFIXES)} and "
+                             f"KEY=VALUE for {sorted(CODEC_KEYS)}")
+    return tuple(out)
 
 
 def run_job(job: Job) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(1)
+    from swarmtrain.averaging.aggregate import Aggregation, gathers
     from swarmtrain.averaging.inprocess import InProcessGroup
     from swarmtrain.compress import codec_from_config, get_codec
     from swarmtrain.config import load_config
@@ -106,7 +120,8 @@ def run_job(job: Job) -> dict[str, Any]:
                               wire_codec=get_codec("fp32"), **start)
     else:
         codec = codec_from_config(cfg.compress, seed=job.seed)
-        group = InProcessGroup(codec, num_workers=job.workers)
+        group = InProcessGroup(codec, num_workers=job.workers,
+                               aggregation=Aggregation(gather=gathers(cfg.averaging.combine, codec.name)))
         result = simulate_diloco(cfg, train_tokens=corpus.train, val_tokens=corpus.val, num_workers=job.workers,
                                  average_all=group.average_all, codec=codec, **start)
     out = result.to_json(cfg)
@@ -174,11 +189,31 @@ def summarize(results: list[dict[str, Any]], arms: list[Arm]) -> list[dict[str, 
     return rows
 
 
+def sparse_checks(results: list[dict[str, Any]], rows: list[dict[str, Any]], arms: list[Arm]) -> str:
+    """The sparse targets: each sparse arm's val loss within 1% of the int8 arm's (same seed), with >= 25x fewer
+    bytes sent per worker than int8 DiLoCo."""
+    lines = []
+    for r in rows:
+        if not r["arm"].startswith("diloco H=50 sparse"):
+            continue
+        int8 = {x["seed"]: x for x in results if x["corpus"] == r["corpus"] and x["arm"] == "diloco H=50 int8"}
+        runs = [x for x in results if x["corpus"] == r["corpus"] and x["arm"] == r["arm"] and x["seed"] in int8]
+        if not runs:
+            continue
+        worst = max(x["final_val_loss"] / int8[x["seed"]]["final_val_loss"] for x in runs)
+        fewer = statistics.mean(int8[x["seed"]]["bytes_sent"] / x["bytes_sent"] for x in runs)
+        ok = worst <= 1.01 and fewer >= 25
+        lines.append(f"{r['corpus']}: {r['arm']}: loss / int8 DiLoCo (worst seed) {worst:.4f}, int8 bytes / arm "
+                     f"bytes {fewer:.1f}x, DDP bytes / arm bytes {r['ddp_bytes_over_arm']:.0f}x; within 1% and "
+                     f">= 25x: {'yes' if ok else 'NO'}\n")
+    return "".join(lines)
+
+
 def codec_checks(results: list[dict[str, Any]], rows: list[dict[str, Any]], arms: list[Arm]) -> str:
     """The codec targets: each codec arm's val loss within 0.5% of fp32 DiLoCo H=50 (same seed), and >= 200x
     fewer bytes than DDP."""
     lines = []
-    codec_arms = {a.name for a in arms if a.codec != "fp32"}
+    codec_arms = {a.name for a in arms if a.codec not in ("fp32",) and not a.codec.startswith("sparse")}
     for r in rows:
         if r["arm"] not in codec_arms:
             continue
@@ -312,6 +347,7 @@ def main() -> int:
         ok = r["max_loss_ratio_to_ddp"] <= 1.02 and r["ddp_bytes_over_arm"] >= 50
         sys.stdout.write(f"{r['corpus']}: DiLoCo H=50 within 2% of DDP and >= 50x fewer bytes: {'yes' if ok else 'NO'}\n")
     sys.stdout.write(codec_checks(results, rows, arms))
+    sys.stdout.write(sparse_checks(results, rows, arms))
     sys.stdout.write(f"wrote {json_path} and {png_path} in {meta['wall_s']:.0f}s\n")
     return 0
 

@@ -7,6 +7,8 @@ Arms, each on a fresh testbed, the same model, seed and number of tokens:
   *-overlap  the same with diloco.overlap: round r is averaged while round r+1's inner steps run
   *-time     the same with diloco.pace=time: each round every peer trains for one shared span (H steps at
              the group's median rate) instead of exactly H steps, so no peer waits for the slowest
+  sparse     the sparse codec (1% of each chunk at 2 bits, error feedback; --diloco-set compress.* to change)
+  *-frag     Streaming DiLoCo: θ in --fragments fragments, one synced per round after H/P steps
 Reported per arm: wall-clock, compute utilization (compute s / wall s per process), bytes on the wire
 (kernel htb counters: all traffic, the data-plane port's frames, their TCP payload) next to what
 swarmtrain counted, final validation loss of the trained weights. The machine has 2 cores for 4 hosts:
@@ -42,7 +44,8 @@ from wan_common import Workload, finish_diloco, heal_accounting, make_warm_start
 
 from swarmtrain.testbed import LinkSpec, Testbed, parse_rate, read_counters, require_root
 
-ARMS = ("ddp", "fp32", "int8", "fp32-overlap", "int8-overlap", "int8-time", "int8-overlap-time")
+ARMS = ("ddp", "fp32", "int8", "fp32-overlap", "int8-overlap", "int8-time", "int8-overlap-time", "sparse",
+        "sparse-overlap", "sparse-frag", "sparse-overlap-frag", "int8-frag", "int8-overlap-frag")
 DEFAULT_ARMS = "ddp,fp32,int8"
 
 
@@ -57,6 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=8, help="DiLoCo rounds; DDP runs rounds x H steps (default: 8)")
     p.add_argument("--inner-steps", type=int, default=50, help="H (default: 50)")
     p.add_argument("--hosts", type=int, default=4)
+    p.add_argument("--fragments", type=int, default=4, help="P of the *-frag arms (Streaming DiLoCo; default 4)")
     p.add_argument("--warm-start-steps", type=int, default=0,
                    help="every arm continues from one checkpoint of this many DDP steps (made in-process first)")
     p.add_argument("--peer-data", choices=("sharded", "independent"), default="sharded",
@@ -94,7 +98,10 @@ def run_arm(arm: str, rate: str, workload: Workload, args: argparse.Namespace, o
         window_s = args.overlap_matchmaking_s if "overlap" in modes else args.matchmaking_s
         extra = [f"averaging.matchmaking_timeout_s={window_s}", "averaging.min_peers=2",
                  f"diloco.overlap={'true' if 'overlap' in modes else 'false'}",
-                 f"diloco.pace={'time' if 'time' in modes else 'steps'}", *args.diloco_overrides]
+                 f"diloco.pace={'time' if 'time' in modes else 'steps'}"]
+        if "frag" in modes:  # a round syncs 1/P of θ after H/P steps: P times the rounds for the same tokens
+            extra += [f"diloco.fragments={args.fragments}", f"diloco.rounds={workload.rounds * args.fragments}"]
+        extra += args.diloco_overrides
         run = start_diloco(tb, workload, codec=codec, out_dir=out_dir, extra_run=extra)
         try:
             return {"arm": arm, "overrides": extra, **finish_diloco(run, workload, timeout_s=args.timeout_s, before=before)}

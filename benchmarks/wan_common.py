@@ -77,6 +77,8 @@ class Workload:
             raise ValueError(f"peer_data {self.peer_data!r} is not 'sharded' or 'independent'")
         if self.outer_lr:
             out.append(f"outer.lr={self.outer_lr!r}")
+        if codec == "sparse":  # what a round does not send must stay in the residual
+            out.append("compress.error_feedback=true")
         return out
 
     def config(self) -> RunConfig:
