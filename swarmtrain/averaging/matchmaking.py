@@ -5,7 +5,8 @@ one peer and round r (all times are unix seconds on the posting peer's clock):
 
 1. find the attempt to enter: the first one with no entries or a still-open window. An attempt
    whose window closed is *in flight* until its end (close + settle + decision timeout + the
-   all-reduce's commit timeout), unless its leader published a group too small to commit; a peer
+   all-reduce's commit timeout), unless its leader published a group too small to commit (a peer that
+   comes after the close reads the groups until the leader's decision is due); a peer
    that finds one in flight is *late*: it waits until that end (or until the swarm moves past r,
    then heals) and never opens a competing attempt of r. Stepping past an ended attempt first
    checks that no live peer is already past r (that attempt committed: heal instead);
@@ -198,10 +199,11 @@ class Matchmaker:
             entries = await self._entries(round_index, attempt)
             if entries:
                 close_at = _close_at(entries, self.window_s)
-                if self._now() <= close_at:
+                arrived = self._now()
+                if arrived <= close_at:
                     return attempt  # its window is open: join it
                 if not await self._attempt_over(round_index, attempt, entries, close_at):
-                    return self._late(round_index, attempt, close_at, self._now())
+                    return self._late(round_index, attempt, close_at, arrived)
                 self._mark_over(round_index, attempt)
                 attempt += 1
             if attempt > 0 and await self._swarm_is_past(round_index):
@@ -212,12 +214,24 @@ class Matchmaker:
 
     async def _attempt_over(self, round_index: int, attempt: int, entries: Sequence[MatchEntry],
                             close_at: float) -> bool:
-        """A closed attempt can no longer commit: its end passed, or its leader's group is too small."""
-        if self._now() >= close_at + self.attempt_span_s:
-            return True
+        """A closed attempt can no longer commit: its end passed, or its leader's group is too small.
+
+        Until its leader's decision is due (close + settle + decision timeout) and while no group of that
+        leader is readable, the group may still be on its way: a peer that came just after the close
+        keeps reading (bounded) instead of taking the attempt for in flight. Otherwise a lone leader's
+        "too small" record that had not landed yet would make the newcomer wait out the whole attempt
+        span while the leader opened the next attempt alone, and the two would miss each other.
+        """
         leader_id = _agreeing([e for e in entries if e.posted_at <= close_at])[1][0].member.peer_id
-        groups = await self._d.round_groups(round_index, attempt, timeout_s=self.io_timeout_s)
-        return any(g.leader_id == leader_id and len(g.members) < self.min_peers for g in groups)
+        decided_by = close_at + self.settle_s + self.decision_timeout_s
+        while True:
+            if self._now() >= close_at + self.attempt_span_s:
+                return True
+            groups = [g for g in await self._d.round_groups(round_index, attempt, timeout_s=self.io_timeout_s)
+                      if g.leader_id == leader_id]
+            if groups or self._now() >= decided_by:
+                return any(len(g.members) < self.min_peers for g in groups)
+            await asyncio.sleep(max(self.poll_s, 0.1))
 
     async def _swarm_is_past(self, round_index: int) -> bool:
         peers = await self._d.live_peers(timeout_s=self.io_timeout_s)

@@ -304,3 +304,25 @@ def test_a_tie_between_two_hashes_goes_to_the_smallest_peer_ids_and_the_hash_is_
                     members=tuple(Member(peer_id=m.peer_id, endpoint=m.endpoint, state_hash="22" * 32)
                                   for m in g.members))
     assert other.group_id != g.group_id  # the same peers averaging from another θ are another group
+
+
+def test_a_peer_just_after_the_close_waits_for_the_leaders_decision_instead_of_waiting_the_attempt_out() -> None:
+    """A lone leader's "too small" record lands a little after its window closed: a newcomer arriving in
+    between must read it and open the next attempt with the leader, not take the attempt for in flight."""
+    async def main() -> tuple[MatchOutcome, MatchOutcome, MatchOutcome]:
+        _, (leader, newcomer) = _swarm(2)
+        lead = Matchmaker(leader, min_peers=2, window_s=WINDOW_S, settle_s=0.4, decision_timeout_s=0.3,
+                          commit_timeout_s=0.3, io_timeout_s=0.3)
+        new = Matchmaker(newcomer, min_peers=2, window_s=WINDOW_S, decision_timeout_s=1.0, commit_timeout_s=0.3,
+                         io_timeout_s=0.3)
+        first = asyncio.create_task(lead.form_group(0, _member(leader, 0)))
+        await asyncio.sleep(WINDOW_S + 0.05)  # after the close, before the leader publishes its decision
+        joined = asyncio.create_task(new.form_group(0, _member(newcomer, 1)))
+        alone = await first
+        again = await lead.form_group(0, _member(leader, 0))  # the leader goes on to the next attempt
+        return alone, again, await joined
+
+    alone, again, joined = asyncio.run(main())
+    assert alone.group is None and "too few" in alone.reason
+    assert not joined.late and joined.attempt == 1 and joined.group is not None, joined.reason
+    assert again.group == joined.group and len(joined.group.members) == 2
