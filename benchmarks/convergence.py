@@ -97,7 +97,7 @@ def run_job(job: Job) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(1)
-    from swarmtrain.averaging.aggregate import Aggregation, gathers
+    from swarmtrain.averaging.aggregate import Aggregation
     from swarmtrain.averaging.inprocess import InProcessGroup
     from swarmtrain.compress import codec_from_config, get_codec
     from swarmtrain.config import load_config
@@ -121,7 +121,7 @@ def run_job(job: Job) -> dict[str, Any]:
     else:
         codec = codec_from_config(cfg.compress, seed=job.seed)
         group = InProcessGroup(codec, num_workers=job.workers,
-                               aggregation=Aggregation(gather=gathers(cfg.averaging.combine, codec.name)))
+                               aggregation=Aggregation(gather=cfg.averaging.gathers(codec.name)))
         result = simulate_diloco(cfg, train_tokens=corpus.train, val_tokens=corpus.val, num_workers=job.workers,
                                  average_all=group.average_all, codec=codec, **start)
     out = result.to_json(cfg)

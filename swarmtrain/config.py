@@ -98,8 +98,7 @@ class RunConfig:
               f"{self.diloco.fragments} fragments for a model of {n_layer} blocks: a fragment holds at least one")
         check(self.diloco.fragments == 1 or self.pipeline.stages == 0, "diloco.fragments",
               "must be 1 with pipeline.stages > 0 (a stage's holders average whole stages)")
-        gather = self.averaging.combine == "gather" or (self.averaging.combine == "auto" and self.compress.codec == "sparse")
-        check(not (gather and self.averaging.aggregator != "mean"), "averaging.aggregator",
+        check(not (self.averaging.gathers(self.compress.codec) and self.averaging.aggregator != "mean"), "averaging.aggregator",
               f"{self.averaging.aggregator!r} with gathered contributions (compress.codec = {self.compress.codec!r}, "
               f"averaging.combine = {self.averaging.combine!r}): members average them by their mean")
 

@@ -36,6 +36,9 @@ def check(cond: bool, name: str, msg: str) -> None:
         raise ConfigError(f"{name}: {msg}")
 
 
+COMBINES = ("auto", "reencode", "gather")  # averaging.combine
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """The run's identity and seed, and the device and threads of each process."""
@@ -456,6 +459,10 @@ class AveragingConfig:
     contribution then crosses the network K − 1 times, and a sparse mean loses nothing to a second
     encoding); `auto` = `gather` for the sparse codec, `reencode` for the others."""
 
+    def gathers(self, codec: str) -> bool:
+        """Whether reducers gather contributions of `codec` (`combine`: "auto" gathers the sparse codec's)."""
+        return self.combine == "gather" or (self.combine == "auto" and codec == "sparse")
+
     def __post_init__(self) -> None:
         check(self.min_peers >= 1, "averaging.min_peers", "must be >= 1")
         check(self.contribution_window_s > 0, "averaging.contribution_window_s", "must be > 0")
@@ -465,7 +472,7 @@ class AveragingConfig:
         check(self.aggregator in ("mean", "trimmed_mean"), "averaging.aggregator",
               f"{self.aggregator!r} is not mean or trimmed_mean")
         check(self.trim >= 1, "averaging.trim", "must be >= 1")
-        check(self.combine in ("auto", "reencode", "gather"), "averaging.combine",
+        check(self.combine in COMBINES, "averaging.combine",
               f"{self.combine!r} is not auto, reencode or gather")
         check(not (self.combine == "gather" and self.aggregator != "mean"), "averaging.combine",
               "gather needs averaging.aggregator = 'mean' (members average gathered contributions)")

@@ -24,10 +24,9 @@ import torch
 
 from swarmtrain.compress.codec import Codec, CodecError
 
-__all__ = ["AGGREGATORS", "COMBINES", "Aggregation", "aggregate_encoded", "gathers", "mean_of", "mean_of_encoded",
+__all__ = ["AGGREGATORS", "Aggregation", "aggregate_encoded", "mean_of", "mean_of_encoded",
            "mean_of_gathered", "pack_bundle", "unpack_bundle"]
 
-COMBINES = ("auto", "reencode", "gather")
 _BUNDLE_MAGIC = b"SWTB"
 _BUNDLE_HEAD = struct.Struct("<4sI")
 _BUNDLE_LEN = struct.Struct("<Q")
@@ -76,13 +75,6 @@ def mean_of_encoded(codec: Codec, parts: Sequence[bytes | bytearray | memoryview
         codec.decode_accumulate(part, scratch.zero_())  # == decode(part): see reducer._own_checked
         out.add_(scratch)
     return out.div_(len(parts))
-
-
-def gathers(combine: str, codec_name: str) -> bool:
-    """Whether `averaging.combine` gathers contributions with this codec ("auto": for the sparse codec)."""
-    if combine not in COMBINES:
-        raise ValueError(f"combine {combine!r} is not one of {COMBINES}")
-    return combine == "gather" or (combine == "auto" and codec_name == "sparse")
 
 
 def mean_of_gathered(codec: Codec, parts: Sequence[bytes | bytearray | memoryview], *,

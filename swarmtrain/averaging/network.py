@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from swarmtrain.averaging.aggregate import Aggregation, gathers
+from swarmtrain.averaging.aggregate import Aggregation
 from swarmtrain.averaging.allreduce import AllReduce
 from swarmtrain.averaging.ballot import VoteBook
 from swarmtrain.averaging.group import Group
@@ -51,7 +51,7 @@ class NetworkAverager:
                                         window_s=cfg.contribution_window_s, open_wait_s=cfg.allreduce_timeout_s,
                                         fault_hook=fault_hook, buffers=node.buffers, votes=votes,
                                         aggregation=Aggregation(cfg.aggregator, cfg.trim,
-                                                                    gather=gathers(cfg.combine, codec.name)))
+                                                                    gather=cfg.gathers(codec.name)))
         self.allreduce = AllReduce(node, self.registry, codec=codec, cfg=cfg, fault_hook=fault_hook)
         if node.serve:
             serve_averaging(node, self.registry)

@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from tqdm import tqdm
 
-    from swarmtrain.averaging.aggregate import Aggregation, gathers
+    from swarmtrain.averaging.aggregate import Aggregation
     from swarmtrain.averaging.attacks import with_byzantine
     from swarmtrain.averaging.inprocess import InProcessGroup
     from swarmtrain.compress import codec_from_config, get_codec
@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             group = InProcessGroup(codec, num_workers=args.workers,
                                    aggregation=Aggregation(cfg.averaging.aggregator, cfg.averaging.trim,
-                                                           gather=gathers(cfg.averaging.combine, codec.name)))
+                                                           gather=cfg.averaging.gathers(codec.name)))
             average_all = group.average_all if not args.byzantine else with_byzantine(
                 group.average_all, num_workers=args.workers, byzantine=args.byzantine, name=args.attack,
                 seed=cfg.train.seed)
