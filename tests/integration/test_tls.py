@@ -118,7 +118,8 @@ def test_a_tls_run_commits_with_one_hash_and_a_late_joiner_heals_over_tls(tmp_pa
     """rpc.tls comes from the run: three peers that never set it speak TLS only (gRPC and bulk port), a and b
     commit every round with one hash, c joins late and heals (a range of the state from each, over TLS),
     then commits with them."""
-    rounds, join_at, key = 4, 1, "the run's secret"
+    # 6 rounds: a joiner that first meets the swarm mid-transition (its heal waits a round) still commits with it
+    rounds, join_at, key = 6, 1, "the run's secret"
     run = [*TINY_RUN, "averaging.matchmaking_timeout_s=1.0", "averaging.allreduce_timeout_s=10",
            "averaging.contribution_window_s=3", "discovery.heartbeat_s=0.2", "discovery.record_ttl_s=3.0",
            "rpc.call_timeout_s=3.0", f"diloco.rounds={rounds}", "rpc.tls=true"]
