@@ -1,6 +1,6 @@
 """swarmtrain: train one model on many far-apart peers with DiLoCo.
 
-Map: config.py (RunConfig, loading, TOML) + config_sections.py (one documented dataclass per
+Map: config.py (RunConfig, loading, TOML) + config_sections.py, config_pipeline.py (one documented dataclass per
 component) + config_reference.py (docs/configuration.md from those docs) · models/ (GPT) · data/
 (corpora, sharding) · diloco/ (outer loop, pure torch) · compress/ (codecs, kernels) · averaging/
 (matchmaking, all-reduce) · discovery/ (hivemind DHT) · rpc/ (gRPC) · sync/ (state transfer,

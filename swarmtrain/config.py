@@ -1,6 +1,6 @@
 """Typed, validated run configuration: defaults < TOML file < `section.key=value` overrides.
 
-Each component owns one frozen dataclass (a *section*, in config_sections.py, re-exported here).
+Each component owns one frozen dataclass (a *section*, in config_sections.py and config_pipeline.py, re-exported here).
 `RunConfig` composes them. Unknown sections or keys and values of the wrong type are `ConfigError`s
 (a `ValueError`) naming the offending `section.key`, so a typo never silently falls back to a
 default. `swarmtrain config reference` (config_reference.py) documents every field.
@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from swarmtrain.config_pipeline import PipelineConfig
 from swarmtrain.config_sections import (
     AveragingConfig,
     CheckpointConfig,
@@ -31,7 +32,6 @@ from swarmtrain.config_sections import (
     InnerConfig,
     ModelConfig,
     OuterConfig,
-    PipelineConfig,
     RpcConfig,
     TrainConfig,
     check,

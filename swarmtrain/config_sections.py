@@ -408,6 +408,11 @@ class RpcConfig:
     """Donors a joiner downloads the swarm's state from at once, a range of it from each (they must serve
     one blob, which must hash to what the swarm announces); if that fails, one donor at a time. 1 = one
     donor at a time."""
+    buffer_pool_mib: int = 256
+    """Idle receive and scratch buffers (MiB) the data plane keeps for the next call or round instead of
+    freeing them. Fresh memory costs a zeroing page fault per 4 KiB; kept memory stays in the peer's RSS
+    through the inner steps. A model of 100M+ parameters needs buffers of a shard's fp32 size (the
+    model's over the group size); raise it when RAM is plentiful and rounds are short. 0 = none kept."""
     tls: bool = False
     """Encrypt the data plane (gRPC and the bulk port) with TLS 1.3. The certificates come from the run key
     (an authority every key holder derives, a fresh leaf per process), so it needs a run key; every peer of
@@ -418,6 +423,7 @@ class RpcConfig:
         check(0 <= self.port < 65536, "rpc.port", "must be in [0, 65535]")
         check(self.bulk_transport in ("tcp", "grpc"), "rpc.bulk_transport", "must be 'tcp' or 'grpc'")
         check(1 <= self.state_donors <= 64, "rpc.state_donors", "must be in [1, 64]")
+        check(0 <= self.buffer_pool_mib <= 1 << 20, "rpc.buffer_pool_mib", "must be in [0, 1048576]")
         check(0 <= self.bulk_port < 65536, "rpc.bulk_port", "must be in [0, 65535]")
         check(self.call_timeout_s > 0, "rpc.call_timeout_s", "must be > 0")
         check(1024 <= self.chunk_bytes <= self.max_message_bytes, "rpc.chunk_bytes", "must be in [1024, rpc.max_message_bytes]")
@@ -482,61 +488,6 @@ class AveragingConfig:
               f"{self.contribution_window_s} must be shorter than averaging.allreduce_timeout_s "
               f"({self.allreduce_timeout_s}): a reducer still waiting for a missing member when the "
               f"all-reduce's deadline passes can never serve its mean")
-
-
-@dataclass(frozen=True)
-class PipelineConfig:
-    """SWARM pipelines: the model's blocks cut into stages served by several peers (docs/pipeline.md)."""
-
-    stages: int = 0
-    """Stages the model's transformer blocks are cut into, in order and as evenly as they go; trainers hold
-    the embeddings and the head. 0 = no pipeline: every peer holds the whole model (DiLoCo data parallel)."""
-    microbatch_size: int = 4
-    """Sequences per micro-batch: what one call to a stage carries."""
-    samples_per_step: int = 16
-    """Sequences a server (and a trainer) accumulates gradients over before its inner optimizer step; a
-    multiple of `microbatch_size`."""
-    call_timeout_s: float = 10.0
-    """Deadline in seconds of a call to a stage server that has no latency history yet."""
-    deadline_factor: float = 4.0
-    """A call to a server with a latency history gets this multiple of its p95 latency (at least
-    `min_deadline_s`, at most `call_timeout_s`) before it is re-sent to another server of the stage."""
-    min_deadline_s: float = 0.5
-    """Shortest deadline in seconds of a call to a stage server."""
-    avoid_s: float = 10.0
-    """Seconds a server that failed a call is avoided (doubled at each further failure, up to 8×) unless
-    no other server of its stage is left."""
-    activation_codec: str = "fp32"
-    """Codec of activations and their gradients on the wire: `fp32`, `fp16`, `bf16` or `int8`."""
-    bulk_min_bytes: int = 8 << 20
-    """An encoded activation or gradient of at least this many bytes travels over the server's bulk port
-    (with `rpc.bulk_transport = "tcp"`), smaller ones inside the gRPC call; 0 = only those too large for
-    `rpc.max_message_bytes`. The bulk path costs three more round trips: measured on loopback it is slower
-    than the call below about 16 MB (docs/benchmarks.md#pipeline)."""
-    max_contexts: int = 256
-    """Micro-batches a server keeps the input of, for their backward (the oldest go first)."""
-    context_ttl_s: float = 120.0
-    """Seconds a server keeps a micro-batch's input for its backward."""
-    max_stale_steps: int = 1
-    """A server refuses the backward of a micro-batch whose forward ran more than this many of its steps
-    ago, inner or outer (the trainer then runs that stage's forward again)."""
-
-    def __post_init__(self) -> None:
-        check(self.stages >= 0, "pipeline.stages", "must be >= 0 (0 = no pipeline)")
-        check(self.microbatch_size >= 1, "pipeline.microbatch_size", "must be >= 1")
-        check(self.samples_per_step >= self.microbatch_size and self.samples_per_step % self.microbatch_size == 0,
-              "pipeline.samples_per_step", f"{self.samples_per_step} must be a positive multiple of "
-              f"pipeline.microbatch_size ({self.microbatch_size})")
-        for key in ("call_timeout_s", "min_deadline_s", "avoid_s", "context_ttl_s"):
-            check(getattr(self, key) > 0, f"pipeline.{key}", "must be > 0")
-        check(self.min_deadline_s <= self.call_timeout_s, "pipeline.min_deadline_s",
-              f"{self.min_deadline_s} must not exceed pipeline.call_timeout_s ({self.call_timeout_s})")
-        check(self.deadline_factor >= 1, "pipeline.deadline_factor", "must be >= 1")
-        check(self.activation_codec in ("fp32", "fp16", "bf16", "int8"), "pipeline.activation_codec",
-              f"{self.activation_codec!r} is not fp32, fp16, bf16 or int8")
-        check(self.max_contexts >= 1, "pipeline.max_contexts", "must be >= 1")
-        check(self.bulk_min_bytes >= 0, "pipeline.bulk_min_bytes", "must be >= 0")
-        check(self.max_stale_steps >= 0, "pipeline.max_stale_steps", "must be >= 0")
 
 
 @dataclass(frozen=True)
