@@ -19,6 +19,8 @@ It measures the swarmtrain that Python imports; the results record its commit.
 
   python benchmarks/peer_cost.py                          # gpt2-124m, 2 peers, 4 rounds of 2 inner steps
   python benchmarks/peer_cost.py --preset small --rounds 3    # a quick look
+  PEER_COST_CENSUS=light python benchmarks/peer_cost.py --keep-dir DIR  # + glibc heap, pool and anonymous RSS
+                                                      # in each peer's report (=full: also live tensors)
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ctypes
 import dataclasses
 import json
 import logging
@@ -45,6 +48,7 @@ from typing import Any
 
 PROBED_PEER = "_probed-peer"
 PROBE_INTERVAL_S = 0.02
+CENSUS_STEP_BYTES = 100 << 20
 STALL_CAPTURE_S = 0.05  # a wake-up this overdue gets the loop thread's stack sampled
 STACK_EVERY_S = 0.1  # during one stall, at most one stack per this long ...
 STACKS_PER_STALL = 4  # ... and at most this many
@@ -72,6 +76,8 @@ class LagProbe:
         self._loop_thread = threading.get_ident()
         self._stop = threading.Event()
         self._watchdog = threading.Thread(target=self._watch, name="lag-watchdog", daemon=True)
+        self.census: Census | None = None
+        self.heap: list[tuple[float, dict[str, int], int, int]] = []  # with PEER_COST_CENSUS set: (time, mallinfo, pool idle, anon)
 
     async def run(self) -> None:
         self._loop_thread = threading.get_ident()
@@ -103,21 +109,35 @@ class LagProbe:
                 rss_pages = int(Path("/proc/self/statm").read_text().split()[1])
                 self.rss.append((now, rss_pages * page_bytes, self.phase()))
                 last_rss = now
+                if self.census is not None:
+                    self.heap.append((now, _mallinfo(), self.census.pool_idle(), _smaps_anon()))
+                    if os.environ.get("PEER_COST_CENSUS") == "full":
+                        self.census.maybe_take(rss_pages * page_bytes, self.phase())
             if now - slept_at - self.interval_s < STALL_CAPTURE_S or now - last_capture < STACK_EVERY_S:
                 continue
-            stacks = self._stacks.setdefault(tick, [])
-            frames = sys._current_frames()
-            frame = frames.get(self._loop_thread)
-            if frame is None or len(stacks) >= STACKS_PER_STALL:
-                continue
-            stack = _frame_names(frame)
-            if not stacks or stacks[-1] != " <- ".join(stack):
-                stacks.append(" <- ".join(stack))
-            if stack[0].startswith("asyncio/runners.py"):  # the loop runs C code or waits for the GIL
-                busy = self._busy.setdefault(tick, [])
-                busy.extend(b for b in _busy_threads(frames, skip=(self._loop_thread, threading.get_ident()))
-                            if b not in busy)
+            self._capture(tick)
             last_capture = now
+
+    def _capture(self, tick: int) -> None:
+        """Sample the loop thread's stack (and, when it shows no Python frame, the busy threads').
+
+        A method of its own so that the frame objects die with it: a frame kept in a local of the
+        watchdog's loop would keep a finished function's locals (a Δ, a mean) alive, and this
+        benchmark would count them in the peer's peak memory."""
+        stacks = self._stacks.setdefault(tick, [])
+        if len(stacks) >= STACKS_PER_STALL:
+            return
+        frames = sys._current_frames()
+        frame = frames.get(self._loop_thread)
+        if frame is None:
+            return
+        stack = _frame_names(frame)
+        if not stacks or stacks[-1] != " <- ".join(stack):
+            stacks.append(" <- ".join(stack))
+        if stack[0].startswith("asyncio/runners.py"):  # the loop runs C code or waits for the GIL
+            busy = self._busy.setdefault(tick, [])
+            busy.extend(b for b in _busy_threads(frames, skip=(self._loop_thread, threading.get_ident()))
+                        if b not in busy)
 
 
 IDLE_FRAMES = ("threading.py", "queue.py", "selectors.py", "socket.py", "concurrent/futures/thread.py",
@@ -146,6 +166,68 @@ def _frame_names(frame: Any, *, depth: int = 7) -> list[str]:
     return names
 
 
+class Census:
+    """`PEER_COST_CENSUS=full`: at every new RSS high (by CENSUS_STEP_BYTES), what the live tensors and pooled buffers hold.
+
+    Walks the garbage collector's objects (seconds at 100M+ parameters, holding the GIL): a diagnosis of
+    where a peak comes from; a census run's lag figures are not comparable with a plain run's."""
+
+    def __init__(self, labels: Callable[[], dict[int, str]], pool_idle: Callable[[], int]) -> None:
+        self.samples: list[dict[str, Any]] = []
+        self._labels = labels
+        self.pool_idle = pool_idle
+        self._high = 0
+
+    def maybe_take(self, rss: int, phase: str) -> None:
+        if rss < self._high + CENSUS_STEP_BYTES:
+            return
+        self._high = rss
+        import gc
+
+        import numpy as np
+        import torch
+
+        labels = self._labels()
+        heap = _mallinfo()
+        seen: dict[int, tuple[int, str]] = {}
+        arrays = 0
+        for obj in gc.get_objects():
+            if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
+                with contextlib.suppress(Exception):
+                    storage = obj.untyped_storage()
+                    ptr = storage.data_ptr()
+                    if ptr and ptr not in seen:
+                        seen[ptr] = (storage.nbytes(), labels.get(ptr, ""))
+            elif isinstance(obj, np.ndarray) and obj.base is None and obj.nbytes >= 1 << 20:
+                arrays += obj.nbytes
+        holders = []
+        for obj in gc.get_objects():
+            if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and obj.numel() * obj.element_size() >= 100 << 20:
+                with contextlib.suppress(Exception):
+                    if labels.get(obj.untyped_storage().data_ptr()):
+                        continue
+                    chain = []
+                    for ref in gc.get_referrers(obj)[:6]:
+                        if isinstance(ref, dict):
+                            chain.append("dict:" + ",".join(str(k) for k, v in list(ref.items())[:40] if v is obj))
+                        elif hasattr(ref, "f_code"):
+                            chain.append(f"frame:{ref.f_code.co_filename.split('/')[-1]}:{ref.f_code.co_name}:{ref.f_lineno}")
+                        else:
+                            chain.append(type(ref).__name__)
+                    holders.append({"bytes": obj.numel() * obj.element_size(), "shape": list(obj.shape),
+                                    "base": obj._base is not None, "by": chain})
+        named: dict[str, int] = {}
+        other: list[int] = []
+        for nbytes, label in seen.values():
+            if label:
+                named[label] = named.get(label, 0) + nbytes
+            elif nbytes >= 1 << 20:
+                other.append(nbytes)
+        self.samples.append({"rss": rss, "phase": phase, "named": named, "other_tensors": sorted(other)[::-1][:40],
+                             "other_tensor_bytes": sum(other), "numpy_owned_bytes": arrays,
+                             "pool_idle_bytes": self.pool_idle(), "holders": holders, "heap": heap})
+
+
 class _HashTimer:
     """Replaces `swarmtrain.diloco.worker.flat_hash` with a timed call that records where it ran."""
 
@@ -165,6 +247,56 @@ class _HashTimer:
                            "on_loop_thread": threading.get_ident() == self._loop_thread(),
                            "worker_round": self._round()})
         return digest
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _mallinfo() -> dict[str, int]:
+    """glibc's heap figures (mallinfo2): `arena` bytes from sbrk/arenas, of them `uordblks` in use and
+    `fordblks` free but kept; `hblkhd` bytes in mmapped chunks. Empty where glibc has no mallinfo2."""
+    try:
+        fn = ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):
+        return {}
+    fn.restype = _MallInfo2
+    info = fn()
+    return {name: int(getattr(info, name)) for name in ("arena", "hblkhd", "uordblks", "fordblks")}
+
+
+def _smaps_anon() -> int:
+    """Anonymous resident bytes of this process (heap, mmapped tensors), without mapped files."""
+    for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+        if line.startswith("Anonymous:"):
+            return int(line.split()[1]) * 1024
+    return -1
+
+
+def _worker_labels(peer: Any) -> dict[int, str]:
+    """storage address -> which of the worker's own tensors it is."""
+    worker = peer.worker
+    if worker is None:
+        return {}
+    out = {p.untyped_storage().data_ptr(): "params" for p in worker.params}
+    out.update({p.grad.untyped_storage().data_ptr(): "grads" for p in worker.params if p.grad is not None})
+    out[worker.theta_global.untyped_storage().data_ptr()] = "theta_global"
+    for name, t in worker.outer.state_tensors().items():
+        out[t.untyped_storage().data_ptr()] = f"outer.{name}"
+    for state in worker.inner.state.values():
+        for name, t in state.items():
+            if hasattr(t, "untyped_storage") and t.numel() > 1:
+                out[t.untyped_storage().data_ptr()] = f"inner.{name}"
+    if worker.residual is not None:
+        out[worker.residual.untyped_storage().data_ptr()] = "residual"
+    return out
+
+
+def _pool_idle(peer: Any) -> int:
+    plane = peer.plane
+    node = getattr(plane, "node", None)
+    return node.buffers.idle_bytes if node is not None else -1
 
 
 def _peak_rss_bytes() -> dict[str, int]:
@@ -206,6 +338,8 @@ def probed_peer_main(argv: Sequence[str]) -> int:
     peer = Peer(local, writer=TimedWriter(sys.stdout), services=NetworkServices(), local_overrides=args.overrides,
                 coordinator_id=args.coordinator_id)
     probe = LagProbe(interval_s=PROBE_INTERVAL_S, phase=lambda: peer.phase)
+    if os.environ.get("PEER_COST_CENSUS"):
+        probe.census = Census(lambda: _worker_labels(peer), lambda: _pool_idle(peer))
     loop_thread: list[int] = []
     hashes = _HashTimer(lambda: loop_thread[0] if loop_thread else None,
                         lambda: peer.worker.round if peer.worker is not None else None)
@@ -214,7 +348,7 @@ def probed_peer_main(argv: Sequence[str]) -> int:
         loop_thread.append(threading.get_ident())
         task = asyncio.create_task(probe.run())
         try:  # the daemon's own body (signals, start, run, aclose), so the peer runs as `swarmtrain peer` does
-            return await peer_process._main(peer)
+            return await peer_process.run_role(peer, leaving="leaving gracefully at the next round boundary")
         finally:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -230,7 +364,7 @@ def probed_peer_main(argv: Sequence[str]) -> int:
     finally:
         worker = peer.worker
         report = {"pid": os.getpid(), "rc": rc, "error": error, "lines": lines, "lag": probe.samples,
-                  "stalls": probe.stalls, "rss_timeline": probe.rss, "hash_calls": hashes.calls, "rss": _peak_rss_bytes(),
+                  "stalls": probe.stalls, "census": probe.census.samples if probe.census else None, "heap": probe.heap, "rss_timeline": probe.rss, "hash_calls": hashes.calls, "rss": _peak_rss_bytes(),
                   "num_params": worker.numel if worker is not None else None}
         report_path.write_text(json.dumps(report))
     return rc

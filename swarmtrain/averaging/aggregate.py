@@ -66,14 +66,14 @@ def mean_of(parts: list[torch.Tensor], *, out: torch.Tensor | None = None) -> to
     return acc.div_(len(parts))
 
 
-def mean_of_encoded(codec: Codec, parts: Sequence[bytes | bytearray | memoryview], *, out: torch.Tensor,
-                    scratch: torch.Tensor) -> torch.Tensor:
-    """`mean_of` over the decoded `parts`, bit for bit, decoding one at a time into `scratch` (fp32,
-    the shard's size) instead of holding every decoded part; `out` receives the mean."""
+def mean_of_encoded(codec: Codec, parts: Sequence[bytes | bytearray | memoryview], *,
+                    out: torch.Tensor) -> torch.Tensor:
+    """`mean_of` over the decoded `parts`, bit for bit, each part decoded and added straight into `out`
+    (every codec's `decode_accumulate(part, acc)` equals `acc.add_(decode(part))` to the bit, pinned by
+    tests): no decoded part is ever held. `out` (fp32, the shard's size) receives the mean."""
     out.zero_()
     for part in parts:
-        codec.decode_accumulate(part, scratch.zero_())  # == decode(part): see reducer._own_checked
-        out.add_(scratch)
+        codec.decode_accumulate(part, out)
     return out.div_(len(parts))
 
 
@@ -119,14 +119,14 @@ def unpack_bundle(data: bytes | bytearray | memoryview, *, max_parts: int) -> li
 
 
 def aggregate_encoded(codec: Codec, parts: Sequence[bytes | bytearray | memoryview], rule: Aggregation, *,
-                      out: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
-    """`rule` over the decoded `parts` into `out` (fp32, the shard's size). The mean streams through
-    `scratch`; the trimmed mean holds every decoded part (n × the shard in fp32) and sorts it in chunks."""
+                      out: torch.Tensor) -> torch.Tensor:
+    """`rule` over the decoded `parts` into `out` (fp32, the shard's size). The mean streams into `out`;
+    the trimmed mean holds every decoded part (n × the shard in fp32) and sorts it in chunks."""
     if not parts:
         raise ValueError("aggregate_encoded: no contributions")
     k = rule.trimmed(len(parts))
     if k == 0:
-        return mean_of_encoded(codec, parts, out=out, scratch=scratch)
+        return mean_of_encoded(codec, parts, out=out)
     decoded = torch.empty(len(parts), out.numel(), dtype=torch.float32, device=out.device)
     for row, part in zip(decoded, parts, strict=True):
         codec.decode_accumulate(part, row.zero_())

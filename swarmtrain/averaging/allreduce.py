@@ -9,6 +9,7 @@ One round, attempt a, reducers R_a (the group's non-client members minus those t
      holding that θ_global knows alike), else abort;
   4. pull: fetch every shard's mean over C (computed once per C by its reducer), or with a sparse
      codec the contributions over C (a bundle less this member's own), averaged here in group order;
+     each is kept encoded and checked (it decodes, to finite values) now, applied after the vote;
   5. vote: ask the round's voters V for their vote for this session, and commit with a strict majority.
 
 Why every committed member holds the same mean: shard j's mean over C is a deterministic function
@@ -31,15 +32,17 @@ empty and only the group rule applies.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from swarmtrain.averaging.aggregate import mean_of_gathered, unpack_bundle
 from swarmtrain.averaging.group import Group, Member
-from swarmtrain.averaging.protocol import AverageResult
+from swarmtrain.averaging.protocol import AverageResult, Delta, MeanShard, ShardedMean, reader
 from swarmtrain.averaging.reducer import ReducerRegistry, max_encoded_bytes, shard_bounds
 from swarmtrain.compress import Codec, CodecError
 from swarmtrain.config import AveragingConfig
@@ -57,7 +60,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Attempt:
     committed: bool = False
-    mean: torch.Tensor | None = None
+    mean: ShardedMean | None = None
     contributors: tuple[str, ...] = ()
     dead: set[str] = field(default_factory=set)  # reducers that could not be reached
     final: bool = False  # no point retrying
@@ -78,7 +81,7 @@ class AllReduce:
         self.peer_id = node.peer_id
         self.gather = registry.aggregation.gather
 
-    async def run(self, group: Group, delta: torch.Tensor, *, deadline: float,
+    async def run(self, group: Group, delta: Delta, *, deadline: float,
                   electorate: tuple[str, ...] = ()) -> AverageResult:
         """All attempts of one round until a commit, a final abort, or `deadline` (time.monotonic()).
 
@@ -103,7 +106,7 @@ class AllReduce:
         return _result(group, outcome, tuple(sorted(dead)))
 
     async def _attempt(self, group: Group, me: Member, attempt: int, reducers: tuple[Member, ...],
-                       delta: torch.Tensor, deadline: float, electorate: tuple[str, ...]) -> _Attempt:
+                       delta: Delta, deadline: float, electorate: tuple[str, ...]) -> _Attempt:
         key = SessionKey(group.run_id, group.round, group.group_id, attempt, tuple(m.peer_id for m in reducers))
         bounds = shard_bounds(delta.numel(), tuple(m.bandwidth_bytes_per_s for m in reducers),
                               align=self.codec.alignment)
@@ -117,8 +120,11 @@ class AllReduce:
         shards = list(zip(reducers, bounds, strict=True))
         own: dict[int, bytes] = {}  # this member's encoded shards: a gathering round adds them to the bundles
 
+        read = reader(delta)
+
         async def encode_and_push(j: int, reducer: Member, lo: int, hi: int) -> None:
-            payload = await asyncio.to_thread(self.codec.encode, delta[lo:hi])  # pipelined per shard
+            # Pipelined per shard; read a piece at a time (a Δ given as a source is never whole in fp32).
+            payload = await asyncio.to_thread(self.codec.encode_from, lambda a, b: read(lo + a, lo + b), hi - lo)
             own[j] = payload
             await self._push(key, j, reducer, payload, hi - lo, push_deadline)
 
@@ -144,39 +150,67 @@ class AllReduce:
         if problem:
             return _Attempt(final=True, contributors=agreed, reason=problem)
         t_agreed = time.monotonic()
-        # The result lives in pooled memory that returns to the pool when the caller drops it: a fresh
-        # payload-sized tensor costs a zeroing page fault per 4 KiB, ~20% of a round's CPU. Each shard
-        # lands in its own slice once, zeroed in its decoding thread, off the event loop.
-        mean = torch.from_numpy(self.node.buffers.lend(4 * delta.numel())).view(torch.float32)
+        # Nothing model-sized is assembled: each shard's mean is kept as its reducer sent it (a quarter
+        # of fp32 with int8), checked now so that a malformed or non-finite one is refused before the
+        # vote, and decoded, shard by shard, when the commit is applied (ShardedMean). One encoded mean
+        # is checked by the codec from its payload (`Codec.validate`: block scales, wire values). A
+        # gathering round's mean is the members' contributions decoded and averaged: it is computed
+        # once into one pooled scratch vector and looked at. Checks take turns on the scratch, each in
+        # a thread off the event loop; it is taken at the first check, after a fetch, so that it can
+        # reuse the block this peer's own reducer has just given back (the pool keeps blocks by size).
+        largest = max(hi - lo for lo, hi in bounds)
+        scratch_view: list[memoryview] = []  # given back below, before the vote
+        scratch: list[torch.Tensor] = []
+        turn = asyncio.Lock()
+        kept: dict[int, MeanShard] = {}
 
-        def decode_into(j: int, data: bytes | bytearray | memoryview, out: torch.Tensor) -> None:
+        def decoder(j: int, data: bytes | bytearray) -> Callable[[torch.Tensor], None]:
             if not self.gather:
-                self.codec.decode_accumulate(data, out.zero_())
-                return
+                return lambda out: self.codec.decode_accumulate(data, out.zero_())
             parts: list[bytes | bytearray | memoryview] = list(unpack_bundle(data, max_parts=len(agreed)))
             if self.peer_id in agreed:
                 parts.insert(agreed.index(self.peer_id), own[j])
             if len(parts) != len(agreed):
                 raise CodecError(f"bundle of shard {j} holds {len(parts)} contributions, {len(agreed)} agreed")
-            mean_of_gathered(self.codec, parts, out=out)
+            return lambda out: mean_of_gathered(self.codec, parts, out=out)
 
-        async def fetch_and_add(j: int, reducer: Member, lo: int, hi: int) -> None:
+        def check(j: int, decode: Callable[[torch.Tensor], None], out: torch.Tensor) -> None:
+            decode(out)
+            if not _all_finite(out):
+                raise CodecError(f"the mean of shard {j} holds NaN or Inf")
+
+        async def fetch_and_check(j: int, reducer: Member, lo: int, hi: int) -> None:
             data = await self._fetch(key, j, reducer, agreed, hi - lo, deadline)
-            try:
-                await asyncio.to_thread(decode_into, j, data, mean[lo:hi])  # pipelined per shard
+            try:  # a pooled transport buffer goes back: keep a copy of the (encoded) bytes instead
+                owned = bytearray(data) if isinstance(data, memoryview) else data
             finally:
                 self.client.release(data)
+            decode = decoder(j, owned)
+            if not self.gather:  # one encoded mean: the codec tells from its payload, no decoded shard needed
+                await asyncio.to_thread(self.codec.validate, owned, numel=hi - lo)
+                kept[j] = MeanShard(lo, hi, decode)
+                return
+            async with turn:
+                if not scratch:
+                    scratch_view.append(self.node.buffers.take(4 * largest))
+                    scratch.append(torch.frombuffer(scratch_view[0], dtype=torch.float32) if largest
+                                   else torch.empty(0))
+                await asyncio.to_thread(check, j, decode, scratch[0][:hi - lo])  # pipelined with the other fetches
+            kept[j] = MeanShard(lo, hi, decode)
 
-        pulls = await asyncio.gather(*(fetch_and_add(j, m, lo, hi) for j, (m, (lo, hi)) in enumerate(shards)),
+        pulls = await asyncio.gather(*(fetch_and_check(j, m, lo, hi) for j, (m, (lo, hi)) in enumerate(shards)),
                                      return_exceptions=True)
+        scratch.clear()  # back to the pool now, unless an error's traceback still holds a slice (then freed later)
+        with contextlib.suppress(BufferError):
+            for view in scratch_view:
+                self.node.buffers.give(view)
         if any(isinstance(r, CodecError) for r in pulls):
             return _Attempt(final=True, reason=f"a reducer sent an invalid mean: {_failures(reducers, pulls)}")
         failed = _failures(reducers, pulls)
         if failed:
             unreachable = _unreachable(reducers, pulls)
             return _Attempt(dead=unreachable, final=not unreachable, reason=f"mean unavailable from {failed}")
-        if not await asyncio.to_thread(_all_finite, mean):
-            return _Attempt(final=True, reason="the assembled mean holds NaN or Inf")
+        mean = ShardedMean(delta.numel(), tuple(kept[j] for j in range(len(shards))))
         refusal = await self._ballot(key, group, electorate, deadline)
         if refusal:
             return _Attempt(final=True, contributors=agreed, reason=refusal)

@@ -75,8 +75,7 @@ class InProcessGroup:
                 for e in encoded
             ]
         if self.aggregation.trimmed(len(accepted)):
-            acc = aggregate_encoded(self.codec, accepted, self.aggregation, out=torch.empty(numel),
-                                    scratch=torch.empty(numel))
+            acc = aggregate_encoded(self.codec, accepted, self.aggregation, out=torch.empty(numel))
         else:  # the mean as simulations always took it (the golden trajectory pins its bits)
             acc = torch.zeros(numel, dtype=torch.float32)
             for data in accepted:

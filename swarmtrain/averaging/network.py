@@ -15,7 +15,7 @@ from swarmtrain.averaging.aggregate import Aggregation
 from swarmtrain.averaging.allreduce import AllReduce
 from swarmtrain.averaging.ballot import VoteBook
 from swarmtrain.averaging.group import Group
-from swarmtrain.averaging.protocol import AverageResult
+from swarmtrain.averaging.protocol import AverageResult, Delta
 from swarmtrain.averaging.reducer import ReducerRegistry
 from swarmtrain.compress import Codec
 from swarmtrain.config import AveragingConfig
@@ -70,11 +70,12 @@ class NetworkAverager:
             log.warning("%s: leaving before %s pulled the means it reduced", self.node.peer_id, list(missing))
         return missing
 
-    def average(self, round_index: int, delta: torch.Tensor, *, electorate: tuple[str, ...] = ()) -> AverageResult:
-        """The Averager protocol: the group's mean of `delta` (flat fp32) for round `round_index`.
+    def average(self, round_index: int, delta: Delta, *, electorate: tuple[str, ...] = ()) -> AverageResult:
+        """The Averager protocol: the group's mean of `delta` (flat fp32, or read a slice at a time) for round
+        `round_index`.
 
         `electorate`: the members of the commit that produced this peer's θ_global (see allreduce.py)."""
-        if delta.dim() != 1 or delta.dtype != torch.float32:
+        if isinstance(delta, torch.Tensor) and (delta.dim() != 1 or delta.dtype != torch.float32):
             raise ValueError(f"average: delta must be a flat float32 tensor, got {delta.dtype} {tuple(delta.shape)}")
         group = self.group_provider(round_index)
         if group is None:
@@ -92,7 +93,7 @@ class NetworkAverager:
         deadline = time.monotonic() + timeout_s
         started = time.monotonic()
         try:
-            result = self.node.run(self.allreduce.run(group, delta.detach().cpu().contiguous(), deadline=deadline,
+            result = self.node.run(self.allreduce.run(group, delta, deadline=deadline,
                                                       electorate=electorate), timeout_s=timeout_s + 5.0)
         except TimeoutError as e:
             result = AverageResult(round_index, False, None, tuple(m.peer_id for m in group.members),

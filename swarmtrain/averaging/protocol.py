@@ -2,12 +2,68 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
-__all__ = ["AverageResult", "Averager"]
+__all__ = ["AverageResult", "Averager", "Delta", "DeltaSource", "MeanShard", "ShardedMean", "mean_tensor", "reader"]
+
+
+@dataclass(frozen=True)
+class MeanShard:
+    """Values [lo, hi) of a round's mean, kept as the reducer sent them; `decode(out)` writes them into
+    `out` (hi − lo fp32 values, any prior contents) and is deterministic: every call writes the same bits."""
+
+    lo: int
+    hi: int
+    decode: Callable[[torch.Tensor], None]
+
+
+@dataclass(frozen=True)
+class ShardedMean:
+    """A committed round's mean held shard by shard in its encoded form, decoded when it is applied.
+
+    The network all-reduce returns this instead of an assembled fp32 vector: with int8 the shards
+    take a quarter of the model's fp32 size, and `pieces()` decodes one shard at a time into one
+    scratch vector of the largest shard, so applying the mean never needs a model-sized vector. The
+    all-reduce checked before its vote that every shard decodes to finite values.
+    """
+
+    numel: int
+    shards: tuple[MeanShard, ...]
+
+    def __post_init__(self) -> None:
+        at = 0
+        for s in self.shards:
+            if s.lo != at or s.hi < s.lo:
+                raise ValueError(f"ShardedMean: shard [{s.lo}, {s.hi}) does not follow value {at}")
+            at = s.hi
+        if at != self.numel:
+            raise ValueError(f"ShardedMean: the shards cover {at} values, not {self.numel}")
+
+    def pieces(self) -> Iterator[tuple[int, torch.Tensor]]:
+        """(offset, values) of each shard in order; the values live in a scratch vector that the next
+        piece overwrites, so a caller uses each before asking for the next."""
+        largest = max((s.hi - s.lo for s in self.shards), default=0)
+        scratch = torch.empty(largest, dtype=torch.float32)
+        for s in self.shards:
+            out = scratch[:s.hi - s.lo]
+            s.decode(out)
+            yield s.lo, out
+
+    def tensor(self) -> torch.Tensor:
+        """The whole mean as a new flat fp32 vector (a model-sized allocation)."""
+        out = torch.empty(self.numel, dtype=torch.float32)
+        for s in self.shards:
+            s.decode(out[s.lo:s.hi])
+        return out
+
+
+def mean_tensor(mean: torch.Tensor | ShardedMean | None) -> torch.Tensor | None:
+    """`mean` as a flat fp32 tensor (decoding a ShardedMean whole), None stays None."""
+    return mean.tensor() if isinstance(mean, ShardedMean) else mean
 
 
 @dataclass(frozen=True)
@@ -15,12 +71,14 @@ class AverageResult:
     """The outcome of one round's averaging, identical on every member of the round's group.
 
     `mean` is the fp32 mean of the members' pseudo-gradients (flat, like the input) when the
-    round committed, else None: a caller never applies an outer step on an aborted round.
+    round committed, else None: a caller never applies an outer step on an aborted round. The
+    network all-reduce gives it as a ShardedMean (decoded shard by shard when applied); `mean_tensor()`
+    gives it whole.
     """
 
     round: int
     committed: bool
-    mean: torch.Tensor | None
+    mean: torch.Tensor | ShardedMean | None
     members: tuple[str, ...] = ()
     bytes_sent: int = 0
     bytes_received: int = 0
@@ -33,6 +91,33 @@ class AverageResult:
     # Set when this peer was left out because the round's group averages from another θ_global: the
     # hash that group announced, which this peer must heal to (its own θ_global went astray).
     heal_to_hash: str = ""
+
+    def mean_tensor(self) -> torch.Tensor | None:
+        """The mean as one flat fp32 tensor (None when the round did not commit)."""
+        return mean_tensor(self.mean)
+
+
+class DeltaSource(Protocol):
+    """A flat fp32 Δ read a slice at a time (diloco.flat.PseudoGradient) instead of held whole."""
+
+    def numel(self) -> int: ...
+
+    def read(self, lo: int, hi: int) -> torch.Tensor:
+        """Values [lo, hi) as a flat fp32 CPU tensor."""
+        ...
+
+
+Delta = torch.Tensor | DeltaSource
+
+
+def reader(delta: Delta) -> Callable[[int, int], torch.Tensor]:
+    """`read(lo, hi)` of a Δ given as a flat fp32 tensor or a DeltaSource."""
+    if isinstance(delta, torch.Tensor):
+        if delta.dim() != 1 or delta.dtype != torch.float32:
+            raise ValueError(f"delta must be a flat float32 tensor, got {delta.dtype} {tuple(delta.shape)}")
+        flat = delta.detach().cpu().contiguous()
+        return lambda lo, hi: flat[lo:hi]
+    return delta.read
 
 
 class Averager(Protocol):

@@ -108,6 +108,9 @@ class ReducerRegistry:
         self._abandoned: dict[int, set[str]] = {}  # groups the local member gave up on, per round
         self._min_round = 0
         self._changed: asyncio.Condition | None = None
+        # Pushes are checked one at a time: a codec that cannot tell from its payload (sparse) decodes a
+        # whole shard into fp32 to check it, and K pushes checked at once would hold K of them.
+        self._check_turn = asyncio.Lock()
 
     @property
     def changed(self) -> asyncio.Condition:
@@ -255,16 +258,13 @@ class ReducerRegistry:
             return  # a retried push whose first copy landed: idempotent
         # Kept encoded (a quarter of fp32 with int8): decoded again, in group order, for each mean.
         view = self.buffers.take(len(payload))
-        check_view, check = self._fp32(s.numel)
-        try:
-            await asyncio.to_thread(_own_checked, self.codec, payload, view, check)
-        except CodecError as e:
-            self.buffers.give(view)
-            s.rejected[header.sender] = str(e)
-            raise Rejected(f"shard {s.shard} from {header.sender}: {e}") from None
-        finally:
-            del check
-            self.buffers.give(check_view)
+        async with self._check_turn:
+            try:
+                await asyncio.to_thread(_own_checked, self.codec, payload, view, s.numel)
+            except CodecError as e:
+                self.buffers.give(view)
+                s.rejected[header.sender] = str(e)
+                raise Rejected(f"shard {s.shard} from {header.sender}: {e}") from None
         if s.closed.is_set() or header.sender in s.received:
             self.buffers.give(view)
             if header.sender in s.received:
@@ -303,15 +303,12 @@ class ReducerRegistry:
             if data is None:
                 parts = [s.received[p] for p in order]
                 view, acc = self._fp32(s.numel)
-                one_view, one = self._fp32(s.numel)
                 try:
                     data = await asyncio.to_thread(
-                        lambda: self.codec.encode(aggregate_encoded(self.codec, parts, self.aggregation, out=acc,
-                                                                    scratch=one)))
+                        lambda: self.codec.encode(aggregate_encoded(self.codec, parts, self.aggregation, out=acc)))
                 finally:
-                    del acc, one
+                    del acc
                     self.buffers.give(view)
-                    self.buffers.give(one_view)
                 s.means[tuple(order)] = data
         return data
 
@@ -369,14 +366,9 @@ class ReducerRegistry:
             raise Rejected("dropped by fault injection", kind="precondition")
 
 
-def _own_checked(codec: Codec, payload: bytes | bytearray | memoryview, own: memoryview, check: torch.Tensor) -> None:
+def _own_checked(codec: Codec, payload: bytes | bytearray | memoryview, own: memoryview, numel: int) -> None:
     """Copy an encoded shard into `own` (our memory, never the transport's reused payload buffer) and
-    decode it into `check` to refuse it now if it is malformed or holds NaN or Inf. Accumulating into
-    zeros is bit-identical to decode() for every codec: x + 0 rounds to x, and mean_of's first add
-    turns -0.0 into +0.0 either way."""
+    refuse it now if it is malformed or decodes to NaN or Inf (`Codec.validate`: from the block scales
+    or wire values where the codec can, without a decoded shard)."""
     np.copyto(np.frombuffer(own, dtype=np.uint8), np.frombuffer(payload, dtype=np.uint8))  # without the GIL
-    codec.decode_accumulate(own, check.zero_())
-    if check.numel():
-        lo, hi = torch.aminmax(check)
-        if not bool(torch.isfinite(lo) & torch.isfinite(hi)):
-            raise CodecError("decoded values hold NaN or Inf")
+    codec.validate(own, numel=numel)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -35,6 +36,15 @@ class Codec(Protocol):
 
     def encode(self, tensor: torch.Tensor) -> bytes: ...
 
+    def encode_from(self, read: Callable[[int, int], torch.Tensor], numel: int) -> bytes:
+        """`encode(read(0, numel))` to the bit, for a flat fp32 source read a piece at a time."""
+        ...
+
     def decode(self, data: bytes | bytearray | memoryview) -> torch.Tensor: ...
 
     def decode_accumulate(self, data: bytes | bytearray | memoryview, out: torch.Tensor) -> None: ...
+
+    def validate(self, data: bytes | bytearray | memoryview, *, numel: int) -> None:
+        """CodecError unless `data` decodes to `numel` finite values: what `decode` would refuse or yield
+        as NaN or Inf, found without a decoded tensor where the payload tells (block scales, wire values)."""
+        ...

@@ -6,6 +6,7 @@ import abc
 import math
 import threading
 import warnings
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
@@ -24,10 +25,11 @@ from swarmtrain.compress.wire import (
 )
 from swarmtrain.compress.zstd_stage import zstd_compress, zstd_decompress
 
-__all__ = ["BlockQuantCodec", "CastCodec", "quant_backend"]
+__all__ = ["ENCODE_PIECE", "BlockQuantCodec", "CastCodec", "quant_backend"]
 
 _Buffer = bytes | bytearray | memoryview
 _CAST_CHUNK_ELEMENTS = 1 << 18
+ENCODE_PIECE = 1 << 22  # values read and quantized at a time by encode_from (16 MB of fp32)
 _FP32_MAX = torch.finfo(torch.float32).max
 
 
@@ -105,6 +107,30 @@ class _Codec(abc.ABC):
     @abc.abstractmethod
     def _encode_payload(self, x: torch.Tensor) -> tuple[list[memoryview], Flags, int]: ...
 
+    def encode_from(self, read: Callable[[int, int], torch.Tensor], numel: int, *, piece: int = ENCODE_PIECE) -> bytes:
+        """`encode(read(0, numel))` to the bit for a flat fp32 source read `piece` values at a time, so
+        that encoding a shard never holds it whole in fp32. Codecs whose payload is not the pieces'
+        payloads laid end to end (zstd, stochastic rounding, sparse) read the source once, whole."""
+        step = self._piece(piece)
+        if step <= 0 or numel <= step:
+            return self.encode(read(0, numel))
+        pieces: list[list[memoryview]] = []
+        flags, block_size = Flags(0), 0
+        for lo in range(0, numel, step):
+            x = read(lo, min(numel, lo + step))
+            if x.dtype != torch.float32 or x.dim() != 1 or x.numel() != min(numel, lo + step) - lo:
+                raise CodecError(f"{self.name}: encode_from read {x.dtype} {tuple(x.shape)} for values "
+                                 f"[{lo}, {min(numel, lo + step)}); expected that many flat float32 values")
+            parts, flags, block_size = self._encode_payload(x.detach().to(self.device))
+            pieces.append(parts)
+        parts = [part for kind in zip(*pieces, strict=True) for part in kind]  # each kind of part, in order
+        header = Header(self.codec_id, flags, torch.float32, block_size, (numel,), sum(p.nbytes for p in parts))
+        return frame(header, parts)
+
+    def _piece(self, piece: int) -> int:
+        """Values per piece for encode_from (a multiple of the codec's alignment), 0 = read it whole."""
+        return 0
+
     # -- decode ------------------------------------------------------------------------------
     def _open(self, data: _Buffer, *, numel: int | None = None) -> tuple[Header, _Buffer]:
         """Parses and checks the header for this codec (and its element count against `numel`, when given,
@@ -150,6 +176,15 @@ class _Codec(abc.ABC):
         header, raw = self._open(data, numel=out.numel())
         self._accumulate(header, raw, out)
 
+    def validate(self, data: _Buffer, *, numel: int) -> None:
+        header, raw = self._open(data, numel=numel)
+        self._validate(header, raw)
+
+    def _validate(self, header: Header, raw: _Buffer) -> None:
+        """Decode and look (codecs whose payload alone tells whether it decodes finite do less)."""
+        if not _all_finite(self._decode_flat(header, raw)):
+            raise CodecError(f"{self.name}: payload decodes to NaN or Inf")
+
     @abc.abstractmethod
     def _decode_flat(self, header: Header, raw: _Buffer) -> torch.Tensor: ...
 
@@ -171,6 +206,9 @@ class CastCodec(_Codec):
         super().__init__(zstd_level=zstd_level, device=device, limits=limits or DecodeLimits())
         self.name = name
         self.codec_id, self.wire_dtype = self._WIRE[name]
+
+    def _piece(self, piece: int) -> int:
+        return 0 if self.zstd_level else piece
 
     def _encode_payload(self, x: torch.Tensor) -> tuple[list[memoryview], Flags, int]:
         if not _all_finite(x):
@@ -194,6 +232,9 @@ class CastCodec(_Codec):
         if not _all_finite(vals):
             raise CodecError(f"{self.name}: payload holds NaN or Inf")
         return vals.to(self.device)
+
+    def _validate(self, header: Header, raw: _Buffer) -> None:
+        self._values(header, raw)  # every wire value finite: fp16/bf16 -> fp32 widens exactly
 
     def _decode_flat(self, header: Header, raw: _Buffer) -> torch.Tensor:
         return self._values(header, raw).to(torch.float32, copy=True)
@@ -239,6 +280,9 @@ class BlockQuantCodec(_Codec):
                 self._generator.manual_seed(seed)
         self._backend = quant_backend(self.device)
 
+    def _piece(self, piece: int) -> int:
+        return 0 if self.zstd_level or self.stochastic else piece // self.block_size * self.block_size
+
     def _encode_payload(self, x: torch.Tensor) -> tuple[list[memoryview], Flags, int]:
         fn = self._backend.int8_quantize if self.codec_id == CodecId.INT8 else self._backend.int4_quantize
         q, scales = fn(x, block_size=self.block_size, scale_fp16=self.scale_fp16, stochastic=self.stochastic,
@@ -275,6 +319,11 @@ class BlockQuantCodec(_Codec):
         else:
             _check_nibbles(q, numel=header.numel)
         return q.to(self.device), scales.to(self.device)
+
+    def _validate(self, header: Header, raw: _Buffer) -> None:
+        # Well-formed q and scales finite, >= 0 and at most FP32_MAX / qmax: every q * scale is finite
+        # (|q| <= qmax, and rounding the exact product cannot pass FP32_MAX, which is representable).
+        self._parts(header, raw)
 
     def _decode_flat(self, header: Header, raw: _Buffer) -> torch.Tensor:
         q, scales = self._parts(header, raw)

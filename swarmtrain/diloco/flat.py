@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
-__all__ = ["assign_flat", "flat_hash", "flatten", "pseudo_gradient", "snapshot"]
+__all__ = ["PseudoGradient", "assign_flat", "flat_hash", "flatten", "pseudo_gradient", "snapshot"]
 
 
 def flatten(params: Iterable[torch.Tensor]) -> torch.Tensor:
@@ -46,16 +46,49 @@ def pseudo_gradient(theta_global: torch.Tensor, params: Iterable[torch.Tensor]) 
     θ_global ← θ_global − lr·Δ (momentum aside) moves θ_global towards the workers' mean θ_local.
     """
     # One new vector, the result: each parameter is subtracted from its slice in place, instead of
-    # first concatenating θ_local into a second model-sized temporary.
-    delta = theta_global.detach().to(device="cpu", dtype=torch.float32, copy=True)
-    offset = 0
-    for p in params:
-        n = p.numel()
-        delta[offset:offset + n].sub_(p.detach().reshape(-1).to(device="cpu", dtype=torch.float32))
-        offset += n
-    if offset != delta.numel():
-        raise ValueError(f"pseudo_gradient: the parameters hold {offset} values, θ_global {delta.numel()}")
-    return delta
+    # first concatenating θ_local into a second model-sized temporary (PseudoGradient.read, whole).
+    return PseudoGradient(theta_global, list(params), version=lambda: 0).read(0, theta_global.numel())
+
+
+class PseudoGradient:
+    """Δ = θ_global − θ_local read a slice at a time, never held as one model-sized vector.
+
+    `read(lo, hi)` returns a new fp32 CPU vector equal to `pseudo_gradient(θ_global, params)[lo:hi]`
+    to the bit (each value is the same one fp32 subtraction). The source is only valid while neither
+    θ_global nor the parameters change: `version()` (a counter the owner bumps at every change) is
+    taken here and checked at every read, and a read after a change raises instead of mixing weights.
+    """
+
+    def __init__(self, theta_global: torch.Tensor, params: Sequence[torch.Tensor], *,
+                 version: Callable[[], object]) -> None:
+        self._theta, self._params, self._version = theta_global, list(params), version
+        self._taken_at = version()
+        self._ends: list[int] = []
+        offset = 0
+        for p in self._params:
+            offset += p.numel()
+            self._ends.append(offset)
+        if offset != theta_global.numel():
+            raise ValueError(f"pseudo_gradient: the parameters hold {offset} values, θ_global {theta_global.numel()}")
+
+    def numel(self) -> int:
+        return self._theta.numel()
+
+    def read(self, lo: int, hi: int) -> torch.Tensor:
+        if not 0 <= lo <= hi <= self.numel():
+            raise IndexError(f"PseudoGradient.read: [{lo}, {hi}) is not within [0, {self.numel()})")
+        if self._version() != self._taken_at:
+            raise RuntimeError("PseudoGradient.read: θ_global or θ_local changed since this Δ was taken")
+        out = self._theta[lo:hi].detach().to(device="cpu", dtype=torch.float32, copy=True)
+        start = 0
+        for p, end in zip(self._params, self._ends, strict=True):
+            a, b = max(lo, start), min(hi, end)
+            if a < b:
+                out[a - lo:b - lo].sub_(p.detach().reshape(-1)[a - start:b - start].to(device="cpu", dtype=torch.float32))
+            if end >= hi:
+                break
+            start = end
+        return out
 
 
 def flat_hash(flat: torch.Tensor) -> str:

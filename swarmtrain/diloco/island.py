@@ -226,7 +226,7 @@ class IslandAverager:
         })
         if header["asked_round"] != round_index:
             raise IslandError(f"local rank {self.island.rank} is at round {round_index}, rank 0 at {header['asked_round']}")
-        mean = result.mean if result is not None else None
+        mean = result.mean_tensor() if result is not None else None
         if header["has_mean"]:
             buf = mean.reshape(-1).to(torch.float32).clone() if mean is not None else torch.empty(delta.numel())
             self.island.broadcast_(buf)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+
 import torch
 
 from swarmtrain.config import OuterConfig
@@ -36,16 +38,40 @@ class OuterOptimizer:
         grad = grad.to(device=theta.device, dtype=torch.float32)
         # Element-wise, so done in slices: the same bits as one pass, with temporaries of one slice
         # instead of the model's size (a peer of 1B parameters would need 8 GB more at every commit).
-        for lo in range(0, self.numel, STEP_SLICE):
-            if not bool(torch.isfinite(grad[lo:lo + STEP_SLICE]).all()):
+        if not _finite(grad):
+            raise ValueError("outer step: the averaged pseudo-gradient contains NaN/Inf")
+        self._apply(theta, grad, 0)
+
+    def step_pieces(self, theta: torch.Tensor, pieces: Callable[[], Iterable[tuple[int, torch.Tensor]]]) -> None:
+        """`step(theta, grad)` with grad given as (offset, values) pieces that cover it once, in order.
+
+        `pieces()` is called twice (a ShardedMean decodes its shards again each time): first every
+        piece is checked, so that θ and the momentum change only if the whole gradient is finite;
+        then each is applied. The same bits as `step` on the assembled gradient."""
+        if theta.shape != (self.numel,):
+            raise ValueError(f"outer step: theta shape {tuple(theta.shape)} must be ({self.numel},)")
+        at = 0
+        for lo, grad in pieces():
+            if lo != at or grad.dim() != 1 or lo + grad.numel() > self.numel:
+                raise ValueError(f"outer step: a piece of {grad.numel()} values at {lo} does not follow value {at}")
+            if not _finite(grad):
                 raise ValueError("outer step: the averaged pseudo-gradient contains NaN/Inf")
+            at = lo + grad.numel()
+        if at != self.numel:
+            raise ValueError(f"outer step: the pieces cover {at} of {self.numel} values")
+        for lo, grad in pieces():
+            self._apply(theta, grad.to(device=theta.device, dtype=torch.float32), lo)
+
+    def _apply(self, theta: torch.Tensor, grad: torch.Tensor, offset: int) -> None:
+        """The update of θ[offset : offset + len(grad)] and its momentum, in slices of STEP_SLICE."""
         buf = self.momentum_buffer
-        for lo in range(0, self.numel, STEP_SLICE):
-            g, t = grad[lo:lo + STEP_SLICE], theta[lo:lo + STEP_SLICE]
+        for lo in range(0, grad.numel(), STEP_SLICE):
+            g = grad[lo:lo + STEP_SLICE]
+            t = theta[offset + lo:offset + lo + g.numel()]
             if buf is None:
                 update = g
             else:
-                b = buf[lo:lo + STEP_SLICE]
+                b = buf[offset + lo:offset + lo + g.numel()]
                 b.mul_(self.cfg.momentum).add_(g)
                 update = g.add(b, alpha=self.cfg.momentum) if self.cfg.nesterov else b
             t.add_(update, alpha=-self.cfg.lr)
@@ -74,3 +100,8 @@ class OuterOptimizer:
             got = None if buf is None else tuple(buf.shape)
             raise ValueError(f"outer momentum buffer must have shape ({self.numel},), got {got}")
         self.momentum_buffer = buf.detach().to(torch.float32).clone()
+
+
+def _finite(t: torch.Tensor) -> bool:
+    """Whether every value of `t` is finite, checked in slices (no model-sized mask)."""
+    return all(bool(torch.isfinite(t[lo:lo + STEP_SLICE]).all()) for lo in range(0, t.numel(), STEP_SLICE))

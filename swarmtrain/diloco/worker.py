@@ -12,10 +12,10 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from swarmtrain.averaging.protocol import Averager, AverageResult
+from swarmtrain.averaging.protocol import Averager, AverageResult, ShardedMean, mean_tensor
 from swarmtrain.compress.codec import Codec
 from swarmtrain.config import RunConfig
-from swarmtrain.diloco.flat import assign_flat, flat_hash, flatten, pseudo_gradient, snapshot
+from swarmtrain.diloco.flat import PseudoGradient, assign_flat, flat_hash, flatten, pseudo_gradient, snapshot
 from swarmtrain.diloco.fragments import Ranges, fragment_ranges, gather, scatter_
 from swarmtrain.diloco.inner import (
     build_inner_optimizer,
@@ -162,6 +162,7 @@ class DilocoWorker:
         self._sent_early = False  # overlapped: Δ of `round` is out, and the steps now taken are round + 1's
         self._hash: tuple[int, str] | None = None  # (θ_global version, its hash): hashed once per change
         self._theta_version = 0
+        self._local_version = 0  # changes with every change of θ_local (an inner step, an assignment)
         # Held while θ_global, the outer momentum, the round and the members change together (an outer
         # step, a heal, a resume): a reader holding it sees one committed state (e.g. a peer serving it).
         self.global_lock = threading.Lock()
@@ -233,6 +234,7 @@ class DilocoWorker:
         set_lr(self.inner, self.cfg.inner.lr * factor)
         self.inner.step()
         self.inner.zero_grad(set_to_none=True)
+        self._local_version += 1
         self.inner_step += 1
         self.round_step += 1
         loss_sum += loss.detach().float()
@@ -251,11 +253,18 @@ class DilocoWorker:
         step = self.round_step if self.cfg.diloco.pace == "steps" else min(self.round_step, h - 1)
         return (self.round + self._sent_early) * h + step
 
-    def delta_problem(self, delta: torch.Tensor) -> str:
+    def delta_problem(self, delta: torch.Tensor | PseudoGradient) -> str:
         """Why `delta` must not be sent ("" when it may): NaN or Inf from a diverged inner step."""
         # In slices: a mask of the whole Δ would be one more model-sized temporary (a quarter of fp32).
-        bad = sum(int((~torch.isfinite(delta[lo:lo + STEP_SLICE])).sum()) for lo in range(0, delta.numel(), STEP_SLICE))
-        return f"non-finite pseudo-gradient: {bad} of {delta.numel()} values are NaN or Inf" if bad else ""
+        read = delta.read if isinstance(delta, PseudoGradient) else lambda lo, hi: delta[lo:hi]
+        n = delta.numel()
+        bad = sum(int((~torch.isfinite(read(lo, min(n, lo + STEP_SLICE)))).sum()) for lo in range(0, n, STEP_SLICE))
+        return f"non-finite pseudo-gradient: {bad} of {n} values are NaN or Inf" if bad else ""
+
+    def _set_local(self, flat: torch.Tensor) -> None:
+        """θ_local ← `flat` (a flat fp32 vector)."""
+        assign_flat(flat, self.params)
+        self._local_version += 1
 
     def resync(self) -> None:
         """Drop this round's local progress after a local failure (a non-finite Δ, a codec error).
@@ -263,7 +272,7 @@ class DilocoWorker:
         θ_local restarts from θ_global; inner-optimizer moments and the error-feedback residual that
         hold NaN or Inf are reset (the swarm's weights are untouched: θ_global never took the bad Δ).
         """
-        assign_flat(self.theta_global, self.params)
+        self._set_local(self.theta_global)
         self._pending_residual = None
         self._sent_early = False
         if self.residual is not None and not bool(torch.isfinite(self.residual).all()):
@@ -296,6 +305,16 @@ class DilocoWorker:
             self._pending_residual = d - self.codec.decode(self.codec.encode(d)).reshape(-1)
         return d
 
+    def delta_source(self) -> torch.Tensor | PseudoGradient:
+        """This round's Δ for a classic round: read a slice at a time from θ_global and θ_local when it
+        is just their difference (no error-feedback residual, no fragments), so that no model-sized Δ
+        is held while the round averages; `delta()` otherwise. Valid until θ_global or θ_local change
+        (an inner step, an outer step, a heal): a read after that raises."""
+        if self.residual is not None or self.fragments is not None:
+            return self.delta()
+        return PseudoGradient(self.theta_global, self.params,
+                              version=lambda: (self._theta_version, self._local_version))
+
     def send_overlapped(self) -> tuple[torch.Tensor, Carry]:
         """`diloco.overlap`: this round's Δ, and θ_local moved to where θ_global lands if the mean is Δ.
 
@@ -313,13 +332,13 @@ class DilocoWorker:
         frag = self.fragment()
         if frag is None:
             estimate = self.outer.preview(self.theta_global.detach().cpu(), delta)
-            assign_flat(estimate, self.params)
+            self._set_local(estimate)
             carry = Carry(base=estimate, on_abort=since)
         else:  # the fragment moves to its estimate; the others go on from where they are
             estimate = self._fragment_outer(frag).preview(gather(self.theta_global.detach().cpu(), frag), delta)
             carry = Carry(base=estimate, on_abort=gather(since, frag))
             scatter_(since, frag, estimate)
-            assign_flat(since, self.params)
+            self._set_local(since)
         self._sent_early, self.round_step = True, 0
         return delta, carry
 
@@ -352,11 +371,14 @@ class DilocoWorker:
         if result.committed:
             if result.mean is None:
                 raise ValueError(f"round {result.round} committed without a mean pseudo-gradient")
+            mean = result.mean
             with self.global_lock:
-                if frag is None:
-                    self.outer.step(self.theta_global, result.mean.reshape(-1))
+                if frag is None and isinstance(mean, ShardedMean):  # decoded shard by shard, never whole
+                    self.outer.step_pieces(self.theta_global, mean.pieces)
+                elif frag is None:
+                    self.outer.step(self.theta_global, mean.reshape(-1))
                 else:
-                    self._step_fragment(frag, result.mean.reshape(-1))
+                    self._step_fragment(frag, mean_tensor(mean).reshape(-1))
                 self._theta_version += 1
                 self.members = tuple(result.members)
                 self.round += 1
@@ -375,10 +397,10 @@ class DilocoWorker:
         if frag is not None:
             self._settle_fragment(frag, result.committed, carry)
         elif carry is None:
-            assign_flat(self.theta_global, self.params)
+            self._set_local(self.theta_global)
         else:  # the inner steps since Δ was sent, on top of the new θ_global (or back where Δ was taken)
             base = self.theta_global.detach().cpu() if result.committed else carry.on_abort
-            assign_flat(base + (flatten(self.params) - carry.base), self.params)
+            self._set_local(base + (flatten(self.params) - carry.base))
         if self.after_round is not None:
             self.after_round(self)
         return result.committed
@@ -401,7 +423,7 @@ class DilocoWorker:
         if carry is not None:
             theta = (theta if committed else carry.on_abort) + (gather(local, frag) - carry.base)
         scatter_(local, frag, theta)
-        assign_flat(local, self.params)
+        self._set_local(local)
 
     def run_round(self, averager: Averager) -> RoundReport:
         """Inner steps, then average Δ through `averager`, then apply the outcome."""
@@ -436,11 +458,11 @@ class DilocoWorker:
     def evaluate_global(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float:
         """Mean loss of θ_global (θ_local differs from it under `diloco.overlap`); θ_local is restored."""
         local = flatten(self.params)
-        assign_flat(self.theta_global, self.params)
+        self._set_local(self.theta_global)
         try:
             return self.evaluate(batches)
         finally:
-            assign_flat(local, self.params)
+            self._set_local(local)
 
     @property
     def theta_version(self) -> int:
@@ -485,7 +507,7 @@ class DilocoWorker:
             self.round, self._sent_early = round_index, False
             self.members = tuple(members)
         self._pending_residual = None
-        assign_flat(self.theta_global if progress is None else self.theta_global.detach().cpu() + progress, self.params)
+        self._set_local(self.theta_global if progress is None else self.theta_global.detach().cpu() + progress)
 
     def forget_residual(self) -> None:
         """After a heal: drop the error-feedback residual (the inner optimizer's moments are kept).
@@ -518,9 +540,12 @@ class DilocoWorker:
 
         tensors: dict[str, torch.Tensor] = {
             "theta_global": own(self.theta_global.detach().cpu()),
-            "theta_local": flatten(self.params),
             "rng.cpu": self._rng_state.clone(),
         }
+        if copy or any(p.device.type != "cpu" or p.dtype != torch.float32 for p in self.params):
+            tensors["theta_local"] = flatten(self.params)
+        else:  # each parameter as it is: no model-sized concatenation at every checkpoint
+            tensors.update({f"theta_local.{i}": p.detach().reshape(-1) for i, p in enumerate(self.params)})
         tensors.update({f"outer.{k}": own(v) for k, v in self.outer.state_tensors().items()})
         if self.residual is not None:
             tensors["ef.residual"] = own(self.residual)
@@ -540,12 +565,18 @@ class DilocoWorker:
             raise ValueError(f"worker state has format {meta.get('format')!r}, this code reads {STATE_FORMAT}")
         if meta["numel"] != self.numel:
             raise ValueError(f"worker state is for {meta['numel']} parameters, this model has {self.numel}")
-        for key in ("theta_global", "theta_local", "rng.cpu"):
+        for key in ("theta_global", "rng.cpu"):
             if key not in tensors:
                 raise ValueError(f"worker state is missing tensor {key!r}")
+        local = tensors.get("theta_local")
+        if local is None:  # one tensor per parameter (`state_dict(copy=False)`)
+            missing = [f"theta_local.{i}" for i in range(len(self.params)) if f"theta_local.{i}" not in tensors]
+            if missing:
+                raise ValueError(f"worker state is missing tensor 'theta_local' (or {missing[0]!r})")
+            local = torch.cat([tensors[f"theta_local.{i}"].reshape(-1) for i in range(len(self.params))])
         self.theta_global.copy_(tensors["theta_global"])
         self._theta_version += 1
-        assign_flat(tensors["theta_local"], self.params)
+        self._set_local(local)
         self.outer.load_state_tensors({k[len("outer."):]: v for k, v in tensors.items() if k.startswith("outer.")})
         if self.residual is not None:
             if "ef.residual" not in tensors:

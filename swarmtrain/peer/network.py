@@ -23,10 +23,11 @@ from swarmtrain.averaging.ballot import VoteBook
 from swarmtrain.averaging.group import Group, Member
 from swarmtrain.averaging.matchmaking import Matchmaker, MatchOutcome
 from swarmtrain.averaging.network import NetworkAverager
-from swarmtrain.averaging.protocol import AverageResult
+from swarmtrain.averaging.protocol import AverageResult, Delta
 from swarmtrain.compress import Codec
 from swarmtrain.config import DiscoveryConfig, RunConfig, to_dict
 from swarmtrain.discovery import Discovery
+from swarmtrain.peer.heap import trim_heap
 from swarmtrain.peer.services import LivePeerState, PeerError, PeerState
 from swarmtrain.rpc.node import RpcNode
 from swarmtrain.sync.transfer import StateServer, StateSnapshot, fetch_state, fetch_state_parallel
@@ -137,12 +138,18 @@ class NetworkPlane:
             self.loop.call_soon_threadsafe(on_group, group)
         return group
 
-    async def average(self, round_index: int, delta: torch.Tensor, *, steps_per_s: float = 0.0,
+    async def average(self, round_index: int, delta: Delta, *, steps_per_s: float = 0.0,
                       electorate: tuple[str, ...] = (),
                       on_group: Callable[[Group], None] | None = None) -> AverageResult:
         self._outcome, self._steps_per_s, self._on_group = None, steps_per_s, on_group
+        await asyncio.to_thread(trim_heap)  # what the inner steps freed goes back before the all-reduce allocates
         result = await asyncio.to_thread(functools.partial(self.averager.average, round_index, delta,
                                                            electorate=electorate))
+        # Inner steps come next, the peak of the peer's memory: idle buffers are not kept through them
+        # (the next round allocates its own; a fresh page costs far less than a round's inner steps).
+        if self.node.running:  # a node closed during the round (the peer left) has no buffers to release
+            with contextlib.suppress(RuntimeError):  # closed between the check and the call
+                self.node.loop.call_soon_threadsafe(self.node.buffers.release_idle)
         outcome = self._outcome
         if result.committed or outcome is None:
             return result
@@ -170,8 +177,11 @@ class NetworkPlane:
     def unreported_bytes(self) -> tuple[int, int]:
         return self.averager.unreported_bytes()
 
-    async def fetch_state(self, endpoints: Sequence[str]) -> tuple[PeerState, tuple[str, ...]]:
-        expected = {name: shape for name, shape in self.param_shapes}
+    async def fetch_state(self, endpoints: Sequence[str], *,
+                          param_shapes: Sequence[tuple[str, tuple[int, ...]]] | None = None,
+                          ) -> tuple[PeerState, tuple[str, ...]]:
+        shapes = self.param_shapes if param_shapes is None else list(param_shapes)
+        expected = {name: shape for name, shape in shapes}
         if len(endpoints) > 1:
             snap, served = await asyncio.to_thread(fetch_state_parallel, self.node, endpoints,
                                                    run_id=self.cfg.train.run_id, expected_shapes=expected,
@@ -188,10 +198,10 @@ class NetworkPlane:
         differing = [s for s in RUN_SECTIONS_THAT_MUST_MATCH if ours[s] != theirs[s]]
         if differing:
             raise PeerError(f"{who} serves a state of a differently configured run ({', '.join(differing)})")
-        theta = torch.cat([snap.params[name].reshape(-1).to(torch.float32) for name, _ in self.param_shapes])
+        theta = torch.cat([snap.params[name].reshape(-1).to(torch.float32) for name, _ in shapes])
         momentum = None
         if snap.momentum:
-            momentum = torch.cat([snap.momentum[name].reshape(-1).to(torch.float32) for name, _ in self.param_shapes])
+            momentum = torch.cat([snap.momentum[name].reshape(-1).to(torch.float32) for name, _ in shapes])
         return PeerState(round=snap.round, theta_global=theta, outer_momentum=momentum, members=snap.members), served
 
     async def aclose(self) -> None:

@@ -42,6 +42,7 @@ from swarmtrain.models import build_model
 from swarmtrain.peer.config import merge_run_config
 from swarmtrain.peer.data import choose_shard, peer_batches, peer_seed, saved_slot
 from swarmtrain.peer.healing import Healing
+from swarmtrain.peer.heap import trim_heap
 from swarmtrain.peer.joining import fetch_run_config
 from swarmtrain.peer.membership import Membership
 from swarmtrain.peer.overlap import OverlappedRounds
@@ -263,7 +264,7 @@ class Peer(OverlappedRounds, Healing):
                 if stats is None:
                     machine.stopped()
                     continue
-                pending = PendingRound(round=worker.round, delta=await asyncio.to_thread(worker.delta),
+                pending = PendingRound(round=worker.round, delta=await asyncio.to_thread(worker.delta_source),
                                        loss=stats.loss, compute_s=stats.compute_s, steps=stats.steps)
                 # Checked once per trained Δ (a retry averages the same Δ again).
                 problem = await asyncio.to_thread(worker.delta_problem, pending.delta)
@@ -307,6 +308,7 @@ class Peer(OverlappedRounds, Healing):
         A timed round enters matchmaking shortly before its span ends (`RoundBudget.match_at_s`).
         """
         assert self.worker is not None and self.plane is not None
+        await asyncio.to_thread(trim_heap)  # what the last round freed goes back before the inner steps allocate
         budget = self.pace.budget()
         join, self._join_by = self._join_by, None
         if join is not None and join[0] == self.worker.round:  # healed into a round under way: end with the swarm
@@ -404,6 +406,7 @@ class Peer(OverlappedRounds, Healing):
         worker = self.worker
         self.phase = "training"
         val_loss = None
+        pending.delta = torch.empty(0) if result.committed else pending.delta  # a committed Δ's memory goes now
         self._presence().saw_others(len(result.members) - 1)
         if result.committed:
             # Off the loop (an outer step over θ takes seconds at 100M+ parameters) but never during inner

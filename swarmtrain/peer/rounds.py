@@ -9,10 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from swarmtrain.averaging.group import Group
-from swarmtrain.averaging.protocol import AverageResult
+from swarmtrain.averaging.protocol import AverageResult, Delta
 from swarmtrain.diloco.worker import Carry, InnerStats
 from swarmtrain.round import RoundMachine
 
@@ -33,7 +31,7 @@ class PendingRound:
     """
 
     round: int
-    delta: torch.Tensor
+    delta: Delta  # a classic round's Δ is read a slice at a time from θ_global and θ_local
     loss: float
     compute_s: float
     steps: int

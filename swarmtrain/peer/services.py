@@ -10,7 +10,7 @@ from typing import Protocol
 import torch
 
 from swarmtrain.averaging.group import Group
-from swarmtrain.averaging.protocol import AverageResult
+from swarmtrain.averaging.protocol import AverageResult, Delta
 from swarmtrain.compress import Codec
 from swarmtrain.config import DiscoveryConfig, RunConfig
 from swarmtrain.discovery import Discovery
@@ -45,7 +45,7 @@ class DataPlane(Protocol):
     @property
     def endpoint(self) -> str: ...
 
-    async def average(self, round_index: int, delta: torch.Tensor, *, steps_per_s: float = 0.0,
+    async def average(self, round_index: int, delta: Delta, *, steps_per_s: float = 0.0,
                       electorate: tuple[str, ...] = (),
                       on_group: Callable[[Group], None] | None = None) -> AverageResult:
         """Round `round_index`'s group mean of `delta`; `steps_per_s` is announced to the group (diloco.pace).
@@ -75,9 +75,14 @@ class DataPlane(Protocol):
         """(sent, received) data-plane bytes not yet in any round line's count."""
         ...
 
-    async def fetch_state(self, endpoints: Sequence[str]) -> tuple[PeerState, tuple[str, ...]]:
+    async def fetch_state(self, endpoints: Sequence[str], *,
+                          param_shapes: Sequence[tuple[str, tuple[int, ...]]] | None = None,
+                          ) -> tuple[PeerState, tuple[str, ...]]:
         """The state of the donors at `endpoints`, verified: from several at once (a range each, the
-        blob most of them serve) or from the one given; with the endpoints that served it."""
+        blob most of them serve) or from the one given; with the endpoints that served it.
+
+        `param_shapes`: the (name, shape) the state must have, when it is another part's than this
+        plane's (a stage server's copy of a neighbouring stage); by default this plane's."""
         ...
 
     async def aclose(self) -> None: ...

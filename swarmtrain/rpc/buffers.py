@@ -9,6 +9,7 @@ size views. Single-threaded (one event loop), except that lent arrays may be fre
 
 from __future__ import annotations
 
+import mmap
 import weakref
 from collections import OrderedDict, deque
 
@@ -28,7 +29,7 @@ class BufferPool:
         if max_bytes < 0:
             raise ValueError(f"BufferPool.max_bytes: must be >= 0, got {max_bytes}")
         self.max_bytes = max_bytes
-        self._idle: OrderedDict[int, bytearray] = OrderedDict()  # id(block) -> block, oldest first
+        self._idle: OrderedDict[int, bytearray | mmap.mmap] = OrderedDict()  # id(block) -> block, oldest first
         self._idle_bytes = 0
         self._returned: deque[memoryview] = deque()  # from `lend` finalizers, on any thread
 
@@ -48,7 +49,9 @@ class BufferPool:
                     del self._idle[key]
                     self._idle_bytes -= want
                     return memoryview(block)[:size]
-            return memoryview(bytearray(want))[:size]
+            # Anonymous pages: zero without a memset, so the caller (often the event loop) does not fault in
+            # the whole block; each page is faulted in where it is first written (a decode thread, a socket).
+            return memoryview(mmap.mmap(-1, want))[:size]
         return memoryview(bytearray(size))
 
     def give(self, view: memoryview) -> None:
@@ -56,7 +59,7 @@ class BufferPool:
         over it: Python cannot tell us, so consumers copy what they keep; see reducer._own_checked)."""
         block = view.obj
         view.release()
-        if not isinstance(block, bytearray) or len(block) < _SMALL_BYTES or len(block) > self.max_bytes:
+        if not isinstance(block, (bytearray, mmap.mmap)) or len(block) < _SMALL_BYTES or len(block) > self.max_bytes:
             return
         self._idle[id(block)] = block
         self._idle_bytes += len(block)
@@ -71,6 +74,14 @@ class BufferPool:
         array = np.frombuffer(view, dtype=np.uint8)
         weakref.finalize(array, self._returned.append, view)  # deque.append is atomic: any thread may free it
         return array
+
+    def release_idle(self) -> int:
+        """Free every idle block (e.g. before a memory-hungry phase); returns the bytes released."""
+        while self._returned:
+            self.give(self._returned.popleft())
+        released, self._idle_bytes = self._idle_bytes, 0
+        self._idle.clear()
+        return released
 
     @property
     def idle_bytes(self) -> int:

@@ -154,7 +154,8 @@ class RpcNode:
         self.peer_id = peer_id
         self.serve = serve
         self.counters = ByteCounters()
-        self.buffers = BufferPool()  # receive buffers of the bulk path, reused across rounds (loop thread only)
+        # receive and scratch buffers of the data plane, reused across rounds (loop thread only)
+        self.buffers = BufferPool(max_bytes=cfg.buffer_pool_mib << 20)
         self.secret = RunSecret.from_run_key(resolve_run_key(cfg.run_key))
         self._signer = CallSigner(self.secret, peer_id=peer_id)
         self.tls = NodeTls(self.secret, peer_id=peer_id) if cfg.tls else None  # TlsWithoutKeyError on an open run

@@ -89,4 +89,4 @@ def check_rounds(swarm: Swarm, names: Sequence[str], numel: int, count: int) -> 
         expected = reference_mean(deltas, names, shard_bounds(numel, (0.0,) * len(names)))
         for name, r in results.items():
             assert r.committed, f"{name}: {r.reason}"
-            assert r.mean is not None and torch.equal(r.mean, expected), name
+            assert r.mean is not None and torch.equal(r.mean_tensor(), expected), name

@@ -38,7 +38,7 @@ def test_a_member_scaling_its_delta_by_a_million_moves_nothing_past_the_honest_v
     with Swarm(NAMES, avg=avg, codec=codec) as swarm:
         results = swarm.average(0, deltas)
     assert all(r.committed for r in results.values()), {n: r.reason for n, r in results.items()}
-    means = [r.mean for r in results.values()]
+    means = [r.mean_tensor() for r in results.values()]
     assert all(m is not None and torch.equal(m, means[0]) for m in means)
     expected = _reference(deltas, codec)
     assert torch.equal(means[0], expected)  # type: ignore[arg-type]

@@ -39,7 +39,7 @@ def test_every_member_averages_the_gathered_contributions_to_the_same_mean(no_th
     for name, r in results.items():
         assert r.committed, f"{name} aborted: {r.reason}"
         assert list(r.members) == NAMES
-        assert r.mean is not None and torch.equal(r.mean, expected), f"{name}'s mean differs from the reference"
+        assert r.mean is not None and torch.equal(r.mean_tensor(), expected), f"{name}'s mean differs from the reference"
     # each contribution crosses the network 3 times (gRPC framing on top): far below int8's 2 × 3/4 × 1 B/value
     size = len(get_codec("sparse", **SPARSE).encode(deltas["a"]))
     assert all(r.bytes_sent < 3 * size + 40_000 for r in results.values()), {n: r.bytes_sent for n, r in results.items()}
@@ -54,7 +54,7 @@ def test_a_lost_contribution_leaves_its_sender_out_of_every_bundle(no_thread_lea
     for name, r in results.items():
         assert r.committed, f"{name} aborted: {r.reason}"
         assert list(r.members) == ["a", "c", "d"] and r.failed == ("b",)
-        assert r.mean is not None and torch.equal(r.mean, expected), name
+        assert r.mean is not None and torch.equal(r.mean_tensor(), expected), name
 
 
 def test_reencode_sends_the_mean_re_sparsified(no_thread_leak: None) -> None:
@@ -67,5 +67,5 @@ def test_reencode_sends_the_mean_re_sparsified(no_thread_leak: None) -> None:
     for lo, hi in shard_bounds(NUMEL, (0.0,) * 3, align=codec.alignment):
         mean = mean_of_gathered(codec, [codec.encode(deltas[p][lo:hi]) for p in NAMES[:3]], out=torch.empty(hi - lo))
         expected[lo:hi] = codec.decode(codec.encode(mean))
-    assert all(r.committed and r.mean is not None and torch.equal(r.mean, expected) for r in results.values())
+    assert all(r.committed and r.mean is not None and torch.equal(r.mean_tensor(), expected) for r in results.values())
     assert int((expected != 0).sum()) <= codec.k * (NUMEL // 256 + 3)  # k per chunk survive (3 short last chunks)

@@ -252,13 +252,13 @@ def test_a_reducer_killed_while_serving_means_never_splits_the_mean() -> None:
         assert len({r.members for r in committed}) <= 1, [r.reason for r in results.values()]
         for name, r in results.items():
             if r.committed:
-                assert r.mean is not None and torch.equal(r.mean, reference_mean(deltas, r.members, ((0, NUMEL),))), name
+                assert r.mean is not None and torch.equal(r.mean_tensor(), reference_mean(deltas, r.members, ((0, NUMEL),))), name
             else:
                 assert r.mean is None and r.reason, name
         survivors = ["a", "b", "d"]
         later = swarm.average(1, deltas_for(survivors, NUMEL, seed=1))
         assert all(r.committed for r in later.values()), [r.reason for r in later.values()]
-        means = [r.mean for r in later.values()]
+        means = [r.mean_tensor() for r in later.values()]
         assert all(m is not None and torch.equal(m, means[0]) for m in means)
 
 
@@ -288,7 +288,7 @@ def test_a_thousand_junk_connections_leave_the_swarm_committing_with_bounded_mem
                 deltas = deltas_for(names, NUMEL, seed=round_index)
                 expected = reference_mean(deltas, names, shard_bounds(NUMEL, (0.0,) * len(names)))
                 for name, r in swarm.average(round_index, deltas).items():
-                    assert r.committed and r.mean is not None and torch.equal(r.mean, expected), name
+                    assert r.committed and r.mean is not None and torch.equal(r.mean_tensor(), expected), name
             assert _rss_bytes() - rss_before < 64 << 20
         finally:
             for sock in junk:

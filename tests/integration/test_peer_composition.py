@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from swarmtrain.averaging.protocol import AverageResult
+from swarmtrain.averaging.protocol import AverageResult, Delta, reader
 from swarmtrain.compress import Codec
 from swarmtrain.config import ConfigError, DiscoveryConfig, RunConfig, load_config, to_dict
 from swarmtrain.data import ShardedBatches, load_corpus
@@ -56,7 +56,7 @@ class WindowedAllReduce:
         self.min_peers = min_peers
         self.rounds: dict[int, _Round] = {}
 
-    async def average(self, peer_id: str, round_index: int, delta: torch.Tensor, *,
+    async def average(self, peer_id: str, round_index: int, delta: Delta, *,
                       steps_per_s: float = 0.0) -> AverageResult:
         rd = self.rounds.setdefault(round_index, _Round())
         if rd.closed:  # like the matchmaker: a late peer waits out the attempt before trying the round again
@@ -65,7 +65,7 @@ class WindowedAllReduce:
         if not rd.deltas:
             asyncio.get_running_loop().call_later(self.window_s, self._close, round_index, rd)
             rd.closes_at = time.time() + self.window_s
-        rd.deltas[peer_id], rd.rates[peer_id] = delta.clone(), steps_per_s
+        rd.deltas[peer_id], rd.rates[peer_id] = reader(delta)(0, delta.numel()).clone(), steps_per_s
         await rd.done.wait()
         assert rd.result is not None
         return rd.result
@@ -110,7 +110,7 @@ class FakePlane:
     def publish_state(self, state: PeerState) -> None:
         self.published.append((state.round, state.state_hash))
 
-    async def average(self, round_index: int, delta: torch.Tensor, *, steps_per_s: float = 0.0,
+    async def average(self, round_index: int, delta: Delta, *, steps_per_s: float = 0.0,
                       electorate: tuple[str, ...] = (), on_group: object = None) -> AverageResult:
         # The double's windowed rounds apply the group rule only; the electorate is the all-reduce's
         # (tests/integration/test_swarm_quorum.py runs it on the in-process cluster).
@@ -122,7 +122,8 @@ class FakePlane:
     def unreported_bytes(self) -> tuple[int, int]:
         return 0, 0  # the double counts every byte in its round results
 
-    async def fetch_state(self, endpoints: Sequence[str]) -> tuple[PeerState, tuple[str, ...]]:
+    async def fetch_state(self, endpoints: Sequence[str], *,
+                          param_shapes: object = None) -> tuple[PeerState, tuple[str, ...]]:
         """Like the real plane: several donors must serve one state (a range each), else it fails."""
         states = [self.services.states[e]() for e in endpoints]
         if any(s.round != states[0].round or not torch.equal(s.theta_global, states[0].theta_global) for s in states):

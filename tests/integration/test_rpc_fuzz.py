@@ -105,4 +105,4 @@ def test_after_the_fuzzing_the_peers_still_average_exactly(served: tuple[Swarm, 
     results = swarm.average(1, deltas)
     assert all(r.committed for r in results.values()), {n: r.reason for n, r in results.items()}
     expected = (deltas["a"] + deltas["b"]) / 2
-    assert all(torch.allclose(r.mean, expected) for r in results.values() if r.mean is not None)  # type: ignore[arg-type]
+    assert all(torch.allclose(r.mean_tensor(), expected) for r in results.values() if r.mean is not None)  # type: ignore[arg-type]

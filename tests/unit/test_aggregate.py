@@ -67,14 +67,13 @@ def test_aggregating_encoded_parts_decodes_each_once_and_the_mean_is_unchanged(n
     codec = get_codec(name)
     g = torch.Generator().manual_seed(3)
     parts = [codec.encode(torch.randn(2048, generator=g)) for _ in range(5)]
-    mean = aggregate_encoded(codec, parts, Aggregation(), out=torch.empty(2048), scratch=torch.empty(2048))
-    assert torch.equal(mean, mean_of_encoded(codec, parts, out=torch.empty(2048), scratch=torch.empty(2048)))
-    trimmed = aggregate_encoded(codec, parts, Aggregation("trimmed_mean"), out=torch.empty(2048),
-                                scratch=torch.empty(2048))
+    mean = aggregate_encoded(codec, parts, Aggregation(), out=torch.empty(2048))
+    assert torch.equal(mean, mean_of_encoded(codec, parts, out=torch.empty(2048)))
+    trimmed = aggregate_encoded(codec, parts, Aggregation("trimmed_mean"), out=torch.empty(2048))
     ref = _reference(np.stack([codec.decode(p).numpy() for p in parts]), 1)
     np.testing.assert_allclose(trimmed.numpy(), ref, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="no contributions"):
-        aggregate_encoded(codec, [], Aggregation(), out=torch.empty(1), scratch=torch.empty(1))
+        aggregate_encoded(codec, [], Aggregation(), out=torch.empty(1))
 
 
 def test_attacks_replace_only_the_last_members_contributions() -> None:

@@ -191,3 +191,37 @@ def test_zstd_stage_shrinks_compressible_data() -> None:
     plain, packed = get_codec("int8").encode(x), get_codec("int8", zstd_level=3).encode(x)
     assert len(packed) < len(plain) // 10
     assert torch.equal(get_codec("int8").decode(packed), get_codec("int8").decode(plain))
+
+
+@pytest.mark.parametrize("name,options", [
+    ("fp32", {}), ("fp16", {}), ("bf16", {}), ("int8", {}), ("int4", {}), ("int8", {"block_size": 6}),
+    ("int4", {"block_size": 6}), ("int8", {"scale_dtype": "fp16"}), ("int8", {"zstd_level": 3}),
+    ("int8", {"stochastic_rounding": True, "seed": 3}), ("sparse", {"chunk_size": 16, "density": 0.25}),
+])
+@pytest.mark.parametrize("numel", [0, 1, 47, 48, 49, 1001])
+def test_encode_from_pieces_equals_encoding_the_whole(name: str, options: dict[str, object], numel: int) -> None:
+    """Read a few values at a time (pieces of 8 or 16, cut at the codec's blocks), the bytes are the
+    whole tensor's: the wire layout of each part is the pieces' parts laid end to end."""
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
+    reads: list[tuple[int, int]] = []
+
+    def read(lo: int, hi: int) -> torch.Tensor:
+        reads.append((lo, hi))
+        return x[lo:hi].clone()
+
+    for piece in (8, 16, 1 << 22):
+        reads.clear()
+        whole = get_codec(name, **options).encode(x)  # a fresh codec each: a stochastic one's seed restarts
+        assert get_codec(name, **options).encode_from(read, numel, piece=piece) == whole, piece
+        whole_only = bool(options.get("zstd_level") or options.get("stochastic_rounding")) or name == "sparse"
+        align = int(options.get("block_size", 64)) if name.startswith("int") else 1  # type: ignore[call-overload]
+        step = 0 if whole_only else piece // align * align
+        expected = [(lo, min(numel, lo + step)) for lo in range(0, numel, step)] if 0 < step < numel else [(0, numel)]
+        assert reads == expected, (piece, reads)
+
+def test_encode_from_refuses_a_source_that_reads_the_wrong_values() -> None:
+    codec = get_codec("int8")
+    with pytest.raises(CodecError, match="expected that many flat float32 values"):
+        codec.encode_from(lambda lo, hi: torch.zeros(hi - lo + 1), 100, piece=64)
+    with pytest.raises(CodecError, match="expected that many flat float32 values"):
+        codec.encode_from(lambda lo, hi: torch.zeros(hi - lo, dtype=torch.float64), 100, piece=64)

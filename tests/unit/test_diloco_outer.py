@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -100,3 +102,42 @@ def test_an_outer_step_over_several_slices_is_bit_identical_to_one_pass(nesterov
     with pytest.raises(ValueError, match="NaN"):
         opt.step(ours, bad)
     assert torch.equal(ours, ref)  # refused before anything changed
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("cuts", [(0,), (0, 64, 1_048_640), (0, 1, 777_777, 1_048_577)])
+def test_an_outer_step_in_pieces_is_bit_identical_to_one_pass(nesterov: bool, cuts: tuple[int, ...]) -> None:
+    """A mean applied shard by shard (ShardedMean) moves θ and the momentum to the same bits as the whole."""
+    from swarmtrain.averaging.protocol import MeanShard, ShardedMean
+
+    n = 1_300_003
+    g = torch.Generator().manual_seed(5)
+    theta, grad = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    bounds = [*cuts, n]
+    mean = ShardedMean(n, tuple(MeanShard(lo, hi, lambda out, lo=lo, hi=hi: out.copy_(grad[lo:hi]))
+                                for lo, hi in itertools.pairwise(bounds)))
+    cfg = OuterConfig(lr=0.7, momentum=0.9, nesterov=nesterov)
+    whole, pieces = OuterOptimizer(cfg, numel=n), OuterOptimizer(cfg, numel=n)
+    ours, ref = theta.clone(), theta.clone()
+    for _ in range(2):
+        whole.step(ref, grad)
+        pieces.step_pieces(ours, mean.pieces)
+    assert torch.equal(ours, ref) and torch.equal(pieces.momentum_buffer, whole.momentum_buffer)
+    assert torch.equal(mean.tensor(), grad)
+
+
+def test_an_outer_step_in_pieces_refuses_bad_pieces_before_changing_anything() -> None:
+    n = 1000
+    theta0 = torch.randn(n)
+    opt = OuterOptimizer(OuterConfig(lr=0.7, momentum=0.9), numel=n)
+    grad = torch.randn(n)
+    bad = grad.clone()
+    bad[-1] = float("inf")  # in the last piece: the first must not have been applied either
+    theta = theta0.clone()
+    with pytest.raises(ValueError, match="NaN/Inf"):
+        opt.step_pieces(theta, lambda: [(0, bad[:500]), (500, bad[500:])])
+    with pytest.raises(ValueError, match="cover 500 of 1000"):
+        opt.step_pieces(theta, lambda: [(0, grad[:500])])
+    with pytest.raises(ValueError, match="does not follow"):
+        opt.step_pieces(theta, lambda: [(0, grad[:500]), (400, grad[400:])])
+    assert torch.equal(theta, theta0) and opt.momentum_buffer is not None and not opt.momentum_buffer.any()

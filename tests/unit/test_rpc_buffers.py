@@ -62,3 +62,17 @@ def test_lent_memory_comes_back_once_the_last_tensor_over_it_is_gone() -> None:
     del half
     again = pool.take(4 * MB)  # the lent block is back
     assert torch.frombuffer(again, dtype=torch.uint8, count=1).data_ptr() == block_ptr
+
+
+def test_release_idle_frees_every_idle_block_and_keeps_lent_ones_working() -> None:
+    pool = BufferPool()
+    kept = pool.take(2 * MB)
+    idle = pool.take(3 * MB)
+    pool.give(idle)
+    lent = pool.lend(MB)
+    del lent  # returned through the finalizer queue
+    assert pool.release_idle() == 3 * MB + MB
+    assert pool.idle_bytes == 0
+    kept[:4] = b"abcd"  # a block still taken is untouched
+    pool.give(kept)
+    assert pool.idle_bytes == 2 * MB

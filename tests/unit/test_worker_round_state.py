@@ -169,9 +169,57 @@ def test_a_state_dict_without_copies_shares_the_workers_tensors_and_holds_the_sa
     w.train_inner()
     copied, meta = w.state_dict()
     shared, shared_meta = w.state_dict(copy=False)
-    assert meta == shared_meta and copied.keys() == shared.keys()
-    assert all(torch.equal(copied[k], shared[k]) for k in copied)
+    local = [f"theta_local.{i}" for i in range(len(w.params))]  # each parameter itself, not a flat copy
+    assert meta == shared_meta and copied.keys() - {"theta_local"} == shared.keys() - set(local)
+    assert all(torch.equal(copied[k], shared[k]) for k in copied if k != "theta_local")
+    assert torch.equal(torch.cat([shared[k] for k in local]), copied["theta_local"])
+    assert [shared[k].data_ptr() for k in local] == [p.data_ptr() for p in w.params]
+    other = _worker(cfg)  # either form restores the same worker
+    other.load_state_dict({k: v.clone() for k, v in shared.items()}, shared_meta)
+    assert torch.equal(flatten(other.params), copied["theta_local"])
+    assert torch.equal(other.theta_global, w.theta_global)
     assert shared["theta_global"].data_ptr() == w.theta_global.data_ptr()
     assert copied["theta_global"].data_ptr() != w.theta_global.data_ptr()
     moments = [k for k in shared if k.startswith("inner.") and k.endswith("exp_avg")]
     assert moments and shared[moments[0]].data_ptr() != copied[moments[0]].data_ptr()
+
+
+def test_a_classic_rounds_delta_is_read_in_slices_equal_to_the_whole_and_refused_once_theta_moves(
+        cfg: RunConfig) -> None:
+    """`delta_source()` reads Δ = θ_global − θ_local a slice at a time: every slice, across parameter
+    boundaries, equals the same slice of `delta()` to the bit; after any change of θ_local or θ_global
+    (an inner step, an outer step, a resync, a heal) a read raises instead of mixing two states."""
+    w = _worker(cfg)
+    w.train_inner()
+    source, whole = w.delta_source(), w.delta()
+    assert not isinstance(source, torch.Tensor) and source.numel() == whole.numel()
+    cuts = torch.randint(0, whole.numel(), (20,), generator=torch.Generator().manual_seed(0))
+    bounds = [0, 1, 7, *(int(b) for b in cuts), whole.numel()]
+    for lo, hi in zip(sorted(bounds), sorted(bounds)[1:], strict=False):
+        assert torch.equal(source.read(lo, hi), whole[lo:hi]), (lo, hi)
+    assert w.delta_problem(source) == w.delta_problem(whole) == ""
+    with pytest.raises(IndexError):
+        source.read(0, whole.numel() + 1)
+    changes = {
+        "an inner step": lambda: w.train_inner(1),
+        "an outer step": lambda: w.apply(_commit(w)),
+        "a resync": w.resync,
+        "a heal": lambda: w.adopt_global(round_index=w.round, theta_global=w.theta_global.clone(),
+                                         outer_momentum=w.outer.state_tensors().get("momentum")),
+    }
+    for what, change in changes.items():
+        source = w.delta_source()
+        source.read(0, 10)
+        change()
+        with pytest.raises(RuntimeError, match="changed since this Δ was taken"):
+            source.read(0, 10)
+        assert w.delta_source().read(0, 10).shape == (10,), what
+
+
+def test_a_non_finite_delta_read_in_slices_is_found(cfg: RunConfig) -> None:
+    w = _worker(cfg)
+    w.train_inner()
+    with torch.no_grad():
+        w.params[-1].view(-1)[0] = float("nan")
+    source = w.delta_source()
+    assert "1 of" in w.delta_problem(source) and w.delta_problem(source) == w.delta_problem(w.delta())
