@@ -26,9 +26,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     up.add_argument("--data-port", type=int, default=7000,
                     help="TCP port whose traffic is counted as data plane (bind peers' gRPC here; default: 7000)")
 
-    run = sub.add_parser("run", help="run a command inside one host (`{ip}` in it becomes the host's address)")
+    run = sub.add_parser("run", help="run a command inside one host (`{ip}` in it becomes the host's address), "
+                                     "or with --pipeline a whole pipeline swarm across the hosts")
     run.add_argument("--name", default="swt", help=_NAME_HELP)
-    run.add_argument("--host", type=int, required=True, help="host index")
+    run.add_argument("--host", type=int, help="host index (required with a command)")
+    run.add_argument("--pipeline", metavar="STAGES:SERVERS:TRAINERS",
+                     help="instead of a command: a coordinator on host 0, SERVERS stage servers per stage and "
+                          "TRAINERS trainers, one host each (e.g. 2:3:2; SERVERS may be one count per stage, "
+                          "2:4,2:2); runs in the foreground until the trainers finish or Ctrl-C")
+    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                     help="with --pipeline: run config for the coordinator (repeatable)")
+    run.add_argument("--data-port", type=int, default=7000,
+                     help="with --pipeline: the testbed's data port (as given to `up`; default: 7000)")
+    run.add_argument("--log-dir", help="with --pipeline: where each process's log goes (default: a new temp dir)")
     run.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD...", help="the command and its arguments")
 
     status = sub.add_parser("status", help="print the testbed's hosts, link rate and kernel byte counters (JSON)")
@@ -66,6 +76,14 @@ def _run(args: argparse.Namespace) -> int:
 
     require_root()
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if args.pipeline is not None:
+        if cmd or args.host is not None:
+            raise TestbedError("run: --pipeline starts its own processes on hosts 0.., give no --host and no command")
+        return _run_pipeline(args)
+    if args.overrides:
+        raise TestbedError("run: --set goes with --pipeline (a command takes its own options)")
+    if args.host is None:
+        raise TestbedError("run: give --host I and the command after `--` (or --pipeline S:P:T)")
     if not cmd:
         raise TestbedError("run: give the command after `--`, e.g. swarmtrain testbed run --host 0 -- swarmtrain coordinator")
     netns = f"{args.name}-h{args.host}"
@@ -77,6 +95,52 @@ def _run(args: argparse.Namespace) -> int:
     os.environ.update(SWARMTRAIN_TESTBED_HOST=str(args.host), SWARMTRAIN_TESTBED_IP=ip)
     os.execvp("ip", ["ip", "netns", "exec", netns, *cmd])
     return 0  # not reached: execvp replaces this process
+
+
+def _run_pipeline(args: argparse.Namespace) -> int:
+    """A pipeline swarm on an up testbed: READY lines as one JSON line, then every process's lines as JSON
+    (`proc` names the process) until the trainers leave or SIGINT/SIGTERM; then everything is stopped."""
+    import signal
+    import tempfile
+    import threading
+    from pathlib import Path
+
+    from swarmtrain.telemetry.events import LeaveEvent
+    from swarmtrain.testbed import LinkSpec, Testbed, TestbedError, find_testbeds
+    from swarmtrain.testbed.counters import read_rate_bit_s
+    from swarmtrain.testbed.pipeline import PipelineLayout, PipelineSwarm
+
+    layout = PipelineLayout.parse(args.pipeline)
+    hosts = [ns for ns in find_testbeds().get(args.name, []) if not ns.endswith("-sw")]
+    if not hosts:
+        raise TestbedError(f"no testbed {args.name!r} is up (`swarmtrain testbed up --name {args.name} "
+                           f"--hosts {layout.num_hosts}`)")
+    testbed = Testbed(args.name, num_hosts=len(hosts), link=LinkSpec(rate_bit_s=read_rate_bit_s(args.name, 0)),
+                      data_port=args.data_port)
+    log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="swarmtrain-testbed-pipeline-"))
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    with PipelineSwarm(testbed, layout, log_dir=log_dir, run_overrides=args.overrides) as swarm:
+        ready = swarm.start(timeout_s=300.0)
+        print(json.dumps({"pipeline": layout.describe(), "log_dir": str(log_dir), "ready": ready}), flush=True)
+        shown = 0
+        while not stop.wait(1.0):
+            timeline = list(swarm.swarm.timeline)
+            for _, name, line in timeline[shown:]:
+                if hasattr(line, "event"):
+                    print(json.dumps({"proc": name, "event": line.event, **_fields(line)}), flush=True)
+            shown = len(timeline)
+            left = {n for _, n, x in timeline if isinstance(x, LeaveEvent)}
+            if set(swarm.trainers) <= left:
+                break
+    return 0
+
+
+def _fields(line: object) -> dict[str, object]:
+    import dataclasses
+
+    return dataclasses.asdict(line) if dataclasses.is_dataclass(line) and not isinstance(line, type) else {}
 
 
 def _status(args: argparse.Namespace) -> int:

@@ -32,6 +32,7 @@ MAX_RECORD_BYTES = 1 << 20  # a run config is a few KiB; anything near this is h
 MAX_GROUP_MEMBERS = 4096
 _PEER_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 _HEX_RE = re.compile(r"^[0-9a-f]{0,128}$")
+MAX_STAGE_COPIES = 8  # a stage server keeps copies of its two neighbouring stages
 MAX_CLOCK_OFFSET_S = 86400.0  # a day: past that a clock estimate is nonsense, not skew
 _ENDPOINT_RE = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]{1,253}):(\d{1,5})$")
 
@@ -75,6 +76,18 @@ def _index_or_none(kind: str, d: Mapping[str, Any], name: str) -> int:
 def _optional_int(kind: str, d: Mapping[str, Any], name: str) -> int:
     """A count newer peers add: absent in older peers' records, where it reads as 0."""
     return _int(kind, d, name) if name in d else 0
+
+
+def _copies(kind: str, d: Mapping[str, Any]) -> tuple[tuple[int, int], ...]:
+    """A stage server's kept copies of other stages, [[stage, round], ...]; absent in older records."""
+    v = d.get("copies", [])
+    ok = isinstance(v, list) and len(v) <= MAX_STAGE_COPIES and all(
+        isinstance(c, list) and len(c) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in c)
+        for c in v)
+    if not ok:
+        raise _field(kind, "copies", f"expected at most {MAX_STAGE_COPIES} [stage, round] pairs of ints, got "
+                                     f"{str(v)[:80]}")
+    return tuple((c[0], c[1]) for c in v)
 
 
 def _optional_float(kind: str, d: Mapping[str, Any], name: str) -> float:
@@ -255,6 +268,10 @@ class PeerRecord(Record):
     stage: int = -1  # a stage_server's stage of the pipeline; -1 = none
     latency_s: float = 0.0  # a stage_server's mean seconds per call (EWMA); 0 = unknown
     queue: int = 0  # a stage_server's calls waiting
+    service_s: float = 0.0  # a stage_server's compute seconds per micro-batch, forward + backward (EWMA); 0 = unknown
+    busy: float = 0.0  # a stage_server's fraction of its last window spent computing (0..1)
+    stage_since: float = 0.0  # unix seconds a stage_server took its stage (joined or moved); 0 = unknown
+    copies: tuple[tuple[int, int], ...] = ()  # a stage_server's kept copies of other stages: (stage, round) each
     stats: PeerStats | None = None  # its work so far, for the dashboard (absent in older peers' records)
 
     def __post_init__(self) -> None:
@@ -263,6 +280,15 @@ class PeerRecord(Record):
                                              "stage >= 0, nobody else one)")
         if not math.isfinite(self.latency_s) or self.latency_s < 0 or self.queue < 0:
             raise _field(self.KIND, "latency_s", f"latency {self.latency_s} and queue {self.queue} must be >= 0")
+        if not math.isfinite(self.service_s) or self.service_s < 0:
+            raise _field(self.KIND, "service_s", f"expected a finite number >= 0, got {self.service_s}")
+        if not 0 <= self.busy <= 1:
+            raise _field(self.KIND, "busy", f"expected a fraction in [0, 1], got {self.busy}")
+        if not math.isfinite(self.stage_since) or self.stage_since < 0:
+            raise _field(self.KIND, "stage_since", f"expected a finite number >= 0, got {self.stage_since}")
+        if len(self.copies) > MAX_STAGE_COPIES or any(k < 0 or r < 0 for k, r in self.copies):
+            raise _field(self.KIND, "copies", f"expected at most {MAX_STAGE_COPIES} (stage, round) pairs of ints >= 0, "
+                                              f"got {list(self.copies)[:MAX_STAGE_COPIES + 1]}")
         if not math.isfinite(self.clock_offset_s) or abs(self.clock_offset_s) > MAX_CLOCK_OFFSET_S:
             raise _field(self.KIND, "clock_offset_s", f"expected a number within ±{MAX_CLOCK_OFFSET_S:.0f}, "
                                                       f"got {self.clock_offset_s}")
@@ -291,7 +317,9 @@ class PeerRecord(Record):
                 "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s, "heartbeat_at": self.heartbeat_at,
                 "shard_index": self.shard_index, "round_ends_at": self.round_ends_at,
                 "clock_offset_s": self.clock_offset_s, "stage": self.stage, "latency_s": self.latency_s,
-                "queue": self.queue, **({} if self.stats is None else {"stats": self.stats.to_json()})}
+                "queue": self.queue, "service_s": self.service_s, "busy": self.busy,
+                "stage_since": self.stage_since, **({"copies": [list(c) for c in self.copies]} if self.copies else {}),
+                **({} if self.stats is None else {"stats": self.stats.to_json()})}
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> PeerRecord:
@@ -304,7 +332,9 @@ class PeerRecord(Record):
                    heartbeat_at=_float(k, d, "heartbeat_at"), shard_index=_index_or_none(k, d, "shard_index"),
                    round_ends_at=_optional_float(k, d, "round_ends_at"), clock_offset_s=_clock_offset(k, d),
                    stage=_index_or_none(k, d, "stage"), latency_s=_optional_float(k, d, "latency_s"),
-                   queue=_optional_int(k, d, "queue"), stats=_stats(k, d))
+                   queue=_optional_int(k, d, "queue"), service_s=_optional_float(k, d, "service_s"),
+                   busy=_optional_float(k, d, "busy"), stage_since=_optional_float(k, d, "stage_since"),
+                   copies=_copies(k, d), stats=_stats(k, d))
 
 
 @dataclass(frozen=True)

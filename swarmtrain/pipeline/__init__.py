@@ -2,8 +2,11 @@
 
 Trainers hold the data, the embeddings and the head, and drive each micro-batch through one server
 per stage (routing.py), re-sending it to another server of the stage when one fails or stalls;
-servers hold a contiguous range of transformer blocks (parts.py, server.py) and step their own
-inner optimizer once they have accumulated enough samples. docs/pipeline.md has the whole design.
+servers hold a contiguous range of transformer blocks (parts.py, server.py, service.py) and step their
+own inner optimizer once they have accumulated enough samples; each part's holders average it (outer.py).
+The daemon roles: role_base.py, roles.py (trainer), server_role.py (server, its moves to the
+bottleneck stage by the rule of rebalance.py, and its taking of a stage left without a server by the
+rules of lost.py). docs/pipeline.md has the whole design.
 """
 
 from swarmtrain.pipeline.cut import stage_blocks, stage_of_block

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from swarmtrain.averaging.protocol import AverageResult
+from swarmtrain.averaging.protocol import AverageResult, ShardedMean
 from swarmtrain.config import RunConfig
 from swarmtrain.diloco.flat import assign_flat, flat_hash, flatten, pseudo_gradient
 from swarmtrain.diloco.outer import OuterOptimizer
@@ -181,6 +181,45 @@ class PartRounds:
         if await self._maybe_heal():
             await self.finish(timeout_s=4 * self.cfg.rpc.call_timeout_s + 10.0)
 
+    async def take(self) -> bool:
+        """Before the first step of a server that moved here: take θ_global and the outer momentum from the
+        part's holders at their newest round (round 0 included), checked against the hash most of them
+        announce, as any heal is. False when none of them served a state that checks out."""
+        await self._read_others()
+        holders = [p for p in self._others if p.endpoint and p.round >= self.round]
+        if not holders:
+            return False
+        top = max(p.round for p in holders)
+        want = collections.Counter(p.state_hash for p in holders if p.round == top).most_common(1)[0][0]
+        version, self._heal_to_hash = self.version, want
+        if not await self._maybe_heal():
+            self._heal_to_hash = ""
+            return False
+        await self.finish(timeout_s=4 * self.cfg.rpc.call_timeout_s + 10.0)
+        return self.version != version and self.hash == want
+
+    def snapshot(self) -> PeerState:
+        """A copy of this holder's θ_global, with its round and hash (no outer momentum)."""
+        with self._theta_lock:
+            return PeerState(round=self.round, theta_global=self.theta.clone(), outer_momentum=None,
+                             state_hash=self.hash, version=self.version)
+
+    def adopt(self, theta: torch.Tensor, *, round: int) -> None:
+        """Before the first step of a server that rebuilt a lost stage: θ_global and θ_local become `theta`,
+        at `round`, with no outer momentum (the stage's was lost with it)."""
+        with self._mu:
+            assert not self._busy, "adopt() on a part with a round or heal in flight"
+        with self._theta_lock:
+            self.theta.copy_(theta)
+            self._outer = None
+            self.round, self.hash = round, flat_hash(self.theta)
+            self.version += 1
+        assign_flat(self.theta, self.params)
+        with self._mu:
+            self.steps = 0
+        self._retry_at, self._heal_to_hash = 0.0, ""
+        self.plane.publish_state(self._state())
+
     def start(self) -> None:
         """Follow the part's other holders (their rounds and round ends) every `discovery.heartbeat_s`."""
         self._follower = asyncio.create_task(self._follow())
@@ -225,6 +264,8 @@ class PartRounds:
 
     def _apply_round(self, c: _Commit) -> None:
         result = c.result
+        if isinstance(result.mean, ShardedMean):  # a part is a fraction of the model: decode it whole
+            result = dataclasses.replace(result, mean=result.mean.tensor())
         if result.committed and (result.mean is None or not bool(torch.isfinite(result.mean).all())):
             result = dataclasses.replace(result, committed=False, mean=None,
                                          reason="the group's mean is missing or holds NaN/Inf: not applied")

@@ -94,19 +94,24 @@ class Router:
         weights = [1.0 / max(self.expected_s(s), 1e-6) for s in pool]
         return self.rng.choices(pool, weights=weights)[0]
 
+    def _of(self, server: Server) -> _Health:
+        # A server the list no longer names (it moved to another stage, its record expired) may still be
+        # called: the backward of a micro-batch whose forward it ran.
+        return self._health.setdefault(server, _Health())
+
     def deadline_s(self, server: Server) -> float:
         """How long a call to `server` may take before it is re-sent elsewhere."""
-        h = self._health[server]
+        h = self._of(server)
         if len(h.latencies) < _MIN_FOR_P95:
             return self.cfg.call_timeout_s
         p95 = sorted(h.latencies)[max(0, int(0.95 * len(h.latencies)) - 1)]
         return min(max(self.cfg.deadline_factor * p95, self.cfg.min_deadline_s), self.cfg.call_timeout_s)
 
     def started(self, server: Server) -> None:
-        self._health[server].in_flight += 1
+        self._of(server).in_flight += 1
 
     def answered(self, server: Server, seconds: float, *, queue: int = 0) -> None:
-        h = self._health[server]
+        h = self._of(server)
         h.in_flight = max(0, h.in_flight - 1)
         h.latencies.append(seconds)
         h.ewma_s = seconds if h.ewma_s is None else (1 - _EWMA) * h.ewma_s + _EWMA * seconds

@@ -7,8 +7,9 @@ the start: a forward that fails or passes its deadline goes to another server of
 backward whose server died, restarted or dropped the micro-batch's input runs that stage's forward
 again on some server and the backward there. When every listed server of a stage failed a call, the
 trainer reads the server list again for up to `pipeline.call_timeout_s` (a server restarting, a new
-one). A micro-batch is lost only when a stage has no server that answers within that time; it is
-counted and its reason kept. (One lost in its backward has already added
+one); while it lists none (a lost stage, being taken), for up to `pipeline.stage_wait_s`. A micro-batch
+is lost only when a stage has no server that answers within that time; it is counted and its reason
+kept. (One lost in its backward has already added
 its gradients to the stages after the failing one and to the head.)
 """
 
@@ -202,16 +203,21 @@ class PipelineTrainer:
         return 2 * max(1, len(self.router.servers(stage))) + 1
 
     async def _next(self, stage: int, tried: set[Server]) -> Server:
-        """A server of `stage` not tried yet for this call. When every listed one was, the list is read
-        again, for up to `pipeline.call_timeout_s`, until it names another (one restarted, or new)."""
+        """A server of `stage` not tried yet for this call. When every listed one was, the list is read again
+        until it names another (one restarted, or new) for up to `pipeline.call_timeout_s`; while it lists
+        none (a lost stage, being taken), for up to `pipeline.stage_wait_s`."""
         server = self.router.choose(stage, exclude=tried)
-        deadline = self.clock() + self.pipe.call_timeout_s
+        start = self.clock()
         while server is None:
             self.router.update(self.servers(), hints=self.hints())
             server = self.router.choose(stage, exclude=tried)
             if server is None:
-                if self.clock() >= deadline:
-                    raise StageLost(f"stage {stage}: no server left to try")
+                listed = len(self.router.servers(stage))
+                field, limit_s = (("call_timeout_s", self.pipe.call_timeout_s) if listed else
+                                  ("stage_wait_s", self.pipe.stage_wait_s))
+                if self.clock() - start >= limit_s:
+                    raise StageLost(f"stage {stage}: no server answered within pipeline.{field}={limit_s:g} s "
+                                    f"({listed} listed, {len(tried)} failed this call)")
                 await asyncio.sleep(_LIST_POLL_S)
         return server
 
@@ -222,7 +228,8 @@ class PipelineTrainer:
         for _attempt in range(self._attempts(stage)):
             try:
                 server = await self._next(stage, tried)
-            except StageLost:
+            except StageLost as e:
+                reasons.append(str(e))
                 break
             start = self.clock()
             try:
@@ -255,7 +262,8 @@ class PipelineTrainer:
         for attempt in range(self._attempts(stage)):
             try:
                 other = await self._next(stage, tried)
-            except StageLost:
+            except StageLost as e:
+                reasons.append(str(e))
                 break
             again = f"{mb}/{stage}.{attempt}"
             try:

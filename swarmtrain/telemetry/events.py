@@ -21,6 +21,8 @@ __all__ = [
     "Line",
     "ReadyLine",
     "RoundEvent",
+    "StageMoveEvent",
+    "StageRebuildEvent",
     "StageRoundEvent",
     "StageStepEvent",
     "StepEvent",
@@ -143,13 +145,56 @@ class StageRoundEvent:
 
 
 @dataclass(frozen=True)
+class StageMoveEvent:
+    """A pipeline stage server moved to the bottleneck stage (rebalancing, docs/pipeline.md#rebalancing)."""
+
+    from_stage: int
+    to_stage: int
+    reason: str
+    capacity_per_s: tuple[float, ...]  # each stage's micro-batches a second at full load, before the move
+    load: tuple[float, ...]  # each stage's mean fraction of time computing, before the move
+    predicted_per_s: float  # the least stage capacity after the move
+    round: int  # the new stage's round whose θ_global it took
+    hash: str  # that θ_global's hash, as the stage's servers announced it
+    transfer_s: float  # building the new stage and taking its state
+    drain_s: float  # answering the old stage's backwards after the switch
+    unfinished: int  # old-stage micro-batches whose backward did not come within pipeline.rebalance_drain_s
+    peer: str = ""
+    at: float = 0.0  # unix seconds of the switch (the record naming the new stage)
+
+    event: str = field(default="stage_move", init=False)
+
+
+@dataclass(frozen=True)
+class StageRebuildEvent:
+    """A stage server took a stage that had no live server and rebuilt its weights (docs/pipeline.md#lost-stages)."""
+
+    stage: int  # the lost stage
+    from_stage: int  # the stage the server left for it (it kept another server)
+    method: str  # "neighbours": the weighted average of the neighbouring stages' θ_global; "checkpoint": a copy
+    sources: tuple[str, ...]  # what was used, one entry a source: "stage 0 round 3 <hash12> from <peer>"
+    weights: tuple[float, ...]  # each source's weight in the average
+    lost_s: float  # how long the stage had no live server when it was taken
+    round: int  # the round the rebuilt θ_global starts the stage at
+    hash: str  # the rebuilt θ_global's hash
+    transfer_s: float  # building the stage and taking its neighbours' states (or installing the copy)
+    drain_s: float  # answering the old stage's backwards after the switch
+    unfinished: int  # old-stage micro-batches whose backward did not come within pipeline.rebalance_drain_s
+    peer: str = ""
+    at: float = 0.0  # unix seconds of the switch (the record naming the stage)
+
+    event: str = field(default="stage_rebuild", init=False)
+
+
+@dataclass(frozen=True)
 class ReadyLine:
     """The `READY {json}` line a daemon prints once it is listening; `info` is its JSON payload."""
 
     info: dict[str, Any]
 
 
-Event = RoundEvent | HealEvent | LeaveEvent | StepEvent | StageStepEvent | StageRoundEvent
+Event = (RoundEvent | HealEvent | LeaveEvent | StepEvent | StageStepEvent | StageRoundEvent | StageMoveEvent
+         | StageRebuildEvent)
 Line = Event | ReadyLine
 
 _EVENT_TYPES: dict[str, type[Event]] = {
@@ -159,6 +204,8 @@ _EVENT_TYPES: dict[str, type[Event]] = {
     "step": StepEvent,
     "stage_step": StageStepEvent,
     "stage_round": StageRoundEvent,
+    "stage_move": StageMoveEvent,
+    "stage_rebuild": StageRebuildEvent,
 }
 
 
@@ -181,7 +228,7 @@ def format_ready(info: dict[str, Any]) -> str:
     return READY_PREFIX + json.dumps(info, separators=(", ", ": "))
 
 
-_LIST_FIELDS = ("members", "stage_latency_s", "lost_reasons")
+_LIST_FIELDS = ("members", "stage_latency_s", "lost_reasons", "capacity_per_s", "load", "sources", "weights")
 
 
 def _build(cls: type[Event], obj: dict[str, Any]) -> Event:

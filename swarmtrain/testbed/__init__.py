@@ -2,7 +2,8 @@
 
 Map: shaping.py (rates, the htb tree, netem options) · netns.py (Testbed: namespaces, bridge,
 veths, processes inside hosts; teardown by name) · counters.py (kernel byte counters per host)
-· swarm.py (a coordinator and peers started inside the hosts, their JSON lines collected).
+· swarm.py (a coordinator and peers started inside the hosts, their JSON lines collected)
+· pipeline.py (a pipeline swarm in the hosts: PipelineLayout, PipelineSwarm; kill/restart a server).
 """
 
 from swarmtrain.testbed.counters import HostCounters, read_counters, total_wire_bytes

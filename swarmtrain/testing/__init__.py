@@ -1,5 +1,5 @@
 """Test helpers (wait_until, LocalSwarm, FaultPlan, fakes, DialCounter in endpoints.py, the decoder fuzz targets in
-fuzz.py); imported by tests only, never by the library."""
+fuzz.py, RoleSwarm in roles.py: pipeline roles in one process); imported by tests only, never by the library."""
 
 from swarmtrain.testing.faults import CrashPlan, FaultPlan
 from swarmtrain.testing.wait import wait_until

@@ -98,7 +98,7 @@ def test_a_server_stalled_past_its_deadline_is_routed_around() -> None:
 
 
 def test_a_stage_without_servers_loses_microbatches_with_a_reason_and_the_run_goes_on() -> None:
-    cfg = _config()
+    cfg = _config("pipeline.stage_wait_s=3")
     data = _data(cfg, 3)
     with PipelineSwarm(cfg, servers_per_stage=1) as swarm:
         trainer = swarm.pipeline_trainers[0]

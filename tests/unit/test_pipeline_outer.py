@@ -51,7 +51,8 @@ class ScriptedPlane:
     def publish_state(self, state: PeerState) -> None:
         self.published.append(state.state_hash)
 
-    async def fetch_state(self, endpoints: Sequence[str]) -> tuple[PeerState, tuple[str, ...]]:
+    async def fetch_state(self, endpoints: Sequence[str], *,
+                          param_shapes: object = None) -> tuple[PeerState, tuple[str, ...]]:
         assert self.donor is not None
         return self.donor, tuple(endpoints)
 

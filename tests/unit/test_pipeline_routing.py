@@ -95,3 +95,17 @@ def test_a_stage_without_servers_has_no_choice_and_unknown_servers_are_forgotten
     router.update([])
     assert router.servers(0) == [] and router.choose(0) is None
     router.failed(servers[0])  # a late failure of a forgotten server is ignored
+
+
+def test_a_server_no_longer_listed_can_still_be_called() -> None:
+    """A backward goes to the server that ran the forward, even after its record left the list (it moved to
+    another stage, or took a lost one): its health is kept afresh, and it is never chosen again."""
+    router, servers, _ = _router(0.1, 0.1)
+    router.update(servers[1:])
+    gone = servers[0]
+    router.started(gone)
+    assert router.deadline_s(gone) == CFG.call_timeout_s
+    router.answered(gone, 0.2)
+    router.started(gone)
+    router.failed(gone)
+    assert all(router.choose(0) == servers[1] for _ in range(20))

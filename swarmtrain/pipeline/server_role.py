@@ -1,0 +1,500 @@
+"""`swarmtrain peer --role server`: a stage server, the stage it holds, its moves to the bottleneck stage, and
+its taking of lost stages.
+
+What a server holds of its stage (a `Holding`): the stage's blocks and their StageServer, the Pipeline
+handler, the part's data plane (one node serves its calls, the all-reduce and the part's state) and the
+part's outer rounds. With `pipeline.rebalance` it reads the live servers' records every
+`rebalance_period_s` and applies the rule of rebalance.py. When the rule moves it to stage s:
+
+1. it builds stage s's blocks on a new node and takes the stage's θ_global and outer momentum from
+   servers of s, checked against the hash most of them announce (`PartRounds.take`, a heal's path);
+   if none serves a state that checks out, it stays where it was;
+2. it switches: its record names stage s and the new endpoint (announced at once), and the old handler
+   refuses new forwards (WrongStage: trainers re-send them to another server of the old stage);
+3. it answers the backwards of the forwards its old stage ran, for up to `rebalance_drain_s`, finishes
+   the old part's round in flight, and closes the old node. Gradients the old part accumulated toward
+   an inner step it had not taken yet are dropped with it.
+
+One `stage_move` line per move says why, with the figures it was decided on.
+
+Every `discovery.heartbeat_s` (at least a quarter of `lost_stage_grace_s`) it also looks for a stage
+left without a live server (lost.py): when the rule names it the taker (`pipeline.lost_stage =
+"neighbours"`), it builds the lost stage on a new node, starts it from the average of the two
+neighbouring stages' θ_global (its own stage's and one taken from the other neighbour's servers,
+checked like a heal), at the lost stage's last announced round + 1, and switches to it as in steps
+2-3. With `pipeline.lost_stage = "checkpoint"` it keeps copies of its neighbouring stages' θ_global
+(stage_copies.py, refreshed every `stage_copy_period_s`, announced in its record), and the spare server
+holding the freshest copy of a lost stage restores it from that copy instead, any stage. One
+`stage_rebuild` line says what the stage was rebuilt from.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from swarmtrain.config import RunConfig
+from swarmtrain.discovery import PeerRecord
+from swarmtrain.models.gpt import resolve_shape
+from swarmtrain.peer.services import DataPlane, PeerError, PeerState
+from swarmtrain.pipeline.cut import stage_blocks
+from swarmtrain.pipeline.lost import (
+    LiveServer,
+    LostStageWatch,
+    choose_restorer,
+    choose_taker,
+    neighbours_of,
+    weighted_average,
+)
+from swarmtrain.pipeline.memory import MB, server_bytes
+from swarmtrain.pipeline.outer import PartRounds
+from swarmtrain.pipeline.parts import StageBlocks, build_stage
+from swarmtrain.pipeline.rebalance import Decision, Rebalancer, RebalanceRule, ServerLoad
+from swarmtrain.pipeline.role_base import RoleBase, fitting_stages, least_served_stage
+from swarmtrain.pipeline.server import StageServer, StageStats
+from swarmtrain.pipeline.service import StageHandler, serve_stage
+from swarmtrain.pipeline.stage_copies import StageCopies, fetch_stage_state
+from swarmtrain.pipeline.tensors import TensorCodec
+from swarmtrain.rpc.faults import FaultHook
+from swarmtrain.rpc.node import RpcNode
+from swarmtrain.telemetry import LeaveEvent, StageMoveEvent, StageRebuildEvent, StageStepEvent
+
+__all__ = ["Holding", "StageServerRole", "server_loads"]
+
+log = logging.getLogger(__name__)
+
+_TAKE_TRIES = 3  # a stage may commit a round while its state is taken: the hash read then no longer matches
+_DRAIN_POLL_S = 0.05
+_FROM_COPY = "copy"  # _may_take's plan: restore the lost stage from this server's copy of it
+
+
+@dataclass
+class Holding:
+    """Everything a server holds of one stage."""
+
+    stage: int
+    part: StageBlocks
+    server: StageServer
+    handler: StageHandler
+    plane: DataPlane
+    node: RpcNode
+    rounds: PartRounds
+    since: float  # swarm clock: when this server took the stage
+    last_step: tuple[int, float] = field(default=(0, 0.0))  # (step, monotonic) of its previous stage_step line
+
+
+def server_loads(peers: Sequence[PeerRecord], stages: int) -> list[ServerLoad]:
+    """What the rebalancing rule reads of the live stage servers' records."""
+    return [ServerLoad(p.peer_id, p.stage, p.service_s, p.busy, p.stage_since) for p in peers
+            if p.role == "stage_server" and 0 <= p.stage < stages]
+
+
+class StageServerRole(RoleBase):
+    role = "stage_server"
+
+    def __init__(self, local: RunConfig, *, stage: int | None = None, **kw: Any) -> None:
+        super().__init__(local, **kw)
+        self.stage = stage
+        self.holding: Holding | None = None
+        self.server: StageServer | None = None
+        self.handler: StageHandler | None = None
+        self.fault_hook: FaultHook | None = None  # given to every stage handler it opens (rpc/faults.py; tests)
+        self.moves = 0
+        self._leaving: list[Holding] = []  # moved from, still answering backwards
+        self._rebalancing: asyncio.Task[None] | None = None
+        self._watching: asyncio.Task[None] | None = None
+        self._copying: asyncio.Task[None] | None = None
+        self.copies: StageCopies | None = None  # pipeline.lost_stage = "checkpoint": made at start
+        self._switching = asyncio.Lock()  # one move or rebuild at a time
+
+    async def start(self) -> dict[str, Any]:
+        discovery = await self._join()
+        cfg, pipe = self.cfg, self.cfg.pipeline
+        shape = resolve_shape(cfg.model)
+        fitting = fitting_stages(cfg)
+        if self.stage is None:
+            peers = await discovery.live_peers(timeout_s=cfg.rpc.call_timeout_s)
+            self.stage = least_served_stage(peers, n_layer=shape.n_layer, stages=pipe.stages, allowed=fitting)
+        if not 0 <= self.stage < pipe.stages:
+            raise PeerError(f"--stage {self.stage}: this run has stages 0..{pipe.stages - 1}")
+        if self.stage not in fitting:
+            need = server_bytes(cfg.model, pipe, seq_len=cfg.data.seq_len)[self.stage]
+            raise PeerError(f"stage {self.stage} needs {need / MB:.0f} MB to train, more than train.memory_budget_mb="
+                            f"{cfg.train.memory_budget_mb} (stages that fit: {fitting})")
+        holding = await self._hold(self.stage)
+        self._adopt(holding)
+        await holding.rounds.join()  # the stage's θ_global if its servers are past round 0
+        await self._announce()
+        holding.rounds.start()
+        if pipe.rebalance:
+            self._rebalancing = asyncio.create_task(self._rebalance(fitting), name=f"rebalance-{discovery.peer_id}")
+        self._watching = asyncio.create_task(self._watch_lost(fitting), name=f"lost-stages-{discovery.peer_id}")
+        if pipe.lost_stage == "checkpoint":
+            self.copies = StageCopies(cfg.model, stages=pipe.stages, max_donors=cfg.rpc.state_donors)
+            self._copying = asyncio.create_task(self._keep_copies(), name=f"stage-copies-{discovery.peer_id}")
+        blocks = stage_blocks(shape.n_layer, pipe.stages)[self.stage]
+        info = {"role": "server", "peer_id": discovery.peer_id, "endpoint": holding.node.endpoint,
+                "run_id": cfg.train.run_id, "stage": self.stage, "blocks": [blocks.start, blocks.stop],
+                "num_params": sum(p.numel() for p in holding.part.parameters()), **self._metrics_info()}
+        self.writer.ready(info)
+        return info
+
+    async def _hold(self, stage: int, *, resume_step: int = 0) -> Holding:
+        """Stage `stage`'s blocks served on a new node, with their outer rounds (not started yet). A heal puts
+        the schedule at the healed round's step, or at `resume_step` (the steps of a server that moved)."""
+        assert self.discovery is not None
+        cfg, pipe = self.cfg, self.cfg.pipeline
+        part = await asyncio.to_thread(build_stage, cfg.model, stage, pipe.stages, seed=cfg.train.seed)
+        cell: list[Holding] = []
+        server = StageServer(part, stage=stage, pipeline=pipe, inner=cfg.inner,
+                             total_steps=cfg.diloco.rounds * cfg.diloco.inner_steps, seq_len=cfg.data.seq_len,
+                             on_step=lambda stats: self._on_step(cell[0], stats))
+        codec = TensorCodec(pipe.activation_codec,
+                            max_shape=(pipe.microbatch_size, cfg.data.seq_len, resolve_shape(cfg.model).n_embd))
+        handlers: list[StageHandler] = []
+
+        def serve(node: RpcNode) -> None:
+            handler = serve_stage(node, server, codec=codec)
+            handler.fault_hook = self.fault_hook
+            handlers.append(handler)
+
+        scoped, plane, node = await self._open_plane(part, scope=f"stage{stage}", role="stage_server", serve=serve,
+                                                     member=lambda p: p.role == "stage_server" and p.stage == stage)
+        h = cfg.diloco.inner_steps
+        rounds = self._rounds(part, plane, scoped, stage=stage, still=server.moving, apply_now=True,
+                              on_heal=lambda r: server.resume_at(max(r * h, resume_step)))
+        cell.append(Holding(stage, part, server, handlers[0], plane, node, rounds, since=self.discovery.now(),
+                            last_step=(resume_step, time.monotonic())))
+        return cell[0]
+
+    def _adopt(self, holding: Holding) -> None:
+        """Serve `holding` from now on: the record names its stage and endpoint at the next beat."""
+        self.holding, self.stage = holding, holding.stage
+        self.server, self.handler = holding.server, holding.handler
+        self.plane, self.node, self.rounds = holding.plane, holding.node, holding.rounds
+
+    def _record(self) -> PeerRecord:
+        assert self.discovery is not None and self.holding is not None
+        h = self.holding
+        return PeerRecord(run_id=self.cfg.train.run_id, peer_id=self.discovery.peer_id, endpoint=h.node.endpoint,
+                          role="stage_server", stage=h.stage, latency_s=h.handler.latency_s, queue=h.handler.waiting,
+                          service_s=h.handler.service_s, busy=h.handler.busy(self.cfg.pipeline.rebalance_period_s),
+                          stage_since=h.since, copies=self.copies.announced() if self.copies else (),
+                          **self._part_fields())
+
+    def _on_step(self, holding: Holding, stats: StageStats) -> None:  # on the server's compute thread, weights still
+        if holding is self.holding:  # a stage it is leaving starts no more rounds
+            holding.rounds.stepped()
+        steps, at = holding.last_step
+        now = time.monotonic()
+        rate = self.cfg.pipeline.samples_per_step * (stats.step - steps) / max(now - at, 1e-9)
+        holding.last_step = (stats.step, now)
+        self.writer.emit(StageStepEvent(stage=stats.stage, step=stats.step, samples_per_s=round(rate, 3),
+                                        forwards=stats.forwards, backwards=stats.backwards, refused=stats.refused,
+                                        peer=self.discovery.peer_id if self.discovery else "", at=time.time()))
+
+    # -- rebalancing ---------------------------------------------------------------------------------
+    async def _rebalance(self, fitting: Sequence[int]) -> None:
+        assert self.discovery is not None
+        cfg, pipe = self.cfg, self.cfg.pipeline
+        blocks = [len(b) for b in stage_blocks(resolve_shape(cfg.model).n_layer, pipe.stages)]
+        rule = RebalanceRule(margin=pipe.rebalance_margin, cooldown_s=pipe.rebalance_cooldown_s,
+                             observe_s=pipe.rebalance_observe_s)
+        me = self.discovery.peer_id
+        rebalancer = Rebalancer(rule, me=me, blocks=blocks)
+        while True:
+            await asyncio.sleep(pipe.rebalance_period_s)
+            try:
+                peers = await self.discovery.live_peers(timeout_s=cfg.rpc.call_timeout_s)
+            except Exception as e:  # a slow control plane: look again next period
+                log.warning("rebalancing: could not list the stage servers (%s)", e)
+                continue
+            own = self._record()  # its own figures as of now, not as of its last beat
+            loads = server_loads([own, *(p for p in peers if p.peer_id != me)], pipe.stages)
+            decision = rebalancer.decide(loads, now=self.discovery.now())
+            log.debug("rebalancing: %s", decision.reason)
+            if decision.move_to is None:
+                continue
+            if decision.move_to not in fitting:
+                log.warning("rebalancing calls this server to stage %d, which does not fit train.memory_budget_mb "
+                            "(stages that fit: %s); it stays", decision.move_to, list(fitting))
+                continue
+            try:
+                async with self._switching:
+                    if self.stage == decision.source:  # not moved meanwhile (taking a lost stage)
+                        await self._move(decision)
+            except (PeerError, OSError, RuntimeError, ValueError) as e:  # a node that would not start, a torn transfer
+                log.warning("rebalancing: the move to stage %d failed (%s); staying on stage %s", decision.move_to,
+                            e, self.stage)
+
+    async def _move(self, d: Decision) -> None:
+        """Take stage `d.move_to`'s state, switch to it, drain the old stage, close it (see the module doc)."""
+        assert self.holding is not None and d.move_to is not None and self.discovery is not None
+        old, target = self.holding, d.move_to
+        start = time.monotonic()
+        new = await self._hold(target, resume_step=old.server.step)
+        try:
+            taken = False
+            for _ in range(_TAKE_TRIES):
+                if taken := await new.rounds.take():
+                    break
+        except BaseException:
+            await self._close(new)
+            raise
+        if not taken:
+            log.warning("rebalancing: no server of stage %d served a state that checks out; staying on stage %d",
+                        target, old.stage)
+            await self._close(new)
+            return
+        transfer_s = time.monotonic() - start
+        switched_at, drain_s, unfinished = await self._switch(old, new, why=f"this server moved to stage {target}")
+        self.writer.emit(StageMoveEvent(from_stage=old.stage, to_stage=target, reason=d.reason,
+                                        capacity_per_s=d.capacity_per_s, load=d.load,
+                                        predicted_per_s=d.predicted_per_s, round=new.rounds.round,
+                                        hash=new.rounds.hash, transfer_s=round(transfer_s, 4),
+                                        drain_s=drain_s, unfinished=unfinished, peer=self.discovery.peer_id,
+                                        at=switched_at))
+
+    async def _switch(self, old: Holding, new: Holding, *, why: str) -> tuple[float, float, int]:
+        """Serve `new` from now on (announced at once), drain `old` and close it; returns the unix time of the
+        switch, the seconds drained and the micro-batches left undrained."""
+        assert self.discovery is not None
+        self._leaving.append(old)
+        new.since = self.discovery.now()
+        self._adopt(new)
+        old.handler.leave(why)
+        new.rounds.start()
+        switched_at = time.time()
+        if self.heartbeat is not None:
+            with contextlib.suppress(Exception):  # the next beat announces it anyway
+                await self.heartbeat.beat()
+        drain_start = time.monotonic()
+        unfinished = await self._drain(old)
+        drain_s = time.monotonic() - drain_start
+        await self._close(old)
+        self._leaving.remove(old)
+        self.moves += 1
+        return switched_at, round(drain_s, 4), unfinished
+
+    async def _drain(self, old: Holding) -> int:
+        """Wait until every forward the old stage ran had its backward (at most `rebalance_drain_s`); returns
+        how many had not."""
+        deadline = time.monotonic() + self.cfg.pipeline.rebalance_drain_s
+        while True:
+            held = old.server.stats().contexts
+            if (held == 0 and old.handler.waiting == 0) or time.monotonic() >= deadline:
+                return held
+            await asyncio.sleep(_DRAIN_POLL_S)
+
+    async def _close(self, holding: Holding) -> None:
+        """Finish the holding's round in flight (bounded), stop its rounds, its node and its compute thread."""
+        a, r = self.cfg.averaging, self.cfg.rpc
+        with contextlib.suppress(Exception):
+            await holding.rounds.finish(timeout_s=4 * a.matchmaking_timeout_s + 4 * r.call_timeout_s
+                                        + a.allreduce_timeout_s)
+        await holding.rounds.aclose()
+        await holding.plane.aclose()
+        await asyncio.to_thread(holding.handler.close)
+
+    # -- lost stages --------------------------------------------------------------------------------
+    async def _watch_lost(self, fitting: Sequence[int]) -> None:
+        """Look for stages without a live server; take one when the rule names this server."""
+        assert self.discovery is not None
+        cfg, pipe = self.cfg, self.cfg.pipeline
+        blocks = [len(b) for b in stage_blocks(resolve_shape(cfg.model).n_layer, pipe.stages)]
+        watch = LostStageWatch(stages=pipe.stages, grace_s=pipe.lost_stage_grace_s)
+        me = self.discovery.peer_id
+        told: set[tuple[int, str]] = set()  # what was logged already, per stage
+        # A look is a DHT read; a quarter of the grace is soon enough, and keeps the reads off the hot path.
+        period_s = max(cfg.discovery.heartbeat_s, pipe.lost_stage_grace_s / 4)
+        while True:
+            await asyncio.sleep(period_s)
+            try:
+                peers = await self.discovery.live_peers(timeout_s=cfg.rpc.call_timeout_s)
+            except Exception as e:  # a slow control plane: look again next beat
+                log.warning("lost stages: could not list the stage servers (%s)", e)
+                continue
+            records = [self._record(), *(p for p in peers if p.peer_id != me)]
+            live = [LiveServer(p.peer_id, p.stage, p.round, p.copies) for p in records
+                    if p.role == "stage_server" and 0 <= p.stage < pipe.stages]
+            now = self.discovery.now()
+            for lost in watch.observe(live, now=now):
+                empty_s = watch.empty_for_s(lost, now=now)
+                plan, why = self._may_take(lost, live, blocks=blocks, fitting=fitting)
+                if plan is None:
+                    if why and (lost, why) not in told:
+                        told.add((lost, why))
+                        log.warning("stage %d has had no live server for %.1f s: %s", lost, empty_s, why)
+                    continue
+                seen_on = self.stage
+                try:
+                    async with self._switching:
+                        if self.stage == seen_on and plan == _FROM_COPY:  # not moved meanwhile (rebalancing)
+                            await self._restore(lost, lost_s=empty_s, round_=watch.last_round[lost] + 1)
+                        elif self.stage == seen_on and isinstance(plan, tuple):
+                            await self._rebuild(lost, plan, records, lost_s=empty_s,
+                                                round_=watch.last_round[lost] + 1)
+                except (PeerError, OSError, RuntimeError, ValueError) as e:  # a node that would not start, a torn transfer
+                    log.warning("lost stages: rebuilding stage %d failed (%s); staying on stage %s", lost, e,
+                                self.stage)
+                break  # the records change with a rebuild: look again next beat
+
+    def _may_take(self, lost: int, live: Sequence[LiveServer], *, blocks: Sequence[int],
+                  fitting: Sequence[int]) -> tuple[tuple[int, int] | str | None, str]:
+        """How this server rebuilds `lost`: from the two neighbouring stages it names, or `_FROM_COPY`; or None
+        and what to log ("" = nothing: another server takes it)."""
+        assert self.discovery is not None
+        method = self.cfg.pipeline.lost_stage
+        if method == "off":
+            return None, "pipeline.lost_stage = off: it stays unserved until a server joins it"
+        if method == "checkpoint":
+            return self._may_restore(lost, live, fitting=fitting)
+        taker = choose_taker(live, lost=lost)
+        if taker is None:
+            return None, "no other stage has a server to spare: it stays unserved until a server joins it"
+        if taker != self.discovery.peer_id:
+            return None, ""
+        pair, why = neighbours_of(lost, blocks=blocks)
+        if pair is None:
+            return None, f"{why}; it stays unserved until a server joins it"
+        if lost not in fitting:
+            return None, (f"this server would take it, but it does not fit train.memory_budget_mb (stages that fit: "
+                          f"{list(fitting)}); it stays unserved until a server joins it")
+        return pair, ""
+
+    def _may_restore(self, lost: int, live: Sequence[LiveServer], *,
+                     fitting: Sequence[int]) -> tuple[str | None, str]:
+        """`_may_take` for `lost_stage = "checkpoint"`: the server with the freshest copy restores the stage."""
+        assert self.discovery is not None
+        chosen = choose_restorer(live, lost=lost)
+        if chosen is None:
+            return None, ("no server that its stage can spare holds a copy of it: it stays unserved until a server "
+                          "joins it")
+        if chosen[0] != self.discovery.peer_id:
+            return None, ""
+        if lost not in fitting:
+            return None, (f"this server holds the freshest copy, but the stage does not fit train.memory_budget_mb "
+                          f"(stages that fit: {list(fitting)}); it stays unserved until a server joins it")
+        return _FROM_COPY, ""
+
+    async def _keep_copies(self) -> None:
+        """Refresh the copies of the neighbouring stages every `stage_copy_period_s` (the first soon after start,
+        once the records have gone round)."""
+        assert self.discovery is not None and self.copies is not None
+        cfg, copies = self.cfg, self.copies
+        wait_s = min(cfg.pipeline.stage_copy_period_s, 2 * cfg.discovery.heartbeat_s)
+        while True:
+            await asyncio.sleep(wait_s)
+            wait_s = cfg.pipeline.stage_copy_period_s
+            holding = self.holding
+            if holding is None:
+                continue
+            # Not under `_switching`: a download may take long on a slow link, and a lost stage is not to wait
+            # for it. A move meanwhile closes the plane (the download fails) or leaves copies of the old
+            # neighbours, which the next refresh drops; each copy stays a verified state of its stage.
+            try:
+                peers = await self.discovery.live_peers(timeout_s=cfg.rpc.call_timeout_s)
+                for c in await copies.refresh(own_stage=holding.stage, plane=holding.plane, records=peers):
+                    log.info("kept a copy of stage %d at round %d (%s) from %s", c.stage, c.round,
+                             c.state_hash[:12], c.source)
+            except Exception as e:  # a slow control plane or a torn transfer: the old copies stay, look again later
+                log.warning("stage copies: could not refresh them (%s)", e)
+
+    async def _restore(self, lost: int, *, lost_s: float, round_: int) -> None:
+        """Build stage `lost` on a new node, start it from this server's copy of it at round `round_`, and switch
+        to it (as a move does)."""
+        assert self.holding is not None and self.discovery is not None
+        copy = self.copies.get(lost) if self.copies else None
+        if copy is None:  # dropped since the look (a move): another look decides again
+            return
+        old = self.holding
+        start = time.monotonic()
+        new = await self._hold(lost, resume_step=old.server.step)
+
+        def install() -> None:
+            with new.server.moving():
+                new.rounds.adopt(copy.theta_global, round=round_)
+                new.server.resume_at(old.server.step)
+
+        await asyncio.to_thread(install)
+        transfer_s = time.monotonic() - start
+        age_s = time.monotonic() - copy.taken_at
+        source = f"stage {lost} round {copy.round} {copy.state_hash[:12]} from {copy.source}, kept {age_s:.1f} s"
+        switched_at, drain_s, unfinished = await self._switch(old, new, why=f"this server took the lost stage {lost}")
+        self.writer.emit(StageRebuildEvent(stage=lost, from_stage=old.stage, method="checkpoint", sources=(source,),
+                                           weights=(1.0,), lost_s=round(lost_s, 3), round=new.rounds.round,
+                                           hash=new.rounds.hash, transfer_s=round(transfer_s, 4), drain_s=drain_s,
+                                           unfinished=unfinished, peer=self.discovery.peer_id, at=switched_at))
+
+    async def _rebuild(self, lost: int, pair: tuple[int, int], records: Sequence[PeerRecord], *, lost_s: float,
+                       round_: int) -> None:
+        """Build stage `lost` on a new node, start it from the average of its neighbours' θ_global at round
+        `round_`, and switch to it (as a move does)."""
+        assert self.holding is not None and self.discovery is not None
+        old = self.holding
+        start = time.monotonic()
+        new = await self._hold(lost, resume_step=old.server.step)
+        try:
+            taken = [await self._stage_state(k, new.plane, records) for k in pair]
+        except BaseException:
+            await self._close(new)
+            raise
+        if any(t is None for t in taken):
+            log.warning("lost stages: no server of stage %s served a state that checks out; stage %d stays unserved",
+                        [k for k, t in zip(pair, taken, strict=True) if t is None], lost)
+            await self._close(new)
+            return
+        states = [t[0] for t in taken if t is not None]
+        sources = tuple(f"stage {k} round {t[0].round} {t[0].state_hash[:12]} from {t[1]}"
+                        for k, t in zip(pair, taken, strict=True) if t is not None)
+        weights = (0.5, 0.5)  # no gradient norms in the records: CheckFree's weights are equal here
+        theta = await asyncio.to_thread(weighted_average, [s.theta_global for s in states], weights)
+
+        def install() -> None:
+            with new.server.moving():
+                new.rounds.adopt(theta, round=round_)
+                new.server.resume_at(old.server.step)
+
+        await asyncio.to_thread(install)
+        transfer_s = time.monotonic() - start
+        switched_at, drain_s, unfinished = await self._switch(old, new, why=f"this server took the lost stage {lost}")
+        self.writer.emit(StageRebuildEvent(stage=lost, from_stage=old.stage, method="neighbours", sources=sources,
+                                           weights=weights, lost_s=round(lost_s, 3), round=new.rounds.round,
+                                           hash=new.rounds.hash, transfer_s=round(transfer_s, 4), drain_s=drain_s,
+                                           unfinished=unfinished, peer=self.discovery.peer_id, at=switched_at))
+
+    async def _stage_state(self, stage: int, plane: DataPlane,
+                           records: Sequence[PeerRecord]) -> tuple[PeerState, str] | None:
+        """Stage `stage`'s θ_global (this server's own, or taken from its servers and checked against the hash
+        most of them announce at their newest round), with who served it; None if none served one."""
+        assert self.holding is not None and self.discovery is not None
+        if stage == self.holding.stage:
+            return self.holding.rounds.snapshot(), self.discovery.peer_id
+        return await fetch_stage_state(plane, stage, records, max_donors=self.cfg.rpc.state_donors)
+
+    # -- life ----------------------------------------------------------------------------------------
+    async def run(self, stop: asyncio.Event) -> str:
+        """Serve until `stop` (a server has no end of its own: the trainers decide when the run is over)."""
+        await stop.wait()
+        return "signal"
+
+    async def aclose(self, reason: str) -> None:
+        for task in (self._rebalancing, self._watching, self._copying):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        for holding in list(self._leaving):
+            await self._close(holding)
+        self._leaving.clear()
+        step = self.server.step if self.server is not None else 0
+        await super().aclose(reason)
+        if self.handler is not None:
+            await asyncio.to_thread(self.handler.close)
+        self.writer.emit(LeaveEvent(round=step, reason=reason,
+                                    peer=self.discovery.peer_id if self.discovery is not None else ""))

@@ -1,0 +1,127 @@
+"""A stage server's copies of its neighbouring stages' state (`pipeline.lost_stage = "checkpoint"`), and the
+verified download of a stage's θ_global from its servers that copies, moves and rebuilds share.
+
+A copy is θ_global of a neighbouring stage at one of its rounds, taken from that stage's servers and checked
+against the hash most of them announce at their newest round, as a heal is. It is refreshed when the stage's
+servers announce a newer round than the copy's, at most once every `pipeline.stage_copy_period_s`; a copy of a
+stage that is no longer a neighbour (the server moved) is dropped. The outer momentum is not kept: a copy
+costs one fp32 copy of the stage's blocks per neighbour, and a restored stage restarts its momentum, as a
+rebuilt one does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from swarmtrain.config import ModelConfig
+from swarmtrain.diloco.flat import flat_hash
+from swarmtrain.discovery import PeerRecord
+from swarmtrain.models.gpt import resolve_shape
+from swarmtrain.peer.services import DataPlane, PeerState
+from swarmtrain.pipeline.cut import stage_blocks
+from swarmtrain.pipeline.lost import copy_stages
+from swarmtrain.pipeline.parts import StageBlocks
+
+__all__ = ["StageCopies", "StageCopy", "fetch_stage_state", "stage_param_shapes"]
+
+log = logging.getLogger(__name__)
+
+ParamShapes = list[tuple[str, tuple[int, ...]]]
+
+
+def stage_param_shapes(model: ModelConfig, stage: int, stages: int) -> ParamShapes:
+    """Stage `stage`'s (name, shape) in θ's flat order, without allocating its weights."""
+    shape = resolve_shape(model)
+    with torch.device("meta"):
+        part = StageBlocks(shape, stage_blocks(shape.n_layer, stages)[stage], dropout=model.dropout)
+    return [(name, tuple(p.shape)) for name, p in part.named_parameters()]
+
+
+async def fetch_stage_state(plane: DataPlane, stage: int, records: Sequence[PeerRecord], *, max_donors: int,
+                            param_shapes: ParamShapes | None = None) -> tuple[PeerState, str] | None:
+    """Stage `stage`'s θ_global from its servers at their newest round, checked against the hash most of them
+    announce there, with who served it; None (logged) when none of them serves one that checks out."""
+    holders = [p for p in records if p.role == "stage_server" and p.stage == stage and p.endpoint]
+    if not holders:
+        return None
+    top = max(p.round for p in holders)
+    want = collections.Counter(p.state_hash for p in holders if p.round == top).most_common(1)[0][0]
+    donors = [p for p in holders if p.round == top and p.state_hash == want]
+    # A range from each of several at once first (they must serve one blob), then one at a time, as a heal does.
+    width = min(max_donors, len(donors))
+    for chosen in ([donors[:width]] if width > 1 else []) + [[d] for d in donors]:
+        try:
+            state, served = await plane.fetch_state([p.endpoint for p in chosen], param_shapes=param_shapes)
+        except Exception as e:  # PeerError, a transfer error, a dead donor
+            log.warning("no θ_global of stage %d from %s: %s", stage, [p.peer_id for p in chosen], e)
+            continue
+        got = await asyncio.to_thread(flat_hash, state.theta_global)
+        if state.round != top or got != want:
+            log.warning("stage %d served round %d %s, its servers announced round %d %s", stage, state.round,
+                        got[:12], top, want[:12])
+            continue
+        who = ",".join(p.peer_id for p in chosen if p.endpoint in served)
+        return PeerState(round=state.round, theta_global=state.theta_global, outer_momentum=None,
+                         state_hash=want), who
+    return None
+
+
+@dataclass(frozen=True)
+class StageCopy:
+    """θ_global of `stage` at `round` (hash `state_hash`), served by `source`, kept at `taken_at` (monotonic)."""
+
+    stage: int
+    round: int
+    state_hash: str
+    theta_global: torch.Tensor
+    source: str
+    taken_at: float
+
+
+class StageCopies:
+    """The copies one stage server keeps of its neighbouring stages (the caller refreshes them)."""
+
+    def __init__(self, model: ModelConfig, *, stages: int, max_donors: int) -> None:
+        self.model = model
+        self.stages = stages
+        self.max_donors = max_donors
+        self._kept: dict[int, StageCopy] = {}
+        self._shapes: dict[int, ParamShapes] = {}
+
+    def announced(self) -> tuple[tuple[int, int], ...]:
+        """(stage, round) of every copy kept, for the server's record."""
+        return tuple(sorted((k, c.round) for k, c in self._kept.items()))
+
+    def get(self, stage: int) -> StageCopy | None:
+        return self._kept.get(stage)
+
+    async def refresh(self, *, own_stage: int, plane: DataPlane, records: Sequence[PeerRecord]) -> list[StageCopy]:
+        """Keep copies of `own_stage`'s neighbours only, and download again each whose servers announce a newer
+        round than its copy; returns the copies taken now."""
+        wanted = copy_stages(own_stage, stages=self.stages)
+        for k in [k for k in self._kept if k not in wanted]:
+            del self._kept[k]
+        taken = []
+        for k in wanted:
+            announced = [p.round for p in records if p.role == "stage_server" and p.stage == k]
+            kept = self._kept.get(k)
+            if not announced or (kept is not None and kept.round >= max(announced)):
+                continue
+            if k not in self._shapes:
+                self._shapes[k] = stage_param_shapes(self.model, k, self.stages)
+            got = await fetch_stage_state(plane, k, records, max_donors=self.max_donors, param_shapes=self._shapes[k])
+            if got is None:
+                continue  # the old copy, if any, stays: older, but verified
+            state, who = got
+            copy = StageCopy(stage=k, round=state.round, state_hash=state.state_hash,
+                             theta_global=state.theta_global, source=who, taken_at=time.monotonic())
+            self._kept[k] = copy
+            taken.append(copy)
+        return taken
