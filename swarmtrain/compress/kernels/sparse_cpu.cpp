@@ -239,7 +239,7 @@ int64_t pick_in(const uint32_t* __restrict key, const uint32_t* __restrict val, 
 // Candidates u > t in ascending offset: offsets into s.ci, u into s.cu; returns their number and sets
 // *umax = max u over the chunk. Prefetches `next` (as long as x, or x itself) into L2, half of it in
 // each pass: a burst of a whole chunk's prefetches overruns the outstanding misses the core can track.
-int64_t collect(const float* __restrict x, int64_t len, uint32_t t, const float* next, Scratch& s,
+int64_t collect(const float* __restrict x, int64_t len, uint32_t t, [[maybe_unused]] const float* next, Scratch& s,
                 uint32_t* umax) {
   uint32_t* __restrict ci = s.ci.data();
   int64_t c = 0, i = 0;
