@@ -2,8 +2,8 @@
 
 Regenerate after an intended change of the algorithm (and say why in the commit):
     python tests/unit/test_diloco_golden.py
-Losses are compared to 1e-5; θ_global hashes only where torch's version and CPU kernel set match
-the recorded ones (other builds may round differently in the last bit).
+Losses are compared to 1e-5; θ_global hashes only where torch's version, CPU kernel set and the CPU's
+matrix extensions match the recorded ones (golden_platform.py: others may round differently in the last bit).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from golden_platform import golden_platform
 
 from swarmtrain.averaging.inprocess import InProcessGroup
 from swarmtrain.compress import get_codec
@@ -31,10 +32,6 @@ OVERRIDES = [
 ]
 
 
-def _platform() -> dict[str, str]:
-    return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability()}
-
-
 def _trajectory() -> dict[str, Any]:
     torch.set_num_threads(1)
     cfg: RunConfig = load_config(overrides=OVERRIDES)
@@ -43,7 +40,7 @@ def _trajectory() -> dict[str, Any]:
     result = simulate_diloco(cfg, train_tokens=corpus.train, val_tokens=corpus.val, num_workers=2,
                              average_all=group.average_all)
     return {
-        "overrides": OVERRIDES, "workers": 2, "platform": _platform(),
+        "overrides": OVERRIDES, "workers": 2, "platform": golden_platform(),
         "initial_val_loss": result.initial_val_loss,
         "rounds": [{"round": r.round, "loss": r.loss, "val_loss": r.val_loss, "tokens": r.tokens,
                     "bytes_sent": r.bytes_sent} for r in result.rounds],
