@@ -64,7 +64,7 @@ def test_a_node_of_another_key_or_without_tls_cannot_take_part(other) -> None:
             assert r.committed and r.members == ("a", "b"), (name, r.reason)
             assert r.mean is not None
             for lo, hi in bounds[:2]:  # the shards a and b reduce: the mean of a's and b's parts exactly
-                assert torch.equal(r.mean[lo:hi], reference_mean(deltas, ["a", "b"], bounds)[lo:hi]), name
+                assert torch.equal(r.mean_tensor()[lo:hi], reference_mean(deltas, ["a", "b"], bounds)[lo:hi]), name
 
 
 def _upload(client: RpcNode, server: RpcNode, payload: bytes, *, tls_ctx) -> list[bytes]:
