@@ -28,6 +28,7 @@ class Presence:
         self._said_alone = False
         self._said_skew = False
         self._estimated = False  # whether a read of the others' records gave an estimate yet
+        self.settled = False  # the last estimate found this clock within half a heartbeat of the swarm's
         self._last_rebootstrap = self._clock()  # the DHT bootstrapped at start
 
     def note(self, peers: Sequence[PeerRecord], *, own_id: str, now: float) -> float:
@@ -45,7 +46,8 @@ class Presence:
         if residual is None:
             return 0.0
         first, self._estimated = not self._estimated, True
-        if abs(residual) <= self.cfg.heartbeat_s / 2:
+        self.settled = abs(residual) <= self.cfg.heartbeat_s / 2
+        if self.settled:
             return 0.0
         step = residual if first else residual / 2  # a joiner adopts the swarm's clock at once
         self.clock_offset_s = round(self.clock_offset_s + step, 3)

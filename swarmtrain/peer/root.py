@@ -98,6 +98,7 @@ class Peer(OverlappedRounds, Healing):
         self.pace = Pace(local.diloco)
         self.heartbeat: Heartbeat | None = None
         self._beat_task: asyncio.Task[None] | None = None
+        self._clock_task: asyncio.Task[None] | None = None  # reads the others' clocks until this one agrees
         self._round_ends_at = 0.0  # swarm clock: when this round's inner steps should end (peer record)
         self.membership: Membership | None = None  # the electorate and this peer's departure
         self._join_by: tuple[int, float] | None = None  # (round healed into, monotonic time its steps end)
@@ -162,6 +163,7 @@ class Peer(OverlappedRounds, Healing):
         self.heartbeat = Heartbeat(discovery, current=self._record, heartbeat_s=self.cfg.discovery.heartbeat_s,
                                    now=discovery.now, timeout_s=self.cfg.rpc.call_timeout_s)
         await self.heartbeat.start()
+        self._clock_task = asyncio.create_task(self._settle_clock(), name=f"clock-{discovery.peer_id}")
         info = {"peer_id": discovery.peer_id, "endpoint": self.endpoint, "run_id": self.cfg.train.run_id,
                 "maddrs": await self.services.visible_maddrs(discovery), "round": self.worker.round,
                 "hash": self._announced[1], "num_params": self.worker.numel, **({"metrics": self.metrics} if self.metrics else {})}
@@ -510,6 +512,25 @@ class Peer(OverlappedRounds, Healing):
         log.warning("no other live peer seen for %.0f s: re-joined the DHT through its initial peers (%d of %d "
                     "answered)", self._presence().unseen_s(), answered, len(maddrs))
 
+    async def _settle_clock(self) -> None:
+        """Until this peer's clock agrees with the swarm's, read the live peers every heartbeat and correct it.
+
+        Round boundaries read them too (heal checks, waits), but rounds can be minutes apart: a joiner whose
+        clock is seconds off would halve its error once per round and miss windows meanwhile. Once settled,
+        the boundary reads keep watch, and a read that finds the clock off again resumes this one.
+        """
+        assert self.discovery is not None
+        while True:
+            await asyncio.sleep(self.cfg.discovery.heartbeat_s)
+            if self._presence().settled:
+                continue
+            try:
+                peers = await self.discovery.live_peers(timeout_s=self.cfg.rpc.call_timeout_s)
+            except Exception as e:  # the next heartbeat tries again; a round boundary reads them too
+                log.debug("clock check: could not list live peers (%s)", e)
+                continue
+            self._presence().correct(self.discovery, peers)
+
     def _presence(self) -> Presence:
         if self.presence is None:
             self.presence = Presence(self.cfg.discovery, run_id=self.cfg.train.run_id)
@@ -560,6 +581,10 @@ class Peer(OverlappedRounds, Healing):
         """Leave: withdraw the peer record (departure), checkpoint, then stop rpc and the DHT."""
         self.phase = "leaving"
         path: Path | None = None
+        if self._clock_task is not None:
+            self._clock_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._clock_task
         if self._beat_task is not None:
             await self._beat_task  # bounded by the heartbeat's timeout; a record stored after the withdrawal
             # would announce a departed peer until it expires

@@ -64,6 +64,22 @@ def test_a_peer_adopts_its_first_estimate_whole_then_corrects_by_halves_past_a_d
     assert p.note([_rec("me", swarm_at)], own_id="me", now=swarm_at + 9.0) == 0.0  # nobody else: no estimate
 
 
+def test_a_peer_is_settled_only_while_its_last_estimate_was_within_the_dead_band() -> None:
+    # the peer reads the others every heartbeat until settled (peer/root.py), then only at round boundaries
+    p = Presence(DiscoveryConfig(heartbeat_s=H), run_id="r")
+    swarm_at = 1000.0
+    peers = [_rec(x, swarm_at - H / 2) for x in "ab"]
+    assert not p.settled  # no estimate yet
+    p.note([_rec("me", swarm_at)], own_id="me", now=swarm_at)
+    assert not p.settled  # alone: still no estimate
+    p.note(peers, own_id="me", now=swarm_at - 6.0)
+    assert not p.settled  # it just moved its clock: the next read tells whether it agrees now
+    p.note(peers, own_id="me", now=swarm_at + 0.5)
+    assert p.settled
+    p.note(peers, own_id="me", now=swarm_at + 3.0)
+    assert not p.settled  # off again: reading every heartbeat resumes
+
+
 def test_a_peer_that_sees_nobody_for_two_record_ttls_rebootstraps_at_most_once_per_two_ttls() -> None:
     t = [100.0]
     presence = Presence(DiscoveryConfig(record_ttl_s=5.0, heartbeat_s=1.0), run_id="r", clock=lambda: t[0])
