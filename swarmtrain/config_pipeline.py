@@ -82,8 +82,9 @@ class PipelineConfig:
     restarting server comes back within it)."""
     stage_wait_s: float = 120.0
     """Seconds a trainer waits, re-reading the records, while a stage it must call has no server listed
-    at all (a lost stage being taken; with servers listed that all failed the call it waits
-    `call_timeout_s`); then the micro-batch is lost, with its reason."""
+    at all (a lost stage being taken; with servers listed that all failed the call it waits `call_timeout_s`,
+    and at least until a dead server's record has expired: `discovery.record_ttl_s` + `heartbeat_s`); then
+    the micro-batch is lost, with its reason."""
 
     def __post_init__(self) -> None:
         check(self.stages >= 0, "pipeline.stages", "must be >= 0 (0 = no pipeline)")

@@ -6,8 +6,10 @@ until the micro-batch completes, so a failure at stage k re-sends from stage k's
 the start: a forward that fails or passes its deadline goes to another server of the stage; a
 backward whose server died, restarted or dropped the micro-batch's input runs that stage's forward
 again on some server and the backward there. When every listed server of a stage failed a call, the
-trainer reads the server list again for up to `pipeline.call_timeout_s` (a server restarting, a new
-one); while it lists none (a lost stage, being taken), for up to `pipeline.stage_wait_s`. A micro-batch
+trainer reads the server list again until it names another (a server restarting, a new one), for up to
+`pipeline.call_timeout_s` and at least until a dead server's record has expired and dropped out of the
+list (`discovery.record_ttl_s` + `heartbeat_s`); while it lists none (a lost stage, being taken), for up
+to `pipeline.stage_wait_s`. A micro-batch
 is lost only when a stage has no server that answers within that time; it is counted and its reason
 kept. (One lost in its backward has already added
 its gradients to the stages after the failing one and to the head.)
@@ -93,6 +95,9 @@ class PipelineTrainer:
         self.optimizer = build_inner_optimizer(ends, cfg.inner)
         self.total_steps = cfg.diloco.rounds * cfg.diloco.inner_steps
         self.max_inflight = max_inflight or self.pipe.samples_per_step // self.pipe.microbatch_size
+        # Every listed server of a stage failed a call: wait for another, at least until a dead server's record
+        # has expired and a read of the list has dropped it (the stage then counts as unserved: stage_wait_s).
+        self.listed_wait_s = max(self.pipe.call_timeout_s, cfg.discovery.record_ttl_s + cfg.discovery.heartbeat_s)
         self._lock = threading.Lock()  # the ends' autograd: one micro-batch at a time
         self.step_count = 0
         self._sent = 0
@@ -204,8 +209,8 @@ class PipelineTrainer:
 
     async def _next(self, stage: int, tried: set[Server]) -> Server:
         """A server of `stage` not tried yet for this call. When every listed one was, the list is read again
-        until it names another (one restarted, or new) for up to `pipeline.call_timeout_s`; while it lists
-        none (a lost stage, being taken), for up to `pipeline.stage_wait_s`."""
+        until it names another (one restarted, or new) for up to `listed_wait_s`; while it lists none (a lost
+        stage, being taken), for up to `pipeline.stage_wait_s`."""
         server = self.router.choose(stage, exclude=tried)
         start = self.clock()
         while server is None:
@@ -213,11 +218,11 @@ class PipelineTrainer:
             server = self.router.choose(stage, exclude=tried)
             if server is None:
                 listed = len(self.router.servers(stage))
-                field, limit_s = (("call_timeout_s", self.pipe.call_timeout_s) if listed else
-                                  ("stage_wait_s", self.pipe.stage_wait_s))
+                what, limit_s = (("pipeline.call_timeout_s or discovery.record_ttl_s + heartbeat_s", self.listed_wait_s)
+                                 if listed else ("pipeline.stage_wait_s", self.pipe.stage_wait_s))
                 if self.clock() - start >= limit_s:
-                    raise StageLost(f"stage {stage}: no server answered within pipeline.{field}={limit_s:g} s "
-                                    f"({listed} listed, {len(tried)} failed this call)")
+                    raise StageLost(f"stage {stage}: no server answered within {limit_s:g} s ({what}; {listed} "
+                                    f"listed, {len(tried)} failed this call)")
                 await asyncio.sleep(_LIST_POLL_S)
         return server
 
