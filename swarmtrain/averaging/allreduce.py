@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -188,7 +189,8 @@ class AllReduce:
             decode = decoder(j, owned)
             if not self.gather:  # one encoded mean: the codec tells from its payload, no decoded shard needed
                 await asyncio.to_thread(self.codec.validate, owned, numel=hi - lo)
-                kept[j] = MeanShard(lo, hi, decode)
+                kept[j] = MeanShard(lo, hi, decode, pieces=functools.partial(self.codec.decode_pieces, owned,
+                                                                             numel=hi - lo))
                 return
             async with turn:
                 if not scratch:

@@ -14,11 +14,14 @@ __all__ = ["AverageResult", "Averager", "Delta", "DeltaSource", "MeanShard", "Sh
 @dataclass(frozen=True)
 class MeanShard:
     """Values [lo, hi) of a round's mean, kept as the reducer sent them; `decode(out)` writes them into
-    `out` (hi − lo fp32 values, any prior contents) and is deterministic: every call writes the same bits."""
+    `out` (hi − lo fp32 values, any prior contents) and is deterministic: every call writes the same bits.
+    `pieces()`, where given, yields the same values as (offset in the shard, values) pieces of a few MB
+    (`Codec.decode_pieces`), so that applying the shard never holds it whole in fp32."""
 
     lo: int
     hi: int
     decode: Callable[[torch.Tensor], None]
+    pieces: Callable[[], Iterator[tuple[int, torch.Tensor]]] | None = None
 
 
 @dataclass(frozen=True)
@@ -26,9 +29,10 @@ class ShardedMean:
     """A committed round's mean held shard by shard in its encoded form, decoded when it is applied.
 
     The network all-reduce returns this instead of an assembled fp32 vector: with int8 the shards
-    take a quarter of the model's fp32 size, and `pieces()` decodes one shard at a time into one
-    scratch vector of the largest shard, so applying the mean never needs a model-sized vector. The
-    all-reduce checked before its vote that every shard decodes to finite values.
+    take a quarter of the model's fp32 size, and `pieces()` decodes a few MB at a time (a shard at a
+    time into one scratch vector of the largest shard, where a shard cannot be decoded in pieces), so
+    applying the mean never needs a model-sized vector. The all-reduce checked before its vote that
+    every shard decodes to finite values.
     """
 
     numel: int
@@ -44,11 +48,15 @@ class ShardedMean:
             raise ValueError(f"ShardedMean: the shards cover {at} values, not {self.numel}")
 
     def pieces(self) -> Iterator[tuple[int, torch.Tensor]]:
-        """(offset, values) of each shard in order; the values live in a scratch vector that the next
-        piece overwrites, so a caller uses each before asking for the next."""
-        largest = max((s.hi - s.lo for s in self.shards), default=0)
-        scratch = torch.empty(largest, dtype=torch.float32)
+        """(offset, values) pieces covering the mean in order; the values live in a scratch vector that
+        the next piece overwrites, so a caller uses each before asking for the next."""
+        whole = [s.hi - s.lo for s in self.shards if s.pieces is None]
+        scratch = torch.empty(max(whole, default=0), dtype=torch.float32)
         for s in self.shards:
+            if s.pieces is not None:
+                for at, values in s.pieces():
+                    yield s.lo + at, values
+                continue
             out = scratch[:s.hi - s.lo]
             s.decode(out)
             yield s.lo, out

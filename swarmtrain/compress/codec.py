@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -43,6 +43,13 @@ class Codec(Protocol):
     def decode(self, data: bytes | bytearray | memoryview) -> torch.Tensor: ...
 
     def decode_accumulate(self, data: bytes | bytearray | memoryview, out: torch.Tensor) -> None: ...
+
+    def decode_pieces(self, data: bytes | bytearray | memoryview, *,
+                      numel: int) -> Iterator[tuple[int, torch.Tensor]]:
+        """The decoded flat tensor as (offset, values) pieces of a few MB, in order, the same bits as
+        `decode`; each piece's values are overwritten by the next (one piece, the whole, where the codec
+        cannot decode a range)."""
+        ...
 
     def validate(self, data: bytes | bytearray | memoryview, *, numel: int) -> None:
         """CodecError unless `data` decodes to `numel` finite values: what `decode` would refuse or yield

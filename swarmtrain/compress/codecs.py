@@ -6,7 +6,7 @@ import abc
 import math
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import ClassVar
 
 import torch
@@ -30,6 +30,7 @@ __all__ = ["ENCODE_PIECE", "BlockQuantCodec", "CastCodec", "quant_backend"]
 _Buffer = bytes | bytearray | memoryview
 _CAST_CHUNK_ELEMENTS = 1 << 18
 ENCODE_PIECE = 1 << 22  # values read and quantized at a time by encode_from (16 MB of fp32)
+DECODE_PIECE = 1 << 22  # values decoded at a time by decode_pieces
 _FP32_MAX = torch.finfo(torch.float32).max
 
 
@@ -180,6 +181,32 @@ class _Codec(abc.ABC):
         header, raw = self._open(data, numel=numel)
         self._validate(header, raw)
 
+    def decode_pieces(self, data: _Buffer, *, numel: int,
+                      piece: int = DECODE_PIECE) -> Iterator[tuple[int, torch.Tensor]]:
+        """The decoded flat tensor as (offset, values) pieces that cover it once, in order, `piece` values
+        at most each (a multiple of `alignment`), the same bits as `decode`. Each piece's values live in
+        one scratch vector that the next piece overwrites: a caller uses each before asking for the next.
+        The payload is parsed and checked once, up front. Codecs that cannot decode a range (zstd, sparse)
+        give one piece, the whole tensor."""
+        header, raw = self._open(data, numel=numel)
+        step = piece // self.alignment * self.alignment
+        decode = self._range_decoder(header, raw) if 0 < step < numel else None
+        if decode is None:
+            whole = torch.zeros(numel, dtype=torch.float32, device=self.device)
+            self._accumulate(header, raw, whole)
+            yield 0, whole
+            return
+        scratch = torch.empty(step, dtype=torch.float32, device=self.device)
+        for lo in range(0, numel, step):
+            out = scratch[:min(step, numel - lo)].zero_()
+            decode(lo, out)
+            yield lo, out
+
+    def _range_decoder(self, header: Header, raw: _Buffer) -> Callable[[int, torch.Tensor], None] | None:
+        """`decode(lo, out)`: add values [lo, lo + out.numel()) into `out` (lo on `alignment`), after
+        checking the whole payload now; None where the codec decodes the whole only."""
+        return None
+
     def _validate(self, header: Header, raw: _Buffer) -> None:
         """Decode and look (codecs whose payload alone tells whether it decodes finite do less)."""
         if not _all_finite(self._decode_flat(header, raw)):
@@ -239,8 +266,17 @@ class CastCodec(_Codec):
     def _decode_flat(self, header: Header, raw: _Buffer) -> torch.Tensor:
         return self._values(header, raw).to(torch.float32, copy=True)
 
+    def _range_decoder(self, header: Header, raw: _Buffer) -> Callable[[int, torch.Tensor], None] | None:
+        if Flags.ZSTD in header.flags:
+            return None
+        vals = self._values(header, raw)
+        return lambda lo, out: self._add(vals[lo:lo + out.numel()], out.view(-1))
+
     def _accumulate(self, header: Header, raw: _Buffer, out: torch.Tensor) -> None:
-        vals, flat = self._values(header, raw), out.view(-1)
+        self._add(self._values(header, raw), out.view(-1))
+
+    @staticmethod
+    def _add(vals: torch.Tensor, flat: torch.Tensor) -> None:
         if vals.dtype == torch.float32:
             flat.add_(vals)
             return
@@ -336,6 +372,21 @@ class BlockQuantCodec(_Codec):
         fn = (self._backend.int8_dequantize_accumulate if header.codec_id == CodecId.INT8
               else self._backend.int4_dequantize_accumulate)
         fn(q, scales, block_size=header.block_size, out=out)
+
+    def _range_decoder(self, header: Header, raw: _Buffer) -> Callable[[int, torch.Tensor], None] | None:
+        if Flags.ZSTD in header.flags:
+            return None
+        q, scales = self._parts(header, raw)
+        bs, int8 = header.block_size, header.codec_id == CodecId.INT8
+        fn = self._backend.int8_dequantize_accumulate if int8 else self._backend.int4_dequantize_accumulate
+
+        def decode(lo: int, out: torch.Tensor) -> None:
+            n = out.numel()
+            if lo % bs or (n % bs and lo + n != header.numel):
+                raise CodecError(f"{self.name}: values [{lo}, {lo + n}) are not whole blocks of {bs}")
+            qs = q[lo:lo + n] if int8 else q[lo // 2:lo // 2 + -(-n // 2)]
+            fn(qs, scales[lo // bs:lo // bs + quant.num_blocks(n, block_size=bs)], block_size=bs, out=out)
+        return decode
 
 
 def _check_scales(scales: torch.Tensor, *, name: str, qmax: int) -> None:

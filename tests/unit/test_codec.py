@@ -18,6 +18,7 @@ from swarmtrain.compress import (
 )
 from swarmtrain.compress.codecs import BlockQuantCodec
 from swarmtrain.config import CompressConfig
+from swarmtrain.testing.fuzz import _codec_resign as resign
 
 pytestmark = pytest.mark.unit
 
@@ -218,6 +219,42 @@ def test_encode_from_pieces_equals_encoding_the_whole(name: str, options: dict[s
         step = 0 if whole_only else piece // align * align
         expected = [(lo, min(numel, lo + step)) for lo in range(0, numel, step)] if 0 < step < numel else [(0, numel)]
         assert reads == expected, (piece, reads)
+
+@pytest.mark.parametrize(("name", "options"), [
+    ("fp32", {}), ("fp16", {}), ("bf16", {}), ("int8", {}), ("int4", {}), ("int8", {"block_size": 6}),
+    ("int4", {"block_size": 6}), ("int8", {"scale_dtype": "fp16"}), ("int8", {"zstd_level": 3}),
+    ("fp16", {"zstd_level": 3}), ("sparse", {"chunk_size": 16, "density": 0.25}),
+])
+@pytest.mark.parametrize("numel", [0, 1, 47, 48, 49, 1001])
+def test_decode_pieces_equal_decoding_the_whole(name: str, options: dict[str, object], numel: int) -> None:
+    """Pieces of 8 or 16 values (cut at the codec's blocks) laid end to end are `decode`'s bits; zstd and
+    sparse payloads come whole, in one piece."""
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
+    codec = get_codec(name, **options)
+    data = codec.encode(x)
+    whole = codec.decode(data).reshape(-1)
+    for piece in (8, 16, 1 << 22):
+        got, at = [], 0
+        for lo, values in codec.decode_pieces(data, numel=numel, piece=piece):
+            assert lo == at and values.dtype == torch.float32
+            got.append(values.clone())  # the next piece overwrites it
+            at += values.numel()
+        assert at == numel and torch.equal(torch.cat(got) if got else torch.empty(0), whole), piece
+        whole_only = bool(options.get("zstd_level")) or name == "sparse"
+        align = int(options.get("block_size", 64)) if name.startswith("int") else 1  # type: ignore[call-overload]
+        step = 0 if whole_only else piece // align * align
+        assert len(got) == (-(-numel // step) if 0 < step < numel else 1), (piece, [g.numel() for g in got])
+
+
+def test_decode_pieces_checks_the_payload_before_the_first_piece() -> None:
+    codec = get_codec("int8", block_size=8)
+    data = bytearray(codec.encode(torch.randn(64)))
+    data[-4:] = bytes.fromhex("0000c07f")  # the last block's scale: NaN
+    with pytest.raises(CodecError, match="non-finite"):
+        next(codec.decode_pieces(resign(data), numel=64, piece=8))
+    with pytest.raises(CodecError, match="out has 63 elements"):
+        next(codec.decode_pieces(codec.encode(torch.randn(64)), numel=63, piece=8))
+
 
 def test_encode_from_refuses_a_source_that_reads_the_wrong_values() -> None:
     codec = get_codec("int8")
