@@ -27,7 +27,7 @@ from swarmtrain.averaging.protocol import AverageResult, Delta
 from swarmtrain.compress import Codec
 from swarmtrain.config import DiscoveryConfig, RunConfig, to_dict
 from swarmtrain.discovery import Discovery
-from swarmtrain.peer.heap import trim_heap
+from swarmtrain.peer.heap import round_heap
 from swarmtrain.peer.services import LivePeerState, PeerError, PeerState
 from swarmtrain.rpc.node import RpcNode
 from swarmtrain.sync.transfer import StateServer, StateSnapshot, fetch_state, fetch_state_parallel
@@ -142,7 +142,7 @@ class NetworkPlane:
                       electorate: tuple[str, ...] = (),
                       on_group: Callable[[Group], None] | None = None) -> AverageResult:
         self._outcome, self._steps_per_s, self._on_group = None, steps_per_s, on_group
-        await asyncio.to_thread(trim_heap)  # what the inner steps freed goes back before the all-reduce allocates
+        await asyncio.to_thread(round_heap)  # what the inner steps freed goes back before the all-reduce allocates
         result = await asyncio.to_thread(functools.partial(self.averager.average, round_index, delta,
                                                            electorate=electorate))
         # Inner steps come next, the peak of the peer's memory: idle buffers are not kept through them

@@ -42,7 +42,7 @@ from swarmtrain.models import build_model
 from swarmtrain.peer.config import merge_run_config
 from swarmtrain.peer.data import choose_shard, peer_batches, peer_seed, saved_slot
 from swarmtrain.peer.healing import Healing
-from swarmtrain.peer.heap import trim_heap
+from swarmtrain.peer.heap import steps_heap
 from swarmtrain.peer.joining import fetch_run_config
 from swarmtrain.peer.membership import Membership
 from swarmtrain.peer.overlap import OverlappedRounds
@@ -310,7 +310,7 @@ class Peer(OverlappedRounds, Healing):
         A timed round enters matchmaking shortly before its span ends (`RoundBudget.match_at_s`).
         """
         assert self.worker is not None and self.plane is not None
-        await asyncio.to_thread(trim_heap)  # what the last round freed goes back before the inner steps allocate
+        await asyncio.to_thread(steps_heap)  # what the last round freed goes back before the inner steps allocate
         budget = self.pace.budget()
         join, self._join_by = self._join_by, None
         if join is not None and join[0] == self.worker.round:  # healed into a round under way: end with the swarm

@@ -6,7 +6,7 @@ import platform
 
 import pytest
 
-from swarmtrain.peer.heap import trim_heap
+from swarmtrain.peer.heap import round_heap, steps_heap, trim_heap
 
 pytestmark = pytest.mark.unit
 
@@ -16,3 +16,14 @@ def test_trim_heap_runs_where_glibc_has_malloc_trim_and_is_a_no_op_elsewhere() -
     del blocks
     on_glibc = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
     assert trim_heap() is on_glibc
+
+
+def test_round_and_steps_set_glibcs_thresholds_and_allocation_goes_on() -> None:
+    on_glibc = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+    try:
+        assert round_heap() is on_glibc
+        blocks = [bytearray(5 << 20) for _ in range(4)]  # above the round's threshold: mapped on their own
+        assert all(len(b) == 5 << 20 for b in blocks)
+        del blocks
+    finally:
+        assert steps_heap() is on_glibc  # this test process goes on with the inner steps' setting
