@@ -32,33 +32,22 @@ STEPS_MMAP_BYTES = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
 
 
 @functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
-    name = ctypes.util.find_library("c")
+def _libc(name: str, *argtypes: type) -> Callable[..., int] | None:
+    """The C library's function `name` (returning int, taking `argtypes`); None where it has none."""
+    lib = ctypes.util.find_library("c")
     try:
-        fn = ctypes.CDLL(name).malloc_trim if name else None
+        fn = getattr(ctypes.CDLL(lib), name) if lib else None
     except (OSError, AttributeError):
         return None
     if fn is not None:
-        fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
-    return fn
-
-
-@functools.cache
-def _mallopt() -> Callable[[int, int], int] | None:
-    name = ctypes.util.find_library("c")
-    try:
-        fn = ctypes.CDLL(name).mallopt if name else None
-    except (OSError, AttributeError):
-        return None
-    if fn is not None:
-        fn.argtypes, fn.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+        fn.argtypes, fn.restype = list(argtypes), ctypes.c_int
     return fn
 
 
 def _thresholds(mmap_bytes: int) -> bool:
     """Blocks of `mmap_bytes` and up are mapped on their own; the heap's top is trimmed past twice that
     (glibc's own pairing). False where the C library has no `mallopt`."""
-    fn = _mallopt()
+    fn = _libc("mallopt", ctypes.c_int, ctypes.c_int)
     if fn is None:
         return False
     return bool(fn(_M_MMAP_THRESHOLD, mmap_bytes)) and bool(fn(_M_TRIM_THRESHOLD, 2 * mmap_bytes))
@@ -78,7 +67,7 @@ def steps_heap() -> bool:
 
 def trim_heap() -> bool:
     """Release the heap's free pages to the OS; False where the C library has no `malloc_trim`."""
-    fn = _malloc_trim()
+    fn = _libc("malloc_trim", ctypes.c_size_t)
     if fn is None:
         return False
     fn(0)
