@@ -44,12 +44,9 @@ class Healing:
         serve must hash to it.
         """
         assert self.discovery is not None and self.worker is not None and self.plane is not None
-        try:
-            peers = await self.discovery.live_peers(timeout_s=self.cfg.rpc.call_timeout_s)
-        except Exception as e:  # a slow control plane must not stop training; the next round looks again
-            log.warning("could not list live peers (%s); not healing this round", e)
+        peers = await self._read_peers(why="; not healing this round")  # the next round looks again
+        if peers is None:
             return None
-        self._presence().correct(self.discovery, peers)
         await self._rejoin_dht_if_isolated()
         own = self.worker.round
         plan = plan_heal(peers, own_round=own, self_id=self._peer_id, want_hash=want_hash,

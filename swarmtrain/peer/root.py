@@ -49,6 +49,7 @@ from swarmtrain.peer.overlap import OverlappedRounds
 from swarmtrain.peer.presence import Presence
 from swarmtrain.peer.rounds import LocalRoundError, PendingRound, group_reporter, interruptible
 from swarmtrain.peer.services import DataPlane, PeerError, PeerServices, PeerState
+from swarmtrain.peer.watching import Watching
 from swarmtrain.pipeline.memory import check_worker_budget
 from swarmtrain.round import Average, Finish, Heal, RoundMachine, Train, Wait
 from swarmtrain.sync.checkpoint import (
@@ -77,7 +78,7 @@ def _resume(worker: DilocoWorker, loaded: LoadedCheckpoint) -> None:
     log.info("resumed from %s at round %d", loaded.path, worker.round)
 
 
-class Peer(OverlappedRounds, Healing):
+class Peer(OverlappedRounds, Healing, Watching):
     """One DiLoCo peer of a swarm. `await start()`, `await run(stop)`, `await aclose(reason)`.
 
     `on_step` sees every inner step, on the training thread (the console progress display).
@@ -465,76 +466,6 @@ class Peer(OverlappedRounds, Healing):
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=delay_s)
         return not stop.is_set()
-
-    async def _await_swarm_past(self, round_index: int, *, until: float, stop: asyncio.Event) -> bool:
-        """After a round that did not commit here, wait until `until` (swarm clock) or the swarm passing it.
-
-        Until then the attempt this peer missed may still commit without it: if it does, the next
-        heal check adopts the swarm's state; otherwise the round is averaged again. False if `stop` was set.
-        """
-        await self._watch_peers(lambda peers: any(p.round > round_index for p in peers),
-                                deadline=time.monotonic() + until - self._now(), stop=stop)
-        return not stop.is_set()
-
-    async def _watch_peers(self, done: Callable[[Sequence[PeerRecord]], bool], *, deadline: float,
-                           stop: asyncio.Event) -> None:
-        """Poll the other live peers every half heartbeat until `done(peers)`, `deadline` (monotonic) or `stop`.
-
-        A failed read counts as seeing nobody (logged); the next poll tries again.
-        """
-        assert self.discovery is not None
-        while time.monotonic() < deadline and not stop.is_set():
-            try:
-                peers = await self.discovery.live_peers(timeout_s=self.cfg.rpc.call_timeout_s)
-            except Exception as e:
-                log.warning("could not list live peers (%s)", e)
-                peers = ()
-            self._presence().correct(self.discovery, peers)
-            await self._rejoin_dht_if_isolated()
-            if done([p for p in peers if p.peer_id != self._peer_id]):
-                return
-            await self._wait_until(min(deadline, time.monotonic() + self.cfg.discovery.heartbeat_s / 2), stop)
-
-    async def _rejoin_dht_if_isolated(self) -> None:
-        """After two record TTLs without seeing another peer, dial the initial peers again (one log line).
-
-        A DHT node bootstraps once; one whose links all dropped would otherwise wait alone for good."""
-        assert self.discovery is not None
-        maddrs = self.cfg.discovery.initial_peers
-        if not maddrs or not self._presence().rebootstrap_due():
-            return
-        try:
-            answered = await self.discovery.rebootstrap(maddrs, timeout_s=self.cfg.rpc.call_timeout_s)
-        except Exception as e:  # the next due time tries again
-            log.warning("no other live peer seen for %.0f s; re-joining the DHT through %d initial peer(s) failed: "
-                        "%s", self._presence().unseen_s(), len(maddrs), e)
-            return
-        log.warning("no other live peer seen for %.0f s: re-joined the DHT through its initial peers (%d of %d "
-                    "answered)", self._presence().unseen_s(), answered, len(maddrs))
-
-    async def _settle_clock(self) -> None:
-        """Until this peer's clock agrees with the swarm's, read the live peers every heartbeat and correct it.
-
-        Round boundaries read them too (heal checks, waits), but rounds can be minutes apart: a joiner whose
-        clock is seconds off would halve its error once per round and miss windows meanwhile. Once settled,
-        the boundary reads keep watch, and a read that finds the clock off again resumes this one.
-        """
-        assert self.discovery is not None
-        while True:
-            await asyncio.sleep(self.cfg.discovery.heartbeat_s)
-            if self._presence().settled:
-                continue
-            try:
-                peers = await self.discovery.live_peers(timeout_s=self.cfg.rpc.call_timeout_s)
-            except Exception as e:  # the next heartbeat tries again; a round boundary reads them too
-                log.debug("clock check: could not list live peers (%s)", e)
-                continue
-            self._presence().correct(self.discovery, peers)
-
-    def _presence(self) -> Presence:
-        if self.presence is None:
-            self.presence = Presence(self.cfg.discovery, run_id=self.cfg.train.run_id)
-        return self.presence
 
     def _after_round(self, attempted: int, committed: bool, loss: float, val_loss: float | None) -> None:
         self.last_loss = loss if math.isfinite(loss) else None
