@@ -23,6 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     help="netem delay on each end of each link (host-to-host one way = 2x); needs netem")
     up.add_argument("--loss-pct", type=float, default=0.0, help="netem loss on each end of each link; needs netem")
     up.add_argument("--mtu", type=int, default=1500, help="link MTU (default: 1500)")
+    up.add_argument("--cpus", type=float, default=None,
+                    help="cap each host at this many CPUs (a cgroup per host; e.g. 0.2): hosts compute like "
+                         "separate machines instead of sharing every core (default: uncapped)")
     up.add_argument("--data-port", type=int, default=7000,
                     help="TCP port whose traffic is counted as data plane (bind peers' gRPC here; default: 7000)")
 
@@ -64,7 +67,7 @@ def _up(args: argparse.Namespace) -> int:
     from swarmtrain.testbed import LinkSpec, Testbed, parse_rate
 
     link = LinkSpec(rate_bit_s=parse_rate(args.rate), delay_ms=args.delay_ms, loss_pct=args.loss_pct, mtu=args.mtu)
-    testbed = Testbed(args.name, num_hosts=args.hosts, link=link, data_port=args.data_port)
+    testbed = Testbed(args.name, num_hosts=args.hosts, link=link, data_port=args.data_port, cpus=args.cpus)
     testbed.up(persist=True)
     print(json.dumps(testbed.describe()), flush=True)
     return 0
@@ -72,6 +75,7 @@ def _up(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from swarmtrain.testbed import TestbedError, find_testbeds, require_root
+    from swarmtrain.testbed.cpu import caps_of
     from swarmtrain.testbed.netns import SUBNET_PREFIX
 
     require_root()
@@ -93,7 +97,10 @@ def _run(args: argparse.Namespace) -> int:
     ip = f"{SUBNET_PREFIX}{10 + args.host}"
     cmd = [part.replace("{ip}", ip) for part in cmd]
     os.environ.update(SWARMTRAIN_TESTBED_HOST=str(args.host), SWARMTRAIN_TESTBED_IP=ip)
-    os.execvp("ip", ["ip", "netns", "exec", netns, *cmd])
+    cap = next((c for c in caps_of(args.name) if c.host == args.host), None)  # `up --cpus`: the host's cap
+    inside = ["ip", "netns", "exec", netns, *cmd]  # the cap is joined first: inside, /sys has no cgroup tree
+    argv = cap.join_argv(inside) if cap else inside
+    os.execvp(argv[0], argv)
     return 0  # not reached: execvp replaces this process
 
 
@@ -146,12 +153,15 @@ def _fields(line: object) -> dict[str, object]:
 def _status(args: argparse.Namespace) -> int:
     from swarmtrain.testbed import read_counters, require_root
     from swarmtrain.testbed.counters import read_rate_bit_s
+    from swarmtrain.testbed.cpu import caps_of
     from swarmtrain.testbed.netns import SUBNET_PREFIX
 
     require_root()
     counters = read_counters(args.name)
+    caps = {c.host: c for c in caps_of(args.name)}
     hosts = [{"index": i, "netns": f"{args.name}-h{i}", "ip": f"{SUBNET_PREFIX}{10 + i}",
-              "rate_bit_s": read_rate_bit_s(args.name, i), "counters": c.as_dict()} for i, c in counters.items()]
+              "rate_bit_s": read_rate_bit_s(args.name, i), "cpus": caps[i].cores() if i in caps else None,
+              "counters": c.as_dict()} for i, c in counters.items()]
     print(json.dumps({"name": args.name, "hosts": hosts}, indent=2))
     return 0
 

@@ -1,7 +1,8 @@
 """A WAN twin on one Linux machine: hosts as network namespaces on a shaped bridge (needs root).
 
 Map: shaping.py (rates, the htb tree, netem options) · netns.py (Testbed: namespaces, bridge,
-veths, processes inside hosts; teardown by name) · counters.py (kernel byte counters per host)
+veths, processes inside hosts; teardown by name) · cpu.py (a host's CPU cap: a cgroup per host)
+· counters.py (kernel byte counters per host)
 · swarm.py (a coordinator and peers started inside the hosts, their JSON lines collected)
 · pipeline.py (a pipeline swarm in the hosts: PipelineLayout, PipelineSwarm; kill/restart a server).
 """

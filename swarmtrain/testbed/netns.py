@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from swarmtrain.testbed.cpu import CpuCap, caps_of, cgroup_root
 from swarmtrain.testbed.shaping import LinkSpec, TestbedError, shaping_commands
 
 __all__ = ["DEFAULT_DATA_PORT", "Host", "Testbed", "find_testbeds", "require_root", "teardown"]
@@ -87,7 +88,8 @@ def find_testbeds() -> dict[str, list[str]]:
 
 
 def teardown(name: str) -> list[str]:
-    """Kill every process in testbed `name`'s namespaces, delete them; idempotent. Returns what went."""
+    """Kill every process in testbed `name`'s namespaces, delete them and its CPU caps' cgroups; idempotent.
+    Returns what went (namespaces, then cgroups)."""
     _check_name(name)
     namespaces = find_testbeds().get(name, [])
     for ns in namespaces:
@@ -101,9 +103,10 @@ def teardown(name: str) -> list[str]:
         proc = _run(["ip", "netns", "del", ns], check=False)
         if proc.returncode != 0 and ns in _netns_names():
             raise TestbedError(f"could not delete namespace {ns}: {proc.stderr.strip()}")
-    if namespaces:
-        log.info("testbed %s removed: %s", name, ", ".join(namespaces))
-    return namespaces
+    groups = [cap.path.name for cap in caps_of(name) if cap.remove()]
+    if namespaces or groups:
+        log.info("testbed %s removed: %s", name, ", ".join([*namespaces, *groups]))
+    return [*namespaces, *groups]
 
 
 class Testbed:
@@ -112,12 +115,14 @@ class Testbed:
     __test__ = False  # not a pytest test class despite the name
 
     def __init__(self, name: str = "swt", *, num_hosts: int, link: LinkSpec,
-                 data_port: int = DEFAULT_DATA_PORT) -> None:
+                 data_port: int = DEFAULT_DATA_PORT, cpus: float | None = None) -> None:
+        """`cpus`: cap every host at this many CPUs (a cgroup each, see cpu.py); None leaves hosts uncapped."""
         _check_name(name)
         if not 1 <= num_hosts <= MAX_HOSTS:
             raise TestbedError(f"num_hosts={num_hosts}: must be in [1, {MAX_HOSTS}]")
         self.name = name
         self.link = link
+        self.cpus = None if cpus is None else CpuCap.check_cores(cpus)
         self.data_port = data_port
         self.switch_ns = f"{name}-sw"
         self.hosts = [Host(index=i, netns=f"{name}-h{i}", ip=f"{SUBNET_PREFIX}{10 + i}", switch_port=f"h{i}")
@@ -133,10 +138,13 @@ class Testbed:
         Unless `persist`, the testbed is also removed when this Python process exits.
         """
         require_root()
-        existing = find_testbeds().get(self.name)
+        existing = find_testbeds().get(self.name, []) + [cap.path.name for cap in caps_of(self.name)]
         if existing:
             raise TestbedError(f"testbed {self.name!r} already exists ({', '.join(existing)}); "
                                f"run `swarmtrain testbed down --name {self.name}` first")
+        if self.cpus is not None and cgroup_root() is None:
+            raise TestbedError("cpus: this kernel offers no cpu cgroup controller (neither cgroup v2's cpu.max "
+                               "nor v1's /sys/fs/cgroup/cpu), so hosts cannot be capped here; rerun without it")
         if not persist:
             atexit.register(self.down)
         self._is_up = True
@@ -175,6 +183,10 @@ class Testbed:
             for ns, dev in ((h.netns, h.dev), (sw, h.switch_port)):
                 for args in shaping_commands(dev, self.link, data_port=self.data_port):
                     _run(["tc", "-n", ns, *args])
+            if self.cpus is not None:
+                root = cgroup_root()
+                assert root is not None  # checked in up()
+                CpuCap(root, self.name, h.index).create(self.cpus)
 
     def down(self) -> None:
         """Stop what this testbed started and delete its namespaces; safe to call twice."""
@@ -205,18 +217,30 @@ class Testbed:
             raise TestbedError(f"host {index}: testbed {self.name!r} has hosts 0..{len(self.hosts) - 1}")
         return self.hosts[index]
 
+    def cap(self, index: int) -> CpuCap | None:
+        """Host `index`'s CPU cap as it is in the system (a testbed made by `up --cpus` elsewhere too)."""
+        root = cgroup_root()
+        cap = None if root is None else CpuCap(root, self.name, self.host(index).index)
+        return cap if cap is not None and cap.path.is_dir() else None
+
+    def exec_argv(self, index: int, argv: Sequence[str]) -> list[str]:
+        """The command line that runs `argv` inside host `index`: its namespace, and its CPU cap if it has one."""
+        inside = ["ip", "netns", "exec", self.host(index).netns, *argv]
+        cap = self.cap(index)  # joined before `ip netns exec`, which mounts a sysfs without the cgroup tree
+        return cap.join_argv(inside) if cap else inside
+
     def spawn(self, index: int, argv: Sequence[str], *, env: Mapping[str, str] | None = None,
               **popen: Any) -> subprocess.Popen[Any]:
-        """Start `argv` inside host `index`'s namespace; `down()` kills it if it is still running."""
+        """Start `argv` inside host `index` (`exec_argv`); `down()` kills it if it is still running."""
         h = self.host(index)
         full_env = {**os.environ, **(env or {}), "SWARMTRAIN_TESTBED_HOST": str(index),
                     "SWARMTRAIN_TESTBED_IP": h.ip}
-        proc = subprocess.Popen(["ip", "netns", "exec", h.netns, *argv], env=full_env, **popen)
+        proc = subprocess.Popen(self.exec_argv(index, argv), env=full_env, **popen)
         self._procs.append(proc)
         return proc
 
     def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "switch": self.switch_ns, "data_port": self.data_port,
+        return {"name": self.name, "switch": self.switch_ns, "data_port": self.data_port, "cpus": self.cpus,
                 "link": {"rate_bit_s": self.link.rate_bit_s, "delay_ms": self.link.delay_ms,
                          "loss_pct": self.link.loss_pct, "mtu": self.link.mtu},
                 "hosts": [{"index": h.index, "netns": h.netns, "ip": h.ip} for h in self.hosts]}

@@ -65,7 +65,7 @@ class TestbedSwarm:
         self._starts[name] = n + 1
         log_path = self.log_dir / (f"{name}.log" if n == 0 else f"{name}.{n}.log")
         h = self.testbed.host(host)
-        argv = ["ip", "netns", "exec", h.netns, sys.executable, "-m", "swarmtrain", *args]
+        argv = self.testbed.exec_argv(host, [sys.executable, "-m", "swarmtrain", *args])
         env = {**self.env, "SWARMTRAIN_TESTBED_HOST": str(host), "SWARMTRAIN_TESTBED_IP": h.ip}
         child = Child(name, argv, log_path=log_path, env=env, on_line=self._on_line)
         self._children.append(child)

@@ -18,6 +18,7 @@ from swarmtrain.daemon.cli import COMMANDS
 from swarmtrain.telemetry.events import RoundEvent
 from swarmtrain.testbed import LinkSpec, Testbed, find_testbeds, read_counters
 from swarmtrain.testbed.counters import read_rate_bit_s
+from swarmtrain.testbed.cpu import caps_of, cgroup_root
 from swarmtrain.testbed.netns import has_netem
 from swarmtrain.testbed.swarm import TestbedSwarm
 
@@ -50,6 +51,7 @@ def name() -> Iterator[str]:
     assert tb_name not in find_testbeds(), f"namespaces of testbed {tb_name} were left behind"
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=True).stdout
     assert f"{tb_name}-" not in links
+    assert not caps_of(tb_name), f"CPU cgroups of testbed {tb_name} were left behind"
 
 
 def _transfer(tb: Testbed, *, src: int, dst: int, port: int, size_bytes: int) -> dict[str, float]:
@@ -85,6 +87,32 @@ def test_shaped_link_rate_and_kernel_byte_classes(name: str) -> None:
     assert down2.data_bytes == 0 and down2.other_bytes > 1_000_000
     assert up0.total_bytes == up0.data_bytes + up0.other_bytes
     assert all(not group_alive(p.pid) for p in procs)
+
+
+BUSY = """
+import sys, time
+wall = float(sys.argv[1]); start = time.monotonic(); cpu0 = time.process_time()
+while time.monotonic() - start < wall:
+    sum(range(1000))
+print(time.process_time() - cpu0, time.monotonic() - start, flush=True)
+"""
+
+
+@pytest.mark.skipif(cgroup_root() is None, reason="no cpu cgroup controller on this kernel")
+def test_a_capped_host_computes_at_most_its_cores(name: str) -> None:
+    """A busy loop in a host capped at 0.25 CPUs gets at most a quarter of the wall time (the kernel's
+    quota, whatever the machine's load), and the cap's throttle counter says it was held back."""
+    with Testbed(name, num_hosts=2, link=LinkSpec(rate_bit_s=100_000_000), cpus=0.25) as tb:
+        caps = caps_of(name)
+        assert [(c.host, c.cores()) for c in caps] == [(0, 0.25), (1, 0.25)]
+        busy = tb.spawn(1, [sys.executable, "-c", BUSY, "2.0"], stdout=subprocess.PIPE, text=True)
+        out, _ = busy.communicate(timeout=60)
+        cpu_s, wall_s = (float(x) for x in out.split())
+        assert cpu_s <= 0.25 * wall_s + 0.05, (cpu_s, wall_s)  # + one 10 ms period of slack, and then some
+        periods, held_s = caps[1].throttled()
+        assert periods > 0 and held_s > 0.5 * wall_s, (periods, held_s)
+        assert caps[0].throttled() == (0, 0.0)  # the other host's group did nothing
+    assert not caps_of(name)
 
 
 def test_entrypoint_shapes_and_resolves_ip_and_join(name: str, tmp_path: Path) -> None:
