@@ -181,37 +181,25 @@ class PartRounds:
         if await self._maybe_heal():
             await self.finish(timeout_s=4 * self.cfg.rpc.call_timeout_s + 10.0)
 
-    async def take(self) -> bool:
-        """Before the first step of a server that moved here: take θ_global and the outer momentum from the
-        part's holders at their newest round (round 0 included), checked against the hash most of them
-        announce, as any heal is. False when none of them served a state that checks out."""
-        await self._read_others()
-        holders = [p for p in self._others if p.endpoint and p.round >= self.round]
-        if not holders:
-            return False
-        top = max(p.round for p in holders)
-        want = collections.Counter(p.state_hash for p in holders if p.round == top).most_common(1)[0][0]
-        version, self._heal_to_hash = self.version, want
-        if not await self._maybe_heal():
-            self._heal_to_hash = ""
-            return False
-        await self.finish(timeout_s=4 * self.cfg.rpc.call_timeout_s + 10.0)
-        return self.version != version and self.hash == want
-
-    def snapshot(self) -> PeerState:
-        """A copy of this holder's θ_global, with its round and hash (no outer momentum)."""
+    def snapshot(self, *, momentum: bool = False) -> PeerState:
+        """A copy of this holder's θ_global, with its round and hash (and with `momentum` its outer momentum)."""
         with self._theta_lock:
-            return PeerState(round=self.round, theta_global=self.theta.clone(), outer_momentum=None,
-                             state_hash=self.hash, version=self.version)
+            outer = self._outer.momentum_buffer if momentum and self._outer is not None else None
+            return PeerState(round=self.round, theta_global=self.theta.clone(),
+                             outer_momentum=None if outer is None else outer.clone(), state_hash=self.hash,
+                             version=self.version)
 
-    def adopt(self, theta: torch.Tensor, *, round: int) -> None:
-        """Before the first step of a server that rebuilt a lost stage: θ_global and θ_local become `theta`,
-        at `round`, with no outer momentum (the stage's was lost with it)."""
+    def adopt(self, theta: torch.Tensor, *, round: int, outer_momentum: torch.Tensor | None = None) -> None:
+        """Before the first step of a server that took this stage (moved to it, rebuilt it): θ_global and
+        θ_local become `theta`, at `round`, with `outer_momentum` (None: none, as for a lost stage's)."""
         with self._mu:
             assert not self._busy, "adopt() on a part with a round or heal in flight"
         with self._theta_lock:
             self.theta.copy_(theta)
-            self._outer = None
+            if outer_momentum is None:
+                self._outer = None
+            else:
+                self.outer.load_state_tensors({"momentum": outer_momentum})
             self.round, self.hash = round, flat_hash(self.theta)
             self.version += 1
         assign_flat(self.theta, self.params)

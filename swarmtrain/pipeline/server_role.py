@@ -6,14 +6,16 @@ handler, the part's data plane (one node serves its calls, the all-reduce and th
 part's outer rounds. With `pipeline.rebalance` it reads the live servers' records every
 `rebalance_period_s` and applies the rule of rebalance.py. When the rule moves it to stage s:
 
-1. it builds stage s's blocks on a new node and takes the stage's θ_global and outer momentum from
-   servers of s, checked against the hash most of them announce (`PartRounds.take`, a heal's path);
-   if none serves a state that checks out, it stays where it was;
-2. it switches: its record names stage s and the new endpoint (announced at once), and the old handler
-   refuses new forwards (WrongStage: trainers re-send them to another server of the old stage);
-3. it answers the backwards of the forwards its old stage ran, for up to `rebalance_drain_s`, finishes
-   the old part's round in flight, and closes the old node. Gradients the old part accumulated toward
-   an inner step it had not taken yet are dropped with it.
+1. it builds stage s's blocks and takes the stage's θ_global and outer momentum from servers of s
+   (through its current node), checked against the hash most of them announce at their newest round, as
+   a heal is; if none serves a state that checks out, it stays where it was;
+2. it leaves the old stage: the old handler refuses new forwards (WrongStage: trainers re-send them to
+   another server of the old stage) and answers the backwards of the forwards its old stage ran, for up
+   to `rebalance_drain_s`; then it finishes the old part's round in flight and closes the old node.
+   Gradients the old part accumulated toward an inner step it had not taken yet are dropped with it;
+3. it serves stage s from the taken state on a new node, which listens where the old one did (`rpc.port`:
+   one port, fixed where a firewall opens it), and its record names stage s at once. Should the new node
+   not start, it serves its old stage again from its own state.
 
 One `stage_move` line per move says why, with the figures it was decided on.
 
@@ -37,6 +39,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from swarmtrain.config import RunConfig
 from swarmtrain.discovery import PeerRecord
@@ -144,12 +148,17 @@ class StageServerRole(RoleBase):
         self.writer.ready(info)
         return info
 
-    async def _hold(self, stage: int, *, resume_step: int = 0) -> Holding:
-        """Stage `stage`'s blocks served on a new node, with their outer rounds (not started yet). A heal puts
-        the schedule at the healed round's step, or at `resume_step` (the steps of a server that moved)."""
+    async def _build(self, stage: int) -> StageBlocks:
+        cfg = self.cfg
+        return await asyncio.to_thread(build_stage, cfg.model, stage, cfg.pipeline.stages, seed=cfg.train.seed)
+
+    async def _hold(self, stage: int, *, resume_step: int = 0, part: StageBlocks | None = None) -> Holding:
+        """Stage `stage`'s blocks (`part`, else built) served on a new node, with their outer rounds (not started
+        yet). A heal puts the schedule at the healed round's step, or at `resume_step` (the steps of a server
+        that moved)."""
         assert self.discovery is not None
         cfg, pipe = self.cfg, self.cfg.pipeline
-        part = await asyncio.to_thread(build_stage, cfg.model, stage, pipe.stages, seed=cfg.train.seed)
+        part = part if part is not None else await self._build(stage)
         cell: list[Holding] = []
         server = StageServer(part, stage=stage, pipeline=pipe, inner=cfg.inner,
                              total_steps=cfg.diloco.rounds * cfg.diloco.inner_steps, seq_len=cfg.data.seq_len,
@@ -237,22 +246,24 @@ class StageServerRole(RoleBase):
         assert self.holding is not None and d.move_to is not None and self.discovery is not None
         old, target = self.holding, d.move_to
         start = time.monotonic()
-        new = await self._hold(target, resume_step=old.server.step)
-        try:
-            taken = False
-            for _ in range(_TAKE_TRIES):
-                if taken := await new.rounds.take():
-                    break
-        except BaseException:
-            await self._close(new)
-            raise
-        if not taken:
+        part = await self._build(target)
+        shapes = [(name, tuple(p.shape)) for name, p in part.named_parameters()]
+        taken = None
+        for _ in range(_TAKE_TRIES):
+            records = await self.discovery.live_peers(timeout_s=self.cfg.rpc.call_timeout_s)
+            taken = await fetch_stage_state(old.plane, target, records, max_donors=self.cfg.rpc.state_donors,
+                                            param_shapes=shapes, momentum=True)
+            if taken is not None:
+                break
+        if taken is None:
             log.warning("rebalancing: no server of stage %d served a state that checks out; staying on stage %d",
                         target, old.stage)
-            await self._close(new)
             return
+        state = taken[0]
         transfer_s = time.monotonic() - start
-        switched_at, drain_s, unfinished = await self._switch(old, new, why=f"this server moved to stage {target}")
+        new, switched_at, drain_s, unfinished = await self._switch(
+            old, target, part, state.theta_global, round_=state.round, outer_momentum=state.outer_momentum,
+            why=f"this server moved to stage {target}")
         self.writer.emit(StageMoveEvent(from_stage=old.stage, to_stage=target, reason=d.reason,
                                         capacity_per_s=d.capacity_per_s, load=d.load,
                                         predicted_per_s=d.predicted_per_s, round=new.rounds.round,
@@ -260,26 +271,57 @@ class StageServerRole(RoleBase):
                                         drain_s=drain_s, unfinished=unfinished, peer=self.discovery.peer_id,
                                         at=switched_at))
 
-    async def _switch(self, old: Holding, new: Holding, *, why: str) -> tuple[float, float, int]:
-        """Serve `new` from now on (announced at once), drain `old` and close it; returns the unix time of the
-        switch, the seconds drained and the micro-batches left undrained."""
+    async def _switch(self, old: Holding, stage: int, part: StageBlocks, theta: torch.Tensor, *, round_: int,
+                      outer_momentum: torch.Tensor | None, why: str) -> tuple[Holding, float, float, int]:
+        """Leave `old` (refuse its new forwards, drain its backwards, close its node), then serve `stage` with
+        `part` started from `theta` at `round_` on a new node, announced at once. The old node goes first: a
+        server listens on one port (`rpc.port`, fixed where a firewall opens it), which the new node then takes.
+        Returns the new holding, the unix time of the switch, the seconds drained and the micro-batches left
+        undrained. If the new node cannot start, the server serves its old stage again from its own state."""
         assert self.discovery is not None
         self._leaving.append(old)
-        new.since = self.discovery.now()
-        self._adopt(new)
         old.handler.leave(why)
-        new.rounds.start()
-        switched_at = time.time()
-        if self.heartbeat is not None:
-            with contextlib.suppress(Exception):  # the next beat announces it anyway
-                await self.heartbeat.beat()
         drain_start = time.monotonic()
         unfinished = await self._drain(old)
         drain_s = time.monotonic() - drain_start
         await self._close(old)
         self._leaving.remove(old)
+        mine = old.rounds.snapshot(momentum=True)  # to serve the old stage again if the new node fails
+        try:
+            new = await self._hold(stage, resume_step=old.server.step, part=part)
+        except (PeerError, OSError, RuntimeError) as e:
+            log.warning("could not serve stage %d (%s); serving stage %d again from this server's state", stage, e,
+                        old.stage)
+            back = await self._hold(old.stage, resume_step=old.server.step)
+            await self._install(back, mine.theta_global, round_=mine.round, outer_momentum=mine.outer_momentum,
+                                step=old.server.step)
+            self._serve(back)
+            raise
+        await self._install(new, theta, round_=round_, outer_momentum=outer_momentum, step=old.server.step)
+        switched_at = self._serve(new)
+        if self.heartbeat is not None:
+            with contextlib.suppress(Exception):  # the next beat announces it anyway
+                await self.heartbeat.beat()
         self.moves += 1
-        return switched_at, round(drain_s, 4), unfinished
+        return new, switched_at, round(drain_s, 4), unfinished
+
+    @staticmethod
+    async def _install(holding: Holding, theta: torch.Tensor, *, round_: int, outer_momentum: torch.Tensor | None,
+                       step: int) -> None:
+        def install() -> None:
+            with holding.server.moving():
+                holding.rounds.adopt(theta, round=round_, outer_momentum=outer_momentum)
+                holding.server.resume_at(step)
+
+        await asyncio.to_thread(install)
+
+    def _serve(self, holding: Holding) -> float:
+        """Serve `holding` from now on; the unix time of the switch."""
+        assert self.discovery is not None
+        holding.since = self.discovery.now()
+        self._adopt(holding)
+        holding.rounds.start()
+        return time.time()
 
     async def _drain(self, old: Holding) -> int:
         """Wait until every forward the old stage ran had its backward (at most `rebalance_drain_s`); returns
@@ -406,26 +448,20 @@ class StageServerRole(RoleBase):
                 log.warning("stage copies: could not refresh them (%s)", e)
 
     async def _restore(self, lost: int, *, lost_s: float, round_: int) -> None:
-        """Build stage `lost` on a new node, start it from this server's copy of it at round `round_`, and switch
-        to it (as a move does)."""
+        """Start stage `lost` from this server's copy of it at round `round_` and switch to it (as a move does)."""
         assert self.holding is not None and self.discovery is not None
         copy = self.copies.get(lost) if self.copies else None
         if copy is None:  # dropped since the look (a move): another look decides again
             return
         old = self.holding
         start = time.monotonic()
-        new = await self._hold(lost, resume_step=old.server.step)
-
-        def install() -> None:
-            with new.server.moving():
-                new.rounds.adopt(copy.theta_global, round=round_)
-                new.server.resume_at(old.server.step)
-
-        await asyncio.to_thread(install)
+        part = await self._build(lost)
         transfer_s = time.monotonic() - start
         age_s = time.monotonic() - copy.taken_at
         source = f"stage {lost} round {copy.round} {copy.state_hash[:12]} from {copy.source}, kept {age_s:.1f} s"
-        switched_at, drain_s, unfinished = await self._switch(old, new, why=f"this server took the lost stage {lost}")
+        new, switched_at, drain_s, unfinished = await self._switch(
+            old, lost, part, copy.theta_global, round_=round_, outer_momentum=None,
+            why=f"this server took the lost stage {lost}")
         self.writer.emit(StageRebuildEvent(stage=lost, from_stage=old.stage, method="checkpoint", sources=(source,),
                                            weights=(1.0,), lost_s=round(lost_s, 3), round=new.rounds.round,
                                            hash=new.rounds.hash, transfer_s=round(transfer_s, 4), drain_s=drain_s,
@@ -433,49 +469,40 @@ class StageServerRole(RoleBase):
 
     async def _rebuild(self, lost: int, pair: tuple[int, int], records: Sequence[PeerRecord], *, lost_s: float,
                        round_: int) -> None:
-        """Build stage `lost` on a new node, start it from the average of its neighbours' θ_global at round
-        `round_`, and switch to it (as a move does)."""
+        """Start stage `lost` from the average of its neighbours' θ_global at round `round_` and switch to it (as
+        a move does)."""
         assert self.holding is not None and self.discovery is not None
         old = self.holding
         start = time.monotonic()
-        new = await self._hold(lost, resume_step=old.server.step)
-        try:
-            taken = [await self._stage_state(k, new.plane, records) for k in pair]
-        except BaseException:
-            await self._close(new)
-            raise
+        part = await self._build(lost)
+        shapes = [(name, tuple(p.shape)) for name, p in part.named_parameters()]
+        taken = [await self._stage_state(k, old.plane, records, param_shapes=shapes) for k in pair]
         if any(t is None for t in taken):
             log.warning("lost stages: no server of stage %s served a state that checks out; stage %d stays unserved",
                         [k for k, t in zip(pair, taken, strict=True) if t is None], lost)
-            await self._close(new)
             return
         states = [t[0] for t in taken if t is not None]
         sources = tuple(f"stage {k} round {t[0].round} {t[0].state_hash[:12]} from {t[1]}"
                         for k, t in zip(pair, taken, strict=True) if t is not None)
         weights = (0.5, 0.5)  # no gradient norms in the records: CheckFree's weights are equal here
         theta = await asyncio.to_thread(weighted_average, [s.theta_global for s in states], weights)
-
-        def install() -> None:
-            with new.server.moving():
-                new.rounds.adopt(theta, round=round_)
-                new.server.resume_at(old.server.step)
-
-        await asyncio.to_thread(install)
         transfer_s = time.monotonic() - start
-        switched_at, drain_s, unfinished = await self._switch(old, new, why=f"this server took the lost stage {lost}")
+        new, switched_at, drain_s, unfinished = await self._switch(
+            old, lost, part, theta, round_=round_, outer_momentum=None, why=f"this server took the lost stage {lost}")
         self.writer.emit(StageRebuildEvent(stage=lost, from_stage=old.stage, method="neighbours", sources=sources,
                                            weights=weights, lost_s=round(lost_s, 3), round=new.rounds.round,
                                            hash=new.rounds.hash, transfer_s=round(transfer_s, 4), drain_s=drain_s,
                                            unfinished=unfinished, peer=self.discovery.peer_id, at=switched_at))
 
-    async def _stage_state(self, stage: int, plane: DataPlane,
-                           records: Sequence[PeerRecord]) -> tuple[PeerState, str] | None:
+    async def _stage_state(self, stage: int, plane: DataPlane, records: Sequence[PeerRecord], *,
+                           param_shapes: list[tuple[str, tuple[int, ...]]]) -> tuple[PeerState, str] | None:
         """Stage `stage`'s θ_global (this server's own, or taken from its servers and checked against the hash
         most of them announce at their newest round), with who served it; None if none served one."""
         assert self.holding is not None and self.discovery is not None
         if stage == self.holding.stage:
             return self.holding.rounds.snapshot(), self.discovery.peer_id
-        return await fetch_stage_state(plane, stage, records, max_donors=self.cfg.rpc.state_donors)
+        return await fetch_stage_state(plane, stage, records, max_donors=self.cfg.rpc.state_donors,
+                                       param_shapes=param_shapes)
 
     # -- life ----------------------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event) -> str:

@@ -45,9 +45,11 @@ def stage_param_shapes(model: ModelConfig, stage: int, stages: int) -> ParamShap
 
 
 async def fetch_stage_state(plane: DataPlane, stage: int, records: Sequence[PeerRecord], *, max_donors: int,
-                            param_shapes: ParamShapes | None = None) -> tuple[PeerState, str] | None:
-    """Stage `stage`'s θ_global from its servers at their newest round, checked against the hash most of them
-    announce there, with who served it; None (logged) when none of them serves one that checks out."""
+                            param_shapes: ParamShapes | None = None,
+                            momentum: bool = False) -> tuple[PeerState, str] | None:
+    """Stage `stage`'s θ_global (and with `momentum` its outer momentum, else None) from its servers at their
+    newest round, checked against the hash most of them announce there, with who served it; None (logged) when
+    none of them serves one that checks out."""
     holders = [p for p in records if p.role == "stage_server" and p.stage == stage and p.endpoint]
     if not holders:
         return None
@@ -68,8 +70,8 @@ async def fetch_stage_state(plane: DataPlane, stage: int, records: Sequence[Peer
                         got[:12], top, want[:12])
             continue
         who = ",".join(p.peer_id for p in chosen if p.endpoint in served)
-        return PeerState(round=state.round, theta_global=state.theta_global, outer_momentum=None,
-                         state_hash=want), who
+        return PeerState(round=state.round, theta_global=state.theta_global,
+                         outer_momentum=state.outer_momentum if momentum else None, state_hash=want), who
     return None
 
 

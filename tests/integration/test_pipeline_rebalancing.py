@@ -1,19 +1,23 @@
 """Rebalancing with the daemon roles on an in-memory DHT and real loopback gRPC: 3 servers on stage 0 and 1
 on stage 1 under 2 trainers; stage 1 bounds the pipeline, so one server of stage 0 takes stage 1's state
-(a verified heal), switches, drains, and the trainers' measured samples/s rises. Every server's compute
+(checked against the hash stage 1 announces), drains its old stage, serves stage 1 on the port it had (every
+role's port is fixed, as behind a firewall), and the trainers' measured samples/s rises. Every server's compute
 costs a fixed delay per call (the stage handler's fault seam), so the bottleneck does not depend on how
 loaded the machine is."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 import time
+from collections.abc import Callable
 
 import pytest
 
-from swarmtrain.config import load_config
+from swarmtrain.config import RunConfig, load_config
 from swarmtrain.rpc.faults import Fault, FaultSite
-from swarmtrain.telemetry import HealEvent, StageMoveEvent, StepEvent
+from swarmtrain.telemetry import StageMoveEvent, StageRoundEvent, StepEvent
 from swarmtrain.testing.roles import RoleSwarm
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -31,8 +35,25 @@ SETTLE_S = 3.5  # after the switch: the mover's drain of its old stage (rebalanc
 WINDOW_S = 5.0  # of the trainers' steps before the switch, and after it once settled
 
 
-def _local():
-    return load_config(overrides=[f"rpc.run_key={KEY!r}", "discovery.heartbeat_s=0.2", "discovery.record_ttl_s=3"])
+def _free_ports(n: int) -> list[int]:
+    """`n` distinct TCP ports free on 127.0.0.1 now (bound, read, released together)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+
+
+def _fixed_ports() -> Callable[[], RunConfig]:
+    """Each role's local config, with a port of its own fixed (gRPC and bulk), as behind a firewall: a server
+    that moves must give its old node's port to the new one."""
+    ports = iter(_free_ports(2 * 6))
+
+    def local() -> RunConfig:
+        return load_config(overrides=[f"rpc.run_key={KEY!r}", "discovery.heartbeat_s=0.2", "discovery.record_ttl_s=3",
+                                      f"rpc.port={next(ports)}", f"rpc.bulk_port={next(ports)}"])
+
+    return local
 
 
 def _compute_cost(site: FaultSite) -> Fault | None:
@@ -51,9 +72,10 @@ def _samples_per_s(steps: list[StepEvent], start: float, end: float) -> float:
 
 def test_a_server_moves_to_the_bottleneck_stage_and_throughput_rises() -> None:
     async def main() -> tuple[RoleSwarm, float]:
-        async with RoleSwarm(RUN, run_key=KEY, local=_local, servers={"a": 0, "b": 0, "c": 0, "d": 1},
+        async with RoleSwarm(RUN, run_key=KEY, local=_fixed_ports(), servers={"a": 0, "b": 0, "c": 0, "d": 1},
                              trainers=("t1", "t2"), fault_hook=_compute_cost) as swarm:
             started = time.time()
+            endpoints.update({n: role.node.endpoint for n, role in swarm.servers.items() if role.node is not None})
             await swarm.until(lambda: swarm.events(StageMoveEvent), timeout_s=40, what="a move to stage 1")
             switched = swarm.events(StageMoveEvent)[0].at
 
@@ -62,10 +84,14 @@ def test_a_server_moves_to_the_bottleneck_stage_and_throughput_rises() -> None:
                            for t in ("t1", "t2"))
 
             await swarm.until(steps_after, timeout_s=40, what="the trainers' steps after the move")
+            mover = next(n for n, role in swarm.servers.items() if role.moves)
+            assert swarm.servers[mover].node is not None
+            assert swarm.servers[mover].node.endpoint == endpoints[mover]  # its one port, now serving stage 1
             assert await swarm.finish() == ["signal", "signal"]
         return swarm, started
 
     t0 = time.monotonic()
+    endpoints: dict[str, str] = {}
     swarm, started = asyncio.run(main())
     moves = [(n, e) for n in "abcd" for e in swarm.events(StageMoveEvent, [n])]
     assert len(moves) == 1, moves  # one server moved, and nobody moved back
@@ -73,9 +99,13 @@ def test_a_server_moves_to_the_bottleneck_stage_and_throughput_rises() -> None:
     assert (move.from_stage, move.to_stage) == (0, 1) and swarm.servers[name].stage == 1
     assert move.capacity_per_s[1] < move.capacity_per_s[0] and move.load[1] >= 0.5, move
     assert move.at - started < 30, "the move came later than the bound"
-    # The mover took stage 1's θ_global through a heal, checked against the hash stage 1 announced.
-    heal = swarm.events(HealEvent, [name])[0]
-    assert heal.to_round == move.round and heal.hash == move.hash
+    # The mover took stage 1's θ_global as stage 1 had it (checked against the hash its server announced), and
+    # from then on both servers of stage 1 commit the same θ_global every round.
+    committed = {n: {e.round: e.hash for e in swarm.events(StageRoundEvent, [n]) if e.committed} for n in (name, "d")}
+    if move.round > 0:
+        assert committed["d"][move.round] == move.hash
+    both = sorted(set(committed[name]) & set(committed["d"]))
+    assert both and all(committed[name][r] == committed["d"][r] for r in both), committed
     # In-flight micro-batches were re-sent or finished: none lost.
     steps = swarm.steps()
     assert sum(e.lost for e in steps) == 0
