@@ -115,14 +115,19 @@ class Testbed:
     __test__ = False  # not a pytest test class despite the name
 
     def __init__(self, name: str = "swt", *, num_hosts: int, link: LinkSpec,
-                 data_port: int = DEFAULT_DATA_PORT, cpus: float | None = None) -> None:
-        """`cpus`: cap every host at this many CPUs (a cgroup each, see cpu.py); None leaves hosts uncapped."""
+                 data_port: int = DEFAULT_DATA_PORT, cpus: float | Mapping[int, float] | None = None) -> None:
+        """`cpus`: cap every host at this many CPUs, or the hosts a mapping names at theirs (a cgroup each, see
+        cpu.py); None leaves every host uncapped."""
         _check_name(name)
         if not 1 <= num_hosts <= MAX_HOSTS:
             raise TestbedError(f"num_hosts={num_hosts}: must be in [1, {MAX_HOSTS}]")
         self.name = name
         self.link = link
-        self.cpus = None if cpus is None else CpuCap.check_cores(cpus)
+        caps = {i: cpus for i in range(num_hosts)} if isinstance(cpus, int | float) else dict(cpus or {})
+        if any(not 0 <= i < num_hosts for i in caps):
+            raise TestbedError(f"cpus: hosts {sorted(i for i in caps if not 0 <= i < num_hosts)} are not in "
+                               f"0..{num_hosts - 1}")
+        self.cpus = {i: CpuCap.check_cores(c) for i, c in sorted(caps.items())}  # host -> cores; absent: uncapped
         self.data_port = data_port
         self.switch_ns = f"{name}-sw"
         self.hosts = [Host(index=i, netns=f"{name}-h{i}", ip=f"{SUBNET_PREFIX}{10 + i}", switch_port=f"h{i}")
@@ -142,7 +147,7 @@ class Testbed:
         if existing:
             raise TestbedError(f"testbed {self.name!r} already exists ({', '.join(existing)}); "
                                f"run `swarmtrain testbed down --name {self.name}` first")
-        if self.cpus is not None and cgroup_root() is None:
+        if self.cpus and cgroup_root() is None:
             raise TestbedError("cpus: this kernel offers no cpu cgroup controller (neither cgroup v2's cpu.max "
                                "nor v1's /sys/fs/cgroup/cpu), so hosts cannot be capped here; rerun without it")
         if not persist:
@@ -183,10 +188,10 @@ class Testbed:
             for ns, dev in ((h.netns, h.dev), (sw, h.switch_port)):
                 for args in shaping_commands(dev, self.link, data_port=self.data_port):
                     _run(["tc", "-n", ns, *args])
-            if self.cpus is not None:
+            if h.index in self.cpus:
                 root = cgroup_root()
                 assert root is not None  # checked in up()
-                CpuCap(root, self.name, h.index).create(self.cpus)
+                CpuCap(root, self.name, h.index).create(self.cpus[h.index])
 
     def down(self) -> None:
         """Stop what this testbed started and delete its namespaces; safe to call twice."""
@@ -240,7 +245,8 @@ class Testbed:
         return proc
 
     def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "switch": self.switch_ns, "data_port": self.data_port, "cpus": self.cpus,
+        return {"name": self.name, "switch": self.switch_ns, "data_port": self.data_port,
+                "cpus": {str(i): c for i, c in self.cpus.items()},
                 "link": {"rate_bit_s": self.link.rate_bit_s, "delay_ms": self.link.delay_ms,
                          "loss_pct": self.link.loss_pct, "mtu": self.link.mtu},
                 "hosts": [{"index": h.index, "netns": h.netns, "ip": h.ip} for h in self.hosts]}

@@ -102,9 +102,10 @@ print(time.process_time() - cpu0, time.monotonic() - start, flush=True)
 def test_a_capped_host_computes_at_most_its_cores(name: str) -> None:
     """A busy loop in a host capped at 0.25 CPUs gets at most a quarter of the wall time (the kernel's
     quota, whatever the machine's load), and the cap's throttle counter says it was held back."""
-    with Testbed(name, num_hosts=2, link=LinkSpec(rate_bit_s=100_000_000), cpus=0.25) as tb:
+    with Testbed(name, num_hosts=3, link=LinkSpec(rate_bit_s=100_000_000), cpus={0: 0.5, 1: 0.25}) as tb:
         caps = caps_of(name)
-        assert [(c.host, c.cores()) for c in caps] == [(0, 0.25), (1, 0.25)]
+        assert [(c.host, c.cores()) for c in caps] == [(0, 0.5), (1, 0.25)]  # host 2: uncapped
+        assert tb.exec_argv(2, ["true"]) == ["ip", "netns", "exec", f"{name}-h2", "true"]
         busy = tb.spawn(1, [sys.executable, "-c", BUSY, "2.0"], stdout=subprocess.PIPE, text=True)
         out, _ = busy.communicate(timeout=60)
         cpu_s, wall_s = (float(x) for x in out.split())

@@ -109,6 +109,8 @@ def test_cli_surface() -> None:
     up = parser.parse_args(["testbed", "up", "--hosts", "4", "--rate", "20mbit", "--delay-ms", "10"])
     assert (up.action, up.hosts, up.rate, up.delay_ms, up.loss_pct, up.name, up.data_port) == (
         "up", 4, "20mbit", 10.0, 0.0, "swt", 7000)
+    assert up.cpus is None
+    assert parser.parse_args(["testbed", "up", "--hosts", "2", "--cpus", "0.25"]).cpus == 0.25
     run = parser.parse_args(["testbed", "run", "--host", "1", "--", "swarmtrain", "peer", "--host", "{ip}"])
     assert run.cmd == ["--", "swarmtrain", "peer", "--host", "{ip}"]
     assert parser.parse_args(["testbed", "down", "--all"]).all

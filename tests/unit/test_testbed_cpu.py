@@ -40,7 +40,7 @@ def test_cap_writes_quota_per_period_reads_it_back_and_is_found_by_name(tmp_path
         assert (cap.path / "cpu.cfs_quota_us").read_text() == str(PERIOD_US // 4)
         assert (cap.path / "cpu.cfs_period_us").read_text() == str(PERIOD_US)
     assert cap.cores() == 0.25
-    with pytest.raises(TestbedError, match="already exists.*testbed down --name tb1"):
+    with pytest.raises(TestbedError, match=r"already exists.*testbed down --name tb1"):
         cap.create(0.5)
     CpuCap(root, "tb1", 0).path.mkdir()
     (tmp_path / "swarmtrain-tb10-h1").mkdir()  # another testbed whose name starts alike
@@ -52,7 +52,13 @@ def test_cores_outside_what_the_kernel_and_machine_allow_are_refused() -> None:
     for bad in (0.0, 0.05, -1.0, (os.cpu_count() or 1) + 1):
         with pytest.raises(TestbedError, match=f"cpus={bad:g}: a host's CPU cap must be between 0.1 and"):
             Testbed("ci1", num_hosts=1, link=LinkSpec(rate_bit_s=1_000_000), cpus=bad)
-    assert Testbed("ci1", num_hosts=1, link=LinkSpec(rate_bit_s=1_000_000), cpus=0.1).cpus == 0.1
+    assert Testbed("ci1", num_hosts=2, link=LinkSpec(rate_bit_s=1_000_000), cpus=0.1).cpus == {0: 0.1, 1: 0.1}
+    assert Testbed("ci1", num_hosts=3, link=LinkSpec(rate_bit_s=1_000_000), cpus={2: 0.5}).cpus == {2: 0.5}
+    assert Testbed("ci1", num_hosts=3, link=LinkSpec(rate_bit_s=1_000_000)).cpus == {}
+    with pytest.raises(TestbedError, match=r"cpus: hosts \[3\] are not in 0..2"):
+        Testbed("ci1", num_hosts=3, link=LinkSpec(rate_bit_s=1_000_000), cpus={3: 0.5})
+    with pytest.raises(TestbedError, match=r"cpus=0\.01"):
+        Testbed("ci1", num_hosts=3, link=LinkSpec(rate_bit_s=1_000_000), cpus={1: 0.01})
 
 
 def test_join_argv_puts_the_command_itself_in_the_group(tmp_path: Path) -> None:
