@@ -13,7 +13,8 @@ and trainer on a host of its own; every process 1 torch thread):
   uneven_off    an uneven start (UNEVEN servers per stage, the same total), pipeline.rebalance=false
   uneven_on     the same start with pipeline.rebalance=true (short rebalancing windows, see REBALANCE)
 An arm's rate is the samples of the trainers' step lines that end inside its window, over the window; the
-window opens once every trainer has done WARMUP steps. Bytes: the kernel's data-plane class (TCP to/from the
+window opens once every trainer has done WARMUP steps. An arm in which servers moved also reports its rate
+before the first move and after the last one (from SETTLE_S after it to the window's end). Bytes: the kernel's data-plane class (TCP to/from the
 data port, headers removed) against swarmtrain's own count: 4 encoded tensors per stage and completed
 micro-batch (activation and gradient, each way) plus the outer-round bytes the stage servers report.
 """
@@ -49,6 +50,7 @@ from swarmtrain.testbed.pipeline import PipelineLayout, PipelineSwarm  # noqa: E
 REBALANCE = ["pipeline.rebalance_period_s=5", "pipeline.rebalance_observe_s=10", "pipeline.rebalance_cooldown_s=20",
              "pipeline.rebalance_drain_s=10"]
 ARMS = ("failure_free", "churn", "int8", "uneven_off", "uneven_on")
+SETTLE_S = 10.0  # after the last move in a window: its rate is read from here on
 
 
 def encoded_bytes(overrides: list[str]) -> int:
@@ -99,6 +101,7 @@ def run_arm(tb: Testbed, layout: PipelineLayout, overrides: list[str], *, second
     rounds = [x for x in events if isinstance(x, StageRoundEvent) and t0 <= x.at <= t1]
     moves = [x for x in events if isinstance(x, StageMoveEvent)]
     completed = sum(s.microbatches - s.lost for s in window)
+    phases = _move_phases(window, [m.at for m in moves if t0 <= m.at <= t1], t0, t1)
     activation = 4 * layout.stages * completed * encoded_bytes(overrides)
     # A round line's bytes are its process's data-plane counter over the round; a trainer's counter also
     # counts the activation calls it makes meanwhile, so only the servers' round lines are added (the
@@ -121,8 +124,21 @@ def run_arm(tb: Testbed, layout: PipelineLayout, overrides: list[str], *, second
         "swarmtrain_activation_bytes": activation, "swarmtrain_outer_bytes": outer,
         "swarmtrain_bytes": activation + outer, **wire,
         "wire_over_swarmtrain": wire["wire_data_payload_bytes"] / max(1, activation + outer),
-        "last_loss": next((s.loss for s in reversed(steps) if s.loss is not None), None),
+        "last_loss": next((s.loss for s in reversed(steps) if s.loss is not None), None), **phases,
     }
+
+
+def _move_phases(window: list[StepEvent], moves_at: list[float], t0: float, t1: float) -> dict[str, float]:
+    """With moves in the window: the samples/s before the first move, and after the last one once SETTLE_S
+    have passed (the mover's drain and its new stage's first steps), each over its own span."""
+    if not moves_at:
+        return {}
+    first, settled = min(moves_at), max(moves_at) + SETTLE_S
+    if settled >= t1:
+        return {"samples_per_s_before_moves": sum(s.samples for s in window if s.at <= first) / (first - t0)}
+    return {"samples_per_s_before_moves": sum(s.samples for s in window if s.at <= first) / (first - t0),
+            "samples_per_s_after_moves": sum(s.samples for s in window if s.at >= settled) / (t1 - settled),
+            "after_moves_s": round(t1 - settled, 1)}
 
 
 def _dump(lines: dict[str, list[tuple[float, Any]]], path: Path) -> None:
@@ -173,10 +189,14 @@ def main() -> None:
     ap.add_argument("--trainers", type=int, default=2)
     ap.add_argument("--uneven", default="4,2", help="servers per stage of the uneven arms")
     ap.add_argument("--rate", default="100mbit", help="every host's link rate, each direction")
+    ap.add_argument("--server-cpus", type=float, default=None,
+                    help="cap each stage server's host at this many CPUs (a cgroup each), so servers compute like "
+                         "slow machines of their own instead of sharing every core; the coordinator and the "
+                         "trainers stay uncapped (default: no cap)")
     ap.add_argument("--seconds", type=float, default=60.0, help="window of failure_free and int8")
     ap.add_argument("--failure-seconds", type=float, default=95.0, help="window of the churn arm")
     ap.add_argument("--period", type=float, default=30.0, help="seconds between two kills in the churn arm")
-    ap.add_argument("--uneven-seconds", type=float, default=90.0, help="window of the uneven arms")
+    ap.add_argument("--uneven-seconds", type=float, default=150.0, help="window of the uneven arms")
     ap.add_argument("--name", default="pbt", help="testbed name (it must not exist)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "pipeline-testbed.json"))
@@ -194,9 +214,15 @@ def main() -> None:
         "command": " ".join(sys.argv), "commit": _git_commit(), "overrides": base,
         "machine": {"cpus": os.cpu_count(), "cpu": platform.processor() or platform.machine(),
                     "kernel": platform.release(), "python": platform.python_version()},
-        "testbed": {"hosts": hosts, "rate_bit_s": parse_rate(args.rate)}, "warmup_steps": WARMUP, "arms": {},
+        "testbed": {"hosts": hosts, "rate_bit_s": parse_rate(args.rate), "cpus_per_server_host": args.server_cpus},
+        "warmup_steps": WARMUP, "arms": {},
     }
-    with Testbed(args.name, num_hosts=hosts, link=LinkSpec(rate_bit_s=parse_rate(args.rate))) as tb:
+    server_hosts = {h for layout, *_ in plan.values() for _, h, _ in layout.servers()}
+    trainer_hosts = {h for layout, *_ in plan.values() for _, h in layout.trainer_hosts()}
+    if args.server_cpus is not None and server_hosts & trainer_hosts:
+        ap.error("--server-cpus: the arms' layouts put servers and trainers on the same hosts; run them apart")
+    caps = {} if args.server_cpus is None else {h: args.server_cpus for h in sorted(server_hosts)}
+    with Testbed(args.name, num_hosts=hosts, link=LinkSpec(rate_bit_s=parse_rate(args.rate)), cpus=caps) as tb:
         for key, (layout, extra, seconds, period) in plan.items():
             print(f"{key}: {layout.describe()} {extra} window {seconds:.0f}s", flush=True)
             arm = run_arm(tb, layout, [*base, *extra], seconds=seconds, period=period, log_dir=logs / key)
@@ -209,8 +235,13 @@ def main() -> None:
         results["int8_over_fp32"] = a["int8"]["samples_per_s"] / a["failure_free"]["samples_per_s"]
     if "uneven_off" in a and "uneven_on" in a:
         results["rebalance_on_over_off"] = a["uneven_on"]["samples_per_s"] / a["uneven_off"]["samples_per_s"]
+        if "samples_per_s_after_moves" in a["uneven_on"]:
+            on = a["uneven_on"]
+            results["after_moves_over_off"] = on["samples_per_s_after_moves"] / a["uneven_off"]["samples_per_s"]
+            results["after_moves_over_before"] = on["samples_per_s_after_moves"] / on["samples_per_s_before_moves"]
     print(_table(results))
-    for k in ("churn_over_failure_free", "int8_over_fp32", "rebalance_on_over_off"):
+    for k in ("churn_over_failure_free", "int8_over_fp32", "rebalance_on_over_off", "after_moves_over_off",
+              "after_moves_over_before"):
         if k in results:
             print(f"{k}: {results[k]:.2f}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
