@@ -359,6 +359,12 @@ class PartRounds:
 
     # -- the state others take ----------------------------------------------------------------------
     @property
+    def idle(self) -> bool:
+        """No round or heal in flight: θ_global changes only when the part steps again (or a holder moves on)."""
+        with self._mu:
+            return not self._busy
+
+    @property
     def _part(self) -> str:
         return "ends" if self.stage < 0 else f"stage {self.stage}"
 

@@ -75,8 +75,13 @@ def test_servers_and_a_trainer_find_each_other_and_a_leaving_server_costs_no_mic
         # A server joining stage 0 now starts from that stage's θ_global (and outer momentum) of a live server.
         holders = [servers[n] for n in "ac"]
         deadline = time.monotonic() + 60
-        while any(r.rounds is None or r.rounds.round < 1 for r in holders):  # the last round may still be applied
-            assert time.monotonic() < deadline, "stage 0 committed no round"
+        def settled() -> bool:  # the last round applied by both, and none in flight: the state they serve stays
+            rounds = [r.rounds for r in holders]
+            return all(x is not None and x.round >= 1 and x.idle for x in rounds) and \
+                len({(x.round, x.hash) for x in rounds if x is not None}) == 1
+
+        while not settled():
+            assert time.monotonic() < deadline, "stage 0's servers did not settle on one committed round"
             await asyncio.sleep(0.05)
         for r in holders:
             assert r.heartbeat is not None
