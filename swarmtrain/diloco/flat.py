@@ -7,7 +7,12 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
-__all__ = ["PseudoGradient", "assign_flat", "flat_hash", "flatten", "pseudo_gradient", "snapshot"]
+__all__ = ["PseudoGradient", "assign_flat", "flat_hash", "flatten", "param_shapes", "pseudo_gradient", "snapshot"]
+
+
+def param_shapes(module: torch.nn.Module) -> list[tuple[str, tuple[int, ...]]]:
+    """`module`'s (name, shape) of every parameter, in θ's flat order (what named state transfer sends)."""
+    return [(name, tuple(p.shape)) for name, p in module.named_parameters()]
 
 
 def flatten(params: Iterable[torch.Tensor]) -> torch.Tensor:

@@ -30,6 +30,7 @@ from swarmtrain.compress import Codec, codec_from_config
 from swarmtrain.config import RunConfig
 from swarmtrain.data import eval_batches, load_corpus
 from swarmtrain.diloco import DilocoWorker, resolve_device
+from swarmtrain.diloco.flat import param_shapes
 from swarmtrain.diloco.pace import Pace, RoundBudget
 from swarmtrain.diloco.worker import InnerStats, InnerStep
 from swarmtrain.discovery import (
@@ -150,9 +151,8 @@ class Peer(OverlappedRounds, Healing, Watching):
         # Only now: a peer leaves with a checkpoint of its worker, and one whose checkpoint did not
         # load must not write a fresh state over the run's newest.
         self.worker = worker
-        shapes = [(name, tuple(p.shape)) for name, p in self.worker.model.named_parameters()]
         self.plane = await self.services.open_data_plane(self.cfg, discovery=discovery, codec=codec,
-                                                         param_shapes=shapes)
+                                                         param_shapes=param_shapes(self.worker.model))
         self.plane.serve_state(self._live_state)
         await self._publish_committed_state()
         self.endpoint = self.plane.endpoint

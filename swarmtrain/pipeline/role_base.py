@@ -12,6 +12,7 @@ import torch
 
 from swarmtrain.compress import codec_from_config
 from swarmtrain.config import RunConfig
+from swarmtrain.diloco.flat import param_shapes
 from swarmtrain.discovery import Discovery, Heartbeat, PeerRecord, ScopedDiscovery
 from swarmtrain.peer.config import merge_run_config
 from swarmtrain.peer.data import peer_seed
@@ -116,7 +117,7 @@ class RoleBase(abc.ABC):
 
         plane = await self.services.open_data_plane(
             cfg, discovery=scoped, codec=codec, role=role, before_start=before_start,
-            param_shapes=[(name, tuple(p.shape)) for name, p in part.named_parameters()])
+            param_shapes=param_shapes(part))
         return scoped, plane, nodes[0]
 
     def _rounds(self, part: torch.nn.Module, plane: DataPlane, scoped: ScopedDiscovery, *, stage: int, still: Any,

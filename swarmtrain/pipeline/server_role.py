@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from swarmtrain.config import RunConfig
+from swarmtrain.diloco.flat import param_shapes
 from swarmtrain.discovery import PeerRecord
 from swarmtrain.models.gpt import resolve_shape
 from swarmtrain.peer.services import DataPlane, PeerError, PeerState
@@ -247,7 +248,7 @@ class StageServerRole(RoleBase):
         old, target = self.holding, d.move_to
         start = time.monotonic()
         part = await self._build(target)
-        shapes = [(name, tuple(p.shape)) for name, p in part.named_parameters()]
+        shapes = param_shapes(part)
         taken = None
         for _ in range(_TAKE_TRIES):
             records = await self.discovery.live_peers(timeout_s=self.cfg.rpc.call_timeout_s)
@@ -475,8 +476,8 @@ class StageServerRole(RoleBase):
         old = self.holding
         start = time.monotonic()
         part = await self._build(lost)
-        shapes = [(name, tuple(p.shape)) for name, p in part.named_parameters()]
-        taken = [await self._stage_state(k, old.plane, records, param_shapes=shapes) for k in pair]
+        shapes = param_shapes(part)
+        taken = [await self._stage_state(k, old.plane, records, shapes=shapes) for k in pair]
         if any(t is None for t in taken):
             log.warning("lost stages: no server of stage %s served a state that checks out; stage %d stays unserved",
                         [k for k, t in zip(pair, taken, strict=True) if t is None], lost)
@@ -495,14 +496,14 @@ class StageServerRole(RoleBase):
                                            unfinished=unfinished, peer=self.discovery.peer_id, at=switched_at))
 
     async def _stage_state(self, stage: int, plane: DataPlane, records: Sequence[PeerRecord], *,
-                           param_shapes: list[tuple[str, tuple[int, ...]]]) -> tuple[PeerState, str] | None:
+                           shapes: list[tuple[str, tuple[int, ...]]]) -> tuple[PeerState, str] | None:
         """Stage `stage`'s θ_global (this server's own, or taken from its servers and checked against the hash
         most of them announce at their newest round), with who served it; None if none served one."""
         assert self.holding is not None and self.discovery is not None
         if stage == self.holding.stage:
             return self.holding.rounds.snapshot(), self.discovery.peer_id
         return await fetch_stage_state(plane, stage, records, max_donors=self.cfg.rpc.state_donors,
-                                       param_shapes=param_shapes)
+                                       param_shapes=shapes)
 
     # -- life ----------------------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event) -> str:

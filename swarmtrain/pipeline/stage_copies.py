@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from swarmtrain.config import ModelConfig
-from swarmtrain.diloco.flat import flat_hash
+from swarmtrain.diloco.flat import flat_hash, param_shapes
 from swarmtrain.discovery import PeerRecord
 from swarmtrain.models.gpt import resolve_shape
 from swarmtrain.peer.services import DataPlane, PeerState
@@ -41,7 +41,7 @@ def stage_param_shapes(model: ModelConfig, stage: int, stages: int) -> ParamShap
     shape = resolve_shape(model)
     with torch.device("meta"):
         part = StageBlocks(shape, stage_blocks(shape.n_layer, stages)[stage], dropout=model.dropout)
-    return [(name, tuple(p.shape)) for name, p in part.named_parameters()]
+    return param_shapes(part)
 
 
 async def fetch_stage_state(plane: DataPlane, stage: int, records: Sequence[PeerRecord], *, max_donors: int,
