@@ -287,12 +287,12 @@ class StageServerRole(RoleBase):
         drain_s = time.monotonic() - drain_start
         await self._close(old)
         self._leaving.remove(old)
-        mine = old.rounds.snapshot(momentum=True)  # to serve the old stage again if the new node fails
         try:
             new = await self._hold(stage, resume_step=old.server.step, part=part)
         except (PeerError, OSError, RuntimeError) as e:
             log.warning("could not serve stage %d (%s); serving stage %d again from this server's state", stage, e,
                         old.stage)
+            mine = old.rounds.snapshot(momentum=True)  # closed, so its θ_global and momentum no longer change
             back = await self._hold(old.stage, resume_step=old.server.step)
             await self._install(back, mine.theta_global, round_=mine.round, outer_momentum=mine.outer_momentum,
                                 step=old.server.step)
