@@ -134,11 +134,11 @@ def _move_phases(window: list[StepEvent], moves_at: list[float], t0: float, t1: 
     if not moves_at:
         return {}
     first, settled = min(moves_at), max(moves_at) + SETTLE_S
-    if settled >= t1:
-        return {"samples_per_s_before_moves": sum(s.samples for s in window if s.at <= first) / (first - t0)}
-    return {"samples_per_s_before_moves": sum(s.samples for s in window if s.at <= first) / (first - t0),
-            "samples_per_s_after_moves": sum(s.samples for s in window if s.at >= settled) / (t1 - settled),
-            "after_moves_s": round(t1 - settled, 1)}
+    phases = {"samples_per_s_before_moves": sum(s.samples for s in window if s.at <= first) / (first - t0)}
+    if settled < t1:
+        phases["samples_per_s_after_moves"] = sum(s.samples for s in window if s.at >= settled) / (t1 - settled)
+        phases["after_moves_s"] = round(t1 - settled, 1)
+    return phases
 
 
 def _dump(lines: dict[str, list[tuple[float, Any]]], path: Path) -> None:
