@@ -75,8 +75,7 @@ def _up(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from swarmtrain.testbed import TestbedError, find_testbeds, require_root
-    from swarmtrain.testbed.cpu import caps_of
-    from swarmtrain.testbed.netns import SUBNET_PREFIX
+    from swarmtrain.testbed.netns import SUBNET_PREFIX, host_argv
 
     require_root()
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
@@ -97,9 +96,7 @@ def _run(args: argparse.Namespace) -> int:
     ip = f"{SUBNET_PREFIX}{10 + args.host}"
     cmd = [part.replace("{ip}", ip) for part in cmd]
     os.environ.update(SWARMTRAIN_TESTBED_HOST=str(args.host), SWARMTRAIN_TESTBED_IP=ip)
-    cap = next((c for c in caps_of(args.name) if c.host == args.host), None)  # `up --cpus`: the host's cap
-    inside = ["ip", "netns", "exec", netns, *cmd]  # the cap is joined first: inside, /sys has no cgroup tree
-    argv = cap.join_argv(inside) if cap else inside
+    argv = host_argv(args.name, args.host, cmd)  # with the host's CPU cap, if `up --cpus` made one
     os.execvp(argv[0], argv)
     return 0  # not reached: execvp replaces this process
 

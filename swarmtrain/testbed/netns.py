@@ -28,7 +28,7 @@ from typing import Any
 from swarmtrain.testbed.cpu import CpuCap, caps_of, cgroup_root
 from swarmtrain.testbed.shaping import LinkSpec, TestbedError, shaping_commands
 
-__all__ = ["DEFAULT_DATA_PORT", "Host", "Testbed", "find_testbeds", "require_root", "teardown"]
+__all__ = ["DEFAULT_DATA_PORT", "Host", "Testbed", "find_testbeds", "host_argv", "require_root", "teardown"]
 
 log = logging.getLogger(__name__)
 
@@ -222,17 +222,9 @@ class Testbed:
             raise TestbedError(f"host {index}: testbed {self.name!r} has hosts 0..{len(self.hosts) - 1}")
         return self.hosts[index]
 
-    def cap(self, index: int) -> CpuCap | None:
-        """Host `index`'s CPU cap as it is in the system (a testbed made by `up --cpus` elsewhere too)."""
-        root = cgroup_root()
-        cap = None if root is None else CpuCap(root, self.name, self.host(index).index)
-        return cap if cap is not None and cap.path.is_dir() else None
-
     def exec_argv(self, index: int, argv: Sequence[str]) -> list[str]:
-        """The command line that runs `argv` inside host `index`: its namespace, and its CPU cap if it has one."""
-        inside = ["ip", "netns", "exec", self.host(index).netns, *argv]
-        cap = self.cap(index)  # joined before `ip netns exec`, which mounts a sysfs without the cgroup tree
-        return cap.join_argv(inside) if cap else inside
+        """The command line that runs `argv` inside host `index` (see `host_argv`)."""
+        return host_argv(self.name, self.host(index).index, argv)
 
     def spawn(self, index: int, argv: Sequence[str], *, env: Mapping[str, str] | None = None,
               **popen: Any) -> subprocess.Popen[Any]:
@@ -250,6 +242,16 @@ class Testbed:
                 "link": {"rate_bit_s": self.link.rate_bit_s, "delay_ms": self.link.delay_ms,
                          "loss_pct": self.link.loss_pct, "mtu": self.link.mtu},
                 "hosts": [{"index": h.index, "netns": h.netns, "ip": h.ip} for h in self.hosts]}
+
+
+def host_argv(name: str, index: int, argv: Sequence[str]) -> list[str]:
+    """The command line that runs `argv` inside host `index` of testbed `name`: its namespace, and its CPU cap
+    if the system holds one (a testbed made by `up --cpus` in another process too)."""
+    inside = ["ip", "netns", "exec", f"{name}-h{index}", *argv]
+    root = cgroup_root()
+    cap = None if root is None else CpuCap(root, name, index)
+    # The cap is joined before `ip netns exec`, which mounts a sysfs without the cgroup tree.
+    return cap.join_argv(inside) if cap is not None and cap.path.is_dir() else inside
 
 
 def has_netem(netns: str) -> bool:
