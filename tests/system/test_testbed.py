@@ -20,6 +20,7 @@ from swarmtrain.testbed import LinkSpec, Testbed, find_testbeds, read_counters
 from swarmtrain.testbed.counters import read_rate_bit_s
 from swarmtrain.testbed.cpu import caps_of, cgroup_root
 from swarmtrain.testbed.netns import has_netem
+from swarmtrain.testbed.rates import LinkRateSampler
 from swarmtrain.testbed.swarm import TestbedSwarm
 
 pytestmark = [pytest.mark.system, pytest.mark.root, pytest.mark.timeout(240)]
@@ -63,6 +64,23 @@ def _transfer(tb: Testbed, *, src: int, dst: int, port: int, size_bytes: int) ->
     result = json.loads(recv.stdout.readline())
     assert recv.wait(timeout=10) == 0
     return result
+
+
+def test_link_rate_sampler_sees_the_shaped_rate_per_direction(name: str) -> None:
+    rate = 20_000_000
+    with Testbed(name, num_hosts=2, link=LinkSpec(rate_bit_s=rate)) as tb:
+        with LinkRateSampler([h.netns for h in tb.hosts], interval_s=0.05) as sampler:
+            _transfer(tb, src=0, dst=1, port=tb.data_port, size_bytes=2_500_000)  # ~1 s at the shaped rate
+        sender, receiver = sampler.series()
+
+    assert sender.tx_bytes[-1] - sender.tx_bytes[0] >= 2_500_000  # every byte passed the sender's link
+    assert receiver.rx_bytes[-1] - receiver.rx_bytes[0] >= 2_500_000
+    up = sender.peak_bit_s(window_s=0.5)["upload"]
+    down = receiver.peak_bit_s(window_s=0.5)["download"]
+    # the veth's counters count a GSO packet's headers once, so they sit a little under the htb rate
+    assert 0.85 * rate <= up <= 1.05 * rate, up
+    assert 0.85 * rate <= down <= 1.05 * rate, down
+    assert receiver.peak_bit_s(window_s=0.5)["upload"] < 0.1 * rate  # only ACKs go back
 
 
 def test_shaped_link_rate_and_kernel_byte_classes(name: str) -> None:
