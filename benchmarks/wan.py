@@ -43,17 +43,37 @@ import torch
 from wan_common import Workload, finish_diloco, heal_accounting, make_warm_start, run_ddp, start_diloco
 
 from swarmtrain.testbed import LinkSpec, Testbed, parse_rate, read_counters, require_root
+from swarmtrain.testbed.rates import LinkRateSampler
 
-ARMS = ("ddp", "fp32", "int8", "fp32-overlap", "int8-overlap", "int8-time", "int8-overlap-time", "sparse",
-        "sparse-overlap", "sparse-frag", "sparse-overlap-frag", "int8-frag", "int8-overlap-frag")
+CODECS = ("fp32", "int8", "sparse")
+MODES = ("overlap", "frag", "time")  # an arm is CODEC[-MODE]..., modes in this order, or ddp
 DEFAULT_ARMS = "ddp,fp32,int8"
+PEAK_WINDOWS_S = (0.5, 1.0, 2.0)  # spans of the peak link rates (LinkRateSampler)
+
+
+def arm_key(arm: str) -> tuple[int, ...]:
+    """Sort order: ddp first, then by codec, then by the modes an arm has."""
+    if arm == "ddp":
+        return (-1,)
+    codec, *modes = arm.split("-")
+    return (CODECS.index(codec), *(MODES.index(m) + 1 for m in modes))
+
+
+def check_arm(arm: str) -> None:
+    if arm == "ddp":
+        return
+    codec, *modes = arm.split("-")
+    if codec not in CODECS or any(m not in MODES for m in modes) or len(set(modes)) != len(modes) \
+            or modes != sorted(modes, key=MODES.index):
+        raise SystemExit(f"--arms: {arm!r} is not ddp or CODEC[-MODE]... with CODEC in {CODECS} and MODEs from "
+                         f"{MODES} in that order")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rates", default="100mbit,20mbit", help="comma-separated link rates (default: 100mbit,20mbit)")
-    p.add_argument("--arms", default=DEFAULT_ARMS, help=f"comma-separated subset of {','.join(ARMS)} "
-                   f"(default: {DEFAULT_ARMS})")
+    p.add_argument("--arms", default=DEFAULT_ARMS, help=f"comma-separated: ddp or CODEC[-MODE]..., CODEC one of "
+                   f"{','.join(CODECS)}, MODEs from {','.join(MODES)} in that order (default: {DEFAULT_ARMS})")
     p.add_argument("--preset", default="small", help="model preset (default: small, ~0.85M parameters)")
     p.add_argument("--batch-size", type=int, default=4, help="per-peer batch (default: 4)")
     p.add_argument("--seq-len", type=int, default=128)
@@ -104,7 +124,10 @@ def run_arm(arm: str, rate: str, workload: Workload, args: argparse.Namespace, o
         extra += args.diloco_overrides
         run = start_diloco(tb, workload, codec=codec, out_dir=out_dir, extra_run=extra)
         try:
-            return {"arm": arm, "overrides": extra, **finish_diloco(run, workload, timeout_s=args.timeout_s, before=before)}
+            with LinkRateSampler([h.netns for h in tb.hosts]) as rates:
+                summary = finish_diloco(run, workload, timeout_s=args.timeout_s, before=before)
+            peaks = {f"{w:g}": rates.peak_bit_s(window_s=w) for w in PEAK_WINDOWS_S}
+            return {"arm": arm, "overrides": extra, **summary, "peak_link_bit_s": peaks}
         finally:
             run.swarm.close()
 
@@ -113,17 +136,23 @@ def _fmt_mb(x: float | None) -> str:
     return "-" if x is None else f"{x / 1e6:8.1f}"
 
 
+def _peak(r: dict[str, Any], window_s: float = 1.0) -> str:
+    """The highest upload rate of any host over `window_s` spans (sampled arms only)."""
+    peaks = r.get("peak_link_bit_s", {}).get(f"{window_s:g}")
+    return "-" if peaks is None else f"{peaks['upload'] / 1e6:.2f}"
+
+
 def print_table(results: list[dict[str, Any]]) -> None:
-    print(f"\n{'rate':>8} {'arm':>12} {'wall s':>8} {'util %':>7} {'val loss':>9} {'wire MB':>8} "
-          f"{'data MB':>8} {'payload MB':>10} {'counted MB':>10} {'wire/counted':>12} {'payload/counted':>15} {'heals':>5}")
+    print(f"\n{'rate':>8} {'arm':>24} {'wall s':>8} {'util %':>7} {'val loss':>9} {'wire MB':>8} "
+          f"{'data MB':>8} {'payload MB':>10} {'counted MB':>10} {'wire/counted':>12} {'payload/counted':>15} {'heals':>5} {'peak up Mbit/s':>14}")
     for r in results:
         util = 100 * sum(r["utilization"]) / len(r["utilization"])
         counted = r["expected_bytes_sent"] if r["arm"] == "ddp" else r["swarmtrain_bytes_sent"]
         ratio = r["wire_bytes"] / counted if r["arm"] == "ddp" else r["wire_data_bytes"] / counted
         payload_ratio = "-" if r["arm"] == "ddp" else f"{r['wire_data_payload_bytes'] / counted:.3f}"
-        print(f"{r['rate']:>8} {r['arm']:>12} {r['wall_s']:8.1f} {util:7.1f} {r['val_loss']:9.4f} "
+        print(f"{r['rate']:>8} {r['arm']:>24} {r['wall_s']:8.1f} {util:7.1f} {r['val_loss']:9.4f} "
               f"{_fmt_mb(r['wire_bytes'])} {_fmt_mb(r['wire_data_bytes'])} {_fmt_mb(r['wire_data_payload_bytes']):>10} "
-              f"{_fmt_mb(counted):>10} {ratio:12.3f} {payload_ratio:>15} {r.get('heals', '-'):>5}")
+              f"{_fmt_mb(counted):>10} {ratio:12.3f} {payload_ratio:>15} {r.get('heals', '-'):>5} {_peak(r):>14}")
     for rate in sorted({r["rate"] for r in results}):
         ddp = next((r for r in results if r["rate"] == rate and r["arm"] == "ddp"), None)
         for r in results:
@@ -142,7 +171,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rates = sorted({r["rate"] for r in results}, key=parse_rate, reverse=True)
-    arms = [a for a in ARMS if any(r["arm"] == a for r in results)]
+    arms = sorted({r["arm"] for r in results}, key=arm_key)
     panels = [("wall-clock (s)", lambda r: r["wall_s"]),
               ("compute utilization (%)", lambda r: 100 * sum(r["utilization"]) / len(r["utilization"])),
               ("bytes on the wire (MB, kernel)", lambda r: r["wire_bytes"] / 1e6),
@@ -193,8 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: every testbed is torn down
     arms = [a for a in args.arms.split(",") if a]
-    if set(arms) - set(ARMS):
-        raise SystemExit(f"--arms: unknown {sorted(set(arms) - set(ARMS))}; choose from {ARMS}")
+    for arm in arms:
+        check_arm(arm)
     workload = Workload(preset=args.preset, batch_size=args.batch_size, seq_len=args.seq_len, rounds=args.rounds,
                         inner_steps=args.inner_steps, num_peers=args.hosts, warm_start_steps=args.warm_start_steps,
                         outer_lr=args.outer_lr, peer_data=args.peer_data)
@@ -220,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
             results.append(result)
             out.write_text(json.dumps(doc, indent=1))  # after every arm: partial results survive
             print(f"  wall {result['wall_s']:.1f}s val {result['val_loss']:.4f}", flush=True)
-    results.sort(key=lambda r: (-parse_rate(r["rate"]), ARMS.index(r["arm"])))
+    results.sort(key=lambda r: (-parse_rate(r["rate"]), arm_key(r["arm"])))
     print_table(results)
     plot(results, out.with_suffix(".png"))
     print(f"\nwrote {out} and {out.with_suffix('.png')}")

@@ -2,7 +2,7 @@
 
 Map: shaping.py (rates, the htb tree, netem options) · netns.py (Testbed: namespaces, bridge,
 veths, processes inside hosts; teardown by name) · cpu.py (a host's CPU cap: a cgroup per host)
-· counters.py (kernel byte counters per host)
+· counters.py (kernel byte counters per host) · rates.py (those counters sampled over time: peak link rates)
 · swarm.py (a coordinator and peers started inside the hosts, their JSON lines collected)
 · pipeline.py (a pipeline swarm in the hosts: PipelineLayout, PipelineSwarm; kill/restart a server).
 """
