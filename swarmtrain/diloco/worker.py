@@ -175,11 +175,13 @@ class DilocoWorker:
 
     # ------------------------------------------------------------------ the round
 
-    def train_inner(self, num_steps: int | None = None, *, budget: RoundBudget | None = None) -> InnerStats:
+    def train_inner(self, num_steps: int | None = None, *, budget: RoundBudget | None = None,
+                    interrupt: threading.Event | None = None) -> InnerStats:
         """Run `num_steps` (default: a round's, `diloco.inner_steps / diloco.fragments`) inner steps on θ_local.
 
         With `budget` (a time-paced round, `diloco.pace`), each step is added to it and the call ends
-        early once the budget has no step left; at least one step runs.
+        early once the budget has no step left; with `interrupt`, once it is set (checked after every
+        step: an overlapped peer trains on until the swarm's mean lands). At least one step runs.
         """
         steps = self.cfg.diloco.round_steps if num_steps is None else num_steps
         if steps < 1:
@@ -205,6 +207,8 @@ class DilocoWorker:
                                       call_steps=done, call_limit=steps, call_s=now - start)
                 last = now
                 if budget is not None and not budget.steps_left():
+                    break
+                if interrupt is not None and interrupt.is_set():
                     break
             self._rng_state = torch.get_rng_state()
         loss = float(loss_sum.item()) / done

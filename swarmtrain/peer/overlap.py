@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import threading
 import time
 
 import torch
@@ -18,11 +19,10 @@ from swarmtrain.diloco.worker import DeltaError
 from swarmtrain.peer.rounds import PendingRound, UnsentSteps, group_reporter
 from swarmtrain.round import Finish, Heal, Launch, RoundMachine, Settle, Train, Wait
 
-__all__ = ["OVERLAP_CHUNKS", "OverlappedRounds"]
+__all__ = ["OverlappedRounds"]
 
 log = logging.getLogger(__name__)
 
-OVERLAP_CHUNKS = 25  # diloco.overlap: a round's inner steps run in this many chunks; an average lands between two
 
 
 class OverlappedRounds:
@@ -88,14 +88,18 @@ class OverlappedRounds:
 
     async def _train_while_averaging(self, pending: PendingRound, unsent: UnsentSteps,
                                      stop: asyncio.Event) -> AverageResult | None:
-        """H inner steps in short chunks; `pending` is concluded between two chunks once it is done.
+        """The round's inner steps; `pending` is concluded between two steps as soon as it is done.
 
-        After `diloco.overlap_max_steps` steps the peer waits for `pending` if it has not landed.
-        Returns its result if it was concluded, None if a stop came first.
+        Until then the steps run in one call that ends when the mean lands (checked after every step)
+        or after `diloco.overlap_max_steps` steps, when the peer waits for it. The rest of the round
+        runs in one call, cut only where a time-paced round starts matching the next one: a call per
+        step would cost a hand-off between threads each time, time in which the peer trains nothing.
+        Returns `pending`'s result if it was concluded, None if a stop came first.
         """
         assert self.worker is not None and self.plane is not None and pending.task is not None
         budget, lag = self.pace.budget(), self.cfg.diloco.overlap_max_steps
-        chunk = max(1, math.ceil(self.cfg.diloco.round_steps / OVERLAP_CHUNKS))
+        landed = threading.Event()
+        pending.task.add_done_callback(lambda _: landed.set())
         result: AverageResult | None = None
         matched = False
         while not stop.is_set():
@@ -108,8 +112,10 @@ class OverlappedRounds:
                 matched, match_at = True, None
             if not budget.steps_left():
                 break
-            steps = chunk if result is not None else min(chunk, lag - budget.steps)
-            stats = await self._train(budget, stop, max_steps=steps, until_s=match_at)
+            if result is None:
+                stats = await self._train(budget, stop, max_steps=lag - budget.steps, interrupt=landed)
+            else:
+                stats = await self._train(budget, stop, until_s=match_at)
             if stats is None:
                 break
             unsent.add(stats)

@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -327,15 +328,16 @@ class Peer(OverlappedRounds, Healing, Watching):
         return None if rest is None else first + rest
 
     async def _train(self, budget: RoundBudget, stop: asyncio.Event, *, max_steps: int = 0,
-                     until_s: float | None = None) -> InnerStats | None:
-        """At least one inner step, off the loop, until `budget` is spent, `max_steps` ran, or (when
-        given) `until_s` of the round's compute time has passed; None if `stop` came first."""
+                     until_s: float | None = None, interrupt: threading.Event | None = None) -> InnerStats | None:
+        """At least one inner step, off the loop, until `budget` is spent, `max_steps` ran, (when given)
+        `until_s` of the round's compute time has passed or `interrupt` is set; None if `stop` came first."""
         assert self.worker is not None
         span = budget.span_s
         budget.span_s = span if until_s is None else until_s
         try:
             steps = min(max(1, budget.steps_left()), max_steps or budget.max_steps)
-            return await interruptible(asyncio.to_thread(self.worker.train_inner, steps, budget=budget), stop)
+            return await interruptible(asyncio.to_thread(self.worker.train_inner, steps, budget=budget,
+                                                         interrupt=interrupt), stop)
         finally:
             budget.span_s = span
 
