@@ -325,26 +325,41 @@ class DilocoWorker:
         DeltaError (θ_local untouched) when Δ holds NaN or Inf.
 
         The next round's inner steps start from that eager estimate of θ_global(new) (the outer
-        step, momentum included, applied to this peer's own Δ) instead of waiting for the swarm's
-        mean; `apply(result, carry=...)` later shifts θ_local by the estimate's error.
+        step, momentum included, applied to this peer's guess of the mean: `eager_mean`) instead of
+        waiting for the swarm's mean; `apply(result, carry=...)` later shifts θ_local by the
+        estimate's error.
         """
         since = flatten(self.params)
         delta = self.delta()
         problem = self.delta_problem(delta)
         if problem:
             raise DeltaError(problem)
+        guess = self.eager_mean(delta)
         frag = self.fragment()
         if frag is None:
-            estimate = self.outer.preview(self.theta_global.detach().cpu(), delta)
+            estimate = self.outer.preview(self.theta_global.detach().cpu(), guess)
             self._set_local(estimate)
             carry = Carry(base=estimate, on_abort=since)
         else:  # the fragment moves to its estimate; the others go on from where they are
-            estimate = self._fragment_outer(frag).preview(gather(self.theta_global.detach().cpu(), frag), delta)
+            estimate = self._fragment_outer(frag).preview(gather(self.theta_global.detach().cpu(), frag), guess)
             carry = Carry(base=estimate, on_abort=gather(since, frag))
             scatter_(since, frag, estimate)
             self._set_local(since)
         self._sent_early, self.round_step = True, 0
         return delta, carry
+
+    def eager_mean(self, delta: torch.Tensor) -> torch.Tensor:
+        """This peer's guess of the round's mean from its own `delta` (the round's Δ, from `delta()`).
+
+        Dense Δs of peers that trained on the same θ point the same way: the guess is Δ itself. A
+        gathered round's (sparse) contribution is what the codec kept of Δ, on positions the other
+        members mostly did not pick, so it enters the mean divided by the group's size; the rest
+        of Δ stays in this peer's residual and moves θ_global in no round yet. Guessing all of Δ
+        there would start the next inner steps from far past where θ_global lands.
+        """
+        if self._pending_residual is None or not self.cfg.averaging.gathers(self.cfg.compress.codec):
+            return delta
+        return (delta - self._pending_residual).div_(max(1, len(self.members)))
 
     def _fragment_outer(self, frag: Ranges) -> OuterOptimizer:
         """An outer optimizer over one fragment whose momentum buffer is a gathered copy of the fragment's."""

@@ -144,3 +144,33 @@ def test_a_decayed_residual_is_scaled_before_it_joins_the_next_delta(tiny_config
     torch.testing.assert_close(w.residual, sent - kept)
     w.train_inner()
     torch.testing.assert_close(w.delta(), (w.theta_global - flatten(w.params)) + 0.5 * (sent - kept))
+
+
+def test_an_interrupt_ends_inner_steps_after_the_step_it_was_set_in(tiny_config: RunConfig) -> None:
+    # an overlapped peer trains until the swarm's mean lands: the same steps as a call that stopped there
+    a, b = _worker(tiny_config), _worker(tiny_config)
+    landed = threading.Event()
+    a.on_step = lambda step: landed.set() if step.step == 3 else None
+    stats = a.train_inner(8, interrupt=landed)
+    assert stats.steps == 3 and a.inner_step == 3
+    assert b.train_inner(3).steps == 3
+    assert torch.equal(flatten(a.params), flatten(b.params))
+    assert a.train_inner(8, interrupt=landed).steps == 1  # already set: one step still runs
+
+
+@pytest.mark.parametrize(("codec", "ef"), [("int8", False), ("int8", True), ("sparse", True)])
+def test_the_eager_mean_of_an_overlapped_round_is_this_peers_share(tiny_config: RunConfig, codec: str,
+                                                                    ef: bool) -> None:
+    cfg = tiny_config.replace(compress={"codec": codec, "error_feedback": ef})
+    w = _worker(cfg, codec=get_codec(codec))
+    w.train_inner()
+    w.members = ("a", "b", "c", "d")  # the last commit's group
+    delta = w.delta()
+    guess = w.eager_mean(delta.clone())
+    if codec == "sparse":
+        # what the codec kept of Δ, on positions the others mostly did not pick: a quarter of it enters the mean
+        sent = w.codec.decode(w.codec.encode(delta)).reshape(-1)
+        assert torch.equal(guess, sent / 4)
+        assert int((guess != 0).sum()) < 0.05 * delta.numel()
+    else:  # dense Δs of peers that trained on the same θ point the same way
+        assert torch.equal(guess, delta)
