@@ -24,7 +24,6 @@ __all__ = ["OverlappedRounds"]
 log = logging.getLogger(__name__)
 
 
-
 class OverlappedRounds:
     """The overlapped round loop; mixed into `Peer`, whose attributes and steps it uses."""
 
@@ -32,8 +31,8 @@ class OverlappedRounds:
         """`diloco.overlap`: round r's average runs while the inner steps of round r+1 do.
 
         When Δ is sent, θ_local jumps to the eager estimate of the new θ_global (the outer step on
-        its own Δ: `send_overlapped`); the swarm's mean is applied the moment it lands, between two
-        short chunks of inner steps, and shifts θ_local by the estimate's error. Between rounds
+        this peer's guess of the mean: `send_overlapped`); the swarm's mean is applied after the
+        inner step during which it lands, and shifts θ_local by the estimate's error. Between rounds
         θ_local = θ_global − (own progress not yet in θ_global): a commit keeps the steps taken
         since Δ was sent, an abort puts Δ back so the next attempt carries it with them, and a heal
         starts again from the donor's θ (or keeps the unsent steps on top of it when one round late).
