@@ -6,6 +6,8 @@ source) and on N(0, 1) noise, per chunk of 4096 values at 1–3% density, the of
   bitmap   one bit per value of the chunk
   rice     the gaps between sorted offsets, Golomb-Rice coded with each chunk's best parameter (+4 bits for it)
   entropy  log2 C(chunk, k) bits per chunk: the bound no coding of a set of offsets beats on average
+and, beside them, the share of the chunks' energy (sum of squares) that the top-k values hold: what
+top-k selection concentrates, against k/chunk for positions drawn at random.
 
     python benchmarks/sparse_index.py        # -> benchmarks/results/sparse-index.json
 """
@@ -46,6 +48,12 @@ def rice_bits(gaps: list[int]) -> int:
     return best + 4
 
 
+def energy_kept(x: torch.Tensor, chunk: int, k: int) -> float:
+    """The share of the full chunks' sum of squares that each chunk's k largest magnitudes hold."""
+    rows = x[: x.numel() // chunk * chunk].view(-1, chunk).double()
+    return float(rows.abs().topk(k, dim=1).values.pow(2).sum() / rows.pow(2).sum())
+
+
 def offsets_of(x: torch.Tensor, chunk: int, k: int) -> list[list[int]]:
     full = x.numel() // chunk
     rows = x[: full * chunk].view(full, chunk).abs()
@@ -62,7 +70,7 @@ def measure(x: torch.Tensor, *, chunk: int, density: float) -> dict[str, float]:
     entropy = len(chunks) * (math.lgamma(chunk + 1) - math.lgamma(k + 1) - math.lgamma(chunk - k + 1)) / math.log(2) / 8
     kept = len(chunks) * k
     return {"density": density, "k": k, "chunks": len(chunks), "fixed": fixed / kept, "bitmap": bitmap / kept,
-            "rice": rice / kept, "entropy": entropy / kept}
+            "rice": rice / kept, "entropy": entropy / kept, "energy": energy_kept(x, chunk, k)}
 
 
 def main() -> int:
@@ -73,13 +81,13 @@ def main() -> int:
     torch.manual_seed(0)
     sources = {"pseudo-gradient (tiny, H=50)": pseudo_gradient(args.steps, seed=0), "N(0, 1)": torch.randn(1 << 20)}
     rows = []
-    print(f"{'source':<30} {'density':>7} {'fixed':>7} {'bitmap':>7} {'rice':>7} {'entropy':>7}  (bytes per kept value)")
+    print(f"{'source':<30} {'density':>7} {'fixed':>7} {'bitmap':>7} {'rice':>7} {'entropy':>7}  (bytes per kept value) {'energy':>7}")
     for name, x in sources.items():
         for density in (0.01, 0.02, 0.03):
             row = {"source": name, "numel": x.numel(), **measure(x, chunk=4096, density=density)}
             rows.append(row)
             print(f"{name:<30} {density:7.2f} {row['fixed']:7.3f} {row['bitmap']:7.3f} {row['rice']:7.3f} "
-                  f"{row['entropy']:7.3f}")
+                  f"{row['entropy']:7.3f} {row['energy']:29.4f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"argv": sys.argv, "chunk": 4096, "rows": rows}, indent=1) + "\n")
     print(f"wrote {args.out}")
