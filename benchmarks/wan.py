@@ -1,17 +1,20 @@
 """DiLoCo vs data-parallel training on shaped links: 4 namespace hosts at 100 and 20 Mbit/s (needs root).
 
-Arms, each on a fresh testbed, the same model, seed and number of tokens:
+Arms, each on a fresh testbed, the same model, seed and number of tokens: `ddp`, or a codec followed
+by modes, CODEC[-overlap][-frag][-time]:
   ddp   torch.distributed gloo, one rank per host, a fp32 gradient all-reduce every step
   fp32  swarmtrain DiLoCo, H inner steps, fp32 pseudo-gradients
   int8  swarmtrain DiLoCo, int8 pseudo-gradients
-  *-overlap  the same with diloco.overlap: round r is averaged while round r+1's inner steps run
-  *-time     the same with diloco.pace=time: each round every peer trains for one shared span (H steps at
-             the group's median rate) instead of exactly H steps, so no peer waits for the slowest
   sparse     the sparse codec (1% of each chunk at 2 bits, error feedback; --diloco-set compress.* to change)
-  *-frag     Streaming DiLoCo: θ in --fragments fragments, one synced per round after H/P steps
+  -overlap   diloco.overlap: round r is averaged while round r+1's inner steps run
+  -frag      Streaming DiLoCo: θ in --fragments fragments, one synced per round after H/P steps
+  -time      diloco.pace=time: each round every peer trains for one shared span (H steps at the group's
+             median rate) instead of exactly H steps, so no peer waits for the slowest
 Reported per arm: wall-clock, compute utilization (compute s / wall s per process), bytes on the wire
 (kernel htb counters: all traffic, the data-plane port's frames, their TCP payload) next to what
-swarmtrain counted, final validation loss of the trained weights. The machine has 2 cores for 4 hosts:
+swarmtrain counted, the peak link rate (each host's interface counters sampled every 50 ms: the
+highest upload and download of any host over 0.5, 1 and 2 s spans), final validation loss of the
+trained weights. The machine has 2 cores for 4 hosts:
 every process runs 1 torch thread and compute is oversubscribed ~2x (it slows every arm alike).
 DiLoCo peer k reads DDP rank k's slot of the data (data.num_shards, --shard-index) unless
 --peer-data independent gives each peer its own permutation, as in an open swarm.
