@@ -140,14 +140,15 @@ def _fmt_mb(x: float | None) -> str:
 
 
 def _peak(r: dict[str, Any], window_s: float = 1.0) -> str:
-    """The highest upload rate of any host over `window_s` spans (sampled arms only)."""
+    """The highest rate of any host over `window_s` spans, in its busier direction (sampled arms only):
+    classic rounds peak in the download, while members pull the means."""
     peaks = r.get("peak_link_bit_s", {}).get(f"{window_s:g}")
-    return "-" if peaks is None else f"{peaks['upload'] / 1e6:.2f}"
+    return "-" if peaks is None else f"{max(peaks.values()) / 1e6:.2f}"
 
 
 def print_table(results: list[dict[str, Any]]) -> None:
     print(f"\n{'rate':>8} {'arm':>24} {'wall s':>8} {'util %':>7} {'val loss':>9} {'wire MB':>8} "
-          f"{'data MB':>8} {'payload MB':>10} {'counted MB':>10} {'wire/counted':>12} {'payload/counted':>15} {'heals':>5} {'peak up Mbit/s':>14}")
+          f"{'data MB':>8} {'payload MB':>10} {'counted MB':>10} {'wire/counted':>12} {'payload/counted':>15} {'heals':>5} {'peak Mbit/s':>14}")
     for r in results:
         util = 100 * sum(r["utilization"]) / len(r["utilization"])
         counted = r["expected_bytes_sent"] if r["arm"] == "ddp" else r["swarmtrain_bytes_sent"]
