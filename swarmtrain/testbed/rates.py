@@ -74,7 +74,8 @@ class RateSeries:
 class LinkRateSampler:
     """Samples `dev`'s counters in each namespace every `interval_s` until closed (a context manager)."""
 
-    def __init__(self, namespaces: Sequence[str], *, dev: str = "eth0", interval_s: float = 0.05) -> None:
+    def __init__(self, namespaces: Sequence[str], *, dev: str = "eth0", interval_s: float = 0.05,
+                 start_timeout_s: float = 10.0) -> None:
         if interval_s <= 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s}")
         if not namespaces:
@@ -82,6 +83,7 @@ class LinkRateSampler:
         self.namespaces = tuple(namespaces)
         self.dev = dev
         self.interval_s = interval_s
+        self.start_timeout_s = start_timeout_s
         self._samples: dict[str, list[tuple[float, int, int]]] = {ns: [] for ns in self.namespaces}
         self._stop = threading.Event()
         self._started = threading.Event()
@@ -90,8 +92,12 @@ class LinkRateSampler:
 
     def __enter__(self) -> LinkRateSampler:
         self._thread.start()
-        self._started.wait(timeout=10.0)
+        started = self._started.wait(timeout=self.start_timeout_s)
         self._raise_error()
+        if not started:
+            self.close()
+            raise TestbedError(f"link rate sampler: no sample of {list(self.namespaces)} within "
+                               f"{self.start_timeout_s:g} s")
         return self
 
     def __exit__(self, *exc: object) -> None:

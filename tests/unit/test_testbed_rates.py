@@ -69,3 +69,13 @@ def test_sampler_refuses_bad_arguments_and_names_a_missing_namespace() -> None:
         LinkRateSampler([])
     with pytest.raises(TestbedError, match="swarmtrain-no-such-ns"), LinkRateSampler(["swarmtrain-no-such-ns"]):
         pass
+
+
+def test_a_sampler_that_takes_no_first_sample_in_time_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    def stuck(self: LinkRateSampler) -> None:  # a sampling thread that never gets its first sample
+        self._stop.wait(10.0)
+
+    monkeypatch.setattr(LinkRateSampler, "_run", stuck)
+    with pytest.raises(TestbedError, match=r"no sample of \['x-h0'\] within 0.05 s"), \
+            LinkRateSampler(["x-h0"], start_timeout_s=0.05):
+        pass
