@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import logging
 import statistics
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 from swarmtrain.averaging.protocol import AverageResult
 from swarmtrain.config import DilocoConfig
@@ -43,10 +43,20 @@ class RoundBudget:
     span_s: float | None = None
     steps: int = 0
     compute_s: float = 0.0
+    # (compute_s, call): `add` calls it once, on the training thread, when that much compute is spent
+    alarm: tuple[float, Callable[[], None]] | None = field(default=None, repr=False)
 
     def add(self, *, steps: int, compute_s: float) -> None:
         self.steps += steps
         self.compute_s += compute_s
+        if self.alarm is not None and self.compute_s >= self.alarm[0]:
+            call, self.alarm = self.alarm[1], None
+            call()
+
+    def set_alarm(self, at_s: float, call: Callable[[], None]) -> None:
+        """Have `add` call `call` once the round's compute reaches `at_s` (the step that crosses it calls
+        it, between two steps): a time-paced round starts matchmaking without ending its training call."""
+        self.alarm = (at_s, call)
 
     def match_at_s(self) -> float | None:
         """Compute time after which matchmaking starts (None: at the end of the round's steps)."""

@@ -91,30 +91,31 @@ class OverlappedRounds:
 
         Until then the steps run in one call that ends when the mean lands (checked after every step)
         or after `diloco.overlap_max_steps` steps, when the peer waits for it. The rest of the round
-        runs in one call, cut only where a time-paced round starts matching the next one: a call per
-        step would cost a hand-off between threads each time, time in which the peer trains nothing.
-        Returns `pending`'s result if it was concluded, None if a stop came first.
+        runs in one call; a time-paced round starts matching the next one from the training thread
+        (`RoundBudget.set_alarm`). A call per step would cost a hand-off between threads each time,
+        time in which the peer trains nothing. Returns `pending`'s result if it was concluded, None if
+        a stop came first.
         """
         assert self.worker is not None and self.plane is not None and pending.task is not None
         budget, lag = self.pace.budget(), self.cfg.diloco.overlap_max_steps
         landed = threading.Event()
         pending.task.add_done_callback(lambda _: landed.set())
         result: AverageResult | None = None
-        matched = False
         while not stop.is_set():
             if result is None and (pending.task.done() or budget.steps >= lag or not budget.steps_left()):
                 result = await self._settle(pending)
                 budget.resize(self.pace.budget())  # the commit may have set a new span
-            match_at = budget.match_at_s() if result is not None and result.committed and not matched else None
-            if match_at is not None and budget.compute_s >= match_at:
-                await self.plane.prematch(self.worker.round, steps_per_s=self.pace.prematch_rate(budget))
-                matched, match_at = True, None
+                match_at = budget.match_at_s() if result.committed else None
+                if match_at is not None and budget.compute_s >= match_at:
+                    await self.plane.prematch(self.worker.round, steps_per_s=self.pace.prematch_rate(budget))
+                elif match_at is not None:
+                    budget.set_alarm(match_at, self._prematch_alarm(budget))
             if not budget.steps_left():
                 break
             if result is None:
                 stats = await self._train(budget, stop, max_steps=lag - budget.steps, interrupt=landed)
             else:
-                stats = await self._train(budget, stop, until_s=match_at)
+                stats = await self._train(budget, stop)
             if stats is None:
                 break
             unsent.add(stats)

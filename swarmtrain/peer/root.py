@@ -33,7 +33,7 @@ from swarmtrain.data import eval_batches, load_corpus
 from swarmtrain.diloco import DilocoWorker, resolve_device
 from swarmtrain.diloco.flat import param_shapes
 from swarmtrain.diloco.pace import Pace, RoundBudget
-from swarmtrain.diloco.worker import InnerStats, InnerStep
+from swarmtrain.diloco.worker import Carry, InnerStats, InnerStep
 from swarmtrain.discovery import (
     Discovery,
     DiscoveryError,
@@ -105,6 +105,7 @@ class Peer(OverlappedRounds, Healing, Watching):
         self._round_ends_at = 0.0  # swarm clock: when this round's inner steps should end (peer record)
         self.membership: Membership | None = None  # the electorate and this peer's departure
         self._join_by: tuple[int, float] | None = None  # (round healed into, monotonic time its steps end)
+        self._prematching: asyncio.Future[None] | None = None  # the latest prematch a round's budget alarm started
         self.plane: DataPlane | None = None
         self.val_batches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.endpoint = ""
@@ -318,28 +319,40 @@ class Peer(OverlappedRounds, Healing, Watching):
         if join is not None and join[0] == self.worker.round:  # healed into a round under way: end with the swarm
             budget.cut_to(max(0.0, join[1] - time.monotonic()))
         match_at = budget.match_at_s()
-        first = await self._train(budget, stop, until_s=match_at)
-        if first is None or match_at is None:
-            return first
-        await self.plane.prematch(self.worker.round, steps_per_s=self.pace.prematch_rate(budget))
-        if not budget.steps_left():
-            return first
-        rest = await self._train(budget, stop)
-        return None if rest is None else first + rest
+        if match_at is not None:
+            budget.set_alarm(match_at, self._prematch_alarm(budget))
+        stats = await self._train(budget, stop)
+        if stats is not None and budget.alarm is not None:  # the steps ran out before the alarm
+            budget.alarm = None
+            await self.plane.prematch(self.worker.round, steps_per_s=self.pace.prematch_rate(budget))
+        return stats
+
+    def _prematch_alarm(self, budget: RoundBudget) -> Callable[[], None]:
+        """What a time-paced round's budget calls on the training thread at `match_at_s`: start this round's
+        matchmaking on the loop. The training call runs on; ending it there to prematch cost a hand-off
+        between threads and back every round, time in which the peer trained nothing."""
+        assert self.worker is not None and self.plane is not None
+        loop, plane, round_index = asyncio.get_running_loop(), self.plane, self.worker.round
+
+        def start() -> None:
+            self._prematching = asyncio.ensure_future(plane.prematch(round_index, steps_per_s=rate))
+
+        def alarm() -> None:
+            nonlocal rate
+            rate = self.pace.prematch_rate(budget)  # as measured now, on the training thread
+            loop.call_soon_threadsafe(start)
+
+        rate = 0.0
+        return alarm
 
     async def _train(self, budget: RoundBudget, stop: asyncio.Event, *, max_steps: int = 0,
-                     until_s: float | None = None, interrupt: threading.Event | None = None) -> InnerStats | None:
-        """At least one inner step, off the loop, until `budget` is spent, `max_steps` ran, (when given)
-        `until_s` of the round's compute time has passed or `interrupt` is set; None if `stop` came first."""
+                     interrupt: threading.Event | None = None) -> InnerStats | None:
+        """At least one inner step, off the loop, until `budget` is spent, `max_steps` ran or (when given)
+        `interrupt` is set; None if `stop` came first."""
         assert self.worker is not None
-        span = budget.span_s
-        budget.span_s = span if until_s is None else until_s
-        try:
-            steps = min(max(1, budget.steps_left()), max_steps or budget.max_steps)
-            return await interruptible(asyncio.to_thread(self.worker.train_inner, steps, budget=budget,
-                                                         interrupt=interrupt), stop)
-        finally:
-            budget.span_s = span
+        steps = min(max(1, budget.steps_left()), max_steps or budget.max_steps)
+        return await interruptible(asyncio.to_thread(self.worker.train_inner, steps, budget=budget,
+                                                     interrupt=interrupt), stop)
 
     async def _settle(self, pending: PendingRound) -> AverageResult:
         assert pending.task is not None
@@ -416,12 +429,12 @@ class Peer(OverlappedRounds, Healing, Watching):
         if result.committed:
             # Off the loop (an outer step over θ takes seconds at 100M+ parameters) but never during inner
             # steps; heartbeats announce the previous (round, hash) until the new one is published.
-            await asyncio.to_thread(worker.apply, result, carry=pending.carry)
+            digest = await asyncio.to_thread(self._apply_and_hash, result, pending.carry)
             self.pace.observe(result)
             self.pace.last_rate = pending.steps_per_s or self.pace.last_rate
             expected_s = self.pace.expected_round_s()
             self._round_ends_at = self._now() + expected_s if expected_s > 0 else 0.0
-            await self._publish_committed_state()
+            await self._publish_committed_state(digest)
             self._beat_soon()  # now, not at the next tick: peers that missed the round look for it
             every = self.cfg.diloco.eval_every_rounds
             if every and worker.round % every == 0:
@@ -442,8 +455,14 @@ class Peer(OverlappedRounds, Healing, Watching):
         if result.committed and worker.round % self.cfg.checkpoint.every_rounds == 0:
             await self._checkpoint()
 
-    async def _publish_committed_state(self) -> None:
-        """After θ_global changed: hash it once, off the event loop, and announce it.
+    def _apply_and_hash(self, result: AverageResult, carry: Carry | None) -> str:
+        """A commit's outer step and the new θ_global's hash, in one call off the loop (one hand-off)."""
+        assert self.worker is not None
+        self.worker.apply(result, carry=carry)
+        return self.worker.global_hash()
+
+    async def _publish_committed_state(self, digest: str | None = None) -> None:
+        """After θ_global changed: hash it once, off the event loop (unless `digest` is that hash), and announce it.
 
         Nothing changes θ_global meanwhile (outer steps and heals are awaited by the round loop). The
         hash is cached in the worker: round lines and checkpoints only read it, and heartbeats announce
@@ -451,7 +470,8 @@ class Peer(OverlappedRounds, Healing, Watching):
         serialized when they ask.
         """
         assert self.worker is not None and self.plane is not None
-        digest = await asyncio.to_thread(self.worker.global_hash)
+        if digest is None:
+            digest = await asyncio.to_thread(self.worker.global_hash)
         state = self.current_state(copy=False)
         self.plane.publish_state(state)
         self._announced = (state.round, digest)

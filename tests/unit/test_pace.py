@@ -43,6 +43,27 @@ def test_a_timed_budget_stops_at_the_step_boundary_nearest_its_span() -> None:
     assert plain.steps_left() == 1, "without a span only the step count matters"
 
 
+def test_the_budget_alarm_fires_once_on_the_step_that_crosses_it() -> None:
+    fired: list[tuple[int, float]] = []
+    b = RoundBudget(max_steps=100, span_s=1.0)
+    b.set_alarm(0.3, lambda: fired.append((b.steps, b.compute_s)))
+    b.add(steps=1, compute_s=0.2)
+    assert fired == []
+    b.add(steps=1, compute_s=0.2)
+    assert fired == [(2, pytest.approx(0.4))] and b.alarm is None
+    b.add(steps=1, compute_s=0.2)
+    assert len(fired) == 1, "once"
+
+
+def test_a_training_call_runs_through_the_alarm() -> None:
+    worker = _worker()
+    budget = RoundBudget(max_steps=4, span_s=1e9)
+    steps_seen: list[int] = []
+    budget.set_alarm(0.0, lambda: steps_seen.append(budget.steps))
+    stats = worker.train_inner(4, budget=budget)
+    assert stats.steps == 4 and steps_seen == [1], "the alarm rang after the first step and the call went on"
+
+
 def _committed(rates: tuple[float, ...], *, committed: bool = True) -> AverageResult:
     members = tuple(f"p{i}" for i in range(len(rates)))
     return AverageResult(round=3, committed=committed, mean=None, members=members, steps_per_s=rates)
