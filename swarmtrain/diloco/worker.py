@@ -109,12 +109,16 @@ class DilocoWorker:
     # ------------------------------------------------------------------ the round
 
     def train_inner(self, num_steps: int | None = None, *, budget: RoundBudget | None = None,
-                    interrupt: threading.Event | None = None) -> InnerStats:
+                    interrupt: threading.Event | None = None, between: Callable[[], bool] | None = None,
+                    ) -> InnerStats:
         """Run `num_steps` (default: a round's, `diloco.inner_steps / diloco.fragments`) inner steps on θ_local.
 
         With `budget` (a time-paced round, `diloco.pace`), each step is added to it and the call ends
         early once the budget has no step left; with `interrupt`, once it is set (checked after every
-        step: an overlapped peer trains on until the swarm's mean lands). At least one step runs.
+        step: an overlapped peer trains on until the swarm's mean lands). `between` runs after every
+        step but the last (an overlapped peer applies the swarm's mean there); it ends the call by
+        returning True, and its time counts neither in the stats' nor in the budget's compute. At
+        least one step runs.
         """
         steps = self.cfg.diloco.round_steps if num_steps is None else num_steps
         if steps < 1:
@@ -122,6 +126,7 @@ class DilocoWorker:
         self.forward_module.train()
         loss_sum = torch.zeros((), device=self.device)
         tokens = done = 0
+        hooks_s = 0.0
         start = last = time.perf_counter()
         with torch.random.fork_rng(devices=[]):
             torch.set_rng_state(self._rng_state)
@@ -143,11 +148,17 @@ class DilocoWorker:
                     break
                 if interrupt is not None and interrupt.is_set():
                     break
+                if between is not None and done < steps:
+                    ended = between()
+                    last = time.perf_counter()
+                    hooks_s += last - now
+                    if ended or (budget is not None and not budget.steps_left()):
+                        break
             self._rng_state = torch.get_rng_state()
         loss = float(loss_sum.item()) / done
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return InnerStats(steps=done, loss=loss, tokens=tokens, compute_s=time.perf_counter() - start)
+        return InnerStats(steps=done, loss=loss, tokens=tokens, compute_s=time.perf_counter() - start - hooks_s)
 
     def _report_step(self, loss: torch.Tensor, *, tokens: int, step_s: float, budget: RoundBudget | None,
                      call_steps: int, call_limit: int, call_s: float) -> None:

@@ -7,6 +7,7 @@ mode shares its steps with (training, averaging, concluding, healing).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import math
 import threading
@@ -15,7 +16,8 @@ import time
 import torch
 
 from swarmtrain.averaging.protocol import AverageResult
-from swarmtrain.diloco.worker import DeltaError
+from swarmtrain.diloco.pace import RoundBudget
+from swarmtrain.diloco.worker import Carry, DeltaError
 from swarmtrain.peer.rounds import PendingRound, UnsentSteps, group_reporter
 from swarmtrain.round import Finish, Heal, Launch, RoundMachine, Settle, Train, Wait
 
@@ -26,6 +28,10 @@ log = logging.getLogger(__name__)
 
 class OverlappedRounds:
     """The overlapped round loop; mixed into `Peer`, whose attributes and steps it uses."""
+
+    # The next round's Δ and carry (or why Δ was unusable), computed by the training thread right after the
+    # round's last inner step, for the `Launch` that follows; `_unsend` takes it back if none does.
+    _presend: tuple[torch.Tensor, Carry] | DeltaError | None = None
 
     async def _run_overlapped(self, stop: asyncio.Event) -> str:
         """`diloco.overlap`: round r's average runs while the inner steps of round r+1 do.
@@ -47,6 +53,8 @@ class OverlappedRounds:
             if stop.is_set():
                 machine.request_stop()  # an average in flight is concluded first
             action = machine.next()
+            if self._presend is not None and not isinstance(action, Launch):
+                await self._unsend()
             if isinstance(action, Finish):
                 if action.reason == "done":
                     await self._linger_for_stragglers(stop)
@@ -89,39 +97,79 @@ class OverlappedRounds:
                                      stop: asyncio.Event) -> AverageResult | None:
         """The round's inner steps; `pending` is concluded between two steps as soon as it is done.
 
-        Until then the steps run in one call that ends when the mean lands (checked after every step)
-        or after `diloco.overlap_max_steps` steps, when the peer waits for it. The rest of the round
-        runs in one call; a time-paced round starts matching the next one from the training thread
-        (`RoundBudget.set_alarm`). A call per step would cost a hand-off between threads each time,
-        time in which the peer trains nothing. Returns `pending`'s result if it was concluded, None if
-        a stop came first.
+        The round usually runs in one training call: the mean is applied on the training thread
+        between the two inner steps during which it landed (`_land`, while the loop announces it:
+        `_report`), a time-paced round starts matching the next one from there too
+        (`RoundBudget.set_alarm`), and when the round's steps are done the same call computes the
+        next Δ (`_presend`). Every hand-off between the loop and the training thread costs time in
+        which the peer trains nothing. The call ends early after `diloco.overlap_max_steps` steps
+        without a mean (the peer waits for it), and at a landing whose round brings an evaluation
+        or a checkpoint (those read θ_local; they run on the loop as before). Returns `pending`'s
+        result if it was concluded, None if a stop came first.
         """
         assert self.worker is not None and self.plane is not None and pending.task is not None
+        worker, task, loop = self.worker, pending.task, asyncio.get_running_loop()
         budget, lag = self.pace.budget(), self.cfg.diloco.overlap_max_steps
         landed = threading.Event()
-        pending.task.add_done_callback(lambda _: landed.set())
-        result: AverageResult | None = None
+        task.add_done_callback(lambda _: landed.set())
+        every = self.cfg.diloco.eval_every_rounds
+        after = pending.round + 1
+        on_thread = not (every and after % every == 0) and after % self.cfg.checkpoint.every_rounds != 0
+        outcome: list[AverageResult] = []  # the result, once applied
+        reported: list[concurrent.futures.Future[None]] = []
+
+        def between() -> bool:  # the training thread, after an inner step: True ends the call
+            if not outcome and landed.is_set():
+                if not on_thread:
+                    return True
+                result, comm_s = task.result()
+                digest = self._land(pending, result)
+                outcome.append(result)
+                if result.committed:
+                    self._rearm(budget, loop=loop)
+                reported.append(asyncio.run_coroutine_threadsafe(
+                    self._report(pending, result, comm_s=comm_s, digest=digest), loop))
+            return not outcome and budget.steps >= lag
+
+        def presend() -> None:  # the training thread, after the call's last step
+            if (budget.steps_left() or stop.is_set() or not outcome or not outcome[0].committed
+                    or worker.round >= self.cfg.diloco.rounds):
+                return
+            try:
+                self._presend = worker.send_overlapped()
+            except DeltaError as e:
+                self._presend = e
+
         while not stop.is_set():
-            if result is None and (pending.task.done() or budget.steps >= lag or not budget.steps_left()):
-                result = await self._settle(pending)
-                budget.resize(self.pace.budget())  # the commit may have set a new span
-                match_at = budget.match_at_s() if result.committed else None
-                if match_at is not None and budget.compute_s >= match_at:
-                    await self.plane.prematch(self.worker.round, steps_per_s=self.pace.prematch_rate(budget))
-                elif match_at is not None:
-                    budget.set_alarm(match_at, self._prematch_alarm(budget))
+            if not outcome and (task.done() or budget.steps >= lag or not budget.steps_left()):
+                outcome.append(await self._settle(pending))
+                if outcome[0].committed:
+                    self._rearm(budget)
             if not budget.steps_left():
                 break
-            if result is None:
-                stats = await self._train(budget, stop, max_steps=lag - budget.steps, interrupt=landed)
-            else:
-                stats = await self._train(budget, stop)
+            stats = await self._train(budget, stop, between=between, then=presend)
+            if reported:
+                await asyncio.wrap_future(reported.pop())
             if stats is None:
                 break
             unsent.add(stats)
-        if result is None and not stop.is_set():
-            result = await self._settle(pending)
-        return result
+        if not outcome and not stop.is_set():
+            outcome.append(await self._settle(pending))
+        return outcome[0] if outcome else None
+
+    def _rearm(self, budget: RoundBudget, *, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """After a commit (on the loop, or on the training thread with `loop`): the next round's budget and,
+        when time-paced, the alarm that starts its matchmaking (now, if its time has passed)."""
+        assert self.worker is not None
+        budget.resize(self.pace.budget())  # the commit may have set a new span
+        match_at = budget.match_at_s()
+        if match_at is None:
+            return
+        alarm = self._prematch_alarm(budget, round_index=self.worker.round, loop=loop)
+        if budget.compute_s >= match_at:
+            alarm()
+        else:
+            budget.set_alarm(match_at, alarm)
 
     async def _launch(self, unsent: UnsentSteps, machine: RoundMachine) -> tuple[PendingRound | None, str]:
         """Start averaging Δ = θ_global − θ_local for the current round in the background.
@@ -130,8 +178,11 @@ class OverlappedRounds:
         """
         assert self.worker is not None and self.plane is not None
         worker, plane = self.worker, self.plane
+        presend, self._presend = self._presend, None
         try:
-            delta, carry = await asyncio.to_thread(worker.send_overlapped)
+            if isinstance(presend, DeltaError):
+                raise presend
+            delta, carry = presend if presend is not None else await asyncio.to_thread(worker.send_overlapped)
         except DeltaError as e:
             self._abort_locally(PendingRound(round=worker.round, delta=torch.empty(0), loss=unsent.loss,
                                              compute_s=unsent.compute_s, steps=unsent.steps), str(e))
@@ -154,3 +205,13 @@ class OverlappedRounds:
 
         pending.task = asyncio.ensure_future(timed())
         return pending, ""
+
+    async def _unsend(self) -> None:
+        """A Δ computed at the end of a round's steps (`_presend`) that no launch took (a stop, a heal came
+        first): θ_local goes back to where it was, as after an aborted round."""
+        assert self.worker is not None
+        presend, self._presend = self._presend, None
+        if isinstance(presend, tuple):
+            worker, carry = self.worker, presend[1]
+            unsent = AverageResult(round=worker.round, committed=False, mean=None, reason="computed, not sent")
+            await asyncio.to_thread(worker.apply, unsent, carry=carry)

@@ -33,7 +33,7 @@ from swarmtrain.data import eval_batches, load_corpus
 from swarmtrain.diloco import DilocoWorker, resolve_device
 from swarmtrain.diloco.flat import param_shapes
 from swarmtrain.diloco.pace import Pace, RoundBudget
-from swarmtrain.diloco.worker import Carry, InnerStats, InnerStep
+from swarmtrain.diloco.worker import InnerStats, InnerStep
 from swarmtrain.discovery import (
     Discovery,
     DiscoveryError,
@@ -327,12 +327,14 @@ class Peer(OverlappedRounds, Healing, Watching):
             await self.plane.prematch(self.worker.round, steps_per_s=self.pace.prematch_rate(budget))
         return stats
 
-    def _prematch_alarm(self, budget: RoundBudget) -> Callable[[], None]:
-        """What a time-paced round's budget calls on the training thread at `match_at_s`: start this round's
-        matchmaking on the loop. The training call runs on; ending it there to prematch cost a hand-off
-        between threads and back every round, time in which the peer trained nothing."""
+    def _prematch_alarm(self, budget: RoundBudget, *, round_index: int | None = None,
+                        loop: asyncio.AbstractEventLoop | None = None) -> Callable[[], None]:
+        """What a time-paced round's budget calls on the training thread at `match_at_s`: start matchmaking
+        for `round_index` (default: the worker's) on the loop. The training call runs on; ending it there
+        to prematch cost a hand-off between threads and back every round, time in which nothing trained."""
         assert self.worker is not None and self.plane is not None
-        loop, plane, round_index = asyncio.get_running_loop(), self.plane, self.worker.round
+        loop, plane = loop or asyncio.get_running_loop(), self.plane
+        round_index = self.worker.round if round_index is None else round_index
 
         def start() -> None:
             self._prematching = asyncio.ensure_future(plane.prematch(round_index, steps_per_s=rate))
@@ -346,13 +348,21 @@ class Peer(OverlappedRounds, Healing, Watching):
         return alarm
 
     async def _train(self, budget: RoundBudget, stop: asyncio.Event, *, max_steps: int = 0,
-                     interrupt: threading.Event | None = None) -> InnerStats | None:
-        """At least one inner step, off the loop, until `budget` is spent, `max_steps` ran or (when given)
-        `interrupt` is set; None if `stop` came first."""
+                     interrupt: threading.Event | None = None, between: Callable[[], bool] | None = None,
+                     then: Callable[[], None] | None = None) -> InnerStats | None:
+        """At least one inner step, off the loop, until `budget` is spent, `max_steps` ran, (when given)
+        `interrupt` is set or `between` ends it (`DilocoWorker.train_inner`); then `then`, on the same
+        thread. None if `stop` came first."""
         assert self.worker is not None
-        steps = min(max(1, budget.steps_left()), max_steps or budget.max_steps)
-        return await interruptible(asyncio.to_thread(self.worker.train_inner, steps, budget=budget,
-                                                     interrupt=interrupt), stop)
+        worker, steps = self.worker, min(max(1, budget.steps_left()), max_steps or budget.max_steps)
+
+        def run() -> InnerStats:
+            stats = worker.train_inner(steps, budget=budget, interrupt=interrupt, between=between)
+            if then is not None:
+                then()
+            return stats
+
+        return await interruptible(asyncio.to_thread(run), stop)
 
     async def _settle(self, pending: PendingRound) -> AverageResult:
         assert pending.task is not None
@@ -419,21 +429,38 @@ class Peer(OverlappedRounds, Healing, Watching):
             comm_s=0.0, peer=self._peer_id, reason=reason, steps=pending.steps, alone_s=self._presence().alone_s()))
 
     async def _conclude(self, pending: PendingRound, result: AverageResult, *, comm_s: float) -> None:
-        """Apply a commit, report the round (one line), checkpoint on schedule."""
-        assert self.worker is not None and self.plane is not None
+        """Apply a commit (or put an overlapped abort's Δ back), report the round, checkpoint on schedule."""
+        # Off the loop (an outer step over θ takes seconds at 100M+ parameters) but never during inner
+        # steps; heartbeats announce the previous (round, hash) until the new one is published.
+        landed = result.committed or pending.carry is not None
+        digest = await asyncio.to_thread(self._land, pending, result) if landed else None
+        await self._report(pending, result, comm_s=comm_s, digest=digest)
+
+    def _land(self, pending: PendingRound, result: AverageResult) -> str | None:
+        """`result` applied to the worker in one call off the loop (or between two inner steps, on the training
+        thread): a commit's outer step, the pace it sets and the new θ_global's hash (returned); an overlapped
+        abort's Δ back into θ_local (None)."""
+        assert self.worker is not None
+        self.worker.apply(result, carry=pending.carry)
+        if not result.committed:
+            return None
+        self.pace.observe(result)
+        self.pace.last_rate = pending.steps_per_s or self.pace.last_rate
+        expected_s = self.pace.expected_round_s()
+        self._round_ends_at = self._now() + expected_s if expected_s > 0 else 0.0
+        return self.worker.global_hash()
+
+    async def _report(self, pending: PendingRound, result: AverageResult, *, comm_s: float,
+                      digest: str | None) -> None:
+        """After `_land`: announce the new θ_global (`digest`), score it on schedule, report the round (one
+        line), checkpoint on schedule."""
+        assert self.worker is not None
         worker = self.worker
         self.phase = "training"
         val_loss = None
         pending.delta = torch.empty(0) if result.committed else pending.delta  # a committed Δ's memory goes now
         self._presence().saw_others(len(result.members) - 1)
         if result.committed:
-            # Off the loop (an outer step over θ takes seconds at 100M+ parameters) but never during inner
-            # steps; heartbeats announce the previous (round, hash) until the new one is published.
-            digest = await asyncio.to_thread(self._apply_and_hash, result, pending.carry)
-            self.pace.observe(result)
-            self.pace.last_rate = pending.steps_per_s or self.pace.last_rate
-            expected_s = self.pace.expected_round_s()
-            self._round_ends_at = self._now() + expected_s if expected_s > 0 else 0.0
             await self._publish_committed_state(digest)
             self._beat_soon()  # now, not at the next tick: peers that missed the round look for it
             every = self.cfg.diloco.eval_every_rounds
@@ -441,9 +468,6 @@ class Peer(OverlappedRounds, Healing, Watching):
                 # Overlapped, θ_local holds newer steps than θ_global: score θ_global (two model copies).
                 evaluate = worker.evaluate if pending.carry is None else worker.evaluate_global
                 val_loss = await asyncio.to_thread(evaluate, self.val_batches)
-        elif pending.carry is not None:
-            # overlapped: the aborted Δ goes back into θ_local
-            await asyncio.to_thread(worker.apply, result, carry=pending.carry)
         self._after_round(pending.round, result.committed, pending.loss, val_loss)
         self.writer.emit(RoundEvent(
             round=pending.round, committed=result.committed, members=result.members, loss=pending.loss,
@@ -454,12 +478,6 @@ class Peer(OverlappedRounds, Healing, Watching):
         pending.compute_s, pending.steps = 0.0, 0  # a retry of the round reports only its own communication
         if result.committed and worker.round % self.cfg.checkpoint.every_rounds == 0:
             await self._checkpoint()
-
-    def _apply_and_hash(self, result: AverageResult, carry: Carry | None) -> str:
-        """A commit's outer step and the new θ_global's hash, in one call off the loop (one hand-off)."""
-        assert self.worker is not None
-        self.worker.apply(result, carry=carry)
-        return self.worker.global_hash()
 
     async def _publish_committed_state(self, digest: str | None = None) -> None:
         """After θ_global changed: hash it once, off the event loop (unless `digest` is that hash), and announce it.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -62,6 +63,24 @@ def test_a_training_call_runs_through_the_alarm() -> None:
     budget.set_alarm(0.0, lambda: steps_seen.append(budget.steps))
     stats = worker.train_inner(4, budget=budget)
     assert stats.steps == 4 and steps_seen == [1], "the alarm rang after the first step and the call went on"
+
+
+def test_between_runs_after_every_step_but_the_last_can_end_the_call_and_is_not_compute() -> None:
+    worker = _worker()
+    calls: list[int] = []
+
+    def between() -> bool:
+        calls.append(budget.steps)
+        time.sleep(0.05)  # far longer than a step of the tiny model
+        return len(calls) == 3
+
+    budget = RoundBudget(max_steps=10, span_s=1e9)
+    stats = worker.train_inner(10, budget=budget, between=between)
+    assert calls == [1, 2, 3] and stats.steps == 3, "after steps 1, 2 and 3; True after the third ends the call"
+    assert stats.compute_s < 0.1 and budget.compute_s < 0.1, (stats.compute_s, budget.compute_s)
+    calls.clear()
+    stats = worker.train_inner(2, between=lambda: calls.append(0) is not None)
+    assert stats.steps == 2 and calls == [0], "not after the call's last step"
 
 
 def _committed(rates: tuple[float, ...], *, committed: bool = True) -> AverageResult:
