@@ -223,7 +223,9 @@ class DilocoConfig:
     overlap: bool = False
     """Average round r's Δ while the first inner steps of round r+1 run (communication hidden behind
     compute): θ_local starts round r+1 from the outer step applied to its own Δ, and the swarm's mean
-    corrects it when it lands. Off = classic DiLoCo (train, then wait for the average)."""
+    corrects it when it lands, on the training thread between two inner steps unless the commit brings
+    an evaluation or a checkpoint (then the steps stop there: keep `eval_every_rounds` and
+    `checkpoint.every_rounds` above 1). Off = classic DiLoCo (train, then wait for the average)."""
     overlap_max_steps: int = 3
     """With `overlap`: at most this many inner steps of round r+1 run before round r's mean has landed; a
     peer that gets there waits for it (a longer lag makes the correction overshoot; benchmarks/overlap.py
