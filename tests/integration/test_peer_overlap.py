@@ -62,7 +62,8 @@ async def _alone(tmp_path: Path, stop: asyncio.Event, until: Callable[[Out], boo
 
 
 def _slow_steps(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
-    """Every inner step takes `seconds` more, so that a mean (the double's window: 0.1 s) lands mid-round."""
+    """Every inner step takes `seconds` more, so that a mean (the double's window: 0.1 s) lands mid-round:
+    at 0.05 s a round of 6 steps takes 0.3 s, and its mean lands about 2 steps into the next one."""
     step = DilocoWorker._inner_step
 
     def slow(self: DilocoWorker, loss_sum: torch.Tensor) -> int:
@@ -130,7 +131,7 @@ def test_stop_during_an_overlapped_round_finishes_its_average_first(tmp_path: Pa
 
 def test_a_mean_that_lands_mid_round_is_applied_between_two_steps_of_the_running_call(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    _slow_steps(monkeypatch, 0.03)
+    _slow_steps(monkeypatch, 0.05)
     training, landed_in_call = threading.local(), []
     train, land = DilocoWorker.train_inner, Peer._land
 
@@ -162,7 +163,7 @@ def test_a_mean_that_lands_mid_round_is_applied_between_two_steps_of_the_running
 def test_a_delta_computed_at_the_end_of_a_round_and_not_sent_goes_back_into_theta_local(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A stop right after the training thread computed the next Δ: θ_local returns to where it was."""
-    _slow_steps(monkeypatch, 0.01)
+    _slow_steps(monkeypatch, 0.05)
     send = DilocoWorker.send_overlapped
     before: list[torch.Tensor] = []
     stop = asyncio.Event()
