@@ -336,15 +336,12 @@ class Peer(OverlappedRounds, Healing, Watching):
         loop, plane = loop or asyncio.get_running_loop(), self.plane
         round_index = self.worker.round if round_index is None else round_index
 
-        def start() -> None:
+        def start(rate: float) -> None:
             self._prematching = asyncio.ensure_future(plane.prematch(round_index, steps_per_s=rate))
 
-        def alarm() -> None:
-            nonlocal rate
-            rate = self.pace.prematch_rate(budget)  # as measured now, on the training thread
-            loop.call_soon_threadsafe(start)
+        def alarm() -> None:  # the rate as measured now, on the training thread
+            loop.call_soon_threadsafe(start, self.pace.prematch_rate(budget))
 
-        rate = 0.0
         return alarm
 
     async def _train(self, budget: RoundBudget, stop: asyncio.Event, *, max_steps: int = 0,
