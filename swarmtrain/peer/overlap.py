@@ -112,9 +112,7 @@ class OverlappedRounds:
         budget, lag = self.pace.budget(), self.cfg.diloco.overlap_max_steps
         landed = threading.Event()
         task.add_done_callback(lambda _: landed.set())
-        every = self.cfg.diloco.eval_every_rounds
-        after = pending.round + 1
-        on_thread = not (every and after % every == 0) and after % self.cfg.checkpoint.every_rounds != 0
+        on_thread = not any(self._due(pending.round + 1))  # an evaluation or a checkpoint reads θ_local
         outcome: list[AverageResult] = []  # the result, once applied
         reported: list[concurrent.futures.Future[None]] = []
 

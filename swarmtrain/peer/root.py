@@ -460,8 +460,7 @@ class Peer(OverlappedRounds, Healing, Watching):
         if result.committed:
             await self._publish_committed_state(digest)
             self._beat_soon()  # now, not at the next tick: peers that missed the round look for it
-            every = self.cfg.diloco.eval_every_rounds
-            if every and worker.round % every == 0:
+            if self._due(worker.round)[0]:
                 # Overlapped, θ_local holds newer steps than θ_global: score θ_global (two model copies).
                 evaluate = worker.evaluate if pending.carry is None else worker.evaluate_global
                 val_loss = await asyncio.to_thread(evaluate, self.val_batches)
@@ -473,8 +472,13 @@ class Peer(OverlappedRounds, Healing, Watching):
             peer=self._peer_id, reason=result.reason, steps=pending.steps,
             alone_s=0.0 if len(result.members) > 1 else self._presence().alone_s()))
         pending.compute_s, pending.steps = 0.0, 0  # a retry of the round reports only its own communication
-        if result.committed and worker.round % self.cfg.checkpoint.every_rounds == 0:
+        if result.committed and self._due(worker.round)[1]:
             await self._checkpoint()
+
+    def _due(self, round_index: int) -> tuple[bool, bool]:
+        """(evaluation, checkpoint): what reaching `round_index` by a commit brings, on schedule."""
+        every = self.cfg.diloco.eval_every_rounds
+        return bool(every and round_index % every == 0), round_index % self.cfg.checkpoint.every_rounds == 0
 
     async def _publish_committed_state(self, digest: str | None = None) -> None:
         """After θ_global changed: hash it once, off the event loop (unless `digest` is that hash), and announce it.
