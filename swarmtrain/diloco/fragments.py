@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-__all__ = ["Ranges", "fragment_ranges", "gather", "scatter_"]
+__all__ = ["Ranges", "fragment_params", "fragment_ranges", "gather", "scatter_"]
 
 Ranges = list[tuple[int, int]]
 _BLOCK = re.compile(r"(?:^|\.)blocks\.(\d+)\.")
@@ -39,6 +39,27 @@ def fragment_ranges(model: nn.Module, fragments: int) -> list[Ranges]:
     if empty:
         raise ValueError(f"diloco.fragments = {fragments}: fragment(s) {empty} would hold no parameter (the model "
                          "has fewer transformer blocks than fragments)")
+    return out
+
+
+def fragment_params(params: Sequence[torch.Tensor], ranges: Sequence[tuple[int, int]]) -> list[torch.Tensor]:
+    """The parameters (of `params`, θ's flat order) whose values make up `ranges`, in order, so that a
+    fragment is read or written without touching the rest of θ: `flatten` of them is `gather` of the
+    flattened θ. ValueError when a range begins or ends inside a parameter."""
+    spans = list(ranges)
+    out: list[torch.Tensor] = []
+    offset = covered = 0
+    for p in params:
+        lo, hi = offset, offset + p.numel()
+        offset = hi
+        if any(a <= lo and hi <= b for a, b in spans):
+            out.append(p)
+            covered += hi - lo
+        elif any(a < hi and lo < b for a, b in spans):
+            raise ValueError(f"fragment_params: a range of {spans} cuts the parameter at [{lo}, {hi})")
+    wanted = sum(b - a for a, b in spans)
+    if covered != wanted:
+        raise ValueError(f"fragment_params: the parameters cover {covered} of the ranges' {wanted} values")
     return out
 
 

@@ -8,7 +8,7 @@ import torch
 
 from swarmtrain.config import OuterConfig
 
-__all__ = ["OuterOptimizer"]
+__all__ = ["OuterOptimizer", "count_non_finite"]
 
 
 STEP_SLICE = 1 << 20  # values per slice of the outer step (4 MiB of fp32)
@@ -38,7 +38,7 @@ class OuterOptimizer:
         grad = grad.to(device=theta.device, dtype=torch.float32)
         # Element-wise, so done in slices: the same bits as one pass, with temporaries of one slice
         # instead of the model's size (a peer of 1B parameters would need 8 GB more at every commit).
-        if not _finite(grad):
+        if count_non_finite(grad):
             raise ValueError("outer step: the averaged pseudo-gradient contains NaN/Inf")
         self._apply(theta, grad, 0)
 
@@ -54,7 +54,7 @@ class OuterOptimizer:
         for lo, grad in pieces():
             if lo != at or grad.dim() != 1 or lo + grad.numel() > self.numel:
                 raise ValueError(f"outer step: a piece of {grad.numel()} values at {lo} does not follow value {at}")
-            if not _finite(grad):
+            if count_non_finite(grad):
                 raise ValueError("outer step: the averaged pseudo-gradient contains NaN/Inf")
             at = lo + grad.numel()
         if at != self.numel:
@@ -102,6 +102,18 @@ class OuterOptimizer:
         self.momentum_buffer = buf.detach().to(torch.float32).clone()
 
 
-def _finite(t: torch.Tensor) -> bool:
-    """Whether every value of `t` is finite, checked in slices (no model-sized mask)."""
-    return all(bool(torch.isfinite(t[lo:lo + STEP_SLICE]).all()) for lo in range(0, t.numel(), STEP_SLICE))
+def count_non_finite(t: torch.Tensor) -> int:
+    """How many values of `t` are NaN or ±Inf, checked in slices (no model-sized mask).
+
+    A slice's sum is finite when all its values are (NaN and Inf carry through a sum; +Inf with −Inf
+    gives NaN), so the mask is built only for a slice whose sum is not: one that holds a non-finite
+    value, or whose finite values overflow fp32 when added. One pass over clean data instead of a
+    mask, a reduction and a pass over the mask (an overlapped round checks Δ and the mean this way
+    between two inner steps).
+    """
+    bad = 0
+    for lo in range(0, t.numel(), STEP_SLICE):
+        part = t[lo:lo + STEP_SLICE]
+        if not bool(torch.isfinite(part.sum())):
+            bad += int((~torch.isfinite(part)).sum())
+    return bad

@@ -15,7 +15,7 @@ from swarmtrain.averaging.protocol import Averager, AverageResult, ShardedMean, 
 from swarmtrain.compress.codec import Codec
 from swarmtrain.config import RunConfig
 from swarmtrain.diloco.flat import PseudoGradient, assign_flat, flat_hash, flatten, pseudo_gradient, snapshot
-from swarmtrain.diloco.fragments import Ranges, fragment_ranges, gather, scatter_
+from swarmtrain.diloco.fragments import Ranges, fragment_params, fragment_ranges, gather, scatter_
 from swarmtrain.diloco.inner import (
     build_inner_optimizer,
     load_optimizer_state,
@@ -23,7 +23,7 @@ from swarmtrain.diloco.inner import (
     optimizer_state,
     set_lr,
 )
-from swarmtrain.diloco.outer import STEP_SLICE, OuterOptimizer
+from swarmtrain.diloco.outer import STEP_SLICE, OuterOptimizer, count_non_finite
 from swarmtrain.diloco.pace import RoundBudget
 from swarmtrain.diloco.steps import BatchStream, Carry, DeltaError, InnerStats, InnerStep, RoundReport
 
@@ -84,6 +84,8 @@ class DilocoWorker:
         self.numel = self.theta_global.numel()
         # Streaming DiLoCo (diloco.fragments > 1): round r syncs fragment r mod P; None = all of θ (classic)
         self.fragments = fragment_ranges(self.model, cfg.diloco.fragments) if cfg.diloco.fragments > 1 else None
+        # Each fragment's parameters: a round reads and writes its fragment of θ_local there only
+        self._fragment_params = [fragment_params(self.params, f) for f in self.fragments or []]
         self.outer = OuterOptimizer(cfg.outer, numel=self.numel)
         self.inner = build_inner_optimizer(self.model, cfg.inner)
         self.round = 0
@@ -206,12 +208,16 @@ class DilocoWorker:
         # In slices: a mask of the whole Δ would be one more model-sized temporary (a quarter of fp32).
         read = delta.read if isinstance(delta, PseudoGradient) else lambda lo, hi: delta[lo:hi]
         n = delta.numel()
-        bad = sum(int((~torch.isfinite(read(lo, min(n, lo + STEP_SLICE)))).sum()) for lo in range(0, n, STEP_SLICE))
+        bad = sum(count_non_finite(read(lo, min(n, lo + STEP_SLICE))) for lo in range(0, n, STEP_SLICE))
         return f"non-finite pseudo-gradient: {bad} of {n} values are NaN or Inf" if bad else ""
 
     def _set_local(self, flat: torch.Tensor) -> None:
         """θ_local ← `flat` (a flat fp32 vector)."""
-        assign_flat(flat, self.params)
+        self._set_params(self.params, flat)
+
+    def _set_params(self, params: list[torch.Tensor], flat: torch.Tensor) -> None:
+        """`params` (all of θ_local, or a fragment's) ← `flat`."""
+        assign_flat(flat, params)
         self._local_version += 1
 
     def resync(self) -> None:
@@ -234,13 +240,18 @@ class DilocoWorker:
         """The flat ranges this round syncs (diloco.fragments > 1), None for all of θ."""
         return None if self.fragments is None else self.fragments[self.round % len(self.fragments)]
 
+    def _fragment_local(self) -> list[torch.Tensor]:
+        """The parameters that hold this round's fragment of θ_local (with diloco.fragments)."""
+        return self._fragment_params[self.round % len(self._fragment_params)]
+
     def delta(self) -> torch.Tensor:
         """This round's contribution: Δ = θ_global − θ_local (+ β × the error-feedback residual), of this
         round's fragment only with diloco.fragments (the fragment's values, in order)."""
-        d = pseudo_gradient(self.theta_global, self.params)
         frag = self.fragment()
-        if frag is not None:
-            d = gather(d, frag)
+        if frag is None:
+            d = pseudo_gradient(self.theta_global, self.params)
+        else:  # the same fp32 subtraction per value, on the fragment's parameters only
+            d = gather(self.theta_global, frag).sub_(flatten(self._fragment_local()))
         if self.residual is not None:
             assert self.codec is not None
             residual = self.residual if frag is None else gather(self.residual, frag)
@@ -273,7 +284,6 @@ class DilocoWorker:
         waiting for the swarm's mean; `apply(result, carry=...)` later shifts θ_local by the
         estimate's error.
         """
-        since = flatten(self.params)
         delta = self.delta()
         problem = self.delta_problem(delta)
         if problem:
@@ -281,14 +291,15 @@ class DilocoWorker:
         guess = self.eager_mean(delta)
         frag = self.fragment()
         if frag is None:
+            since = flatten(self.params)
             estimate = self.outer.preview(self.theta_global.detach().cpu(), guess)
             self._set_local(estimate)
             carry = Carry(base=estimate, on_abort=since)
         else:  # the fragment moves to its estimate; the others go on from where they are
             estimate = self._fragment_outer(frag).preview(gather(self.theta_global.detach().cpu(), frag), guess)
-            carry = Carry(base=estimate, on_abort=gather(since, frag))
-            scatter_(since, frag, estimate)
-            self._set_local(since)
+            params = self._fragment_local()
+            carry = Carry(base=estimate, on_abort=flatten(params))
+            self._set_params(params, estimate)
         self._sent_early, self.round_step = True, 0
         return delta, carry
 
@@ -327,6 +338,7 @@ class DilocoWorker:
         if result.round != self.round:
             raise ValueError(f"averaging result is for round {result.round}, this worker is at round {self.round}")
         frag = self.fragment()
+        params = self._fragment_local() if frag is not None else self.params
         size = self.numel if frag is None else sum(hi - lo for lo, hi in frag)
         if carry is not None and not carry.base.shape == carry.on_abort.shape == (size,):
             raise ValueError(f"apply: carry has shapes {tuple(carry.base.shape)}/{tuple(carry.on_abort.shape)}, "
@@ -358,7 +370,7 @@ class DilocoWorker:
         self._pending_residual = None
         self._sent_early = False
         if frag is not None:
-            self._settle_fragment(frag, result.committed, carry)
+            self._settle_fragment(frag, params, result.committed, carry)
         elif carry is None:
             self._set_local(self.theta_global)
         else:  # the inner steps since Δ was sent, on top of the new θ_global (or back where Δ was taken)
@@ -378,15 +390,13 @@ class DilocoWorker:
             assert self.outer.momentum_buffer is not None
             scatter_(self.outer.momentum_buffer, frag, outer.momentum_buffer)
 
-    def _settle_fragment(self, frag: Ranges, committed: bool, carry: Carry | None) -> None:
-        """θ_local after a fragment's round: its fragment restarts from θ_global (plus, overlapped, the steps
-        taken since Δ was sent); the other fragments keep their local progress."""
-        local = flatten(self.params)
+    def _settle_fragment(self, frag: Ranges, params: list[torch.Tensor], committed: bool, carry: Carry | None) -> None:
+        """θ_local after a fragment's round: its fragment (`params`) restarts from θ_global (plus, overlapped,
+        the steps taken since Δ was sent); the other fragments keep their local progress."""
         theta = gather(self.theta_global.detach().cpu(), frag)
         if carry is not None:
-            theta = (theta if committed else carry.on_abort) + (gather(local, frag) - carry.base)
-        scatter_(local, frag, theta)
-        self._set_local(local)
+            theta = (theta if committed else carry.on_abort) + (flatten(params) - carry.base)
+        self._set_params(params, theta)
 
     def run_round(self, averager: Averager) -> RoundReport:
         """Inner steps, then average Δ through `averager`, then apply the outcome."""

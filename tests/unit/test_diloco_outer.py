@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from swarmtrain.config import OuterConfig
+from swarmtrain.diloco import outer as outer_module
 from swarmtrain.diloco.flat import assign_flat, flat_hash, flatten, pseudo_gradient
-from swarmtrain.diloco.outer import OuterOptimizer
+from swarmtrain.diloco.outer import OuterOptimizer, count_non_finite
 
 pytestmark = pytest.mark.unit
 
@@ -67,6 +68,22 @@ def test_outer_step_rejects_bad_input() -> None:
         opt.step(torch.zeros(3), torch.tensor([0.0, float("nan"), 0.0]))
     with pytest.raises(ValueError, match="momentum buffer"):
         opt.load_state_tensors({"momentum": torch.zeros(5)})
+
+
+def test_non_finite_values_are_counted_like_a_mask_across_slices(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(outer_module, "STEP_SLICE", 100)  # several slices, some clean, some not
+    gen = torch.Generator().manual_seed(0)
+    t = torch.randn(1_000, generator=gen)
+    assert count_non_finite(t) == 0
+    for at, bad in ((3, float("nan")), (250, float("inf")), (251, float("-inf")), (999, float("nan"))):
+        t[at] = bad
+    assert count_non_finite(t) == int((~torch.isfinite(t)).sum()) == 4
+    # +Inf and -Inf in one slice sum to NaN; both are counted
+    assert count_non_finite(torch.tensor([float("inf"), float("-inf"), 1.0])) == 2
+    # finite values whose sum overflows fp32 are finite: the mask decides, not the sum
+    huge = torch.full((300,), 3.0e38)
+    assert not torch.isfinite(huge[:100].sum()) and count_non_finite(huge) == 0
+    assert count_non_finite(torch.empty(0)) == 0
 
 
 def test_flat_roundtrip_and_hash() -> None:

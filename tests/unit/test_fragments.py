@@ -16,7 +16,7 @@ from swarmtrain.config import ConfigError, RunConfig, load_config
 from swarmtrain.data import ShardedBatches, load_corpus
 from swarmtrain.diloco import DilocoWorker
 from swarmtrain.diloco.flat import flatten
-from swarmtrain.diloco.fragments import fragment_ranges, gather
+from swarmtrain.diloco.fragments import fragment_params, fragment_ranges, gather
 from swarmtrain.diloco.simulation import simulate_diloco
 from swarmtrain.models import build_model
 
@@ -73,6 +73,22 @@ def test_fragments_stride_the_blocks_and_cover_theta_once() -> None:
         load_config(overrides=["model.preset=tiny", "model.n_layer=2", "diloco.inner_steps=6", "diloco.fragments=3"])
 
 
+def test_a_fragments_parameters_flatten_to_its_ranges_of_theta() -> None:
+    model = build_model(load_config(overrides=["model.preset=tiny", "model.n_layer=4"]).model, seed=0)
+    params = list(model.parameters())
+    frags = fragment_ranges(model, 3)
+    theta = flatten(params)
+    chosen = [fragment_params(params, f) for f in frags]
+    for frag, mine in zip(frags, chosen, strict=True):
+        assert torch.equal(flatten(mine), gather(theta, frag))
+    assert sorted(id(p) for ps in chosen for p in ps) == sorted(id(p) for p in params)  # each once
+    first = params[0].numel()
+    with pytest.raises(ValueError, match="cuts the parameter"):
+        fragment_params(params, [(0, first + 1)])
+    with pytest.raises(ValueError, match="cover"):
+        fragment_params(params, [(0, theta.numel() + 8)])
+
+
 def _workers(cfg: RunConfig, k: int) -> list[DilocoWorker]:
     tokens = load_corpus(cfg.data).train
     return [DilocoWorker(cfg, model=build_model(cfg.model, seed=cfg.train.seed), device=torch.device("cpu"),
@@ -95,12 +111,17 @@ def test_a_round_moves_only_its_fragment_and_the_others_keep_training_locally() 
         stats = [w.train_inner() for w in workers]
         assert all(s.steps == 2 for s in stats)  # H / P
         locals_ = [flatten(w.params) for w in workers]
+        writes = [p._version for p in workers[0].params]  # in-place writes so far, per parameter
         deltas = [w.delta() for w in workers]
         assert deltas[0].numel() == sum(hi - lo for lo, hi in frag)
         for w, r in zip(workers, group.average_all(round_index, deltas), strict=True):
             assert w.apply(r)
         after = workers[0].theta_global
         other = frags[1 - round_index]
+        # the round wrote its fragment's parameters only (the others' tensors were not even copied into)
+        mine = {id(p) for p in fragment_params(workers[0].params, frag)}
+        assert [p._version > v for p, v in zip(workers[0].params, writes, strict=True)] == \
+            [id(p) in mine for p in workers[0].params]
         # plain averaging: the fragment is the workers' mean θ_local; the other fragment did not move
         want = (gather(locals_[0], frag) + gather(locals_[1], frag)) / 2
         torch.testing.assert_close(gather(after, frag), want, rtol=0, atol=1e-6)
