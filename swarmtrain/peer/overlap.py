@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import math
 import threading
@@ -15,7 +16,7 @@ import time
 
 import torch
 
-from swarmtrain.averaging.protocol import AverageResult
+from swarmtrain.averaging.protocol import AverageResult, ShardedMean
 from swarmtrain.diloco.pace import RoundBudget
 from swarmtrain.diloco.worker import Carry, DeltaError
 from swarmtrain.peer.rounds import PendingRound, UnsentSteps, group_reporter
@@ -121,7 +122,7 @@ class OverlappedRounds:
                 if not on_thread:
                     return True
                 result, comm_s = task.result()
-                digest = self._land(pending, result)
+                digest = self._land(pending, result, digest=False)
                 outcome.append(result)
                 if result.committed:
                     self._rearm(budget, loop=loop)
@@ -187,7 +188,7 @@ class OverlappedRounds:
             return None, str(e)
         pending = PendingRound(round=worker.round, delta=delta, loss=unsent.loss, compute_s=unsent.compute_s,
                               steps=unsent.steps, carry=carry)
-        window_s = self.cfg.averaging.matchmaking_timeout_s
+        window_s, fragments = self.cfg.averaging.matchmaking_timeout_s, worker.fragments is not None
 
         async def timed() -> tuple[AverageResult, float]:
             start = time.perf_counter()
@@ -199,6 +200,10 @@ class OverlappedRounds:
                 log.exception("round %d: the all-reduce failed on this peer", pending.round)
                 result = AverageResult(round=pending.round, committed=False, mean=None, retry_at=self._now() + window_s,
                                        reason=f"local error in the all-reduce: {type(e).__name__}: {e}")
+            if fragments and isinstance(result.mean, ShardedMean):
+                # A fragment's outer step takes its mean whole: decoded here, beside the inner steps, not
+                # on the training thread between two of them
+                result = dataclasses.replace(result, mean=await asyncio.to_thread(result.mean.tensor))
             return result, time.perf_counter() - start
 
         pending.task = asyncio.ensure_future(timed())

@@ -80,6 +80,7 @@ def _resume(worker: DilocoWorker, loaded: LoadedCheckpoint) -> None:
     log.info("resumed from %s at round %d", loaded.path, worker.round)
 
 
+
 class Peer(OverlappedRounds, Healing, Watching):
     """One DiLoCo peer of a swarm. `await start()`, `await run(stop)`, `await aclose(reason)`.
 
@@ -433,10 +434,10 @@ class Peer(OverlappedRounds, Healing, Watching):
         digest = await asyncio.to_thread(self._land, pending, result) if landed else None
         await self._report(pending, result, comm_s=comm_s, digest=digest)
 
-    def _land(self, pending: PendingRound, result: AverageResult) -> str | None:
+    def _land(self, pending: PendingRound, result: AverageResult, *, digest: bool = True) -> str | None:
         """`result` applied to the worker in one call off the loop (or between two inner steps, on the training
-        thread): a commit's outer step, the pace it sets and the new θ_global's hash (returned); an overlapped
-        abort's Δ back into θ_local (None)."""
+        thread, with `digest` False: `_report` hashes beside the steps): a commit's outer step, the pace it sets
+        and the new θ_global's hash (returned); an overlapped abort's Δ back into θ_local (None)."""
         assert self.worker is not None
         self.worker.apply(result, carry=pending.carry)
         if not result.committed:
@@ -445,7 +446,7 @@ class Peer(OverlappedRounds, Healing, Watching):
         self.pace.last_rate = pending.steps_per_s or self.pace.last_rate
         expected_s = self.pace.expected_round_s()
         self._round_ends_at = self._now() + expected_s if expected_s > 0 else 0.0
-        return self.worker.global_hash()
+        return self.worker.global_hash() if digest else None
 
     async def _report(self, pending: PendingRound, result: AverageResult, *, comm_s: float,
                       digest: str | None) -> None:
