@@ -338,7 +338,7 @@ class DilocoWorker:
         if result.round != self.round:
             raise ValueError(f"averaging result is for round {result.round}, this worker is at round {self.round}")
         frag = self.fragment()
-        params = self._fragment_local() if frag is not None else self.params
+        params = self._fragment_local() if frag is not None else self.params  # this round's, before it moves on
         size = self.numel if frag is None else sum(hi - lo for lo, hi in frag)
         if carry is not None and not carry.base.shape == carry.on_abort.shape == (size,):
             raise ValueError(f"apply: carry has shapes {tuple(carry.base.shape)}/{tuple(carry.on_abort.shape)}, "

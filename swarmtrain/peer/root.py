@@ -80,7 +80,6 @@ def _resume(worker: DilocoWorker, loaded: LoadedCheckpoint) -> None:
     log.info("resumed from %s at round %d", loaded.path, worker.round)
 
 
-
 class Peer(OverlappedRounds, Healing, Watching):
     """One DiLoCo peer of a swarm. `await start()`, `await run(stop)`, `await aclose(reason)`.
 
