@@ -5,6 +5,7 @@ that leaves mid-run is routed around and the trainer loses nothing."""
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 
 import pytest
@@ -67,7 +68,11 @@ def test_servers_and_a_trainer_find_each_other_and_a_leaving_server_costs_no_mic
         await trainer.start()
         stop = asyncio.Event()
         run = asyncio.create_task(trainer.run(stop))
+        deadline = time.monotonic() + 120
         while trainer.trainer is None or trainer.trainer.step_count < 6:
+            if run.done():  # it failed: its error, else that it ended early
+                raise AssertionError(f"the trainer stopped before its 6th step: {run.result()!r}")
+            assert time.monotonic() < deadline, "the trainer did not reach its 6th step"
             await asyncio.sleep(0.05)
         await servers["d"].aclose("signal")  # d leaves (its record is withdrawn) while the trainer trains
         reason = await asyncio.wait_for(run, timeout=120)
@@ -121,7 +126,12 @@ def test_servers_and_a_trainer_find_each_other_and_a_leaving_server_costs_no_mic
     steps = [e for e in logs["t"].events() if isinstance(e, StepEvent)]
     assert [e.step for e in steps] == list(range(1, 19)) and sum(e.lost for e in steps) == 0
     assert sum(e.microbatches for e in steps) == 18 * 4 and all(len(e.stage_latency_s) == 2 for e in steps)
-    assert steps[-1].loss is not None and steps[-1].loss < steps[0].loss  # type: ignore[operator]
+    # The trainer learns: its last three steps' mean loss is below its first three's. One step's loss is not
+    # compared: a step whose 8 samples hold a run of spaces (Python source) takes a large gradient, and the
+    # stage server that steps on it can predict worse on the next batch (lr 3e-3, 16-token samples).
+    losses = [e.loss for e in steps]
+    assert all(x is not None and math.isfinite(x) for x in losses)
+    assert sum(losses[-3:]) < sum(losses[:3])  # type: ignore[arg-type]
     leave = [e for e in logs["t"].events() if isinstance(e, LeaveEvent)]
     assert leave and leave[0].reason == "done" and leave[0].round == 18
     server_steps = {n: [e for e in logs[n].events() if isinstance(e, StageStepEvent)] for n in "abc"}
