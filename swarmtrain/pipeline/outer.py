@@ -11,7 +11,16 @@ as soon as another holder of the part announced (its record's `round_ends_at`) t
 have ended: holders of a stage serve different shares of the trainers' micro-batches, so they step
 at different rates, and waiting for each to reach H steps would spread their entries past the
 matchmaking window. The later ones send a Δ of fewer steps instead. A holder alone in its part
-(fewer live holders than `averaging.min_peers`) does not try.
+(fewer live holders than `averaging.min_peers`) does not try. While its round is in flight a holder
+announces the moment its steps ended, so the others still join that round's window.
+
+Idle holders. A server the trainers route nothing to (it was stopped, or is avoided for a while) takes
+no steps, and `stepped()` is never called; the holders waiting for it would fail their rounds for good
+("too few peers") while its copy of the part goes stale. A holder given `hold` (its weights held
+still without counting as an inner step) also starts from its follower loop, at the next heartbeat after
+another holder announced its steps of the round over: it sends the Δ of the steps it has, none if it
+served nothing (its weights as they are, which is what SWARM's plain averaging of a stage's copies
+takes), and leaves the round at θ_global like the others.
 
 Overlap. Inner steps go on while the round averages; the commit moves θ_local by what θ_global
 moved, keeping the steps taken meanwhile: θ_local ← θ_local + (θ_global_new − θ_global_old + Δ).
@@ -74,7 +83,9 @@ class PartRounds:
     the part's scoped view).
 
     `stepped()` after every inner step, on the thread that steps. `still()` holds the part's weights
-    still while a round's result is applied (a stage server: its compute lock). With `apply_now`, results
+    still while a round's result is applied (a stage server: its compute lock). `hold()`, where given,
+    holds them still to take a Δ from the follower loop (an idle holder joining a round; a trainer, which
+    drives its own steps, gives none). With `apply_now`, results
     are applied as soon as they are in (on a worker thread, inside `still()`); without, only when the
     owner calls `settle()` (a trainer, between its steps). Call `join()` before the first step and
     `start()` to follow the other holders; `aclose()` on leave. `on_heal(round)` runs inside `still()` after
@@ -84,7 +95,9 @@ class PartRounds:
     def __init__(self, params: Sequence[torch.Tensor], *, plane: DataPlane, discovery: Discovery, cfg: RunConfig,
                  stage: int, still: Callable[[], AbstractContextManager[object]],
                  emit: Callable[[StageRoundEvent | HealEvent], None], apply_now: bool,
-                 on_heal: Callable[[int], None] | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 on_heal: Callable[[int], None] | None = None,
+                 hold: Callable[[], AbstractContextManager[object]] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.params = list(params)
         self.plane = plane
         self.discovery = discovery
@@ -94,6 +107,7 @@ class PartRounds:
         self.emit = emit
         self.apply_now = apply_now
         self.on_heal = on_heal
+        self.hold = hold
         self.clock = clock
         self.theta = flatten(self.params)
         # Made at the first commit or heal: its momentum buffer is the part's size again, all zeros until
@@ -108,6 +122,7 @@ class PartRounds:
         self._mu = threading.Lock()  # `_busy` and the step counters
         self._theta_lock = threading.Lock()  # θ_global and the momentum while they change or are served
         self._busy = False  # a round or a heal in flight, or its result waiting for settle()
+        self._steps_ended_at = 0.0  # swarm clock: when the steps of the round in flight ended (0: a heal)
         self._ready: _Commit | _Heal | None = None
         self._retry_at = 0.0  # swarm clock
         self._heal_to_hash = ""
@@ -130,7 +145,7 @@ class PartRounds:
         """Swarm clock: when this holder expects its inner steps of this round to end (0 = unknown)."""
         with self._mu:
             if self._busy:
-                return 0.0
+                return self._steps_ended_at
             left = max(0, self.cfg.diloco.inner_steps - self.steps)
             return self.discovery.now() + left / self.rate if self.rate > 0 else 0.0
 
@@ -144,15 +159,26 @@ class PartRounds:
                 self.rate = rate if not self.rate else (1 - _RATE_EWMA) * self.rate + _RATE_EWMA * rate
             self._last_step_at = now
             self.steps += 1
-            if not self._should_start():
-                return
-            self._busy = True
-            steps, self.steps, r = self.steps, 0, self.round
-        delta = pseudo_gradient(self.theta, self.params)  # the weights are still: the caller steps them
+            claim = self._claim()
+        if claim is not None:
+            self._launch(*claim)  # the weights are still: the caller steps them
+
+    def _claim(self) -> tuple[int, int] | None:
+        """Under `_mu`: if a round should start now, mark it in flight and take (round, steps) for its Δ."""
+        if not self._should_start():
+            return None
+        self._busy = True
+        self._steps_ended_at = self.discovery.now()
+        steps, self.steps = self.steps, 0
+        return self.round, steps
+
+    def _launch(self, r: int, steps: int) -> None:
+        """Take Δ (the weights held still by the caller) and average it on the event loop."""
+        delta = pseudo_gradient(self.theta, self.params)
         self._loop.call_soon_threadsafe(self._spawn, self._average(r, delta, steps))
 
     def _should_start(self) -> bool:
-        if self._busy or self.steps < 1 or self.discovery.now() < self._retry_at:
+        if self._busy or self.discovery.now() < self._retry_at:
             return False
         if len(self._others) + 1 < self.cfg.averaging.min_peers:
             return False
@@ -160,6 +186,25 @@ class PartRounds:
             return True
         ends = [p.round_ends_at for p in self._others if p.round == self.round and p.round_ends_at > 0]
         return bool(ends) and min(ends) <= self.discovery.now()
+
+    async def _maybe_join(self) -> None:
+        """From the follower loop: start the round the part's other holders wait in, though this holder
+        took no step since it last looked (it serves nothing now)."""
+        hold = self.hold
+        if hold is None:
+            return
+        with self._mu:
+            if not self._should_start():
+                return
+
+        def held() -> None:
+            with hold():
+                with self._mu:
+                    claim = self._claim()  # again: a step may have started the round meanwhile
+                if claim is not None:
+                    self._launch(*claim)
+
+        await asyncio.to_thread(held)
 
     async def settle(self) -> None:
         """Apply a finished round or heal now (an owner without `apply_now`, at a moment its weights are still)."""
@@ -213,10 +258,12 @@ class PartRounds:
         self._follower = asyncio.create_task(self._follow())
 
     async def aclose(self) -> None:
-        if self._follower is not None:
-            self._follower.cancel()
+        """Stop following the part (no heal, no round started from the follower loop); again: nothing."""
+        follower, self._follower = self._follower, None
+        if follower is not None:
+            follower.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._follower
+                await follower
 
     # -- rounds and heals -------------------------------------------------------------------------
     def _spawn(self, coro: object) -> None:
@@ -327,6 +374,7 @@ class PartRounds:
             if not donors:
                 return False
             self._busy = True
+            self._steps_ended_at = 0.0
         top = max(p.round for p in donors)
         hashes = collections.Counter(p.state_hash for p in donors if p.round == top)
         want = hashes.most_common(1)[0][0]
@@ -356,6 +404,8 @@ class PartRounds:
             await self._read_others()
             if await self._maybe_heal():
                 log.info("part %s: behind its holders (round %d); healing", self._part, self.round)
+            else:
+                await self._maybe_join()
 
     # -- the state others take ----------------------------------------------------------------------
     @property

@@ -121,9 +121,9 @@ class RoleBase(abc.ABC):
         return scoped, plane, nodes[0]
 
     def _rounds(self, part: torch.nn.Module, plane: DataPlane, scoped: ScopedDiscovery, *, stage: int, still: Any,
-                apply_now: bool, on_heal: Any = None) -> PartRounds:
+                apply_now: bool, on_heal: Any = None, hold: Any = None) -> PartRounds:
         return PartRounds(list(part.parameters()), plane=plane, discovery=scoped, cfg=self.cfg, stage=stage,
-                          still=still, emit=self.writer.emit, apply_now=apply_now, on_heal=on_heal)
+                          still=still, emit=self.writer.emit, apply_now=apply_now, on_heal=on_heal, hold=hold)
 
     def _part_fields(self) -> dict[str, Any]:
         """The record's fields of this role's part: its outer round, θ_global's hash, when its round ends."""

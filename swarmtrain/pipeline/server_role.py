@@ -177,7 +177,7 @@ class StageServerRole(RoleBase):
                                                      member=lambda p: p.role == "stage_server" and p.stage == stage)
         h = cfg.diloco.inner_steps
         rounds = self._rounds(part, plane, scoped, stage=stage, still=server.moving, apply_now=True,
-                              on_heal=lambda r: server.resume_at(max(r * h, resume_step)))
+                              hold=server.still, on_heal=lambda r: server.resume_at(max(r * h, resume_step)))
         cell.append(Holding(stage, part, server, handlers[0], plane, node, rounds, since=self.discovery.now(),
                             last_step=(resume_step, time.monotonic())))
         return cell[0]
@@ -282,6 +282,7 @@ class StageServerRole(RoleBase):
         assert self.discovery is not None
         self._leaving.append(old)
         old.handler.leave(why)
+        await old.rounds.aclose()  # it follows the old part no more: no heal or idle join while it drains
         drain_start = time.monotonic()
         unfinished = await self._drain(old)
         drain_s = time.monotonic() - drain_start

@@ -1,11 +1,13 @@
 """A pipeline of real processes: coordinator + 2 stages × 2 servers + 2 trainers on 127.0.0.1. Once stage 1
 committed an outer round, one of its servers is SIGKILLed (and restarted: it heals to its stage's θ_global and
 serves again), then one stage-0 server SIGSTOPped (longer than its calls' deadlines) while the trainers train:
-every micro-batch sent completes (lost = 0, rerouted > 0), the loss keeps falling, and each part (each stage's
-servers, the trainers' ends) commits its outer rounds with one θ_global hash per round."""
+every micro-batch sent completes (lost = 0, rerouted > 0), the loss keeps falling, each part (each stage's
+servers, the trainers' ends) commits its outer rounds with one θ_global hash per round, and the stopped server
+averages with its stage again once it runs."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import pytest
@@ -71,6 +73,7 @@ def test_killed_and_stalled_stage_servers_cost_no_microbatch(procs: ProcessSet,
     sigstop(servers["s0a"])
     trainers[0].wait_for(_at_step(back_at + 25), timeout_s=180, what="15 trainer steps with a server stopped")
     sigcont(servers["s0a"])
+    resumed_at = time.time()
     for t in trainers:
         t.wait_for(lambda line: isinstance(line, LeaveEvent), timeout_s=300, what="the trainer's leave")
 
@@ -103,3 +106,9 @@ def test_killed_and_stalled_stage_servers_cost_no_microbatch(procs: ProcessSet,
                     assert x.stage == stage
                     committed.setdefault(x.round, set()).add(x.hash)
         assert len(committed) >= 2 and all(len(h) == 1 for h in committed.values()), (stage, committed)
+    # Stage 0 averages again after the stall: the stopped server (avoided for a while, so idle) joins the round
+    # s0b waits in, and both leave it at one θ_global.
+    after = {name: {x.round: x.hash for x in servers[name].snapshot()
+                    if isinstance(x, StageRoundEvent) and x.committed and x.at > resumed_at} for name in ("s0a", "s0b")}
+    shared = set(after["s0a"]) & set(after["s0b"])
+    assert shared and all(after["s0a"][r] == after["s0b"][r] for r in shared), after

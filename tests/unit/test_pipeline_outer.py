@@ -1,6 +1,7 @@
 """A pipeline part's outer rounds (pipeline/outer.py) against a scripted data plane: when a round starts,
 what its commit does to θ_global and to θ_local with inner steps taken meanwhile, that an abort changes
-nothing, and that a holder behind its part heals to the state its holders announce (and to nothing else).
+nothing, that a holder behind its part heals to the state its holders announce (and to nothing else), and
+that an idle holder joins the round its part's other holders wait in.
 Matchmaking scopes: entries of one part never reach another."""
 
 from __future__ import annotations
@@ -167,6 +168,50 @@ def test_a_late_holder_joins_the_round_another_holder_announced_over() -> None:
         await rounds.join()
         rounds.stepped()  # one step of two: starts anyway
         await _until(lambda: bool(plane.deltas))
+
+    asyncio.run(main())
+
+
+def test_a_round_in_flight_announces_when_its_steps_ended() -> None:
+    async def main() -> None:
+        registry = InMemoryRegistry()
+        d, scoped = _setup(registry)
+        await _other(registry)
+        rounds = _rounds([torch.zeros(2)], ScriptedPlane(), scoped, [])
+        await rounds.join()
+        rounds.stepped()
+        before = d.now()
+        rounds.stepped()  # H = 2: the round starts, and its window is open to the part's others
+        ends = rounds.round_ends_at()
+        assert before <= ends <= d.now()
+
+    asyncio.run(main())
+
+
+def test_an_idle_holder_joins_the_round_its_part_waits_in_and_leaves_it_at_theta_global() -> None:
+    async def main() -> None:
+        registry = InMemoryRegistry()
+        d, scoped = _setup(registry)
+        await _other(registry, round_ends_at=d.now() - 1.0)  # its steps of round 0 are over: it waits
+        p = torch.tensor([1.0, 2.0])
+        plane, events = ScriptedPlane(), []
+        rounds = PartRounds([p], plane=plane, discovery=scoped, cfg=CFG, stage=0, still=contextlib.nullcontext,
+                            emit=events.append, apply_now=True, hold=contextlib.nullcontext)
+        await rounds.join()
+        rounds.start()
+        try:
+            await _until(lambda: bool(plane.deltas))  # no step taken: the follower loop starts the round
+            assert torch.equal(plane.deltas[0], torch.zeros(2))  # its weights as they are
+            mean = torch.tensor([0.2, -0.4])
+            await plane.results.put(AverageResult(round=0, committed=True, mean=mean, members=("a", "b")))
+            await _until(lambda: rounds.round == 1)
+            torch.testing.assert_close(p, torch.tensor([0.9, 2.2]))  # θ_global of round 1
+            torch.testing.assert_close(rounds.theta, p)
+            (event,) = events
+            assert isinstance(event, StageRoundEvent) and event.committed and event.steps == 0
+        finally:
+            await rounds.aclose()
+            await rounds.aclose()  # again: nothing
 
     asyncio.run(main())
 
