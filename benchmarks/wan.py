@@ -43,7 +43,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from wan_common import Workload, finish_diloco, heal_accounting, make_warm_start, run_ddp, start_diloco
+from wan_common import (
+    Workload,
+    finish_diloco,
+    heal_accounting,
+    make_warm_start,
+    run_ddp,
+    send_spread,
+    start_diloco,
+)
 
 from swarmtrain.testbed import LinkSpec, Testbed, parse_rate, read_counters, require_root
 from swarmtrain.testbed.rates import LinkRateSampler
@@ -157,6 +165,12 @@ def print_table(results: list[dict[str, Any]]) -> None:
         print(f"{r['rate']:>8} {r['arm']:>24} {r['wall_s']:8.1f} {util:7.1f} {r['val_loss']:9.4f} "
               f"{_fmt_mb(r['wire_bytes'])} {_fmt_mb(r['wire_data_bytes'])} {_fmt_mb(r['wire_data_payload_bytes']):>10} "
               f"{_fmt_mb(counted):>10} {ratio:12.3f} {payload_ratio:>15} {r.get('heals', '-'):>5} {_peak(r):>14}")
+    for r in results:
+        if r["arm"] != "ddp":
+            spread = r.get("send_spread_s_median")
+            print(f"{r['rate']:>8} {r['arm']:>24}: utilization per peer {100 * min(r['utilization']):.1f}–"
+                  f"{100 * max(r['utilization']):.1f}%, the peers' sends a median "
+                  f"{'-' if spread is None else f'{1000 * spread:.0f} ms'} apart")
     for rate in sorted({r["rate"] for r in results}):
         ddp = next((r for r in results if r["rate"] == rate and r["arm"] == "ddp"), None)
         for r in results:
@@ -212,6 +226,8 @@ def redraw(args: argparse.Namespace) -> int:
         events = out.parent / f"{out.stem}-runs" / f"{r['rate']}-{r['arm']}" / "logs" / "events.jsonl"
         if r["arm"] != "ddp" and "heals" not in r:
             r.update(heal_accounting(events, workload))
+        if r["arm"] != "ddp" and "send_spread_s_median" not in r and events.exists():
+            r.update(send_spread(events))
     out.write_text(json.dumps(doc, indent=1))
     print_table(doc["results"])
     plot(doc["results"], out.with_suffix(".png"))

@@ -244,7 +244,8 @@ def finish_diloco(run: DilocoRun, workload: Workload, *, timeout_s: float, befor
         dump_events(swarm)
     counters = _counters_summary(before, read_counters(swarm.testbed.name))
     summary = summarize_rounds(swarm, list(run.hosts))
-    summary.update(heal_accounting(swarm.log_dir / "events.jsonl", workload), stopped_stragglers=stragglers,
+    events = swarm.log_dir / "events.jsonl"
+    summary.update(heal_accounting(events, workload), **send_spread(events), stopped_stragglers=stragglers,
                    tokens=sum(summary["steps_per_peer"]) * workload.batch_size * workload.seq_len)
     # The final weights of a peer that committed every round (a straggler may be a round short).
     done = [n for n in run.hosts if n not in stragglers]
@@ -308,6 +309,20 @@ def heal_accounting(events_jsonl: Path, workload: Workload) -> dict[str, int]:
     heals = sum(1 for line in events_jsonl.read_text().splitlines() if json.loads(line).get("event") == "heal")
     numel = sum(p.numel() for p in build_model(workload.config().model, seed=0).parameters())
     return {"heals": heals, "heal_bytes": heals * 8 * numel}
+
+
+def send_spread(events_jsonl: Path) -> dict[str, float | None]:
+    """How far apart the peers' Δs went out: a round's mean lands on every member at about one moment, so the
+    spread (max − min) of its members' `comm_s` is the spread of their sends. The median over the rounds
+    every peer committed (None: no such round); diloco.pace_align lines the sends up."""
+    comm: dict[int, dict[str, float]] = {}
+    for text in events_jsonl.read_text().splitlines():
+        line = json.loads(text)
+        if line.get("event") == "round" and line.get("committed"):
+            comm.setdefault(line["round"], {})[line["peer"]] = line["comm_s"]
+    peers = max((len(c) for c in comm.values()), default=0)
+    spreads = [max(c.values()) - min(c.values()) for c in comm.values() if peers > 1 and len(c) == peers]
+    return {"send_spread_s_median": statistics.median(spreads) if spreads else None}
 
 
 def _line_dict(line: Line) -> dict[str, Any]:

@@ -236,6 +236,15 @@ class DilocoConfig:
     swarm takes `inner_steps` steps per peer on average (`inner_steps` / the members' median step rate): a
     faster peer takes more steps, a slower one fewer (at least 1, at most 4 × `inner_steps`), and all of
     them post at once."""
+    pace_align: float = 0.0
+    """With `pace = "time"`: each peer lengthens its next span by this fraction of how much longer than the
+    group's median its last mean took to come back (`comm_s`), and shortens it by as much when shorter.
+    Each measures its own time on its own clock and announces it in its next match entry, so no clock
+    sync is involved. The peer that sent its Δ early waited longest; left alone the members' sends drift
+    apart like a random walk (every round ends after a span of compute, plus each peer's own idle time)
+    until the earliest waits for the mean. 0 = off, below 1 (the correction acts two rounds late: at 1
+    it would not damp an offset); 0.5 settles a steady drift of v a round at an offset of 2v. The shift is
+    capped at a quarter of the span."""
 
     fragments: int = 1
     """Streaming DiLoCo: θ is cut into this many fragments by transformer block (fragment p holds blocks p,
@@ -257,6 +266,7 @@ class DilocoConfig:
               f"{self.fragments} does not divide diloco.inner_steps ({self.inner_steps}): each round syncs one "
               f"fragment after inner_steps / fragments steps")
         check(self.pace in ("steps", "time"), "diloco.pace", f"{self.pace!r} is not 'steps' or 'time'")
+        check(0.0 <= self.pace_align < 1.0, "diloco.pace_align", f"{self.pace_align} is not in [0, 1)")
         check(self.rounds >= 1, "diloco.rounds", "must be >= 1")
         check(self.eval_batches >= 1, "diloco.eval_batches", "must be >= 1")
         check(self.eval_every_rounds >= 0, "diloco.eval_every_rounds", "must be >= 0")

@@ -317,8 +317,9 @@ def _result(group: Group, outcome: _Attempt, dead: tuple[str, ...]) -> AverageRe
         reason = f"worked around {list(failed)}" if failed else ""
         log.info("round %d committed with %d/%d contributors%s", group.round, len(outcome.contributors),
                  len(members), f"; failed: {list(failed)}" if failed else "")
-        rates = {m.peer_id: m.steps_per_s for m in group.members}
+        by_id = {m.peer_id: m for m in group.members}
         return AverageResult(group.round, True, outcome.mean, outcome.contributors, reason=reason, failed=failed,
-                             steps_per_s=tuple(rates[p] for p in outcome.contributors))
+                             steps_per_s=tuple(by_id[p].steps_per_s for p in outcome.contributors),
+                             lags_s=tuple(by_id[p].lag_s for p in outcome.contributors))
     log.warning("round %d aborted: %s%s", group.round, outcome.reason, f"; unreachable: {list(dead)}" if dead else "")
     return AverageResult(group.round, False, None, members, reason=outcome.reason, failed=failed)

@@ -17,6 +17,7 @@ class Member:
     client_mode: bool = False  # behind NAT: dials out only, so it contributes but never reduces
     bandwidth_bytes_per_s: float = 0.0  # measured; sizes its share of shards (0 = unknown)
     steps_per_s: float = 0.0  # its inner-step rate over the round it contributes (0 = unknown; diloco.pace)
+    lag_s: float = 0.0  # how long its last committed round's mean took after its Δ, own clock (0 = unknown)
     state_hash: str = ""  # hex sha256 of the θ_global it averages from; a group's members all announce one
 
 
@@ -36,10 +37,12 @@ class Group:
 
     @property
     def group_id(self) -> str:
-        """A digest of (run, round, attempt, members with their θ hash) that every message of the round carries."""
+        """A digest of (run, round, attempt, members with what they announced) that every message of the round
+        carries."""
         h = hashlib.sha256(f"{self.run_id}|{self.round}|{self.attempt}|".encode())
         for m in self.members:
-            h.update(f"{m.peer_id}|{m.endpoint}|{int(m.client_mode)}|{m.steps_per_s!r}|{m.state_hash};".encode())
+            h.update(f"{m.peer_id}|{m.endpoint}|{int(m.client_mode)}|{m.steps_per_s!r}|{m.lag_s!r}|{m.state_hash};"
+                     .encode())
         return h.hexdigest()[:32]
 
     @property

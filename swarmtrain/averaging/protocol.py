@@ -96,6 +96,9 @@ class AverageResult:
     # The inner-step rate each of `members` announced for the Δ it sent (same order; 0 = unknown):
     # with `diloco.pace` "time" every member sizes its next round from these (see diloco/pace.py).
     steps_per_s: tuple[float, ...] = ()
+    # How long each of `members`' last committed round's mean took after its Δ (same order; 0 = unknown):
+    # with `diloco.pace_align` a member lines its next span up with the group's median (diloco/pace.py).
+    lags_s: tuple[float, ...] = ()
     # Set when this peer was left out because the round's group averages from another θ_global: the
     # hash that group announced, which this peer must heal to (its own θ_global went astray).
     heal_to_hash: str = ""

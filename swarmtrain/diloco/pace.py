@@ -8,6 +8,18 @@ group's records, which are identical on every member, so every member computes t
 median, not the mean, so that one member announcing an absurd rate cannot stretch or shrink every
 round. The mean Δ stays unweighted: Δ is a sum over a peer's steps, so a peer with more steps
 already moves the mean more, in proportion to the tokens it trained.
+
+Equal spans of compute do not end at equal times: each round also holds each peer's own idle time
+(hand-offs, a last step past the span, a core shared with others), so the members' sends drift apart
+like a random walk until the earliest one waits for the mean. With `diloco.pace_align` = g each
+member announces in its match entry how long its last committed round's mean took to come back after
+its Δ (`comm_s`, on its own clock: no clock sync is involved). That time is the same landing moment
+minus each member's send, so a member whose time was longer than the group's median sent earlier than
+the median member by about the difference; it lengthens its next span by g times it (shortens, when
+shorter), capped at a quarter of the span. Its announcement reaches the others one round later and the
+shift applies to the round under way when the commit lands, two rounds after the send it corrects. With
+that delay any g below 1 damps a one-off offset, and a steady drift of v a round (a peer with more idle
+time every round) settles at an offset of v / g instead of growing: g = 0.5 is a good middle.
 """
 
 from __future__ import annotations
@@ -20,7 +32,8 @@ from dataclasses import dataclass, field
 from swarmtrain.averaging.protocol import AverageResult
 from swarmtrain.config import DilocoConfig
 
-__all__ = ["PACE_MAX_STEPS_FACTOR", "PREMATCH_LEAD_S", "Pace", "RoundBudget", "span_from_rates"]
+__all__ = ["PACE_ALIGN_MAX_SHARE", "PACE_MAX_STEPS_FACTOR", "PREMATCH_LEAD_S", "Pace", "RoundBudget", "align_shift",
+           "span_from_rates"]
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +42,7 @@ PACE_MAX_STEPS_FACTOR = 4  # with pace "time", a peer takes at most this many ti
 # span), so the round's group is formed while its last inner steps run; every member ends its span
 # within a step of the others, so none of them waits long for the others' shards.
 PREMATCH_LEAD_S = 1.0
+PACE_ALIGN_MAX_SHARE = 0.25  # `diloco.pace_align` shifts a span by at most this share of it
 
 
 @dataclass
@@ -92,6 +106,16 @@ def span_from_rates(rates: Sequence[float], *, inner_steps: int) -> float | None
     return inner_steps / statistics.median(known)
 
 
+def align_shift(own_lag_s: float, lags_s: Sequence[float], *, gain: float, span_s: float) -> float:
+    """Seconds to add to this member's next span (`diloco.pace_align`): `gain` × (its announced lag − the
+    group's median lag), capped at `PACE_ALIGN_MAX_SHARE` of the span; 0 unless it and one other announced one."""
+    known = [x for x in lags_s if x > 0]
+    if own_lag_s <= 0 or len(known) < 2:
+        return 0.0
+    cap = PACE_ALIGN_MAX_SHARE * span_s
+    return max(-cap, min(cap, gain * (own_lag_s - statistics.median(known))))
+
+
 class Pace:
     """One peer's round budgets: fixed H steps, or a span learned from each committed round's group."""
 
@@ -100,6 +124,9 @@ class Pace:
         self.timed = cfg.pace == "time"
         self.span_s: float | None = None  # None until a committed round announced rates: H steps then
         self.last_rate = 0.0  # steps/s over this peer's last whole round (0: none trained yet)
+        self.align = cfg.pace_align if self.timed else 0.0
+        self.lag_s = 0.0  # how long this peer's last committed mean took after its Δ: announced (pace_align)
+        self.shift_s = 0.0  # added to this peer's span (pace_align)
 
     def prematch_rate(self, budget: RoundBudget) -> float:
         """The rate to announce when matching before the round's steps are done: the last whole
@@ -110,16 +137,18 @@ class Pace:
     def expected_round_s(self) -> float:
         """Compute seconds this peer's next round should take (0: unknown): the span, else H at its last rate."""
         if self.timed and self.span_s is not None:
-            return self.span_s
+            return self.span_s + self.shift_s
         return self.inner_steps / self.last_rate if self.last_rate > 0 else 0.0
 
     def budget(self) -> RoundBudget:
         if not self.timed or self.span_s is None:
             return RoundBudget(max_steps=self.inner_steps)
-        return RoundBudget(max_steps=PACE_MAX_STEPS_FACTOR * self.inner_steps, span_s=self.span_s)
+        return RoundBudget(max_steps=PACE_MAX_STEPS_FACTOR * self.inner_steps, span_s=self.span_s + self.shift_s)
 
-    def observe(self, result: AverageResult) -> None:
-        """Learn the next rounds' span from a committed round's group (kept when it announced none)."""
+    def observe(self, result: AverageResult, *, peer_id: str = "", comm_s: float = 0.0) -> None:
+        """Learn the next rounds' span from a committed round's group (kept when it announced none), and with
+        `pace_align` this peer's (`peer_id`) shift from the lags its members announced; `comm_s` is how long
+        this round's mean took here, the lag to announce next."""
         if not self.timed or not result.committed:
             return
         span = span_from_rates(result.steps_per_s, inner_steps=self.inner_steps)
@@ -127,3 +156,9 @@ class Pace:
             self.span_s = span
             log.debug("round %d: next rounds train for %.3fs (median of %d rates)", result.round, span,
                       len(result.steps_per_s))
+        if self.align and self.span_s is not None:  # a round without lags resets the shift: no stale correction
+            lags = result.lags_s if len(result.lags_s) == len(result.members) else ()
+            own = dict(zip(result.members, lags, strict=False)).get(peer_id, 0.0)  # () when it has none
+            self.shift_s = align_shift(own, lags, gain=self.align, span_s=self.span_s)
+        if comm_s > 0:
+            self.lag_s = comm_s

@@ -146,12 +146,14 @@ def _member(kind: str, d: Any) -> Member:
         raise _field(kind, "state_hash", f"{str(state_hash)[:40]!r} is not lowercase hex")
     return Member(peer_id=_peer_id(kind, d, "peer_id"), endpoint=endpoint, client_mode=client_mode,
                   bandwidth_bytes_per_s=_float(kind, d, "bandwidth_bytes_per_s"),
-                  steps_per_s=_float(kind, d, "steps_per_s"), state_hash=state_hash)
+                  steps_per_s=_float(kind, d, "steps_per_s"), lag_s=_optional_float(kind, d, "lag_s"),
+                  state_hash=state_hash)
 
 
 def _member_dict(m: Member) -> dict[str, Any]:
     return {"peer_id": m.peer_id, "endpoint": m.endpoint, "client_mode": m.client_mode,
-            "bandwidth_bytes_per_s": m.bandwidth_bytes_per_s, "steps_per_s": m.steps_per_s, "state_hash": m.state_hash}
+            "bandwidth_bytes_per_s": m.bandwidth_bytes_per_s, "steps_per_s": m.steps_per_s, "lag_s": m.lag_s,
+            "state_hash": m.state_hash}
 
 
 R = TypeVar("R", bound="Record")

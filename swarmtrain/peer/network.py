@@ -88,6 +88,7 @@ class NetworkPlane:
         self.states = None if self.client_mode else StateServer(self.node)
         self._outcome: MatchOutcome | None = None
         self._steps_per_s = 0.0  # announced in this round's match entry
+        self._lag_s = 0.0  # likewise (diloco.pace_align)
         self._state_hash = ""  # of the θ_global last published: a group's members share one
         self._prematch: tuple[int, asyncio.Task[MatchOutcome]] | None = None
         self._on_group: Callable[[Group], None] | None = None  # of the average in progress
@@ -102,13 +103,13 @@ class NetworkPlane:
     def endpoint(self) -> str:
         return self.node.endpoint
 
-    def _member(self, steps_per_s: float) -> Member:
+    def _member(self, steps_per_s: float, lag_s: float) -> Member:
         return Member(peer_id=self.discovery.peer_id, endpoint=self.endpoint, client_mode=self.client_mode,
-                      steps_per_s=steps_per_s, state_hash=self._state_hash)
+                      steps_per_s=steps_per_s, lag_s=lag_s, state_hash=self._state_hash)
 
-    async def prematch(self, round_index: int, *, steps_per_s: float) -> None:
+    async def prematch(self, round_index: int, *, steps_per_s: float, lag_s: float = 0.0) -> None:
         self._cancel_prematch()
-        task = asyncio.ensure_future(self.matchmaker.form_group(round_index, self._member(steps_per_s)))
+        task = asyncio.ensure_future(self.matchmaker.form_group(round_index, self._member(steps_per_s, lag_s)))
         self._prematch = (round_index, task)
 
     def _cancel_prematch(self) -> None:
@@ -125,7 +126,7 @@ class NetworkPlane:
         else:
             if prematch is not None:  # matched a round this peer no longer averages (it healed meanwhile)
                 self.loop.call_soon_threadsafe(prematch[1].cancel)
-            member = self._member(self._steps_per_s)
+            member = self._member(self._steps_per_s, self._lag_s)
             future = asyncio.run_coroutine_threadsafe(self.matchmaker.form_group(round_index, member), self.loop)
         try:
             self._outcome = future.result(timeout=self._match_timeout_s)
@@ -138,10 +139,10 @@ class NetworkPlane:
             self.loop.call_soon_threadsafe(on_group, group)
         return group
 
-    async def average(self, round_index: int, delta: Delta, *, steps_per_s: float = 0.0,
+    async def average(self, round_index: int, delta: Delta, *, steps_per_s: float = 0.0, lag_s: float = 0.0,
                       electorate: tuple[str, ...] = (),
                       on_group: Callable[[Group], None] | None = None) -> AverageResult:
-        self._outcome, self._steps_per_s, self._on_group = None, steps_per_s, on_group
+        self._outcome, self._steps_per_s, self._lag_s, self._on_group = None, steps_per_s, lag_s, on_group
         await asyncio.to_thread(round_heap)  # what the inner steps freed goes back before the all-reduce allocates
         result = await asyncio.to_thread(functools.partial(self.averager.average, round_index, delta,
                                                            electorate=electorate))

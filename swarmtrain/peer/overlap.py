@@ -122,7 +122,7 @@ class OverlappedRounds:
                 if not on_thread:
                     return True
                 result, comm_s = task.result()
-                digest = self._land(pending, result, digest=False)
+                digest = self._land(pending, result, comm_s=comm_s, digest=False)
                 outcome.append(result)
                 if result.committed:
                     self._rearm(budget, loop=loop)
@@ -194,6 +194,7 @@ class OverlappedRounds:
             start = time.perf_counter()
             try:
                 result = await plane.average(pending.round, pending.delta, steps_per_s=pending.steps_per_s,
+                                             lag_s=self.pace.lag_s,
                                              electorate=await self._electorate(pending.round),
                                              on_group=group_reporter(machine))
             except Exception as e:  # a fault of this peer's own: abort the attempt, try again a window later

@@ -324,7 +324,8 @@ class Peer(OverlappedRounds, Healing, Watching):
         stats = await self._train(budget, stop)
         if stats is not None and budget.alarm is not None:  # the steps ran out before the alarm
             budget.alarm = None
-            await self.plane.prematch(self.worker.round, steps_per_s=self.pace.prematch_rate(budget))
+            pace = self.pace
+            await self.plane.prematch(self.worker.round, steps_per_s=pace.prematch_rate(budget), lag_s=pace.lag_s)
         return stats
 
     def _prematch_alarm(self, budget: RoundBudget, *, round_index: int | None = None,
@@ -333,11 +334,11 @@ class Peer(OverlappedRounds, Healing, Watching):
         for `round_index` (default: the worker's) on the loop. The training call runs on; ending it there
         to prematch cost a hand-off between threads and back every round, time in which nothing trained."""
         assert self.worker is not None and self.plane is not None
-        loop, plane = loop or asyncio.get_running_loop(), self.plane
+        loop, plane, pace = loop or asyncio.get_running_loop(), self.plane, self.pace
         round_index = self.worker.round if round_index is None else round_index
 
         def start(rate: float) -> None:
-            self._prematching = asyncio.ensure_future(plane.prematch(round_index, steps_per_s=rate))
+            self._prematching = asyncio.ensure_future(plane.prematch(round_index, steps_per_s=rate, lag_s=pace.lag_s))
 
         def alarm() -> None:  # the rate as measured now, on the training thread
             loop.call_soon_threadsafe(start, self.pace.prematch_rate(budget))
@@ -398,7 +399,8 @@ class Peer(OverlappedRounds, Healing, Watching):
         start = time.perf_counter()
         try:
             result = await self.plane.average(pending.round, pending.delta, steps_per_s=pending.steps_per_s,
-                                              electorate=await self._electorate(pending.round), on_group=on_group)
+                                              lag_s=self.pace.lag_s, electorate=await self._electorate(pending.round),
+                                              on_group=on_group)
         except Exception as e:
             log.exception("round %d: the all-reduce failed on this peer", pending.round)
             raise LocalRoundError(f"local error in the all-reduce: {type(e).__name__}: {e}") from e
@@ -430,10 +432,11 @@ class Peer(OverlappedRounds, Healing, Watching):
         # Off the loop (an outer step over θ takes seconds at 100M+ parameters) but never during inner
         # steps; heartbeats announce the previous (round, hash) until the new one is published.
         landed = result.committed or pending.carry is not None
-        digest = await asyncio.to_thread(self._land, pending, result) if landed else None
+        digest = await asyncio.to_thread(self._land, pending, result, comm_s=comm_s) if landed else None
         await self._report(pending, result, comm_s=comm_s, digest=digest)
 
-    def _land(self, pending: PendingRound, result: AverageResult, *, digest: bool = True) -> str | None:
+    def _land(self, pending: PendingRound, result: AverageResult, *, comm_s: float,
+              digest: bool = True) -> str | None:
         """`result` applied to the worker in one call off the loop (or between two inner steps, on the training
         thread, with `digest` False: `_report` hashes beside the steps): a commit's outer step, the pace it sets
         and the new θ_global's hash (returned); an overlapped abort's Δ back into θ_local (None)."""
@@ -441,7 +444,7 @@ class Peer(OverlappedRounds, Healing, Watching):
         self.worker.apply(result, carry=pending.carry)
         if not result.committed:
             return None
-        self.pace.observe(result)
+        self.pace.observe(result, peer_id=self._peer_id, comm_s=comm_s)
         self.pace.last_rate = pending.steps_per_s or self.pace.last_rate
         expected_s = self.pace.expected_round_s()
         self._round_ends_at = self._now() + expected_s if expected_s > 0 else 0.0

@@ -45,16 +45,17 @@ class DataPlane(Protocol):
     @property
     def endpoint(self) -> str: ...
 
-    async def average(self, round_index: int, delta: Delta, *, steps_per_s: float = 0.0,
+    async def average(self, round_index: int, delta: Delta, *, steps_per_s: float = 0.0, lag_s: float = 0.0,
                       electorate: tuple[str, ...] = (),
                       on_group: Callable[[Group], None] | None = None) -> AverageResult:
-        """Round `round_index`'s group mean of `delta`; `steps_per_s` is announced to the group (diloco.pace).
+        """Round `round_index`'s group mean of `delta`; `steps_per_s` and `lag_s` (the last committed round's
+        `comm_s`) are announced to the group (diloco.pace, diloco.pace_align).
 
         `electorate`: the peers a commit needs a strict majority of (round/rules.py; () = none).
         `on_group` is called on the caller's event loop once the round's group formed."""
         ...
 
-    async def prematch(self, round_index: int, *, steps_per_s: float) -> None:
+    async def prematch(self, round_index: int, *, steps_per_s: float, lag_s: float = 0.0) -> None:
         """Start forming round `round_index`'s group now, in the background; the round's next
         `average` call adopts it (a time-paced peer matches while its last inner steps run)."""
         ...

@@ -42,6 +42,7 @@ RUN = [
 class _Round:
     deltas: dict[str, torch.Tensor] = field(default_factory=dict)
     rates: dict[str, float] = field(default_factory=dict)
+    lags: dict[str, float] = field(default_factory=dict)
     closed: bool = False
     closes_at: float = 0.0  # unix seconds, the swarm clock of InMemoryRegistry
     done: asyncio.Event = field(default_factory=asyncio.Event)
@@ -57,7 +58,7 @@ class WindowedAllReduce:
         self.rounds: dict[int, _Round] = {}
 
     async def average(self, peer_id: str, round_index: int, delta: Delta, *,
-                      steps_per_s: float = 0.0) -> AverageResult:
+                      steps_per_s: float = 0.0, lag_s: float = 0.0) -> AverageResult:
         rd = self.rounds.setdefault(round_index, _Round())
         if rd.closed:  # like the matchmaker: a late peer waits out the attempt before trying the round again
             return AverageResult(round=round_index, committed=False, mean=None, reason="late",
@@ -66,6 +67,7 @@ class WindowedAllReduce:
             asyncio.get_running_loop().call_later(self.window_s, self._close, round_index, rd)
             rd.closes_at = time.time() + self.window_s
         rd.deltas[peer_id], rd.rates[peer_id] = reader(delta)(0, delta.numel()).clone(), steps_per_s
+        rd.lags[peer_id] = lag_s
         await rd.done.wait()
         assert rd.result is not None
         return rd.result
@@ -79,7 +81,8 @@ class WindowedAllReduce:
                 mean += rd.deltas[m]
             rd.result = AverageResult(round=round_index, committed=True, mean=mean / len(members), members=members,
                                       bytes_sent=mean.numel() * 4, bytes_received=mean.numel() * 4,
-                                      steps_per_s=tuple(rd.rates[m] for m in members))
+                                      steps_per_s=tuple(rd.rates[m] for m in members),
+                                      lags_s=tuple(rd.lags[m] for m in members))
         else:
             rd.result = AverageResult(round=round_index, committed=False, mean=None, members=members,
                                       reason=f"too few peers: {len(members)}")
@@ -95,6 +98,7 @@ class FakePlane:
         self.live: LivePeerState | None = None
         self.published: list[tuple[int, str]] = []  # (round, θ hash) of every publish_state
         self.prematched: list[int] = []
+        self.lags: list[tuple[int, float]] = []  # (round, lag_s) announced with every Δ (diloco.pace_align)
         services.states[self.endpoint] = self.served
 
     def served(self) -> PeerState:
@@ -110,13 +114,15 @@ class FakePlane:
     def publish_state(self, state: PeerState) -> None:
         self.published.append((state.round, state.state_hash))
 
-    async def average(self, round_index: int, delta: Delta, *, steps_per_s: float = 0.0,
+    async def average(self, round_index: int, delta: Delta, *, steps_per_s: float = 0.0, lag_s: float = 0.0,
                       electorate: tuple[str, ...] = (), on_group: object = None) -> AverageResult:
         # The double's windowed rounds apply the group rule only; the electorate is the all-reduce's
         # (tests/integration/test_swarm_quorum.py runs it on the in-process cluster).
-        return await self.services.allreduce.average(self.peer_id, round_index, delta, steps_per_s=steps_per_s)
+        self.lags.append((round_index, lag_s))
+        return await self.services.allreduce.average(self.peer_id, round_index, delta, steps_per_s=steps_per_s,
+                                                     lag_s=lag_s)
 
-    async def prematch(self, round_index: int, *, steps_per_s: float) -> None:
+    async def prematch(self, round_index: int, *, steps_per_s: float, lag_s: float = 0.0) -> None:
         self.prematched.append(round_index)  # the windowed double forms its group when Δ arrives
 
     def unreported_bytes(self) -> tuple[int, int]:

@@ -1,4 +1,5 @@
-"""diloco.pace in the Peer: a slowed peer takes fewer steps, the fast one more, every round agrees; a healed peer ends its first round with the swarm."""
+"""diloco.pace in the Peer: a slowed peer takes fewer steps, the fast one more, every round agrees; a healed peer ends
+its first round with the swarm; with diloco.pace_align each peer announces its last mean's lag and shifts its span."""
 
 from __future__ import annotations
 
@@ -81,6 +82,36 @@ def test_time_paced_peers_split_each_round_by_speed_and_agree(tmp_path: Path, ov
         # (overlapped, round 1 began before round 0's commit set the span: only later rounds have one)
         if r >= 2 or not overlap:
             assert slow[r].compute_s < 2.5 * fast[r].compute_s, (r, slow[r].compute_s, fast[r].compute_s)
+
+
+def test_aligned_peers_announce_their_lag_and_shift_their_span_by_it(tmp_path: Path) -> None:
+    async def main() -> tuple[dict[str, Peer], dict[str, Out]]:
+        registry = InMemoryRegistry()
+        run = [*RUN, f"diloco.inner_steps={H}", f"diloco.rounds={ROUNDS}", "diloco.pace=time", "diloco.overlap=true",
+               "diloco.pace_align=0.5"]
+        await _publish_run(registry, load_config(overrides=run))
+        services = InMemoryServices(registry, window_s=0.8)
+        outs = {n: Out() for n in "ab"}
+        peers = {n: Peer(_local(tmp_path / n), writer=EventWriter(outs[n]), services=services) for n in "ab"}
+        stop = asyncio.Event()
+        tasks = [asyncio.create_task(_run_slowed(peers[n], stop, extra_s=0.01)) for n in "ab"]
+        assert await asyncio.wait_for(asyncio.gather(*tasks), timeout=90) == ["done", "done"]
+        return peers, outs
+
+    peers, outs = asyncio.run(main())
+    for n, peer in peers.items():
+        comm = {e.round: e.comm_s for e in outs[n].rounds() if e.committed}
+        announced = dict(peer.plane.lags)  # type: ignore[union-attr]
+        assert announced[0] == 0.0, "no committed round yet: unknown"
+        # round r's Δ goes out before round r-1's mean lands here, or after: it announces one of their comm_s
+        for r in range(2, ROUNDS):
+            assert announced[r] > 0 and min(abs(announced[r] - comm[r - k]) for k in (1, 2)) < 1e-3, \
+                (n, r, announced, comm)  # round lines print comm_s to 4 decimals
+        span = peer.pace.span_s
+        assert span is not None and abs(peer.pace.shift_s) <= span / 4
+    # two members: the median is their mean, so their shifts are equal and opposite
+    a, b = peers["a"].pace, peers["b"].pace
+    assert a.shift_s == pytest.approx(-b.shift_s, abs=1e-9) and a.shift_s != 0.0
 
 
 @pytest.mark.parametrize("pace", ["steps", "time"])

@@ -1,4 +1,5 @@
-"""diloco.pace: the round budget's stopping rule, the span learned from a group, and train_inner under a budget."""
+"""diloco.pace: the round budget's stopping rule, the span learned from a group, the shift that lines members'
+sends up (diloco.pace_align), and train_inner under a budget."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from swarmtrain.averaging.protocol import AverageResult
 from swarmtrain.config import ConfigError, load_config
 from swarmtrain.data import ShardedBatches
 from swarmtrain.diloco import DilocoWorker
-from swarmtrain.diloco.pace import PACE_MAX_STEPS_FACTOR, Pace, RoundBudget, span_from_rates
+from swarmtrain.diloco.pace import PACE_MAX_STEPS_FACTOR, Pace, RoundBudget, align_shift, span_from_rates
 from swarmtrain.discovery import GroupRecord, RecordError
 from swarmtrain.discovery.records import decode_record
 from swarmtrain.models import build_model
@@ -111,20 +112,56 @@ def test_matching_early_announces_the_last_whole_rounds_rate() -> None:
     assert pace.prematch_rate(budget) == 7.5
 
 
+def test_the_shift_is_a_share_of_the_lag_past_the_median_capped_at_a_quarter_span() -> None:
+    lags = (1.2, 0.4, 0.5, 0.6)  # the first member sent ~0.65 s before the median one
+    assert align_shift(1.2, lags, gain=0.25, span_s=4.0) == pytest.approx(0.25 * (1.2 - 0.55))
+    assert align_shift(0.4, lags, gain=0.25, span_s=4.0) == pytest.approx(0.25 * (0.4 - 0.55)), "the last: shorter"
+    assert align_shift(1.2, lags, gain=1.0, span_s=2.0) == pytest.approx(0.5), "capped at a quarter of the span"
+    assert align_shift(0.4, (0.4, 9.0, 9.0), gain=1.0, span_s=2.0) == pytest.approx(-0.5)
+    assert align_shift(0.0, lags, gain=0.25, span_s=4.0) == 0.0, "its own lag unknown: no shift"
+    assert align_shift(0.7, (0.7, 0.0, 0.0), gain=0.25, span_s=4.0) == 0.0, "nobody else's known: no shift"
+
+
+def test_an_aligned_pace_shifts_its_own_span_by_its_announced_lag() -> None:
+    pace = Pace(load_config(overrides=["diloco.pace=time", "diloco.inner_steps=10", "diloco.pace_align=0.5"]).diloco)
+    result = AverageResult(round=3, committed=True, mean=None, members=("a", "me", "z"), steps_per_s=(5.0, 5.0, 5.0),
+                           lags_s=(0.5, 1.5, 0.7))
+    pace.observe(result, peer_id="me", comm_s=0.9)
+    assert pace.shift_s == pytest.approx(0.5 * (1.5 - 0.7)) and pace.lag_s == 0.9, "0.9: announced next"
+    assert pace.budget().span_s == pytest.approx(2.0 + 0.4) and pace.expected_round_s() == pytest.approx(2.4)
+    pace.observe(AverageResult(round=4, committed=True, mean=None, members=("a", "me"), steps_per_s=(5.0, 5.0)),
+                 peer_id="me", comm_s=0.8)
+    assert pace.shift_s == 0.0 and pace.lag_s == 0.8, "a round without lags: no stale shift"
+    off = Pace(load_config(overrides=["diloco.pace=time", "diloco.inner_steps=10"]).diloco)
+    off.observe(result, peer_id="me", comm_s=0.9)
+    assert off.shift_s == 0.0 and off.budget().span_s == pytest.approx(2.0), "pace_align = 0: off"
+    with pytest.raises(ConfigError, match=r"diloco\.pace_align"):
+        load_config(overrides=["diloco.pace_align=1"])
+
+
 def test_pace_must_be_steps_or_time() -> None:
     with pytest.raises(ConfigError, match=r"diloco\.pace"):
         load_config(overrides=["diloco.pace=fast"])
 
 
-def test_members_announce_their_rate_in_the_signed_group_record() -> None:
-    members = (Member("a", "127.0.0.1:1", steps_per_s=12.5), Member("b", "127.0.0.1:2", steps_per_s=0.0))
+def test_members_announce_their_rate_and_lag_in_the_signed_group_record() -> None:
+    members = (Member("a", "127.0.0.1:1", steps_per_s=12.5, lag_s=0.75), Member("b", "127.0.0.1:2", steps_per_s=0.0))
     record = GroupRecord(run_id="r", round=1, leader_id="a", members=members, window_close_at=5.0)
     assert decode_record(GroupRecord, record.encode(), run_id="r", signer_id="a").members == members
     lying = json.loads(record.encode())
     lying["members"][0]["steps_per_s"] = -3.0
     with pytest.raises(RecordError, match="steps_per_s"):
         decode_record(GroupRecord, json.dumps(lying).encode(), run_id="r", signer_id="a")
-    other = (Member("a", "127.0.0.1:1", steps_per_s=13.0), members[1])
+    lying["members"][0]["steps_per_s"] = 12.5
+    lying["members"][0]["lag_s"] = -0.5
+    with pytest.raises(RecordError, match="lag_s"):
+        decode_record(GroupRecord, json.dumps(lying).encode(), run_id="r", signer_id="a")
+    older = json.loads(record.encode())
+    del older["members"][1]["lag_s"]  # a peer from before pace_align announces none: unknown
+    assert decode_record(GroupRecord, json.dumps(older).encode(), run_id="r", signer_id="a").members == members
+    other = (Member("a", "127.0.0.1:1", steps_per_s=13.0, lag_s=0.75), members[1])
+    assert Group("r", 1, members).group_id != Group("r", 1, other).group_id
+    other = (Member("a", "127.0.0.1:1", steps_per_s=12.5, lag_s=0.5), members[1])
     assert Group("r", 1, members).group_id != Group("r", 1, other).group_id
 
 
