@@ -24,8 +24,8 @@ def convergence() -> ModuleType:
     return module
 
 
-def _run(arm: str, losses: list[float], final: float, bytes_sent: int, *, start: float = 2.0) -> dict:
-    return {"corpus": "stdlib", "seed": 0, "arm": arm, "mode": "diloco", "warm_start_val_loss": start,
+def _run(arm: str, losses: list[float], final: float, bytes_sent: int) -> dict:
+    return {"corpus": "stdlib", "seed": 0, "arm": arm, "mode": "diloco", "warm_start_val_loss": 2.0,
             "initial_val_loss": 5.0, "rounds": [{"val_loss": v} for v in losses], "final_val_loss": final,
             "bytes_sent": bytes_sent}
 
