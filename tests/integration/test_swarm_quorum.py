@@ -82,6 +82,10 @@ async def _swarm(tmp_path: Path, sides: Sequence[str],
             raise AssertionError(f"{e}: {story(logs)}") from None
         services.partition.heal()
         assert await asyncio.wait_for(asyncio.gather(*tasks), timeout=150) == ["done"] * len(NAMES), story(logs)
+        # One machine clock: the other side's records, frozen until they expire, must not read as skew
+        # (the peers would leave the partition on different clocks and miss each other's windows).
+        offsets = {n: p.presence.clock_offset_s for n, p in peers.items() if p.presence is not None}
+        assert len(offsets) == len(NAMES) and all(abs(x) < 0.5 for x in offsets.values()), offsets
     finally:
         stop.set()
         await asyncio.gather(*tasks, return_exceptions=True)

@@ -52,32 +52,80 @@ def test_peer_records_carry_a_signed_offset_and_older_records_read_as_zero() -> 
         PeerRecord.from_json({**rec.to_json(), "clock_offset_s": "soon"})
 
 
+class _Reads:
+    """A Presence on a fake clock, read once a heartbeat: `beat(at)` returns the others' records as of swarm
+    time `at` (each beat half a heartbeat old), and advances this peer's clock by a heartbeat."""
+
+    def __init__(self, names: str = "abc") -> None:
+        self.t = [100.0]
+        self.names = names
+        self.p = Presence(DiscoveryConfig(heartbeat_s=H), run_id="r", clock=lambda: self.t[0])
+
+    def note(self, at: float, *, now: float, stopped: str = "", stopped_at: float = 0.0) -> float:
+        self.t[0] += H
+        peers = [_rec(x, (stopped_at if x in stopped else at) - H / 2) for x in self.names]
+        return self.p.note(peers, own_id="me", now=now)
+
+
 def test_a_peer_adopts_its_first_estimate_whole_then_corrects_by_halves_past_a_dead_band() -> None:
-    p = Presence(DiscoveryConfig(heartbeat_s=H), run_id="r")
-    swarm_at = 1000.0  # the others' heartbeats, fresh (half a heartbeat old on average)
-    peers = [_rec(x, swarm_at - H / 2) for x in "abc"]
-    assert p.note(peers, own_id="me", now=swarm_at - 6.0) == pytest.approx(6.0)  # this clock is 6 s behind
-    assert p.clock_offset_s == pytest.approx(6.0)
-    assert p.note(peers, own_id="me", now=swarm_at + 0.5) == 0.0  # within half a heartbeat: left alone
-    assert p.note(peers, own_id="me", now=swarm_at + 3.0) == pytest.approx(-1.5)  # later: half the residual
-    assert p.clock_offset_s == pytest.approx(4.5)
-    assert p.note([_rec("me", swarm_at)], own_id="me", now=swarm_at + 9.0) == 0.0  # nobody else: no estimate
+    r = _Reads()
+    swarm_at = 1000.0
+    assert r.note(swarm_at - H, now=swarm_at - H - 6.0) == 0.0  # the first read only notes the heartbeats
+    assert r.note(swarm_at, now=swarm_at - 6.0) == pytest.approx(6.0)  # this clock is 6 s behind
+    assert r.p.clock_offset_s == pytest.approx(6.0)
+    assert r.note(swarm_at + H, now=swarm_at + H + 0.5) == 0.0  # within half a heartbeat: left alone
+    assert r.note(swarm_at + 2 * H, now=swarm_at + 2 * H + 3.0) == pytest.approx(-1.5)  # later: half the residual
+    assert r.p.clock_offset_s == pytest.approx(4.5)
+    assert r.p.note([_rec("me", swarm_at)], own_id="me", now=swarm_at + 9.0) == 0.0  # nobody else: no estimate
 
 
 def test_a_peer_is_settled_only_while_its_last_estimate_was_within_the_dead_band() -> None:
     # the peer reads the others every heartbeat until settled (peer/root.py), then only at round boundaries
-    p = Presence(DiscoveryConfig(heartbeat_s=H), run_id="r")
+    r = _Reads("ab")
     swarm_at = 1000.0
-    peers = [_rec(x, swarm_at - H / 2) for x in "ab"]
-    assert not p.settled  # no estimate yet
-    p.note([_rec("me", swarm_at)], own_id="me", now=swarm_at)
-    assert not p.settled  # alone: still no estimate
-    p.note(peers, own_id="me", now=swarm_at - 6.0)
-    assert not p.settled  # it just moved its clock: the next read tells whether it agrees now
-    p.note(peers, own_id="me", now=swarm_at + 0.5)
-    assert p.settled
-    p.note(peers, own_id="me", now=swarm_at + 3.0)
-    assert not p.settled  # off again: reading every heartbeat resumes
+    assert not r.p.settled  # no estimate yet
+    r.p.note([_rec("me", swarm_at)], own_id="me", now=swarm_at)
+    assert not r.p.settled  # alone: still no estimate
+    r.note(swarm_at - H, now=swarm_at - H - 6.0)
+    r.note(swarm_at, now=swarm_at - 6.0)
+    assert not r.p.settled  # it just moved its clock: the next read tells whether it agrees now
+    r.note(swarm_at + H, now=swarm_at + H + 0.5)
+    assert r.p.settled
+    r.note(swarm_at + 2 * H, now=swarm_at + 2 * H + 3.0)
+    assert not r.p.settled  # off again: reading every heartbeat resumes
+
+
+def test_heartbeats_that_stopped_moving_do_not_move_the_clock() -> None:
+    """Two of three others stop beating (frozen, or across a partition) while their records live on: their
+    ages grow like a clock falling behind, but the clock follows only the one that still beats."""
+    r = _Reads()
+    swarm_at = 1000.0
+    r.note(swarm_at, now=swarm_at)
+    r.note(swarm_at + H, now=swarm_at + H)
+    assert r.p.settled and r.p.clock_offset_s == 0.0
+    for k in range(2, 8):  # up to 12 s on: the records of b and c are that much older than a's
+        at = swarm_at + k * H
+        assert r.note(at, now=at, stopped="bc", stopped_at=swarm_at + H) == 0.0
+    assert r.p.settled and r.p.clock_offset_s == 0.0
+
+
+def test_a_read_long_after_the_last_only_notes_the_heartbeats_and_asks_for_a_check() -> None:
+    """Reads minutes apart (round boundaries) cannot tell a record that stopped from a skewed clock: the
+    late read moves nothing but unsettles the clock, and the next heartbeat's read decides."""
+    r = _Reads()
+    swarm_at = 1000.0
+    r.note(swarm_at, now=swarm_at)
+    r.note(swarm_at + H, now=swarm_at + H)
+    assert r.p.settled
+    r.t[0] += 300.0
+    assert r.note(swarm_at + 300.0, now=swarm_at + 300.0, stopped="bc", stopped_at=swarm_at + 297.0) == 0.0
+    assert not r.p.settled and r.p.clock_offset_s == 0.0
+    assert r.note(swarm_at + 300.0 + H, now=swarm_at + 300.0 + H, stopped="bc", stopped_at=swarm_at + 297.0) == 0.0
+    assert r.p.settled and r.p.clock_offset_s == 0.0  # only a beat: the clock was right
+    r.t[0] += 300.0
+    assert r.note(swarm_at + 600.0, now=swarm_at + 596.0) == 0.0  # all three 4 s ahead: checked first
+    assert not r.p.settled
+    assert r.note(swarm_at + 600.0 + H, now=swarm_at + 596.0 + H) == pytest.approx(2.0)  # confirmed: half of it
 
 
 def test_a_peer_that_sees_nobody_for_two_record_ttls_rebootstraps_at_most_once_per_two_ttls() -> None:
