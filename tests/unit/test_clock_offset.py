@@ -53,8 +53,9 @@ def test_peer_records_carry_a_signed_offset_and_older_records_read_as_zero() -> 
 
 
 class _Reads:
-    """A Presence on a fake clock, read once a heartbeat: `beat(at)` returns the others' records as of swarm
-    time `at` (each beat half a heartbeat old), and advances this peer's clock by a heartbeat."""
+    """A Presence on a fake clock, read once a heartbeat: `note(at, now=...)` advances this peer's clock by a
+    heartbeat and notes the others' records as of swarm time `at` (each beat half a heartbeat old; those
+    in `stopped` as of `stopped_at`), read at swarm clock `now`."""
 
     def __init__(self, names: str = "abc") -> None:
         self.t = [100.0]
