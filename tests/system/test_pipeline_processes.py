@@ -77,7 +77,7 @@ def test_killed_and_stalled_stage_servers_cost_no_microbatch(procs: ProcessSet,
     # waits in, and both leave it at one θ_global. The run is long enough that this is waited for, not hoped for.
     resumed_step = max(s.step for s in _steps(trainers[0]))
     assert resumed_step < STEPS - 120, f"the stall ended at step {resumed_step}: make the run longer"
-    after: dict[str, dict[int, str]] = {}
+    after: dict[str, tuple[int, str]] = {}  # each server's first commit after the stall: (round, hash)
     for name in ("s0a", "s0b"):
         try:
             _, line = servers[name].wait_for(lambda x: _committed(x) and x.at > resumed_at,  # type: ignore[union-attr]
@@ -88,7 +88,7 @@ def test_killed_and_stalled_stage_servers_cost_no_microbatch(procs: ProcessSet,
             raise AssertionError(f"{name}: {e}; its rounds (s after the SIGCONT, round, committed, why): {rounds}\n"
                                  f"{servers[name].diagnostics()}") from None
         assert isinstance(line, StageRoundEvent)
-        after[name] = {line.round: line.hash}
+        after[name] = (line.round, line.hash)
     back.wait_ready(timeout_s=START_S)
     back_at = max(s.step for s in _steps(trainers[0]))
     assert back_at < STEPS - 40, f"s1a was back at step {back_at}: too late to serve before the run ends"
@@ -127,7 +127,7 @@ def test_killed_and_stalled_stage_servers_cost_no_microbatch(procs: ProcessSet,
                     committed.setdefault(x.round, set()).add(x.hash)
         assert len(committed) >= 2 and all(len(h) == 1 for h in committed.values()), (stage, committed)
     for name in ("s0a", "s0b"):  # the first round each committed after the stall, at the hash the other left it at
-        r, h = next(iter(after[name].items()))
+        r, h = after[name]
         other = "s0b" if name == "s0a" else "s0a"
         theirs = [x.hash for x in servers[other].snapshot() if _committed(x) and x.round == r]  # type: ignore[union-attr]
         assert theirs == [h], (name, r, h, theirs)
