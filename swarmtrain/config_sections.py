@@ -232,6 +232,12 @@ class DilocoConfig:
     measures it). Simulations land every mean exactly here, the worst case. On the testbed (sparse rounds in
     2 fragments of 25 steps, means landing a median of about 7 steps late), 16 with `pace_align` 0.5 kept
     every peer at ≥ 99% compute at 100 Mbit/s (docs/benchmarks.md#no-waiting-sparse-rounds-overlapped-in-fragments)."""
+    eager: str = "fitted"
+    """With `overlap`: how a peer guesses the round's mean to start its next inner steps from, as λ × its own
+    contribution. `fitted`: λ fitted by least squares to the rounds this peer saw commit (its contribution
+    against the committed mean, recent rounds weighted most), from the first committed overlapped round on.
+    `own`: λ = 1 with a dense codec, 1 / the group's size with a gathered (sparse) one. The guess only moves
+    θ_local until the mean lands; measured in docs/benchmarks.md#overlapped-rounds."""
     pace: str = "steps"
     """`steps`: every peer takes `inner_steps` steps per round, and the round waits for the slowest.
     `time`: every peer trains for the same span per round, sized from the last round's group so that the
@@ -273,6 +279,7 @@ class DilocoConfig:
         check(self.eval_batches >= 1, "diloco.eval_batches", "must be >= 1")
         check(self.eval_every_rounds >= 0, "diloco.eval_every_rounds", "must be >= 0")
         check(self.overlap_max_steps >= 1, "diloco.overlap_max_steps", "must be >= 1")
+        check(self.eager in ("fitted", "own"), "diloco.eager", f"{self.eager!r} is not 'fitted' or 'own'")
 
 
 @dataclass(frozen=True)

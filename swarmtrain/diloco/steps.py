@@ -59,6 +59,7 @@ class Carry:
 
     base: torch.Tensor  # the eager estimate of θ_global(new) that the next inner steps started from
     on_abort: torch.Tensor  # θ_local when Δ was taken: where an aborted round puts the progress back
+    sent: torch.Tensor | None = None  # this peer's contribution to the mean (the eager scale's fit), if known
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from torch import nn
 from swarmtrain.averaging.protocol import Averager, AverageResult, ShardedMean, mean_tensor
 from swarmtrain.compress.codec import Codec
 from swarmtrain.config import RunConfig
+from swarmtrain.diloco.eager import EagerScale, dot_with_mean
 from swarmtrain.diloco.flat import PseudoGradient, assign_flat, flat_hash, flatten, pseudo_gradient, snapshot
 from swarmtrain.diloco.fragments import Ranges, fragment_params, fragment_ranges, gather, scatter_
 from swarmtrain.diloco.inner import (
@@ -106,6 +107,7 @@ class DilocoWorker:
         self.codec = codec
         self.residual = torch.zeros(self.numel) if cfg.compress.error_feedback else None
         self._pending_residual: torch.Tensor | None = None
+        self._eager = EagerScale()  # diloco.overlap: λ of the eager estimate, fitted from committed rounds
         self._rng_state = torch.Generator().manual_seed(rng_seed).get_state()
 
     # ------------------------------------------------------------------ the round
@@ -288,33 +290,44 @@ class DilocoWorker:
         problem = self.delta_problem(delta)
         if problem:
             raise DeltaError(problem)
-        guess = self.eager_mean(delta)
+        sent = self.own_contribution(delta)
+        guess = sent * self.eager_scale()
         frag = self.fragment()
         if frag is None:
             since = flatten(self.params)
             estimate = self.outer.preview(self.theta_global.detach().cpu(), guess)
             self._set_local(estimate)
-            carry = Carry(base=estimate, on_abort=since)
+            carry = Carry(base=estimate, on_abort=since, sent=sent)
         else:  # the fragment moves to its estimate; the others go on from where they are
             estimate = self._fragment_outer(frag).preview(gather(self.theta_global.detach().cpu(), frag), guess)
             params = self._fragment_local()
-            carry = Carry(base=estimate, on_abort=flatten(params))
+            carry = Carry(base=estimate, on_abort=flatten(params), sent=sent)
             self._set_params(params, estimate)
         self._sent_early, self.round_step = True, 0
         return delta, carry
 
-    def eager_mean(self, delta: torch.Tensor) -> torch.Tensor:
-        """This peer's guess of the round's mean from its own `delta` (the round's Δ, from `delta()`).
+    def own_contribution(self, delta: torch.Tensor) -> torch.Tensor:
+        """What of this round's `delta` (from `delta()`) enters the mean: Δ as the wire carries it with
+        error feedback (the residual it leaves behind moves θ_global in no round yet), else Δ."""
+        return delta if self._pending_residual is None else delta - self._pending_residual
 
-        Dense Δs of peers that trained on the same θ point the same way: the guess is Δ itself. A
-        gathered round's (sparse) contribution is what the codec kept of Δ, on positions the other
-        members mostly did not pick, so it enters the mean divided by the group's size; the rest
-        of Δ stays in this peer's residual and moves θ_global in no round yet. Guessing all of Δ
-        there would start the next inner steps from far past where θ_global lands.
+    def eager_scale(self) -> float:
+        """λ, the share of this peer's own contribution it expects in the round's mean (`diloco.eager`).
+
+        `own`: 1 for a dense round (peers that trained from the same θ move it the same way), 1 / the
+        group's size for a gathered (sparse) round (the members' kept positions mostly differ).
+        `fitted` starts there and, from the first committed overlapped round on, uses λ fitted to the
+        rounds this peer saw commit (swarmtrain/diloco/eager.py): neither guess is right for K peers
+        whose Δs agree only in part.
         """
-        if self._pending_residual is None or not self.cfg.averaging.gathers(self.cfg.compress.codec):
-            return delta
-        return (delta - self._pending_residual).div_(max(1, len(self.members)))
+        gathered = self._pending_residual is not None and self.cfg.averaging.gathers(self.cfg.compress.codec)
+        own = 1.0 / max(1, len(self.members)) if gathered else 1.0
+        return own if self.cfg.diloco.eager == "own" else self._eager.value(own)
+
+    def eager_mean(self, delta: torch.Tensor) -> torch.Tensor:
+        """This peer's guess of the round's mean from its own `delta` (the round's Δ, from `delta()`):
+        `eager_scale()` × `own_contribution(delta)`."""
+        return self.own_contribution(delta) * self.eager_scale()
 
     def _fragment_outer(self, frag: Ranges) -> OuterOptimizer:
         """An outer optimizer over one fragment whose momentum buffer is a gathered copy of the fragment's."""
@@ -346,17 +359,19 @@ class DilocoWorker:
         if result.committed:
             if result.mean is None:
                 raise ValueError(f"round {result.round} committed without a mean pseudo-gradient")
-            mean = result.mean
+            mean = result.mean if frag is None else mean_tensor(result.mean).reshape(-1)
             with self.global_lock:
-                if frag is None and isinstance(mean, ShardedMean):  # decoded shard by shard, never whole
+                if isinstance(mean, ShardedMean):  # decoded shard by shard, never whole
                     self.outer.step_pieces(self.theta_global, mean.pieces)
                 elif frag is None:
                     self.outer.step(self.theta_global, mean.reshape(-1))
                 else:
-                    self._step_fragment(frag, mean_tensor(mean).reshape(-1))
+                    self._step_fragment(frag, mean)
                 self._theta_version += 1
                 self.members = tuple(result.members)
                 self.round += 1
+            if carry is not None and carry.sent is not None:
+                self._eager.observe(carry.sent, dot_with_mean(carry.sent, mean))
             if self._pending_residual is not None:
                 if frag is None:
                     self.residual = self._pending_residual
@@ -529,6 +544,7 @@ class DilocoWorker:
             "format": STATE_FORMAT, "round": self.round, "inner_step": self.inner_step,
             "round_step": self.round_step, "numel": self.numel,
             "inner_optimizer": inner_meta, "data": data_state, "members": list(self.members),
+            "eager": self._eager.state(),
         }
         return tensors, meta
 
@@ -568,3 +584,6 @@ class DilocoWorker:
         # A checkpoint written before the schedule followed the round resumes at the round's first position.
         self.round_step = int(meta.get("round_step", 0))
         self._pending_residual = None
+        self._eager = EagerScale()  # written before the eager estimate was fitted: fitted again from here
+        if "eager" in meta:
+            self._eager.load_state(meta["eager"])

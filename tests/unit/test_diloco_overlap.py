@@ -124,3 +124,40 @@ def test_a_heal_can_keep_the_unsent_progress_on_top_of_the_donors_theta(tiny_con
     assert torch.allclose(w.delta(), unsent, atol=1e-6)  # the same steps go out with round 1
     w.adopt_global(round_index=1, theta_global=donor.theta_global, outer_momentum=momentum)
     assert not w.has_local_progress()
+
+
+@pytest.mark.parametrize(("eager", "share", "scale"), [("fitted", 0.5, 0.5), ("fitted", -1.0, 0.0), ("own", 0.5, 1.0)])
+def test_the_next_eager_estimate_takes_the_share_of_its_delta_the_last_mean_held(
+        tiny_config: RunConfig, eager: str, share: float, scale: float) -> None:
+    cfg = tiny_config.replace(outer={"lr": 0.5, "momentum": 0.9, "nesterov": True}, diloco={"eager": eager})
+    w = _worker(cfg)
+    w.train_inner()
+    delta, carry = w.send_overlapped()
+    assert w.eager_scale() == 1.0  # nothing seen yet: a dense round guesses its own Δ
+    w.train_inner()
+    w.apply(AverageResult(round=0, committed=True, mean=share * delta, members=("a", "b")), carry=carry)
+    assert w.eager_scale() == scale
+    w.train_inner()
+    theta, momentum = w.theta_global.clone(), w.outer.state_tensors()["momentum"].clone()
+    delta, carry = w.send_overlapped()
+    estimate = w.outer.preview(theta, delta * scale)
+    assert torch.equal(carry.base, estimate) and torch.equal(flatten(w.params), estimate)
+    assert torch.equal(w.outer.state_tensors()["momentum"], momentum), "the estimate moves no global state"
+
+
+def test_the_fitted_scale_survives_a_checkpoint(tiny_config: RunConfig) -> None:
+    w = _worker(tiny_config)
+    w.train_inner()
+    delta, carry = w.send_overlapped()
+    w.train_inner()
+    w.apply(AverageResult(round=0, committed=True, mean=0.25 * delta, members=("a", "b")), carry=carry)
+    tensors, meta = w.state_dict()
+    resumed = _worker(tiny_config)
+    resumed.load_state_dict(tensors, meta)
+    assert resumed.eager_scale() == w.eager_scale() == 0.25
+    del meta["eager"]  # a checkpoint from before the fit: it starts again from the default
+    resumed.load_state_dict(tensors, meta)
+    assert resumed.eager_scale() == 1.0
+    meta["eager"] = {"cm": 1.0}
+    with pytest.raises(ValueError, match="'cc'"):
+        resumed.load_state_dict(tensors, meta)
