@@ -34,6 +34,7 @@ class RoundRecord:
     val_loss: float  # of θ_global after the round
     bytes_sent: int  # per worker, since the start
     compute_s: float  # this round, all workers
+    eager_scale: float | None = None  # diloco.overlap: worker 0's λ for its next eager estimate (diloco.eager)
 
 
 @dataclass
@@ -122,8 +123,8 @@ def simulate_diloco(
         bytes_sent += outcomes[0].bytes_sent
         record = RoundRecord(round=r, tokens=tokens, loss=sum(s.loss for s in stats) / num_workers,
                              val_loss=(workers[0].evaluate_global if cfg.diloco.overlap else workers[0].evaluate)(val),
-                             bytes_sent=bytes_sent,
-                             compute_s=sum(s.compute_s for s in stats))
+                             bytes_sent=bytes_sent, compute_s=sum(s.compute_s for s in stats),
+                             eager_scale=workers[0].eager_scale() if cfg.diloco.overlap else None)
         result.rounds.append(record)
         if on_round is not None:
             on_round(record)

@@ -320,7 +320,7 @@ class DilocoWorker:
         rounds this peer saw commit (swarmtrain/diloco/eager.py): neither guess is right for K peers
         whose Δs agree only in part.
         """
-        gathered = self._pending_residual is not None and self.cfg.averaging.gathers(self.cfg.compress.codec)
+        gathered = self.residual is not None and self.cfg.averaging.gathers(self.cfg.compress.codec)
         own = 1.0 / max(1, len(self.members)) if gathered else 1.0
         return own if self.cfg.diloco.eager == "own" else self._eager.value(own)
 

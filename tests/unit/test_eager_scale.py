@@ -74,7 +74,7 @@ def test_a_sharded_mean_gives_the_same_product_piece_by_piece() -> None:
         return MeanShard(lo=lo, hi=hi, decode=lambda out: out.copy_(mean[lo:hi]))
 
     sharded = ShardedMean(numel=3000, shards=(shard(0, 1000), shard(1000, 2500), shard(2500, 3000)))
-    assert dot_with_mean(c, sharded) == pytest.approx(float(c.double() @ mean.double()), rel=1e-12)
+    assert dot_with_mean(c, sharded) == pytest.approx(float(c.double() @ mean.double()), rel=1e-5)
 
 
 def test_the_state_round_trips_and_bad_state_is_refused_by_name() -> None:
