@@ -237,7 +237,7 @@ class DilocoConfig:
     contribution. `fitted`: λ fitted by least squares to the rounds this peer saw commit (its contribution
     against the committed mean, recent rounds weighted most), from the first committed overlapped round on.
     `own`: λ = 1 with a dense codec, 1 / the group's size with a gathered (sparse) one. The guess only moves
-    θ_local until the mean lands; measured in docs/benchmarks.md#overlapped-rounds."""
+    θ_local until the mean lands; measured in docs/benchmarks.md#a-fitted-guess."""
     pace: str = "steps"
     """`steps`: every peer takes `inner_steps` steps per round, and the round waits for the slowest.
     `time`: every peer trains for the same span per round, sized from the last round's group so that the

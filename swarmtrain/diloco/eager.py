@@ -29,7 +29,7 @@ _SLICE = 1 << 16  # values per fp32 product; the slices' products add up in floa
 
 
 class EagerScale:
-    """λ for `DilocoWorker.eager_mean`, fitted from this peer's committed overlapped rounds."""
+    """λ for `DilocoWorker.eager_scale`, fitted from this peer's committed overlapped rounds."""
 
     def __init__(self) -> None:
         self.cm = 0.0  # Σ ρᵃ ⟨c, m⟩
@@ -82,7 +82,7 @@ def dot(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def dot_with_mean(sent: torch.Tensor, mean: torch.Tensor | ShardedMean) -> float:
-    """⟨c, m⟩ in float64, `mean` a flat tensor or a `ShardedMean` (decoded piece by piece)."""
+    """⟨c, m⟩ as `dot` gives it, `mean` a flat tensor or a `ShardedMean` (decoded piece by piece)."""
     if isinstance(mean, torch.Tensor):
         return dot(sent, mean.reshape(-1))
     total = 0.0

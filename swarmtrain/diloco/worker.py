@@ -277,14 +277,15 @@ class DilocoWorker:
                               version=lambda: (self._theta_version, self._local_version))
 
     def send_overlapped(self) -> tuple[torch.Tensor, Carry]:
-        """`diloco.overlap`: this round's Δ, and θ_local moved to where θ_global lands if the mean is Δ.
+        """`diloco.overlap`: this round's Δ, and θ_local moved to where θ_global lands if the mean is
+        this peer's guess of it.
 
         DeltaError (θ_local untouched) when Δ holds NaN or Inf.
 
         The next round's inner steps start from that eager estimate of θ_global(new) (the outer
-        step, momentum included, applied to this peer's guess of the mean: `eager_mean`) instead of
-        waiting for the swarm's mean; `apply(result, carry=...)` later shifts θ_local by the
-        estimate's error.
+        step, momentum included, applied to the guess: `eager_scale()` × `own_contribution(Δ)`)
+        instead of waiting for the swarm's mean; `apply(result, carry=...)` later shifts θ_local by
+        the estimate's error, and fits the next guess's λ to the mean.
         """
         delta = self.delta()
         problem = self.delta_problem(delta)
@@ -323,11 +324,6 @@ class DilocoWorker:
         gathered = self.residual is not None and self.cfg.averaging.gathers(self.cfg.compress.codec)
         own = 1.0 / max(1, len(self.members)) if gathered else 1.0
         return own if self.cfg.diloco.eager == "own" else self._eager.value(own)
-
-    def eager_mean(self, delta: torch.Tensor) -> torch.Tensor:
-        """This peer's guess of the round's mean from its own `delta` (the round's Δ, from `delta()`):
-        `eager_scale()` × `own_contribution(delta)`."""
-        return self.own_contribution(delta) * self.eager_scale()
 
     def _fragment_outer(self, frag: Ranges) -> OuterOptimizer:
         """An outer optimizer over one fragment whose momentum buffer is a gathered copy of the fragment's."""
