@@ -553,6 +553,9 @@ class DilocoWorker:
         for key in ("theta_global", "rng.cpu"):
             if key not in tensors:
                 raise ValueError(f"worker state is missing tensor {key!r}")
+        eager = EagerScale()  # a checkpoint written before the eager estimate was fitted: fitted again from here
+        if "eager" in meta:
+            eager.load_state(meta["eager"])  # checked before anything of this worker changes
         local = tensors.get("theta_local")
         if local is None:  # one tensor per parameter (`state_dict(copy=False)`)
             missing = [f"theta_local.{i}" for i in range(len(self.params)) if f"theta_local.{i}" not in tensors]
@@ -580,6 +583,4 @@ class DilocoWorker:
         # A checkpoint written before the schedule followed the round resumes at the round's first position.
         self.round_step = int(meta.get("round_step", 0))
         self._pending_residual = None
-        self._eager = EagerScale()  # written before the eager estimate was fitted: fitted again from here
-        if "eager" in meta:
-            self._eager.load_state(meta["eager"])
+        self._eager = eager

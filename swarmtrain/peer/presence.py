@@ -45,8 +45,9 @@ class Presence:
         `now` is already corrected, so the estimate is what is left of the skew. It counts only the peers
         whose heartbeat moved since the previous read, and only when that read was at most two heartbeats
         ago: a record that moved since then is at most that gap plus a heartbeat old (plus the skew), however
-        long its writer has been gone since, and the median keeps one such record from moving the estimate. A read after a longer gap only notes the heartbeats, and marks the clock
-        unsettled when they look off, so that the next heartbeat's read checks it.
+        long its writer has been gone since, and the median keeps one such record from moving the estimate.
+        A read after a longer gap only notes the heartbeats, and marks the clock unsettled when they look
+        off, so that the next heartbeat's read checks it.
 
         Past half a heartbeat (the estimate's own error) half of it is corrected: every peer moves halfway
         towards the others, so two peers with skewed clocks meet instead of swapping, and a swarm settles on

@@ -159,5 +159,7 @@ def test_the_fitted_scale_survives_a_checkpoint(tiny_config: RunConfig) -> None:
     resumed.load_state_dict(tensors, meta)
     assert resumed.eager_scale() == 1.0
     meta["eager"] = {"cm": 1.0}
+    fresh = _worker(tiny_config)
     with pytest.raises(ValueError, match="'cc'"):
-        resumed.load_state_dict(tensors, meta)
+        fresh.load_state_dict(tensors, meta)
+    assert fresh.round == 0 and not torch.equal(fresh.theta_global, w.theta_global), "nothing half-loaded"
