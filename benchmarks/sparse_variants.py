@@ -131,8 +131,10 @@ def main(argv: list[str] | None = None) -> int:
     items = []
     for name, positions, extra in arms:
         steps = next((int(x.split("=", 1)[1]) for x in extra if x.startswith("diloco.inner_steps=")), 50)
-        arm = Arm(name, "diloco", 50, overrides=(*SPARSE, *extra, f"diloco.inner_steps={steps}",
-                                                 f"diloco.rounds={6400 // steps}"))
+        if 6400 % steps:
+            raise SystemExit(f"--arm {name}: H={steps} does not divide the protocol's 6,400 steps per worker")
+        # run_job sets H and the rounds (6,400 // H) from the arm's inner steps
+        arm = Arm(name, "diloco", steps, overrides=(*SPARSE, *(x for x in extra if not x.startswith("diloco.inner_steps="))))
         items.append((name, positions, Job("stdlib", args.seed, arm, 4, 6400, overrides)))
     with mp.get_context("fork").Pool(args.processes, maxtasksperchild=1) as pool:
         warm = pool.apply(warm_start, (warm_job,))
