@@ -134,8 +134,12 @@ def test_a_joiner_refuses_a_donor_serving_another_theta_and_heals_from_an_honest
     """d joins late. The donor it asks first (its order is a hash of the two ids) announces the swarm's
     (round, θ hash) but serves another θ_global. One donor at a time: refused by hash, and d heals from
     the next donor. Three at once: the liar's blob is not the one the two others serve, so d takes a
-    range from each of the honest two and never the liar's bytes."""
-    rounds, join_at = 5, 2
+    range from each of the honest two and never the liar's bytes. Then d commits with the swarm.
+
+    The run lasts until d has committed a round (every peer is stopped then), not a fixed number of
+    rounds: on a loaded machine d can meet the swarm mid-transition twice, heal twice, and so need
+    several rounds before its first commit. `rounds` only bounds the run."""
+    rounds, join_at = 40, 2
     run = [*RUN[:-1], f"diloco.rounds={rounds}"]
     caplog.set_level(logging.INFO, logger="swarmtrain.peer")
 
@@ -158,7 +162,14 @@ def test_a_joiner_refuses_a_donor_serving_another_theta_and_heals_from_an_honest
         first = min(ids, key=lambda n: hashlib.sha256(f"{d_id}|{ids[n]}".encode()).digest())
         _lie(peers[first])
         tasks.append(asyncio.create_task(run_peer(peers["d"], stop)))
-        assert await asyncio.wait_for(asyncio.gather(*tasks), timeout=150) == ["done"] * 4
+        deadline = asyncio.get_running_loop().time() + 120
+        while not any(e.committed for e in outs["d"].rounds()):
+            ended = [t for t in tasks if t.done()]
+            assert not ended, (f"a peer ended before d committed: {[t.result() for t in ended]}", story(outs))
+            assert asyncio.get_running_loop().time() < deadline, ("d committed no round in 120 s", story(outs))
+            await asyncio.sleep(0.05)
+        stop.set()
+        assert await asyncio.wait_for(asyncio.gather(*tasks), timeout=60) == ["signal"] * 4
         return outs, ids[first]
 
     outs, liar = asyncio.run(main())
