@@ -1,8 +1,9 @@
-"""`benchmarks/sparse_variants.py`: its random positions are what the table says they are."""
+"""`benchmarks/sparse_variants.py`: its swapped positions and mean are what the table says they are."""
 
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -10,7 +11,10 @@ from types import ModuleType
 import pytest
 import torch
 
+import swarmtrain.averaging.inprocess as inprocess
 import swarmtrain.compress.sparse as sparse
+from swarmtrain.compress import get_codec
+from swarmtrain.compress.sparse_codec import SparseCodec
 from swarmtrain.diloco.worker import DilocoWorker
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
@@ -21,6 +25,8 @@ def variants(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     monkeypatch.syspath_prepend(str(BENCH))  # it imports convergence.py as a sibling
     # use_random_positions swaps these in place: record them so that teardown puts them back
     monkeypatch.setattr(sparse, "_select", sparse._select)
+    monkeypatch.setattr(sparse, "sparse_encode", sparse.sparse_encode)
+    monkeypatch.setattr(inprocess, "mean_of_gathered", inprocess.mean_of_gathered)
     monkeypatch.setattr(DilocoWorker, "delta", DilocoWorker.delta)
     spec = importlib.util.spec_from_file_location("sparse_variants_bench", BENCH / "sparse_variants.py")
     assert spec is not None and spec.loader is not None
@@ -35,10 +41,13 @@ def _offsets(x: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def test_parse_arm(variants: ModuleType) -> None:
-    assert variants.parse_arm("a=compress.density=0.02") == ("a", "topk", ("compress.density=0.02",))
-    assert variants.parse_arm("b=positions=own,outer.lr=1.5") == ("b", "own", ("outer.lr=1.5",))
+    assert variants.parse_arm("a=compress.density=0.02") == ("a", "topk", "mean", ("compress.density=0.02",))
+    assert variants.parse_arm("b=positions=own,outer.lr=1.5") == ("b", "own", "mean", ("outer.lr=1.5",))
+    assert variants.parse_arm("e=combine=count,positions=tensors") == ("e", "tensors", "count", ())
     with pytest.raises(SystemExit, match="positions='near'"):
         variants.parse_arm("c=positions=near")
+    with pytest.raises(SystemExit, match="combine='median'"):
+        variants.parse_arm("c=combine=median")
     with pytest.raises(SystemExit, match="give NAME="):
         variants.parse_arm("d")
 
@@ -83,3 +92,52 @@ def test_offset_bytes_is_the_offsets_region(variants: ModuleType) -> None:
     config = {"compress": {"chunk_size": 4096, "density": 0.01, "bits": 2}}
     k = 41  # round(0.01 × 4096)
     assert variants.offset_bytes(config, 3 * 4096) == 3 * -(-k * 12 // 8)
+
+
+def test_tensor_positions_split_k_by_length(variants: ModuleType) -> None:
+    # θ of 3 parameters: [0, 100) with tiny values, [100, 356) with large ones, [356, 612)
+    starts = [0, 100, 356, 612]
+    x = torch.randn(612, generator=torch.Generator().manual_seed(3))
+    x[:100] *= 1e-3
+    plain = _offsets(torch.cat([x, torch.zeros(156)]), 16)  # top-k of the same chunks (the tail padded)
+    assert int((plain[0] < 100).sum()) == 0  # top-k spends the straddling chunk on the large parameter
+    variants.use_tensor_positions(starts)
+    body = sparse.sparse_encode(x, chunk=256, k=16, bits=8)
+    out = torch.zeros(612)
+    sparse.sparse_decode_accumulate(body, numel=612, chunk=256, k=16, bits=8, out=out)
+    kept = out.nonzero().view(-1)
+    # chunk 0 = 100 + 156 values of two parameters: k 16 splits 6.25 / 9.75 -> 6 / 10
+    assert int((kept < 100).sum()) == 6 and int(((kept >= 100) & (kept < 256)).sum()) == 10
+    assert torch.equal(kept[kept < 100].sort().values, x[:100].abs().topk(6).indices.sort().values)
+    # chunk 1 = [256, 356) of the second and [356, 512) of the third: 6.25 / 9.75 -> 6 / 10
+    assert int(((kept >= 256) & (kept < 356)).sum()) == 6 and int(((kept >= 356) & (kept < 512)).sum()) == 10
+    # the last chunk ([512, 612), 100 values) lies in one parameter: its plain top-k
+    last_k = sparse.sparse_layout(612, chunk=256, k=16, bits=8).last_k
+    tail = kept[kept >= 512] - 512
+    assert torch.equal(tail, x[512:].abs().topk(last_k).indices.sort().values)
+    with pytest.raises(ValueError, match="all of θ"):
+        sparse.sparse_encode(x[:256], chunk=256, k=16, bits=8)
+
+
+def test_parameter_starts_cover_the_model(variants: ModuleType) -> None:
+    starts = variants.parameter_starts(("model.preset=tiny",))
+    assert starts[0] == 0 and starts[-1] == 131_712  # tiny's parameters, the tied head counted once
+    assert all(b > a for a, b in itertools.pairwise(starts))
+
+
+def test_count_mean_divides_by_the_members_that_sent(variants: ModuleType) -> None:
+    variants.use_count_mean()
+    codec = SparseCodec(density=0.5, bits=8, chunk_size=4)
+    a = torch.tensor([4.0, 0.0, 0.0, 2.0])
+    b = torch.tensor([2.0, 0.0, 3.0, 0.0])
+    parts = [codec.encode(a), codec.encode(b)]
+    got = inprocess.mean_of_gathered(codec, parts, out=torch.empty(4))
+    want = torch.zeros(4)
+    for part, d in zip(parts, (a, b), strict=True):
+        assert torch.equal(codec.decode(part).reshape(-1).sign(), d.sign())
+    decoded = [codec.decode(p).reshape(-1) for p in parts]
+    want[0] = (decoded[0][0] + decoded[1][0]) / 2  # both sent it
+    want[2], want[3] = decoded[1][2], decoded[0][3]  # one each: not halved
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="no contributions"):
+        inprocess.mean_of_gathered(get_codec("int8"), [], out=torch.empty(4))
