@@ -229,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
         steps = next((int(x.split("=", 1)[1]) for x in extra if x.startswith("diloco.inner_steps=")), 50)
         if 6400 % steps:
             raise SystemExit(f"--arm {name}: H={steps} does not divide the protocol's 6,400 steps per worker")
+        if combine == "count" and "averaging.combine=reencode" in extra:
+            raise SystemExit(f"--arm {name}: combine=count swaps the gathered mean; averaging.combine=reencode has none")
         # run_job sets H and the rounds (6,400 // H) from the arm's inner steps
         arm = Arm(name, "diloco", steps, overrides=(*SPARSE, *(x for x in extra if not x.startswith("diloco.inner_steps="))))
         items.append((name, positions, combine, Job("stdlib", args.seed, arm, 4, 6400, overrides)))

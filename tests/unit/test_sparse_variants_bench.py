@@ -40,7 +40,7 @@ def _offsets(x: torch.Tensor, k: int) -> torch.Tensor:
     return sparse._select(x.view(-1, 256), k)
 
 
-def test_parse_arm(variants: ModuleType) -> None:
+def test_parse_arm(variants: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
     assert variants.parse_arm("a=compress.density=0.02") == ("a", "topk", "mean", ("compress.density=0.02",))
     assert variants.parse_arm("b=positions=own,outer.lr=1.5") == ("b", "own", "mean", ("outer.lr=1.5",))
     assert variants.parse_arm("e=combine=count,positions=tensors") == ("e", "tensors", "count", ())
@@ -48,6 +48,9 @@ def test_parse_arm(variants: ModuleType) -> None:
         variants.parse_arm("c=positions=near")
     with pytest.raises(SystemExit, match="combine='median'"):
         variants.parse_arm("c=combine=median")
+    monkeypatch.setenv("SWARMTRAIN_KERNELS", "torch")  # main() sets it: teardown puts the old value back
+    with pytest.raises(SystemExit, match="has none"):
+        variants.main(["--arm", "f=combine=count,averaging.combine=reencode"])
     with pytest.raises(SystemExit, match="give NAME="):
         variants.parse_arm("d")
 
