@@ -65,6 +65,12 @@ def _metrics(text: str, keep: tuple[str, ...] = ("le",)) -> dict[str, float]:
     return out
 
 
+def _timeline_shows_rounds(rows: list[dict[str, Any]]) -> bool:
+    """Two rounds after the first at least, one of them sampled from both peers, four samples in all."""
+    later = [r for r in rows if r["round"] > 0]
+    return len(later) >= 2 and any(r["members"] == 2 for r in later) and sum(r["members"] for r in rows) >= 4
+
+
 def test_dashboard_api_and_metrics_match_the_peers_lines(tmp_path: Path) -> None:
     async def main() -> dict[str, Any]:
         services = LoopbackServices()
@@ -86,9 +92,15 @@ def test_dashboard_api_and_metrics_match_the_peers_lines(tmp_path: Path) -> None
         dashboard = Dashboard(collector, host="127.0.0.1", port=0, poll_s=3600.0)
         port = await dashboard.start()
         base = f"http://127.0.0.1:{port}"
-        # Both peers commit ROUNDS rounds; the dashboard polls meanwhile (they train on).
-        while not all(len([e for e in log.rounds() if e.committed]) >= ROUNDS for log in logs.values()):
+        # Both peers commit ROUNDS rounds and the timeline shows two rounds at least, one with both peers in it;
+        # the dashboard polls meanwhile (they train on). A poll can miss a round shorter than a heartbeat, so a
+        # fast machine may need more than ROUNDS rounds for that.
+        deadline = asyncio.get_running_loop().time() + 120.0
+        while not (all(len([e for e in log.rounds() if e.committed]) >= ROUNDS for log in logs.values())
+                   and _timeline_shows_rounds(collector.history.rounds(since=0, limit=100))):
             assert not any(r.done() and r.exception() for r in runs), [r.exception() for r in runs if r.done()]
+            assert asyncio.get_running_loop().time() < deadline, (
+                [len(log.rounds()) for log in logs.values()], collector.history.rounds(since=0, limit=100))
             await asyncio.sleep(0.1)
             await collector.poll()
         await collector.poll()
