@@ -18,7 +18,8 @@ class Member:
     bandwidth_bytes_per_s: float = 0.0  # measured; sizes its share of shards (0 = unknown)
     steps_per_s: float = 0.0  # its inner-step rate over the round it contributes (0 = unknown; diloco.pace)
     lag_s: float = 0.0  # how long its last committed round's mean took after its Δ, own clock (0 = unknown)
-    state_hash: str = ""  # hex sha256 of the θ_global it averages from; a group's members all announce one
+    state_hash: str = ""  # digest of the committed state it averages from; a group's members all announce one
+    incarnation: int = 0  # of its voter (round/ballots.py): a contributor votes in the next round as this one
 
 
 @dataclass(frozen=True)
@@ -41,8 +42,8 @@ class Group:
         carries."""
         h = hashlib.sha256(f"{self.run_id}|{self.round}|{self.attempt}|".encode())
         for m in self.members:
-            h.update(f"{m.peer_id}|{m.endpoint}|{int(m.client_mode)}|{m.steps_per_s!r}|{m.lag_s!r}|{m.state_hash};"
-                     .encode())
+            h.update(f"{m.peer_id}|{m.endpoint}|{int(m.client_mode)}|{m.steps_per_s!r}|{m.lag_s!r}|{m.state_hash}|"
+                     f"{m.incarnation};".encode())
         return h.hexdigest()[:32]
 
     @property

@@ -160,6 +160,9 @@ class Matchmaker:
         if own.posted_at > close_at:
             return self._late(round_index, attempt, close_at, own.posted_at)
         group_hash, agreeing = _agreeing([e for e in entries if e.posted_at <= close_at])
+        if not agreeing:
+            return self._skip(round_index, "", "no committed state is announced by most of the attempt's entries",
+                              attempt=attempt, retry_at=close_at + self.attempt_span_s)
         if member.state_hash != group_hash:
             return self._diverged(round_index, attempt, member.state_hash, group_hash, close_at)
         leader_id = agreeing[0].member.peer_id
@@ -222,7 +225,10 @@ class Matchmaker:
         "too small" record that had not landed yet would make the newcomer wait out the whole attempt
         span while the leader opened the next attempt alone, and the two would miss each other.
         """
-        leader_id = _agreeing([e for e in entries if e.posted_at <= close_at])[1][0].member.peer_id
+        agreeing = _agreeing([e for e in entries if e.posted_at <= close_at])[1]
+        if not agreeing:  # no state most of them hold: no group forms, the attempt ends with its span
+            return self._now() >= close_at + self.attempt_span_s
+        leader_id = agreeing[0].member.peer_id
         decided_by = close_at + self.settle_s + self.decision_timeout_s
         while True:
             if self._now() >= close_at + self.attempt_span_s:
@@ -318,10 +324,12 @@ class Matchmaker:
 
 
 def _agreeing(eligible: Sequence[MatchEntry]) -> tuple[str, list[MatchEntry]]:
-    """The θ hash most of `eligible` (sorted by peer id) announce, ties to the smallest id's, and its entries."""
+    """The state digest a strict majority of `eligible` (sorted by peer id) announce, and its entries; ("", [])
+    when none has one (a plurality could be won by made-up identities: no group forms then)."""
     counts = Counter(e.member.state_hash for e in eligible)
-    top = max(counts.values())
-    group_hash = next(e.member.state_hash for e in eligible if counts[e.member.state_hash] == top)
+    group_hash, top = counts.most_common(1)[0]
+    if 2 * top <= len(eligible):
+        return "", []
     return group_hash, [e for e in eligible if e.member.state_hash == group_hash]
 
 

@@ -1,82 +1,154 @@
-"""NetworkAverager: the Averager protocol over the gRPC butterfly all-reduce (a blocking facade)."""
+"""NetworkAverager: one peer's side of a scope's rounds on an RpcNode: its reducer, its voter, its proposer and
+learner, the material it holds, wired to the gRPC transports; and a blocking facade for callers that hand it a
+group (benchmarks, tests, local islands).
+
+Everything here lives on the node's event loop; `NetworkPlane` (peer/network.py) awaits it from the peer's.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
 import dataclasses
+import hashlib
 import logging
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 
 from swarmtrain.averaging.aggregate import Aggregation
 from swarmtrain.averaging.allreduce import AllReduce
-from swarmtrain.averaging.ballot import VoteBook
+from swarmtrain.averaging.deciding import Decider
+from swarmtrain.averaging.fetching import MaterialFetcher
 from swarmtrain.averaging.group import Group
-from swarmtrain.averaging.protocol import AverageResult, Delta
-from swarmtrain.averaging.reducer import ReducerRegistry
+from swarmtrain.averaging.material import MaterialStore, check_shard
+from swarmtrain.averaging.protocol import AverageResult, Delta, ShardedMean
+from swarmtrain.averaging.reducer import ReducerRegistry, max_encoded_bytes
+from swarmtrain.averaging.rounds import Electorate, Preview, RoundAverager
+from swarmtrain.averaging.transport import GrpcReduceTransport
+from swarmtrain.averaging.voting import CheckResult, VoterService
 from swarmtrain.compress import Codec
 from swarmtrain.config import AveragingConfig
+from swarmtrain.round.ballots import Voter
+from swarmtrain.round.messages import Contact
+from swarmtrain.rpc.averaging_client import AveragingClient
 from swarmtrain.rpc.averaging_wire import serve_averaging
-from swarmtrain.rpc.faults import FaultHook
+from swarmtrain.rpc.consensus_wire import GrpcConsensusTransport, serve_consensus
 from swarmtrain.rpc.node import RpcNode
+from swarmtrain.sync.votes import FileVoteStore, MemoryVoteStore, VoteStore
+from swarmtrain.trust.identity import Identity, KeyBinding, verifier
 
 __all__ = ["GroupProvider", "NetworkAverager"]
 
 log = logging.getLogger(__name__)
 
+ANY_SIZE_BYTES = 1 << 34  # what a facade built without a size fetches of a value's material at most
 # Returns round r's group (this peer among its members), or None when no group formed.
-# Called on the averaging caller's thread; it may block (matchmaking) but must honour its own deadline.
 GroupProvider = Callable[[int], Group | None]
 
 
 class NetworkAverager:
-    """Averages one flat fp32 pseudo-gradient per round with the round's group.
+    """A scope's reducer, voter and proposer on `node`. Construct before `node.start()` (it registers the
+    Averaging and Consensus services unless the node is client-mode).
 
-    Construct it before `node.start()` (it registers the Averaging service unless the node is
-    client-mode). `average()` blocks until the round commits or aborts, at most
-    `averaging.allreduce_timeout_s` after its group is known.
-    """
+    `votes_dir` keeps the voter's votes and the material it accepted on disk (the checkpoint directory);
+    without it they live in memory and the voter is a new incarnation at every start. `numel` is the part's
+    size (values of another size are refused); 0 takes any size (a facade whose callers pick the size)."""
 
-    def __init__(self, node: RpcNode, *, run_id: str, group_provider: GroupProvider, codec: Codec,
-                 cfg: AveragingConfig, fault_hook: FaultHook | None = None, votes: VoteBook | None = None) -> None:
+    def __init__(self, node: RpcNode, *, run_id: str, run_nonce: str = "", codec: Codec, cfg: AveragingConfig,
+                 identity: Identity, key_binding: KeyBinding, numel: int, scope: str = "",
+                 votes_dir: str | Path | None = None, round_now: Callable[[], int] | None = None,
+                 check_result: CheckResult | None = None, group_provider: GroupProvider | None = None,
+                 incarnation: int | None = None) -> None:
+        """`incarnation` fixes the voter's first incarnation without `votes_dir` (fixed groups of tests and
+        benchmarks, whose members are all incarnation 0)."""
         self.node = node
         self.run_id = run_id
-        self.group_provider = group_provider
+        self.scope = scope
         self.cfg = cfg
+        self.codec = codec
+        self.group_provider = group_provider
+        self.run = f"{run_id}/{run_nonce}"
         self._reported: tuple[int, int] = (0, 0)  # node counter totals at the last reported result
+        self._facade_round = 0  # the newest round `average` was asked for: a facade's part round
+        if round_now is None:
+            round_now = lambda: self._facade_round  # noqa: E731
         self.registry = ReducerRegistry(peer_id=node.peer_id, run_id=run_id, codec=codec,
                                         window_s=cfg.contribution_window_s, open_wait_s=cfg.allreduce_timeout_s,
-                                        fault_hook=fault_hook, buffers=node.buffers, votes=votes,
-                                        aggregation=Aggregation(cfg.aggregator, cfg.trim,
-                                                                    gather=cfg.gathers(codec.name)))
-        self.allreduce = AllReduce(node, self.registry, codec=codec, cfg=cfg, fault_hook=fault_hook)
+                                        buffers=node.buffers,
+                                        aggregation=Aggregation(cfg.aggregator, cfg.trim, gather=cfg.gathers(codec.name)))
+        client = AveragingClient(node)
+        self.allreduce = AllReduce(GrpcReduceTransport(client, self.registry, peer_id=node.peer_id), self.registry,
+                                   peer_id=node.peer_id, codec=codec, cfg=cfg, buffers=node.buffers)
+        self.materials = MaterialStore(spill_dir=votes_dir, scope=scope)
+        transport = GrpcConsensusTransport(node)
+        self.fetcher = MaterialFetcher(transport=transport, store=self.materials, scope=scope, self_id=node.peer_id,
+                                       check=lambda layout, j, blob: check_shard(codec, layout, j, blob),
+                                       max_bytes=max_encoded_bytes(numel) + (numel // 1024 + 1) * 64
+                                       if numel else ANY_SIZE_BYTES)
+        store: VoteStore = FileVoteStore(votes_dir) if votes_dir else MemoryVoteStore(incarnation=incarnation)
+        self.voter = VoterService(scope=scope, run=self.run, identity=identity, store=store, materials=self.materials,
+                                  fetcher=self.fetcher, round_now=round_now, numel=numel, codec=codec.name,
+                                  check_result=check_result)
+        self.decider = Decider(transport=transport, run=self.run, scope=scope,
+                               me=Contact(node.peer_id, ""), verify=verifier(key_binding), materials=self.materials,
+                               fetcher=self.fetcher)
+        self.averager = RoundAverager(allreduce=self.allreduce, voter=self.voter, decider=self.decider,
+                                      materials=self.materials, codec=codec, scope=scope,
+                                      decision_timeout_s=2 * node.cfg.call_timeout_s)
         if node.serve:
             serve_averaging(node, self.registry)
+            serve_consensus(node, lambda: {self.scope: self.voter})
+
+    def started(self) -> None:
+        """The node listens: this peer's proposals name its endpoint as the holder of their material."""
+        self.decider.me = Contact(self.node.peer_id, self.node.endpoint)
 
     def unreported_bytes(self) -> tuple[int, int]:
         """(sent, received) data-plane bytes since the last `average` result (for the leave line)."""
         sent, received = self.node.counters.totals()
         return sent - self._reported[0], received - self._reported[1]
 
+    def take_bytes(self) -> tuple[int, int]:
+        """(sent, received) since the last call: what the round just ended moved."""
+        sent0, received0 = self._reported
+        sent1, received1 = self._reported = self.node.counters.totals()
+        return sent1 - sent0, received1 - received0
+
+    # ------------------------------------------------------------------ on the node's loop
+
+    async def average_async(self, group: Group, delta: Delta, *, base: str, electorate: Electorate,
+                            preview: Preview) -> AverageResult:
+        deadline = asyncio.get_running_loop().time() + self.cfg.allreduce_timeout_s
+        return await self.averager.average(group, delta, base=base, electorate=electorate, deadline=deadline,
+                                           preview=preview)
+
     def drain(self, *, timeout_s: float) -> tuple[str, ...]:
+        """Blocking `drain_async`."""
+        if not self.node.serve:
+            return ()
+        return self.node.run(self.drain_async(timeout_s=timeout_s), timeout_s=timeout_s + 5.0)
+
+    async def drain_async(self, *, timeout_s: float) -> tuple[str, ...]:
         """Before leaving: wait until the members of the last served round have pulled this peer's means."""
         if not self.node.serve:
             return ()
-        missing = self.node.run(self.registry.drain(timeout_s=timeout_s), timeout_s=timeout_s + 5.0)
+        missing = await self.registry.drain(timeout_s=timeout_s)
         if missing:
             log.warning("%s: leaving before %s pulled the means it reduced", self.node.peer_id, list(missing))
         return missing
 
-    def average(self, round_index: int, delta: Delta, *, electorate: tuple[str, ...] = ()) -> AverageResult:
-        """The Averager protocol: the group's mean of `delta` (flat fp32, or read a slice at a time) for round
-        `round_index`.
+    # ------------------------------------------------------------------ a blocking facade
 
-        `electorate`: the members of the commit that produced this peer's θ_global (see allreduce.py)."""
+    def average(self, round_index: int, delta: Delta, *, voters: Sequence[Voter] | None = None) -> AverageResult:
+        """The group's mean of `delta` in round `round_index` (flat fp32, or read a slice at a time), decided by
+        `voters` (default: the group's reducers, as a scope's genesis would name them). Blocking."""
         if isinstance(delta, torch.Tensor) and (delta.dim() != 1 or delta.dtype != torch.float32):
             raise ValueError(f"average: delta must be a flat float32 tensor, got {delta.dtype} {tuple(delta.shape)}")
+        if self.group_provider is None:
+            raise ValueError("average: this averager was built without a group provider")
+        self._facade_round = max(self._facade_round, round_index)
         group = self.group_provider(round_index)
         if group is None:
             return AverageResult(round_index, False, None, reason="no group formed for this round")
@@ -86,24 +158,31 @@ class NetworkAverager:
         me = group.members[group.index_of(self.node.peer_id)]
         if not me.client_mode and not self.node.serve:
             raise ValueError(f"average: {me.peer_id} is a reducer in the group but its RpcNode does not serve")
-        # Bytes moved since the previous call (means served to slow members, state served to joiners)
-        # count towards this round: they are on the wire too, and nothing else reports them.
-        sent0, received0 = self._reported
-        timeout_s = self.cfg.allreduce_timeout_s
-        deadline = time.monotonic() + timeout_s
-        started = time.monotonic()
+        chosen = tuple(voters) if voters is not None else tuple(Voter(m.peer_id, m.incarnation) for m in group.reducers)
+        electorate = Electorate(chosen, {}, {m.peer_id: Contact(m.peer_id, m.endpoint) for m in group.members})
+        timeout_s = self.cfg.allreduce_timeout_s + 4 * self.node.cfg.call_timeout_s
+        self.decider.me = Contact(self.node.peer_id, self.node.endpoint)
+
+        async def digest(mean: ShardedMean, next_voters: tuple[Voter, ...]) -> str:
+            return _mean_digest(mean, round_index, next_voters)
+
         try:
-            result = self.node.run(self.allreduce.run(group, delta, deadline=deadline,
-                                                      electorate=electorate), timeout_s=timeout_s + 5.0)
+            result = self.node.run(self.average_async(group, delta, base="", electorate=electorate, preview=digest),
+                                   timeout_s=timeout_s + 5.0)
         except TimeoutError as e:
             result = AverageResult(round_index, False, None, tuple(m.peer_id for m in group.members),
                                    reason=f"deadline: {e}")
         except (concurrent.futures.CancelledError, asyncio.CancelledError):
-            # The node's loop cancelled the round (it is closing): an abort, never an exception for the caller.
             result = AverageResult(round_index, False, None, tuple(m.peer_id for m in group.members),
                                    reason="the all-reduce was cancelled (this peer's rpc node is closing)")
-        sent1, received1 = self._reported = self.node.counters.totals()
-        log.info("%s: round %d %s in %.3fs (sent %d B, received %d B)", self.node.peer_id, round_index,
-                 "committed" if result.committed else "aborted", time.monotonic() - started, sent1 - sent0,
-                 received1 - received0)
-        return dataclasses.replace(result, bytes_sent=sent1 - sent0, bytes_received=received1 - received0)
+        sent, received = self.take_bytes()
+        return dataclasses.replace(result, bytes_sent=sent, bytes_received=received)
+
+
+def _mean_digest(mean: ShardedMean, round_index: int, next_voters: tuple[Voter, ...]) -> str:
+    """A `result` for callers that hold no θ_global of their own (the facade): a digest of the mean itself."""
+    h = hashlib.sha256(f"{round_index}|{[tuple(v) for v in next_voters]}".encode())
+    for _, piece in mean.pieces():
+        h.update(memoryview(piece.numpy()).cast("B"))
+    return h.hexdigest()
+

@@ -8,6 +8,8 @@ from typing import Protocol
 
 import torch
 
+from swarmtrain.round.certificate import Certificate
+
 __all__ = ["AverageResult", "Averager", "Delta", "DeltaSource", "MeanShard", "ShardedMean", "mean_tensor", "reader"]
 
 
@@ -102,6 +104,10 @@ class AverageResult:
     # Set when this peer was left out because the round's group averages from another θ_global: the
     # hash that group announced, which this peer must heal to (its own θ_global went astray).
     heal_to_hash: str = ""
+    # A commit's proof (round/certificate.py): its value names the next round's voters.
+    certificate: Certificate | None = None
+    # Not committed here, but the round is decided (this certificate); its material was not to be had.
+    known: Certificate | None = None
 
     def mean_tensor(self) -> torch.Tensor | None:
         """The mean as one flat fp32 tensor (None when the round did not commit)."""

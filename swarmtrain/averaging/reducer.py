@@ -8,9 +8,10 @@ group order (so the result never depends on arrival order), divided by their num
 A gathering reducer (sparse codecs, aggregate.py) serves the contributions over the intersection
 instead, less the caller's own, and each member averages them.
 
-A reducer serves the means of any session; what keeps a round to one mean is the vote a member needs
-from a majority of the round's voters before it commits (ballot.py, allreduce.py). This peer's own vote
-lives here too, so a stalled reducer can delay a round but never block its retries.
+A reducer serves the means of any session; what keeps a round to one mean is the round's decision among
+its voters (deciding.py, voting.py). Bounds: every wait on a session ends with its window (a dropped
+session wakes its waiters with a refusal), and a session caches the means of at most
+`MAX_MEANS_PER_SESSION` contributor sets (honest members all ask for one).
 """
 
 from __future__ import annotations
@@ -18,19 +19,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from swarmtrain.averaging.aggregate import Aggregation, aggregate_encoded, pack_bundle
-from swarmtrain.averaging.ballot import VoteBook
 from swarmtrain.averaging.group import Group
 from swarmtrain.compress import Codec, CodecError
 from swarmtrain.rpc.averaging_wire import PushHeader, SessionKey
 from swarmtrain.rpc.buffers import BufferPool
-from swarmtrain.rpc.faults import FaultHook, FaultSite
 from swarmtrain.rpc.node import Rejected
 
 __all__ = ["ENCODED_SLACK_BYTES", "ReducerRegistry", "max_encoded_bytes", "shard_bounds"]
@@ -38,6 +36,7 @@ __all__ = ["ENCODED_SLACK_BYTES", "ReducerRegistry", "max_encoded_bytes", "shard
 log = logging.getLogger(__name__)
 
 ENCODED_SLACK_BYTES = 64 << 10  # codec header + shape + block scales beyond 4 bytes per value
+MAX_MEANS_PER_SESSION = 4
 
 
 def max_encoded_bytes(numel: int) -> int:
@@ -83,14 +82,14 @@ class _Session:
     fetched: set[str] = field(default_factory=set)  # members that pulled a mean: a leaving peer waits for them
     mean_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     timer: asyncio.TimerHandle | None = None
+    dropped: bool = False  # forgotten (its round is stale): waiters wake and are refused
 
 
 class ReducerRegistry:
     """Implements `rpc.averaging_wire.ReducerSink` for one peer. Lives on the RpcNode's loop."""
 
     def __init__(self, *, peer_id: str, run_id: str, codec: Codec, window_s: float, open_wait_s: float,
-                 fault_hook: FaultHook | None = None, buffers: BufferPool | None = None,
-                 votes: VoteBook | None = None, aggregation: Aggregation | None = None) -> None:
+                 buffers: BufferPool | None = None, aggregation: Aggregation | None = None) -> None:
         self.peer_id = peer_id
         self.aggregation = aggregation if aggregation is not None else Aggregation()
         # decoded shards and mean accumulators live in reused memory: a fresh payload-sized tensor costs
@@ -100,10 +99,8 @@ class ReducerRegistry:
         self.codec = codec
         self.window_s = window_s
         self.open_wait_s = open_wait_s
-        self.fault_hook = fault_hook
         self._rounds: dict[int, _Round] = {}
         self._sessions: dict[str, _Session] = {}
-        self.votes = votes if votes is not None else VoteBook()
         self._served: tuple[int, str] | None = None  # (round, session) of the newest mean served: drain() waits on it
         self._abandoned: dict[int, set[str]] = {}  # groups the local member gave up on, per round
         self._min_round = 0
@@ -128,7 +125,6 @@ class ReducerRegistry:
             self._drop(sid)
         for r in [r for r in self._rounds if r < self._min_round]:
             del self._rounds[r]
-        self.votes.forget_before(self._min_round)
         for r in [r for r in self._abandoned if r < self._min_round]:
             del self._abandoned[r]
         async with self.changed:
@@ -157,6 +153,8 @@ class ReducerRegistry:
         s = self._sessions.pop(sid)
         if s.timer is not None:
             s.timer.cancel()
+        s.dropped = True
+        s.closed.set()  # its waiters wake and are refused
         if s.mean_lock.locked():
             return  # a straggler's mean is being computed from these tensors: let them be freed, not reused
         s.received.clear()
@@ -207,13 +205,14 @@ class ReducerRegistry:
 
     async def _session(self, key: SessionKey) -> _Session:
         """The session for `key`, waiting (bounded) for the local member to open its round."""
-        deadline = time.monotonic() + self.open_wait_s
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.open_wait_s
         async with self.changed:
             while True:
                 session = self._session_or_open(key)
                 if session is not None:
                     return session
-                left = deadline - time.monotonic()
+                left = deadline - loop.time()
                 if left <= 0:
                     raise Rejected(f"no session for round {key.round} attempt {key.attempt}", kind="not_found")
                 try:
@@ -275,20 +274,27 @@ class ReducerRegistry:
         if s.expected <= set(s.received):
             self._close(s)
 
+    async def _closed(self, s: _Session) -> None:
+        """Wait until `s`'s window closed (bounded by it); refused if it was dropped meanwhile."""
+        try:
+            await asyncio.wait_for(s.closed.wait(), timeout=self.window_s + 1.0)
+        except TimeoutError:  # its timer cannot be late by a second: the loop was starved or the session lost
+            raise Rejected(f"shard {s.shard} of round {s.key.round} did not close in time", kind="aborted") from None
+        if s.dropped:
+            raise Rejected(f"round {s.key.round} is stale here: its session was dropped", kind="precondition")
+
     async def contributors(self, key: SessionKey, shard: int, *, peer: str) -> tuple[str, ...]:
-        await self._fault(key.round, "contributors", peer)
         s = await self._session(key)
         if shard != s.shard:
             raise Rejected(f"shard {shard} is not reduced here (this peer reduces shard {s.shard})")
-        await s.closed.wait()
+        await self._closed(s)
         return s.contributors
 
     async def mean(self, key: SessionKey, shard: int, contributors: tuple[str, ...], *, peer: str) -> bytes:
-        await self._fault(key.round, "mean", peer)
         s = await self._session(key)
         if shard != s.shard:
             raise Rejected(f"shard {shard} is not reduced here (this peer reduces shard {s.shard})")
-        await s.closed.wait()
+        await self._closed(s)
         if not contributors or not set(contributors) <= set(s.contributors) or len(set(contributors)) != len(
                 contributors):
             raise Rejected(f"contributors {list(contributors)} are not a subset of shard {s.shard}'s "
@@ -300,6 +306,9 @@ class ReducerRegistry:
             return pack_bundle([s.received[p] for p in order if p != peer])
         async with s.mean_lock:
             data = s.means.get(tuple(order))
+            if data is None and len(s.means) >= MAX_MEANS_PER_SESSION:
+                raise Rejected(f"shard {s.shard} already serves means of {len(s.means)} contributor sets",
+                               kind="too_large")
             if data is None:
                 parts = [s.received[p] for p in order]
                 view, acc = self._fp32(s.numel)
@@ -341,29 +350,6 @@ class ReducerRegistry:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.changed.wait(), timeout=remaining)
         return tuple(sorted(missing()))
-
-    async def vote(self, key: SessionKey, *, peer: str) -> tuple[bool, str]:
-        """This peer's vote of `key.round` for session `key` (ballot.py); refused for another run."""
-        await self._fault(key.round, "vote", peer)
-        if key.run_id != self.run_id:
-            raise Rejected(f"run {key.run_id!r} is not this peer's run {self.run_id!r}", kind="precondition")
-        if self.votes.path is None:  # nothing to write: no thread hop
-            granted, held = self.votes.vote(key.round, key.session_id)
-        else:  # an fsync before the vote counts
-            granted, held = await asyncio.to_thread(self.votes.vote, key.round, key.session_id)
-        if not granted:
-            log.info("%s: refused %s its vote of round %d (%s)", self.peer_id, peer, key.round,
-                     f"given to {held}" if held else "round forgotten")
-        return granted, held
-
-    async def _fault(self, round_index: int, call: str, target: str) -> None:
-        fault = self.fault_hook(FaultSite(self.peer_id, round_index, call, target)) if self.fault_hook else None
-        if fault is None:
-            return
-        if fault.action == "delay":
-            await asyncio.sleep(fault.delay_s)
-        elif fault.action == "drop":
-            raise Rejected("dropped by fault injection", kind="precondition")
 
 
 def _own_checked(codec: Codec, payload: bytes | bytearray | memoryview, own: memoryview, numel: int) -> None:

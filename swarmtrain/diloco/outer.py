@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
+import blake3
 import torch
 
 from swarmtrain.config import OuterConfig
@@ -62,19 +63,48 @@ class OuterOptimizer:
         for lo, grad in pieces():
             self._apply(theta, grad.to(device=theta.device, dtype=torch.float32), lo)
 
-    def _apply(self, theta: torch.Tensor, grad: torch.Tensor, offset: int) -> None:
-        """The update of θ[offset : offset + len(grad)] and its momentum, in slices of STEP_SLICE."""
+    def preview_pieces(self, theta: torch.Tensor,
+                       pieces: Callable[[], Iterable[tuple[int, torch.Tensor]]]) -> tuple[bytes, bytes | None]:
+        """The BLAKE3 digests of θ and of the momentum buffer (None without one) as `step_pieces(theta, pieces)`
+        would leave them, neither changed: the same slices through the same operations, on copies of one slice
+        at a time, so the digests are those of the step's bits (a round's value names its result before it
+        commits)."""
+        if theta.shape != (self.numel,):
+            raise ValueError(f"outer step: theta shape {tuple(theta.shape)} must be ({self.numel},)")
+        hashes = (blake3.blake3(), None if self.momentum_buffer is None else blake3.blake3())
+        at = 0
+        for lo, grad in pieces():
+            if lo != at or grad.dim() != 1 or lo + grad.numel() > self.numel:
+                raise ValueError(f"outer step: a piece of {grad.numel()} values at {lo} does not follow value {at}")
+            if count_non_finite(grad):
+                raise ValueError("outer step: the averaged pseudo-gradient contains NaN/Inf")
+            self._apply(theta, grad.to(device=theta.device, dtype=torch.float32), lo, into=hashes)
+            at = lo + grad.numel()
+        if at != self.numel:
+            raise ValueError(f"outer step: the pieces cover {at} of {self.numel} values")
+        return hashes[0].digest(), None if hashes[1] is None else hashes[1].digest()
+
+    def _apply(self, theta: torch.Tensor, grad: torch.Tensor, offset: int,
+               into: tuple[blake3.blake3, blake3.blake3 | None] | None = None) -> None:
+        """The update of θ[offset : offset + len(grad)] and its momentum, in slices of STEP_SLICE; with `into`,
+        of copies of each slice, whose bytes go to those hashes instead."""
         buf = self.momentum_buffer
         for lo in range(0, grad.numel(), STEP_SLICE):
             g = grad[lo:lo + STEP_SLICE]
             t = theta[offset + lo:offset + lo + g.numel()]
-            if buf is None:
+            b = None if buf is None else buf[offset + lo:offset + lo + g.numel()]
+            if into is not None:
+                t, b = t.clone(), None if b is None else b.clone()
+            if b is None:
                 update = g
             else:
-                b = buf[offset + lo:offset + lo + g.numel()]
                 b.mul_(self.cfg.momentum).add_(g)
                 update = g.add(b, alpha=self.cfg.momentum) if self.cfg.nesterov else b
             t.add_(update, alpha=-self.cfg.lr)
+            if into is not None:
+                into[0].update(memoryview(t.detach().cpu().numpy()).cast("B"))
+                if b is not None and into[1] is not None:
+                    into[1].update(memoryview(b.detach().cpu().numpy()).cast("B"))
 
     def preview(self, theta: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         """θ after `step(theta, grad)`, as a new tensor; neither `theta` nor the momentum buffer change."""

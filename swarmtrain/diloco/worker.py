@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import blake3
 import torch
 from torch import nn
 
@@ -15,7 +16,16 @@ from swarmtrain.averaging.protocol import Averager, AverageResult, ShardedMean, 
 from swarmtrain.compress.codec import Codec
 from swarmtrain.config import RunConfig
 from swarmtrain.diloco.eager import EagerScale, dot_with_mean
-from swarmtrain.diloco.flat import PseudoGradient, assign_flat, flat_hash, flatten, pseudo_gradient, snapshot
+from swarmtrain.diloco.flat import (
+    PseudoGradient,
+    assign_flat,
+    combine_digest,
+    flat_hash,
+    flatten,
+    pseudo_gradient,
+    snapshot,
+    state_digest,
+)
 from swarmtrain.diloco.fragments import Ranges, fragment_params, fragment_ranges, gather, scatter_
 from swarmtrain.diloco.inner import (
     build_inner_optimizer,
@@ -27,6 +37,7 @@ from swarmtrain.diloco.inner import (
 from swarmtrain.diloco.outer import STEP_SLICE, OuterOptimizer, count_non_finite
 from swarmtrain.diloco.pace import RoundBudget
 from swarmtrain.diloco.steps import BatchStream, Carry, DeltaError, InnerStats, InnerStep, RoundReport
+from swarmtrain.round.ballots import BallotError, Voter, voters_from_json, voters_to_json
 
 __all__ = ["BatchStream", "Carry", "DeltaError", "DilocoWorker", "InnerStats", "InnerStep", "RoundReport", "resolve_device"]
 
@@ -90,13 +101,14 @@ class DilocoWorker:
         self.outer = OuterOptimizer(cfg.outer, numel=self.numel)
         self.inner = build_inner_optimizer(self.model, cfg.inner)
         self.round = 0
-        # The peers whose commit produced θ_global: a strict majority of them must take part in the next
-        # commit (averaging/allreduce.py's commit rule). Empty before the first commit, or unknown.
-        self.members: tuple[str, ...] = ()
+        # Who decides the next round (round/ballots.py): the voters the commit that produced θ_global named.
+        # Empty before the first commit (the scope's genesis decides round 0).
+        self.voters: tuple[Voter, ...] = ()
         self.inner_step = 0  # inner steps this worker took in all (statistics and checkpoints)
         self.round_step = 0  # inner steps taken at `round` (the schedule's position within the round)
         self._sent_early = False  # overlapped: Δ of `round` is out, and the steps now taken are round + 1's
         self._hash: tuple[int, str] | None = None  # (θ_global version, its hash): hashed once per change
+        self._digest: tuple[int, str] | None = None  # (θ_global version, the state digest): likewise
         self._theta_version = 0
         self._local_version = 0  # changes with every change of θ_local (an inner step, an assignment)
         # Held while θ_global, the outer momentum, the round and the members change together (an outer
@@ -322,7 +334,7 @@ class DilocoWorker:
         whose Δs agree only in part.
         """
         gathered = self.residual is not None and self.cfg.averaging.gathers(self.cfg.compress.codec)
-        own = 1.0 / max(1, len(self.members)) if gathered else 1.0
+        own = 1.0 / max(1, len(self.voters)) if gathered else 1.0
         return own if self.cfg.diloco.eager == "own" else self._eager.value(own)
 
     def _fragment_outer(self, frag: Ranges) -> OuterOptimizer:
@@ -364,7 +376,8 @@ class DilocoWorker:
                 else:
                     self._step_fragment(frag, mean)
                 self._theta_version += 1
-                self.members = tuple(result.members)
+                if result.certificate is not None:
+                    self.voters = result.certificate.value.next_voters
                 self.round += 1
             if carry is not None and carry.sent is not None:
                 self._eager.observe(carry.sent, dot_with_mean(carry.sent, mean))
@@ -468,11 +481,43 @@ class DilocoWorker:
         self._hash = (version, digest)
         return digest
 
+    def digest(self) -> str:
+        """The committed state's digest (round, θ_global, outer momentum, voters: diloco.flat.state_digest),
+        computed once per change of θ_global and cached; safe to call from a worker thread after a change."""
+        version = self._theta_version
+        cached = self._digest
+        if cached is not None and cached[0] == version:
+            return cached[1]
+        digest = state_digest(self.round, self.theta_global.detach().cpu(), self.outer.momentum_buffer, self.voters)
+        self._digest = (version, digest)
+        return digest
+
+    def preview(self, mean: ShardedMean | torch.Tensor, next_voters: Sequence[Voter]) -> str:
+        """The digest of the committed state that `apply` of a commit with `mean` (naming `next_voters`) would
+        leave, θ_global and the momentum untouched: the same slices through the same outer step, hashed as
+        they are made (no model-sized copy)."""
+        frag = self.fragment()
+        if frag is not None:
+            return self._preview_fragment(frag, mean_tensor(mean).reshape(-1), next_voters)
+        pieces = mean.pieces if isinstance(mean, ShardedMean) else (lambda: iter([(0, mean.reshape(-1))]))
+        theta_digest, momentum_digest = self.outer.preview_pieces(self.theta_global, pieces)
+        return combine_digest(self.round + 1, self.numel, theta_digest, momentum_digest, next_voters)
+
+    def _preview_fragment(self, frag: Ranges, mean: torch.Tensor, next_voters: Sequence[Voter]) -> str:
+        outer = self._fragment_outer(frag)
+        theta = gather(self.theta_global.detach().cpu(), frag)
+        outer.step(theta, mean)
+        buf = self.outer.momentum_buffer
+        theta_digest = _digest_replaced(self.theta_global.detach().cpu(), frag, theta)
+        momentum_digest = None if buf is None or outer.momentum_buffer is None else \
+            _digest_replaced(buf, frag, outer.momentum_buffer)
+        return combine_digest(self.round + 1, self.numel, theta_digest, momentum_digest, next_voters)
+
     def adopt_global(self, *, round_index: int, theta_global: torch.Tensor, outer_momentum: torch.Tensor | None,
-                     keep_progress: bool = False, members: Sequence[str] = ()) -> None:
+                     keep_progress: bool = False, voters: Sequence[Voter] = ()) -> None:
         """Install θ_global/outer momentum/round received from a peer (joining, healing, island broadcast).
 
-        `members`: the peers whose commit produced that θ_global (the next round's electorate; empty = unknown).
+        `voters`: who decides the next round (the state's voters; empty: the scope's genesis).
 
         θ_local restarts from the new θ_global, or with `keep_progress` (`diloco.overlap`, a peer one
         round late) keeps its unsent steps on top of it: θ_local ← θ_global(new) − (θ_global − θ_local).
@@ -489,9 +534,13 @@ class DilocoWorker:
             if round_index != self.round:
                 self.round_step = 0
             self.round, self._sent_early = round_index, False
-            self.members = tuple(members)
+            self.voters = tuple(voters)
         self._pending_residual = None
         self._set_local(self.theta_global if progress is None else self.theta_global.detach().cpu() + progress)
+
+    def discard_pending_residual(self) -> None:
+        """The Δ just taken is not in the mean about to be applied: what the codec lost of it is no residual."""
+        self._pending_residual = None
 
     def forget_residual(self) -> None:
         """After a heal: drop the error-feedback residual (the inner optimizer's moments are kept).
@@ -539,7 +588,7 @@ class DilocoWorker:
         meta: dict[str, Any] = {
             "format": STATE_FORMAT, "round": self.round, "inner_step": self.inner_step,
             "round_step": self.round_step, "numel": self.numel,
-            "inner_optimizer": inner_meta, "data": data_state, "members": list(self.members),
+            "inner_optimizer": inner_meta, "data": data_state, "voters": voters_to_json(self.voters),
             "eager": self._eager.state(),
         }
         return tensors, meta
@@ -577,10 +626,28 @@ class DilocoWorker:
             self.batches.load_state_dict(meta["data"])
         self._rng_state = tensors["rng.cpu"].clone()
         self.round = int(meta["round"])
-        # Written before commits recorded their members: unknown, so the next round falls back to the group rule.
-        self.members = tuple(str(m) for m in meta.get("members", ()))
+        # Written before commits named their voters: none, so the next round asks the scope's genesis.
+        try:
+            self.voters = voters_from_json(meta.get("voters", []), what="worker state voters")
+        except BallotError as e:
+            raise ValueError(str(e)) from None
         self.inner_step = int(meta["inner_step"])
         # A checkpoint written before the schedule followed the round resumes at the round's first position.
         self.round_step = int(meta.get("round_step", 0))
         self._pending_residual = None
         self._eager = eager
+
+
+def _digest_replaced(flat: torch.Tensor, frag: Ranges, values: torch.Tensor) -> bytes:
+    """`tensor_digest` of `flat` with its `frag` ranges replaced by `values` (their concatenation), streamed:
+    what a fragment's outer step leaves, without a model-sized copy."""
+    h = blake3.blake3()
+    at = taken = 0
+    for lo, hi in sorted(frag):
+        if lo > at:
+            h.update(memoryview(flat[at:lo].contiguous().numpy()).cast("B"))
+        h.update(memoryview(values[taken:taken + hi - lo].contiguous().numpy()).cast("B"))
+        taken, at = taken + hi - lo, hi
+    if at < flat.numel():
+        h.update(memoryview(flat[at:].contiguous().numpy()).cast("B"))
+    return h.digest()

@@ -1,30 +1,41 @@
-"""The coordinator's control-plane duty: publish the signed run record and keep its round current."""
+"""The coordinator's control-plane duty: publish the signed run record, keep its round current, and fix each
+averaging scope's genesis (the voters of its first round) once, from the first peers that serve it."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import secrets
+from collections.abc import Mapping, Sequence
 
 from swarmtrain.config import RunConfig, public_dict
 from swarmtrain.discovery.protocol import Discovery, DiscoveryError, RunConflictError
-from swarmtrain.discovery.records import RunRecord
+from swarmtrain.discovery.records import PeerRecord, RunRecord
+from swarmtrain.round.ballots import Genesis, Voter
 
-__all__ = ["RunPublisher", "with_run_nonce"]
+__all__ = ["RunPublisher", "existing_run", "next_genesis", "scope_of", "with_run_nonce"]
 
 log = logging.getLogger(__name__)
 
 
-async def with_run_nonce(discovery: Discovery, cfg: RunConfig, *, timeout_s: float) -> RunConfig:
+async def existing_run(discovery: Discovery, *, timeout_s: float) -> RunRecord | None:
+    """The run record already in the DHT (a restarted coordinator continues its run), None when there is none
+    or several disagree."""
+    try:
+        return await discovery.fetch_run(timeout_s=timeout_s)
+    except RunConflictError as e:
+        log.warning("several run records for run %s (%s): starting it afresh", discovery.run_id, e)
+        return None
+
+
+async def with_run_nonce(discovery: Discovery, cfg: RunConfig, *, timeout_s: float,
+                         existing: RunRecord | None = None) -> RunConfig:
     """`cfg` with its `train.run_nonce`: the configured one; else that of the run record already in the
-    DHT (a restarted coordinator continues its run); else a fresh random one (a new run)."""
+    DHT (`existing`, read when not given); else a fresh random one (a new run)."""
     if cfg.train.run_nonce:
         return cfg
-    try:
-        existing = await discovery.fetch_run(timeout_s=timeout_s)
-    except RunConflictError as e:
-        log.warning("several run records for run %s (%s): starting it with a new nonce", discovery.run_id, e)
-        existing = None
+    if existing is None:
+        existing = await existing_run(discovery, timeout_s=timeout_s)
     nonce = existing.run_config().train.run_nonce if existing is not None else ""
     if nonce:
         log.info("run %s continues with nonce %s from %s's run record", discovery.run_id, nonce,
@@ -35,24 +46,55 @@ async def with_run_nonce(discovery: Discovery, cfg: RunConfig, *, timeout_s: flo
     return cfg.replace(train={"run_nonce": nonce})
 
 
-class RunPublisher:
-    """Publishes `cfg` as the run record, then every `heartbeat_s` sets its round to the live peers' newest.
+def scope_of(record: PeerRecord) -> str | None:
+    """The averaging scope a live record's peer votes in ("" = the whole model), None for none."""
+    if record.role == "worker":
+        return ""
+    if record.role == "stage_server":
+        return f"stage{record.stage}"
+    if record.role == "trainer":
+        return "ends"
+    return None
 
-    Only the round moves: the config of a run never changes once published. The coordinator is
-    not on the data path: if it dies, peers keep training and the record ages out after an hour.
+
+def next_genesis(peers: Sequence[PeerRecord], known: Mapping[str, Genesis], *, min_peers: int) -> dict[str, Genesis]:
+    """`known` with a genesis for each scope that has none yet and at least `min_peers` serving peers at round 0:
+    those peers (with their incarnations) are the voters of its round 0. Once fixed, a genesis never changes:
+    two genesis voter sets for one round could each choose a value."""
+    out = dict(known)
+    serving: dict[str, list[PeerRecord]] = {}
+    for p in peers:
+        scope = scope_of(p)
+        if scope is not None and p.endpoint and not p.client_mode and p.round == 0:
+            serving.setdefault(scope, []).append(p)
+    for scope, ps in sorted(serving.items()):
+        if scope not in out and len(ps) >= min_peers:
+            out[scope] = Genesis(0, tuple(Voter(p.peer_id, p.incarnation) for p in sorted(ps, key=lambda p: p.peer_id)))
+            log.info("scope %r: round 0's voters are %s", scope, [str(v) for v in out[scope].voters])
+    return out
+
+
+class RunPublisher:
+    """Publishes `cfg` as the run record, then every `heartbeat_s` sets its round to the live peers' newest and
+    fixes the genesis of scopes that got their first `averaging.min_peers` serving peers.
+
+    The config of a run never changes once published, nor does a scope's genesis (`genesis`: the one the
+    run's record already had, when a coordinator restarts). The coordinator is not on the data path: if it
+    dies, peers keep training and the record ages out after an hour (a scope without a genesis waits for it).
     """
 
-    def __init__(self, discovery: Discovery, cfg: RunConfig) -> None:
+    def __init__(self, discovery: Discovery, cfg: RunConfig, *, genesis: Mapping[str, Genesis] | None = None) -> None:
         if cfg.train.run_id != discovery.run_id:
             raise ValueError(f"train.run_id {cfg.train.run_id!r} is not the discovery's run {discovery.run_id!r}")
         self._d = discovery
         self._cfg = cfg
         self._interval_s = cfg.discovery.heartbeat_s
+        self.genesis: dict[str, Genesis] = dict(genesis or {})
         self.record = self._record(0)
 
     def _record(self, round_index: int) -> RunRecord:
         return RunRecord(run_id=self._d.run_id, coordinator_id=self._d.peer_id, config=public_dict(self._cfg),
-                         round=round_index, updated_at=self._d.now())
+                         round=round_index, updated_at=self._d.now(), genesis=dict(self.genesis))
 
     async def publish(self) -> RunRecord:
         self.record = self._record(self.record.round)
@@ -62,6 +104,7 @@ class RunPublisher:
     async def refresh(self) -> RunRecord:
         """One tick: read live peers; republish when the newest round moved (or to keep the record fresh)."""
         peers = await self._d.live_peers(timeout_s=self._interval_s * 2)
+        self.genesis = next_genesis(peers, self.genesis, min_peers=self._cfg.averaging.min_peers)
         newest = max((p.round for p in peers), default=self.record.round)
         if newest != self.record.round:
             log.info("run %s: round %d -> %d (%d live peers)", self._d.run_id, self.record.round, newest, len(peers))

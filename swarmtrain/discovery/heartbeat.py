@@ -47,10 +47,11 @@ class Heartbeat:
         if self._task is not None:
             raise RuntimeError("Heartbeat already started")
         record = await self.beat()
-        self._task = asyncio.create_task(self._loop(), name=f"heartbeat-{self._discovery.peer_id}")
+        self._task = asyncio.create_task(self.loop(), name=f"heartbeat-{self._discovery.peer_id}")
         return record
 
-    async def _loop(self) -> None:
+    async def loop(self) -> None:
+        """Beat every `heartbeat_s` until cancelled (what `start` runs as a task)."""
         while True:
             await asyncio.sleep(self._heartbeat_s)
             try:

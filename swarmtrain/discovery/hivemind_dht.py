@@ -47,6 +47,7 @@ torch_mp.set_sharing_strategy(_SHARING_STRATEGY)
 from swarmtrain.config import ConfigError, DiscoveryConfig  # noqa: E402
 from swarmtrain.discovery.protocol import DiscoveryError, RawSlot, RecordDirectory  # noqa: E402
 from swarmtrain.proctree import open_tree  # noqa: E402
+from swarmtrain.trust.identity import Identity, KeyBinding, RsaIdentity, self_certifying  # noqa: E402
 
 __all__ = ["CLOSE_MARGIN_S", "HivemindDiscovery", "signer_id_of"]
 
@@ -174,6 +175,9 @@ class HivemindDiscovery(RecordDirectory):
         self._peer_id = dht.peer_id.to_base58()
         derived = signer_id_of(self._owner)
         assert derived == self._peer_id, f"signing key ({derived}) is not the libp2p identity ({self._peer_id})"
+        # The same key signs what this peer's voters grant (trust/identity.py): its id proves whose grant it is.
+        self._identity = RsaIdentity.from_der(key.to_bytes())
+        assert self._identity.peer_id == self._peer_id
         self._expiry: dict[str, float] = {}
 
     @classmethod
@@ -221,6 +225,14 @@ class HivemindDiscovery(RecordDirectory):
     @property
     def peer_id(self) -> str:
         return self._peer_id
+
+    @property
+    def identity(self) -> Identity:
+        return self._identity
+
+    @property
+    def key_binding(self) -> KeyBinding:
+        return self_certifying
 
     @property
     def dht(self) -> DHT:

@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from swarmtrain.discovery.protocol import DiscoveryError, RawSlot, RecordDirectory
+from swarmtrain.trust.identity import Ed25519Identity, Identity, KeyBinding, registry_binding
 
 __all__ = ["InMemoryDiscovery", "InMemoryRegistry"]
 
@@ -30,6 +31,11 @@ class InMemoryRegistry:
     _ids: itertools.count = field(default_factory=lambda: itertools.count(1))
     _side_of: dict[str, int] = field(default_factory=dict)  # peer id -> side, while partitioned
     _sides: list[dict[str, dict[str | None, tuple[object, float]]]] = field(default_factory=list)
+    # The identity key of every peer id (a real DHT derives ids from keys; this twin vouches for them instead:
+    # a restarted peer reopens its id with the same key). `key_seed` derives the keys (a simulation replays them).
+    identities: dict[str, Ed25519Identity] = field(default_factory=dict)
+    keys: dict[str, bytes] = field(default_factory=dict)
+    key_seed: bytes | None = None
 
     def partition(self, *sides: Sequence[str]) -> None:
         """Split the registry: the peers of each side see only what their side stores from now on.
@@ -83,6 +89,16 @@ class InMemoryRegistry:
     def new_peer_id(self) -> str:
         return f"mem-{next(self._ids):04d}"
 
+    def identity(self, peer_id: str) -> Ed25519Identity:
+        """The signing key of `peer_id` (made and registered at its first use)."""
+        with self._lock:
+            ident = self.identities.get(peer_id)
+            if ident is None:
+                ident = (Ed25519Identity.from_seed(peer_id, self.key_seed + peer_id.encode())
+                         if self.key_seed is not None else Ed25519Identity.generate(peer_id))
+                self.identities[peer_id], self.keys[peer_id] = ident, ident.public_key
+            return ident
+
 
 class InMemoryDiscovery(RecordDirectory):
     """One peer's view of an `InMemoryRegistry`; it can write only its own slots."""
@@ -95,10 +111,19 @@ class InMemoryDiscovery(RecordDirectory):
         self._registry = registry
         self._peer_id = peer_id or registry.new_peer_id()
         self._closed = False
+        self._identity = registry.identity(self._peer_id)
 
     @property
     def peer_id(self) -> str:
         return self._peer_id
+
+    @property
+    def identity(self) -> Identity:
+        return self._identity
+
+    @property
+    def key_binding(self) -> KeyBinding:
+        return registry_binding(self._registry.keys)
 
     async def _io(self, timeout_s: float) -> None:
         if self._closed:
@@ -123,3 +148,4 @@ class InMemoryDiscovery(RecordDirectory):
 
     async def aclose(self) -> None:
         self._closed = True
+

@@ -29,6 +29,7 @@ from swarmtrain.discovery.records import (
     decode_record,
 )
 from swarmtrain.trust import RunSecret, SealError, open_sealed, seal
+from swarmtrain.trust.identity import Identity, KeyBinding
 
 __all__ = ["DEPARTURE_KEEP_S", "Discovery", "DiscoveryError", "RawSlot", "RecordDirectory", "RunConflictError"]
 
@@ -67,6 +68,16 @@ class Discovery(Protocol):
 
     @property
     def run_id(self) -> str: ...
+
+    @property
+    def identity(self) -> Identity:
+        """This peer's signing key: its id is derived from it (what its voters sign grants with)."""
+        ...
+
+    @property
+    def key_binding(self) -> KeyBinding:
+        """Whether a public key is a given peer id's (self-certifying ids, or the twin's registry)."""
+        ...
 
     clock_offset_s: float  # added to this machine's clock by now(): the peer's estimate of the swarm's
 
@@ -145,6 +156,14 @@ class RecordDirectory(abc.ABC):
     @property
     @abc.abstractmethod
     def peer_id(self) -> str: ...
+
+    @property
+    @abc.abstractmethod
+    def identity(self) -> Identity: ...
+
+    @property
+    @abc.abstractmethod
+    def key_binding(self) -> KeyBinding: ...
 
     @abc.abstractmethod
     async def _put(self, key: str, value: bytes, *, expires_at: float, timeout_s: float) -> None: ...

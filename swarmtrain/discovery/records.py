@@ -13,6 +13,8 @@ from typing import Any, ClassVar, TypeVar
 from swarmtrain.averaging.group import Member
 from swarmtrain.config import ConfigError, RunConfig, from_dict
 from swarmtrain.discovery.stats import PeerStats, StatsError
+from swarmtrain.round.ballots import BallotError, Genesis
+from swarmtrain.round.certificate import Retirement
 
 __all__ = [
     "ROLES",
@@ -30,6 +32,7 @@ __all__ = [
 ROLES = ("coordinator", "worker", "stage_server", "trainer")
 MAX_RECORD_BYTES = 1 << 20  # a run config is a few KiB; anything near this is hostile
 MAX_GROUP_MEMBERS = 4096
+MAX_SCOPES = 64  # averaging scopes of one run: the whole model, or a pipeline's stages and its trainers
 _PEER_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 _HEX_RE = re.compile(r"^[0-9a-f]{0,128}$")
 MAX_STAGE_COPIES = 8  # a stage server keeps copies of its two neighbouring stages
@@ -147,13 +150,13 @@ def _member(kind: str, d: Any) -> Member:
     return Member(peer_id=_peer_id(kind, d, "peer_id"), endpoint=endpoint, client_mode=client_mode,
                   bandwidth_bytes_per_s=_float(kind, d, "bandwidth_bytes_per_s"),
                   steps_per_s=_float(kind, d, "steps_per_s"), lag_s=_optional_float(kind, d, "lag_s"),
-                  state_hash=state_hash)
+                  state_hash=state_hash, incarnation=_optional_int(kind, d, "incarnation"))
 
 
 def _member_dict(m: Member) -> dict[str, Any]:
     return {"peer_id": m.peer_id, "endpoint": m.endpoint, "client_mode": m.client_mode,
             "bandwidth_bytes_per_s": m.bandwidth_bytes_per_s, "steps_per_s": m.steps_per_s, "lag_s": m.lag_s,
-            "state_hash": m.state_hash}
+            "state_hash": m.state_hash, "incarnation": m.incarnation}
 
 
 R = TypeVar("R", bound="Record")
@@ -218,9 +221,13 @@ class RunRecord(Record):
     config: Mapping[str, Any] = field(hash=False)
     round: int = 0
     updated_at: float = 0.0
+    # Per averaging scope ("" = the whole model): the voters of its first round, chosen once (round/ballots.py)
+    genesis: Mapping[str, Genesis] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         self.run_config()  # a record that cannot build a RunConfig is never constructed
+        if len(self.genesis) > MAX_SCOPES:
+            raise _field(self.KIND, "genesis", f"{len(self.genesis)} scopes exceeds {MAX_SCOPES}")
 
     @property
     def owner_id(self) -> str:
@@ -237,7 +244,8 @@ class RunRecord(Record):
 
     def to_json(self) -> dict[str, Any]:
         return {"run_id": self.run_id, "coordinator_id": self.coordinator_id, "config": dict(self.config),
-                "round": self.round, "updated_at": self.updated_at}
+                "round": self.round, "updated_at": self.updated_at,
+                **({"genesis": {s: g.to_json() for s, g in sorted(self.genesis.items())}} if self.genesis else {})}
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> RunRecord:
@@ -245,8 +253,15 @@ class RunRecord(Record):
         config = d.get("config")
         if not isinstance(config, dict):
             raise _field(k, "config", f"expected an object, got {type(config).__name__}")
+        raw = d.get("genesis", {})
+        if not isinstance(raw, dict) or len(raw) > MAX_SCOPES or not all(isinstance(s, str) for s in raw):
+            raise _field(k, "genesis", "expected an object of scopes")
+        try:
+            genesis = {s: Genesis.from_json(g) for s, g in raw.items()}
+        except BallotError as e:
+            raise _field(k, "genesis", str(e)) from None
         return cls(run_id=_str(k, d, "run_id"), coordinator_id=_peer_id(k, d, "coordinator_id"), config=config,
-                   round=_int(k, d, "round"), updated_at=_float(k, d, "updated_at"))
+                   round=_int(k, d, "round"), updated_at=_float(k, d, "updated_at"), genesis=genesis)
 
 
 @dataclass(frozen=True)
@@ -275,6 +290,7 @@ class PeerRecord(Record):
     stage_since: float = 0.0  # unix seconds a stage_server took its stage (joined or moved); 0 = unknown
     copies: tuple[tuple[int, int], ...] = ()  # a stage_server's kept copies of other stages: (stage, round) each
     stats: PeerStats | None = None  # its work so far, for the dashboard (absent in older peers' records)
+    incarnation: int = 0  # of its voter in its scope (round/ballots.py): what a genesis lists it as
 
     def __post_init__(self) -> None:
         if self.stage < -1 or (self.role == "stage_server") != (self.stage >= 0):
@@ -310,7 +326,8 @@ class PeerRecord(Record):
 
     def to_member(self) -> Member:
         return Member(peer_id=self.peer_id, endpoint=self.endpoint, client_mode=self.client_mode,
-                      bandwidth_bytes_per_s=self.bandwidth_bytes_per_s, state_hash=self.state_hash)
+                      bandwidth_bytes_per_s=self.bandwidth_bytes_per_s, state_hash=self.state_hash,
+                      incarnation=self.incarnation)
 
     def to_json(self) -> dict[str, Any]:
         return {"run_id": self.run_id, "peer_id": self.peer_id, "endpoint": self.endpoint, "role": self.role,
@@ -320,7 +337,8 @@ class PeerRecord(Record):
                 "shard_index": self.shard_index, "round_ends_at": self.round_ends_at,
                 "clock_offset_s": self.clock_offset_s, "stage": self.stage, "latency_s": self.latency_s,
                 "queue": self.queue, "service_s": self.service_s, "busy": self.busy,
-                "stage_since": self.stage_since, **({"copies": [list(c) for c in self.copies]} if self.copies else {}),
+                "stage_since": self.stage_since, "incarnation": self.incarnation,
+                **({"copies": [list(c) for c in self.copies]} if self.copies else {}),
                 **({} if self.stats is None else {"stats": self.stats.to_json()})}
 
     @classmethod
@@ -336,35 +354,53 @@ class PeerRecord(Record):
                    stage=_index_or_none(k, d, "stage"), latency_s=_optional_float(k, d, "latency_s"),
                    queue=_optional_int(k, d, "queue"), service_s=_optional_float(k, d, "service_s"),
                    busy=_optional_float(k, d, "busy"), stage_since=_optional_float(k, d, "stage_since"),
-                   copies=_copies(k, d), stats=_stats(k, d))
+                   copies=_copies(k, d), stats=_stats(k, d), incarnation=_optional_int(k, d, "incarnation"))
 
 
 @dataclass(frozen=True)
 class DepartureRecord(Record):
-    """A peer left the run for good (a graceful leave): it takes part in no round >= `from_round`.
+    """A peer left the run (a graceful leave): its voters retired, each signed with its identity key, per scope.
 
-    Read by the commit rule: the members of the previous commit that left need not be outvoted
-    (averaging/allreduce.py). A peer that comes back withdraws it first (`RecordDirectory.rejoin`).
+    Read by the round's decision: a retired voter grants nothing from its `from_round` on, so a quorum of
+    that round is counted without it (round/ballots.py). A peer that comes back votes as its next incarnation;
+    the retirements of the earlier ones stay true and stay announced.
     """
 
     KIND: ClassVar[str] = "departure"
     run_id: str
     peer_id: str
-    from_round: int
+    from_round: int  # the newest retirement's (of the whole model's scope, or the first listed)
     left_at: float  # unix seconds (the leaver's clock)
+    retirements: Mapping[str, tuple[Retirement, ...]] = field(default_factory=dict, hash=False)  # scope -> its own
+
+    def __post_init__(self) -> None:
+        if len(self.retirements) > MAX_SCOPES or sum(len(v) for v in self.retirements.values()) > 4 * MAX_SCOPES:
+            raise _field(self.KIND, "retirements", "too many")
+        for scope, rs in self.retirements.items():
+            if any(r.voter.peer_id != self.peer_id for r in rs):
+                raise _field(self.KIND, "retirements", f"scope {scope!r} holds another peer's retirement")
 
     @property
     def owner_id(self) -> str:
         return self.peer_id
 
     def to_json(self) -> dict[str, Any]:
-        return {"run_id": self.run_id, "peer_id": self.peer_id, "from_round": self.from_round, "left_at": self.left_at}
+        return {"run_id": self.run_id, "peer_id": self.peer_id, "from_round": self.from_round, "left_at": self.left_at,
+                "retirements": {s: [r.to_json() for r in rs] for s, rs in sorted(self.retirements.items())}}
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> DepartureRecord:
         k = cls.KIND
+        raw = d.get("retirements", {})
+        if not isinstance(raw, dict) or len(raw) > MAX_SCOPES:
+            raise _field(k, "retirements", "expected an object of scopes")
+        try:
+            retirements = {str(s): tuple(Retirement.from_json(r) for r in rs[:8]) for s, rs in raw.items()
+                           if isinstance(rs, list)}
+        except BallotError as e:
+            raise _field(k, "retirements", str(e)) from None
         return cls(run_id=_str(k, d, "run_id"), peer_id=_peer_id(k, d, "peer_id"), from_round=_int(k, d, "from_round"),
-                   left_at=_float(k, d, "left_at"))
+                   left_at=_float(k, d, "left_at"), retirements=retirements)
 
 
 @dataclass(frozen=True)

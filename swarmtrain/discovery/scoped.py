@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 
 from swarmtrain.discovery.protocol import Discovery
 from swarmtrain.discovery.records import DepartureRecord, GroupRecord, MatchEntry, PeerRecord, RunRecord
+from swarmtrain.trust.identity import Identity, KeyBinding
 
 __all__ = ["ScopedDiscovery"]
 
@@ -34,6 +35,14 @@ class ScopedDiscovery:
     @property
     def run_id(self) -> str:
         return self.inner.run_id
+
+    @property
+    def identity(self) -> Identity:
+        return self.inner.identity
+
+    @property
+    def key_binding(self) -> KeyBinding:
+        return self.inner.key_binding
 
     @property
     def clock_offset_s(self) -> float:

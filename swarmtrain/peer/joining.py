@@ -7,10 +7,11 @@ import logging
 import time
 
 from swarmtrain.config import RunConfig
-from swarmtrain.discovery import Discovery
+from swarmtrain.discovery import Discovery, DiscoveryError, RunRecord
 from swarmtrain.peer.services import PeerError
+from swarmtrain.round.ballots import Genesis
 
-__all__ = ["RUN_FETCH_TIMEOUT_S", "fetch_run_config"]
+__all__ = ["RUN_FETCH_TIMEOUT_S", "GenesisReader", "fetch_run_config", "fetch_run_record"]
 
 log = logging.getLogger(__name__)
 
@@ -21,6 +22,12 @@ async def fetch_run_config(discovery: Discovery, local: RunConfig, *, coordinato
                            timeout_s: float = RUN_FETCH_TIMEOUT_S) -> RunConfig:
     """The run config the coordinator published (the one `--coordinator-id`, else the `/p2p/` id of
     `--join`, names when several key holders published one); PeerError when none shows up in time."""
+    return (await fetch_run_record(discovery, local, coordinator_id=coordinator_id, timeout_s=timeout_s)).run_config()
+
+
+async def fetch_run_record(discovery: Discovery, local: RunConfig, *, coordinator_id: str | None,
+                           timeout_s: float = RUN_FETCH_TIMEOUT_S) -> RunRecord:
+    """The run record `fetch_run_config` reads (its coordinator signed it)."""
     deadline = time.monotonic() + timeout_s
     join_ids = [m.rsplit("/p2p/", 1)[1] for m in local.discovery.initial_peers if "/p2p/" in m]
     while True:
@@ -28,8 +35,31 @@ async def fetch_run_config(discovery: Discovery, local: RunConfig, *, coordinato
                                            timeout_s=local.rpc.call_timeout_s)
         if record is not None:
             log.info("run %s from coordinator %s at round %d", record.run_id, record.coordinator_id, record.round)
-            return record.run_config()
+            return record
         if time.monotonic() > deadline:
             raise PeerError(f"no run record for run {local.train.run_id!r} found in the swarm within "
                             f"{timeout_s:.0f}s (is --join a live coordinator, is train.run_id right?)")
         await asyncio.sleep(0.5)
+
+
+class GenesisReader:
+    """A scope's genesis (round/ballots.py) from the run record of `coordinator_id`, read when a round needs it
+    and kept once found: the coordinator fixes a scope's genesis once."""
+
+    def __init__(self, discovery: Discovery, *, coordinator_id: str, scope: str, timeout_s: float) -> None:
+        self.discovery = discovery
+        self.coordinator_id = coordinator_id
+        self.scope = scope
+        self.timeout_s = timeout_s
+        self.found: Genesis | None = None
+
+    async def __call__(self) -> Genesis | None:
+        if self.found is None:
+            try:
+                record = await self.discovery.fetch_run(coordinator_id=self.coordinator_id, timeout_s=self.timeout_s)
+            except (DiscoveryError, TimeoutError) as e:
+                log.info("could not read the run record for the genesis of scope %r: %s", self.scope, e)
+                return None
+            if record is not None:
+                self.found = record.genesis.get(self.scope)
+        return self.found

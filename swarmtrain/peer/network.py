@@ -1,9 +1,9 @@
-"""The peer's network services: a hivemind DHT for control, the gRPC node (all-reduce, state transfer) for data.
+"""The peer's network services: a hivemind DHT for control, and per averaging scope a data plane (an RpcNode
+serving the all-reduce, the round's decision and state transfer).
 
-`NetworkServices` is the `PeerServices` a real `swarmtrain peer` uses; `NetworkPlane` adapts the
-blocking `NetworkAverager`/`fetch_state` and the async `Matchmaker` to the Peer's event loop:
-the averager runs on a worker thread, and its group provider hops back onto the Peer's loop (where
-the discovery lives) for matchmaking.
+`NetworkPlane` is the round driver's plane (driver/part.py) of a real peer: matchmaking runs on the peer's
+event loop, where its discovery lives; the all-reduce, the decision and the voter run on the node's loop
+(a thread of its own), awaited from the peer's.
 """
 
 from __future__ import annotations
@@ -12,31 +12,38 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
-import logging
 import math
-from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
+from contextlib import AbstractContextManager
+from typing import Any, TypeVar
 
 import torch
 
-from swarmtrain.averaging.ballot import VoteBook
-from swarmtrain.averaging.group import Group, Member
+from swarmtrain.averaging.group import Member
 from swarmtrain.averaging.matchmaking import Matchmaker, MatchOutcome
+from swarmtrain.averaging.material import Material, sharded_mean
 from swarmtrain.averaging.network import NetworkAverager
-from swarmtrain.averaging.protocol import AverageResult, Delta
+from swarmtrain.averaging.protocol import AverageResult, Delta, ShardedMean
+from swarmtrain.averaging.rounds import Electorate, Preview, result_of
 from swarmtrain.compress import Codec
 from swarmtrain.config import DiscoveryConfig, RunConfig, to_dict
+from swarmtrain.diloco.flat import state_digest
 from swarmtrain.discovery import Discovery
+from swarmtrain.driver.part import CommittedState
 from swarmtrain.peer.heap import round_heap
-from swarmtrain.peer.services import LivePeerState, PeerError, PeerState
+from swarmtrain.peer.services import PeerError
+from swarmtrain.round.ballots import Value
+from swarmtrain.round.certificate import Certificate, Retirement
+from swarmtrain.round.messages import Contact
+from swarmtrain.rpc.errors import RpcError
 from swarmtrain.rpc.node import RpcNode
 from swarmtrain.sync.transfer import StateServer, StateSnapshot, fetch_state, fetch_state_parallel
 
 __all__ = ["NetworkPlane", "NetworkServices"]
 
-log = logging.getLogger(__name__)
 RUN_SECTIONS_THAT_MUST_MATCH = ("model", "outer", "compress")
-VOTES_FILE = "votes.json"  # in the checkpoint directory
+T = TypeVar("T")
+OutcomeOf = Callable[[Value, ShardedMean], Awaitable[str | None]]
 
 
 class NetworkServices:
@@ -48,10 +55,11 @@ class NetworkServices:
         return await HivemindDiscovery.create(cfg, run_id=run_id, run_key=run_key)
 
     async def open_data_plane(self, cfg: RunConfig, *, discovery: Discovery, codec: Codec,
-                              param_shapes: Sequence[tuple[str, tuple[int, ...]]], role: str = "worker",
+                              param_shapes: Sequence[tuple[str, tuple[int, ...]]], scope: str = "",
+                              role: str = "worker", round_now: Callable[[], int] = lambda: 0,
                               before_start: Callable[[RpcNode], None] | None = None) -> NetworkPlane:
-        plane = NetworkPlane(cfg, discovery=discovery, codec=codec, param_shapes=param_shapes,
-                             loop=asyncio.get_running_loop(), role=role)
+        plane = NetworkPlane(cfg, discovery=discovery, codec=codec, param_shapes=param_shapes, scope=scope, role=role,
+                             round_now=round_now)
         if before_start is not None:
             before_start(plane.node)
         await asyncio.to_thread(plane.start)
@@ -66,99 +74,142 @@ class NetworkServices:
 
 
 class NetworkPlane:
-    """One RpcNode serving the all-reduce and state transfer; `average` forms the round's group first."""
+    """One scope's data plane on its own RpcNode (see the module docstring)."""
 
     def __init__(self, cfg: RunConfig, *, discovery: Discovery, codec: Codec,
-                 param_shapes: Sequence[tuple[str, tuple[int, ...]]], loop: asyncio.AbstractEventLoop,
-                 role: str = "worker") -> None:
+                 param_shapes: Sequence[tuple[str, tuple[int, ...]]], scope: str = "", role: str = "worker",
+                 round_now: Callable[[], int] = lambda: 0) -> None:
         """`role`: of the peers this one averages with (a pipeline part's plane: "stage_server", "trainer"),
-        through `discovery` (a ScopedDiscovery for a pipeline part)."""
+        through `discovery` (a ScopedDiscovery for a pipeline part); `scope` names its rounds' decisions."""
         self.cfg = cfg
         self.discovery = discovery
-        self.loop = loop
+        self.scope = scope
         self.param_shapes = list(param_shapes)
+        self.numel = sum(math.prod(s) for _, s in self.param_shapes)
         self.client_mode = cfg.discovery.client_mode
         self.node = RpcNode(cfg.rpc, peer_id=discovery.peer_id, serve=not self.client_mode)
         self.matchmaker = Matchmaker.from_config(discovery, cfg.averaging, role=role)
-        # This peer's votes outlive a restart from its checkpoint directory (averaging/ballot.py).
-        votes = VoteBook(Path(cfg.checkpoint.dir) / VOTES_FILE if cfg.checkpoint.dir else None)
-        self.averager = NetworkAverager(self.node, run_id=cfg.train.run_id, group_provider=self._group,
-                                        codec=codec, cfg=cfg.averaging, votes=votes)
+        self.averager = NetworkAverager(self.node, run_id=cfg.train.run_id, run_nonce=cfg.train.run_nonce, codec=codec,
+                                        cfg=cfg.averaging, identity=discovery.identity,
+                                        key_binding=discovery.key_binding, numel=self.numel, scope=scope,
+                                        votes_dir=cfg.checkpoint.dir or None, round_now=round_now,
+                                        check_result=self._check_result)
+        self.codec = codec
         # A client-mode peer accepts no calls, so it cannot serve state either.
         self.states = None if self.client_mode else StateServer(self.node)
-        self._outcome: MatchOutcome | None = None
-        self._steps_per_s = 0.0  # announced in this round's match entry
-        self._lag_s = 0.0  # likewise (diloco.pace_align)
-        self._state_hash = ""  # of the θ_global last published: a group's members share one
         self._prematch: tuple[int, asyncio.Task[MatchOutcome]] | None = None
-        self._on_group: Callable[[Group], None] | None = None  # of the average in progress
+        self._outcome_of: OutcomeOf | None = None
         a, r = cfg.averaging, cfg.rpc
         self._match_timeout_s = 4 * a.matchmaking_timeout_s + 4 * r.call_timeout_s + 2.0
         self._fetch_timeout_s = 4 * max(r.call_timeout_s, a.allreduce_timeout_s)
 
     def start(self) -> None:
         self.node.start(timeout_s=self.cfg.rpc.call_timeout_s + 10.0)
+        self.averager.started()
 
     @property
     def endpoint(self) -> str:
         return self.node.endpoint
 
-    def _member(self, steps_per_s: float, lag_s: float) -> Member:
-        return Member(peer_id=self.discovery.peer_id, endpoint=self.endpoint, client_mode=self.client_mode,
-                      steps_per_s=steps_per_s, lag_s=lag_s, state_hash=self._state_hash)
+    @property
+    def incarnation(self) -> int:
+        return self.averager.voter.state.incarnation
 
-    async def prematch(self, round_index: int, *, steps_per_s: float, lag_s: float = 0.0) -> None:
+    async def _on_node(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Await `coro` on the node's loop from the peer's."""
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.node.loop))
+
+    # ------------------------------------------------------------------ the part's hooks
+
+    def attach(self, outcome_of: OutcomeOf) -> None:
+        """The part's `outcome_of(value, mean)`: the state its outer step with `mean` would commit, or None when
+        the part does not hold `value.base` (then it cannot tell). This peer's voter checks values against it."""
+        self._outcome_of = outcome_of
+
+    async def _check_result(self, value: Value, material: Material) -> str:
+        if self._outcome_of is None:
+            return ""
+        mine = await self._outcome_of(value, sharded_mean(material, self.codec))
+        if mine is None or mine == value.result:
+            return ""
+        return f"its own outer step gives {mine[:12]}, the value names {value.result[:12]}"
+
+    # ------------------------------------------------------------------ rounds
+
+    async def prematch(self, round_index: int, member: Member) -> None:
+        """Start forming round `round_index`'s group now, in the background; `match` of that round adopts it
+        (a time-paced peer matches while its last inner steps run)."""
         self._cancel_prematch()
-        task = asyncio.ensure_future(self.matchmaker.form_group(round_index, self._member(steps_per_s, lag_s)))
-        self._prematch = (round_index, task)
+        self._prematch = (round_index, asyncio.ensure_future(self.matchmaker.form_group(round_index, member)))
 
     def _cancel_prematch(self) -> None:
-        """Drop a background matchmaking no `average` call took (on the loop)."""
         if self._prematch is not None:
             self._prematch[1].cancel()
             self._prematch = None
 
-    def _group(self, round_index: int) -> Group | None:
-        """The averager's group provider: runs on its thread, matchmaking on the Peer's loop."""
+    async def match(self, round_index: int, member: Member) -> MatchOutcome:
         prematch, self._prematch = self._prematch, None
         if prematch is not None and prematch[0] == round_index:
-            future = asyncio.run_coroutine_threadsafe(_outcome_of(prematch[1]), self.loop)
+            task = prematch[1]
         else:
-            if prematch is not None:  # matched a round this peer no longer averages (it healed meanwhile)
-                self.loop.call_soon_threadsafe(prematch[1].cancel)
-            member = self._member(self._steps_per_s, self._lag_s)
-            future = asyncio.run_coroutine_threadsafe(self.matchmaker.form_group(round_index, member), self.loop)
+            if prematch is not None:
+                prematch[1].cancel()  # matched a round this peer no longer averages (it healed meanwhile)
+            task = asyncio.ensure_future(self.matchmaker.form_group(round_index, member))
         try:
-            self._outcome = future.result(timeout=self._match_timeout_s)
+            return await asyncio.wait_for(task, timeout=self._match_timeout_s)
         except TimeoutError:
-            future.cancel()
-            self._outcome = MatchOutcome(round=round_index, group=None,
-                                         reason=f"matchmaking took longer than {self._match_timeout_s:.1f}s")
-        group, on_group = self._outcome.group, self._on_group
-        if group is not None and on_group is not None:
-            self.loop.call_soon_threadsafe(on_group, group)
-        return group
+            return MatchOutcome(round=round_index, group=None,
+                                reason=f"matchmaking took longer than {self._match_timeout_s:.1f}s")
 
-    async def average(self, round_index: int, delta: Delta, *, steps_per_s: float = 0.0, lag_s: float = 0.0,
-                      electorate: tuple[str, ...] = (),
-                      on_group: Callable[[Group], None] | None = None) -> AverageResult:
-        self._outcome, self._steps_per_s, self._lag_s, self._on_group = None, steps_per_s, lag_s, on_group
+    async def average(self, outcome: MatchOutcome, delta: Delta, *, base: str, electorate: Electorate,
+                      preview: Preview) -> AverageResult:
+        assert outcome.group is not None
         await asyncio.to_thread(round_heap)  # what the inner steps freed goes back before the all-reduce allocates
-        result = await asyncio.to_thread(functools.partial(self.averager.average, round_index, delta,
-                                                           electorate=electorate))
-        # Inner steps come next, the peak of the peer's memory: idle buffers are not kept through them
-        # (the next round allocates its own; a fresh page costs far less than a round's inner steps).
-        if self.node.running:  # a node closed during the round (the peer left) has no buffers to release
+        result = await self._on_node(self.averager.average_async(outcome.group, delta, base=base,
+                                                                 electorate=electorate, preview=preview))
+        # Inner steps come next, the peak of the peer's memory: idle buffers are not kept through them.
+        if self.node.running:
             with contextlib.suppress(RuntimeError):  # closed between the check and the call
                 self.node.loop.call_soon_threadsafe(self.node.buffers.release_idle)
-        outcome = self._outcome
-        if result.committed or outcome is None:
-            return result
-        reason = result.reason if outcome.group is not None else f"no group: {outcome.reason}"
-        return dataclasses.replace(result, reason=reason, retry_at=outcome.retry_at,
-                                   heal_to_hash=outcome.heal_to_hash)
+        sent, received = self.averager.take_bytes()
+        return _with_bytes(result, sent, received)
 
-    def serve_state(self, live: LivePeerState) -> None:
+    async def learn(self, round_index: int, electorate: Electorate, *, others: Sequence[Contact]) -> AverageResult:
+        averager = self.averager.averager
+        outcome = await self._on_node(averager.learn(round_index, electorate, others=others,
+                                                     timeout_s=2 * self.cfg.rpc.call_timeout_s))
+        return result_of(round_index, outcome, self.codec)
+
+    async def certificates(self, peer: Contact, *, from_round: int) -> tuple[Certificate, ...]:
+        transport = self.averager.decider.transport
+        try:
+            return await self._on_node(transport.certificates(peer, scope=self.scope, from_round=from_round,
+                                                              timeout_s=self.cfg.rpc.call_timeout_s))
+        except (RpcError, TimeoutError, ValueError):
+            return ()
+
+    async def advanced(self, round_index: int) -> None:
+        await self._on_node(self.averager.voter.advanced(round_index))
+
+    async def keep_certificate(self, cert: Certificate) -> None:
+        async def keep() -> None:
+            self.averager.voter.certificates.add(cert)
+        await self._on_node(keep())
+
+    async def retire(self, current_round: int) -> list[Retirement]:
+        voter = self.averager.voter
+
+        async def retire() -> list[Retirement]:
+            await voter.retire(current_round=current_round)
+            return voter.retirements()
+        return await self._on_node(retire())
+
+    def retirements(self) -> list[Retirement]:
+        return self.averager.voter.retirements()
+
+    # ------------------------------------------------------------------ state
+
+    def serve_state(self, live: Callable[[], AbstractContextManager[CommittedState]]) -> None:
         if self.states is None:
             return
 
@@ -168,19 +219,20 @@ class NetworkPlane:
                 params = _split(state.theta_global, self.param_shapes)
                 momentum = {} if state.outer_momentum is None else _split(state.outer_momentum, self.param_shapes)
                 yield state.version, StateSnapshot(round=state.round, params=params, momentum=momentum,
-                                                   config=self.cfg, members=state.members)
+                                                   config=self.cfg, voters=state.voters)
 
         self.states.serve(snapshot)
 
-    def publish_state(self, state: PeerState) -> None:
-        self._state_hash = state.state_hash  # what this peer's next match entries announce
+    def publish_state(self, state: CommittedState) -> None:
+        return None
 
     def unreported_bytes(self) -> tuple[int, int]:
         return self.averager.unreported_bytes()
 
     async def fetch_state(self, endpoints: Sequence[str], *,
                           param_shapes: Sequence[tuple[str, tuple[int, ...]]] | None = None,
-                          ) -> tuple[PeerState, tuple[str, ...]]:
+                          ) -> tuple[CommittedState, tuple[str, ...]]:
+        """The donors' state, checked (sha256, names, shapes, finite, run), with its digest computed here."""
         shapes = self.param_shapes if param_shapes is None else list(param_shapes)
         expected = {name: shape for name, shape in shapes}
         if len(endpoints) > 1:
@@ -203,17 +255,20 @@ class NetworkPlane:
         momentum = None
         if snap.momentum:
             momentum = torch.cat([snap.momentum[name].reshape(-1).to(torch.float32) for name, _ in shapes])
-        return PeerState(round=snap.round, theta_global=theta, outer_momentum=momentum, members=snap.members), served
+        digest = await asyncio.to_thread(functools.partial(state_digest, snap.round, theta, momentum, snap.voters))
+        return CommittedState(snap.round, theta, momentum, snap.voters, digest), served
 
     async def aclose(self) -> None:
         self._cancel_prematch()
-        # Serve the means this peer reduced until its group has them (bounded), then stop.
-        await asyncio.to_thread(self.averager.drain, timeout_s=self.cfg.averaging.contribution_window_s)
+        if self.node.running:
+            # Serve the means this peer reduced until its group has them (bounded), then stop.
+            with contextlib.suppress(Exception):
+                await self._on_node(self.averager.drain_async(timeout_s=self.cfg.averaging.contribution_window_s))
         await asyncio.to_thread(self.node.close)
 
 
-async def _outcome_of(task: asyncio.Task[MatchOutcome]) -> MatchOutcome:
-    return await task
+def _with_bytes(result: AverageResult, sent: int, received: int) -> AverageResult:
+    return dataclasses.replace(result, bytes_sent=sent, bytes_received=received)
 
 
 def _split(flat: torch.Tensor, shapes: Sequence[tuple[str, tuple[int, ...]]]) -> dict[str, torch.Tensor]:
@@ -227,3 +282,4 @@ def _split(flat: torch.Tensor, shapes: Sequence[tuple[str, tuple[int, ...]]]) ->
     if offset != flat.numel():
         raise ValueError(f"θ has {flat.numel()} values but the model's parameters hold {offset}")
     return out
+

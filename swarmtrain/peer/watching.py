@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from swarmtrain.discovery import PeerRecord
-from swarmtrain.peer.presence import Presence
+from swarmtrain.driver.presence import Presence
 
 __all__ = ["Watching"]
 

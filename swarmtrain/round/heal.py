@@ -64,37 +64,45 @@ def majority_state(peers: Sequence[PeerView]) -> tuple[int, str] | None:
 
 
 def plan_heal(peers: Sequence[PeerView], *, own_round: int, self_id: str, want_hash: str = "",
-              min_support: int = 1) -> HealPlan | None:
+              min_support: int = 1, role: str = "worker") -> HealPlan | None:
     """Whether and from whom to heal (None: nobody is ahead, nothing to do).
 
-    The state is the one a strict majority of the serving workers ahead announce, and at least
+    The state is the one a strict majority of the serving peers of `role` ahead announce, and at least
     `min_support` of them (a round commits with at least `averaging.min_peers` members, who all announce
-    it; fewer when fewer serving workers are live): one peer far ahead of everyone is believed only
-    when it is the only one there is. With `want_hash` (this peer's group announced another θ_global
-    than its own) and no such state ahead, the group's state at this peer's round. Donors are the
-    workers announcing it, ordered by a hash of (this peer, donor) so that joiners spread over donors
-    instead of all asking the smallest id."""
-    serving = [p for p in peers if p.peer_id != self_id and p.role == "worker" and p.endpoint]
+    it; fewer when fewer serving peers are live): one peer far ahead of everyone is believed only when it is
+    the only one there is. With `want_hash` (this peer's group announced another state than its own) and no
+    such state ahead, the state at this peer's round that a strict majority of the serving peers at that
+    round announce, by the same rule: a plurality, or the smallest id's hash, is never enough (identities
+    can be made up to win either). Donors are the peers announcing it, ordered by a hash of (this peer,
+    donor) so that joiners spread over donors instead of all asking the smallest id."""
+    serving = [p for p in peers if p.peer_id != self_id and p.role == role and p.endpoint]
     ahead = [p for p in serving if p.round > own_round]
-    target = majority_state(ahead) if ahead else None
     need = min(min_support, len(serving))
-    if target is not None and sum((p.round, p.state_hash) == target for p in ahead) < need:
-        target = None
+    target = _supported(ahead, need)
     if target is None and want_hash:
-        target = (own_round, want_hash)
+        level = _supported([p for p in serving if p.round == own_round], need)
+        target = level if level == (own_round, want_hash) else None
     if target is None:
         if not ahead:
             return None
         rounds = sorted({p.round for p in ahead})
         return HealPlan(round=max(rounds), state_hash="", donors=(), round_ends_at=None,
                         problem=f"the {len(ahead)} peers ahead (rounds {rounds[0]}..{rounds[-1]}) announce no "
-                                f"(round, θ_global hash) a strict majority of them, and at least {need} of the "
+                                f"(round, state digest) a strict majority of them, and at least {need} of the "
                                 f"{len(serving)} live peers, agree on")
     donors = sorted((p for p in serving if (p.round, p.state_hash) == target),
                     key=lambda p: hashlib.sha256(f"{self_id}|{p.peer_id}".encode()).digest())
     return HealPlan(round=target[0], state_hash=target[1], donors=tuple(donors),
                     round_ends_at=swarm_round_end(serving, target[0]),
-                    problem="" if donors else f"no serving peer announces round {target[0]} with the group's θ_global")
+                    problem="" if donors else f"no serving peer announces round {target[0]} with the group's state")
+
+
+def _supported(peers: Sequence[PeerView], need: int) -> tuple[int, str] | None:
+    """The (round, digest) a strict majority of `peers`, and at least `need` of them, announce."""
+    target = majority_state(peers) if peers else None
+    if target is None or sum((p.round, p.state_hash) == target for p in peers) < need:
+        return None
+    return target
 
 
 def keeps_progress(*, own_round: int, donor_round: int, keep_progress_rounds: int, want_hash: str) -> bool:

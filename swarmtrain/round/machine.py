@@ -179,6 +179,13 @@ class RoundMachine:
     def request_stop(self) -> None:
         self._stop = True
 
+    def set_unsent(self, unsent: bool) -> None:
+        """Overlap: θ_local holds trained steps no average carries (a resumed peer), before the first action."""
+        if self.phase != Phase.STARTING:
+            raise RoundMachineError("set_unsent after the machine started")
+        self._unsent = unsent
+        self._next = self._top()
+
     # ------------------------------------------------------------------ events
 
     def stopped(self) -> None:

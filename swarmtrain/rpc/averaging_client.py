@@ -132,18 +132,6 @@ class AveragingClient:
 
         return await self.node.retrying(once, endpoint=endpoint, deadline=deadline, what=f"fetch shard {shard} from {target}")
 
-    async def vote(self, endpoint: str, target: str, key: SessionKey, *, deadline: float) -> tuple[bool, str]:
-        """Ask `target` for its vote of `key.round` for session `key`: (granted, the session it voted for)."""
-        async def once() -> tuple[bool, str]:
-            try:
-                reply = await self._stub(endpoint).Vote(pb.VoteRequest(session=key.to_wire()),
-                                                        timeout=remaining_s(deadline), metadata=self._meta(endpoint, "Vote"))
-            except aio.AioRpcError as e:
-                raise translate(e) from None
-            return bool(reply.granted), str(reply.voted_for)
-
-        return await self.node.retrying(once, endpoint=endpoint, deadline=deadline, what=f"vote from {target}")
-
     def release(self, data: bytes | bytearray | memoryview) -> None:
         """Hand a fetched mean's buffer back for reuse; nothing may refer to its memory any more."""
         if isinstance(data, memoryview):
@@ -197,8 +185,6 @@ class _Stub:
         self.FetchTicket = channel.unary_unary(f"/{SERVICE}/FetchTicket",
                                                request_serializer=pb.FetchRequest.SerializeToString,
                                                response_deserializer=pb.BulkTicket.FromString)
-        self.Vote = channel.unary_unary(f"/{SERVICE}/Vote", request_serializer=pb.VoteRequest.SerializeToString,
-                                        response_deserializer=pb.VoteReply.FromString)
 
 
 def _fetch_fields(raw: bytes, target: str) -> tuple[int, memoryview, bytes]:

@@ -89,10 +89,6 @@ class ReducerSink(Protocol):
         """`peer` has received the whole mean of `shard` (a leaving reducer waits for this)."""
         ...
 
-    async def vote(self, key: SessionKey, *, peer: str) -> tuple[bool, str]:
-        """Give this peer's vote of `key.round` to session `key` unless it went to another: (granted, voted_for)."""
-        ...
-
 
 class _Servicer(pb_grpc.AveragingServicer):
     def __init__(self, node: RpcNode, sink: ReducerSink) -> None:
@@ -161,16 +157,6 @@ class _Servicer(pb_grpc.AveragingServicer):
             await self._reject(context, "Contributors", peer, e)
             raise AssertionError("unreachable") from e
         return pb.ContributorsReply(contributors=list(names))
-
-    async def Vote(self, raw: bytes, context: aio.ServicerContext) -> pb.VoteReply:
-        peer = peer_of(context)
-        try:
-            request = _parsed(pb.VoteRequest, raw)
-            granted, voted_for = await self.sink.vote(SessionKey.from_wire(request.session), peer=peer)
-        except Rejected as e:
-            await self._reject(context, "Vote", peer, e)
-            raise AssertionError("unreachable") from e
-        return pb.VoteReply(granted=granted, voted_for=voted_for)
 
     async def Fetch(self, raw: bytes, context: aio.ServicerContext) -> AsyncIterator[bytes]:
         peer = peer_of(context)
@@ -290,8 +276,5 @@ def serve_averaging(node: RpcNode, sink: ReducerSink) -> None:
         "FetchTicket": grpc.unary_unary_rpc_method_handler(
             servicer.FetchTicket, request_deserializer=None,
             response_serializer=pb.BulkTicket.SerializeToString),
-        "Vote": grpc.unary_unary_rpc_method_handler(
-            servicer.Vote, request_deserializer=None,
-            response_serializer=pb.VoteReply.SerializeToString),
     })
     node.add_service(lambda server: server.add_generic_rpc_handlers((handler,)))

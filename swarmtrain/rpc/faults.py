@@ -1,4 +1,5 @@
-"""The fault-injection seam: sites the data plane reports, faults a hook may answer with (tests only use it)."""
+"""Fault injection's vocabulary: the sites of the data plane, the faults a hook may answer with, and the payload
+changes they make (swarmtrain/testing/ applies them from outside, wrapping the transports)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Literal, Protocol
 
 __all__ = ["CORRUPT_BYTES", "Fault", "FaultAction", "FaultHook", "FaultSite", "LinkHook", "corrupt", "truncate"]
 
-FaultAction = Literal["drop", "delay", "corrupt", "truncate", "forge"]
+FaultAction = Literal["drop", "delay", "corrupt", "truncate", "unreachable"]
 CORRUPT_BYTES = 16
 
 
@@ -28,16 +29,15 @@ class FaultSite:
 
 @dataclass(frozen=True)
 class Fault:
-    """What to do at a site: drop the message, delay it, or corrupt or truncate its payload; `forge`
-    corrupts it and makes its checksum match, as a man in the middle would (where a checksum travels
-    with it). (A crash is the test harness's: `swarmtrain.testing.faults.CrashPlan` closes the crashing
-    peer's node.)"""
+    """What to do at a site: drop the message, delay it, corrupt or truncate its payload, or fail it as a call
+    to a peer that cannot be reached (`unreachable`). (A crash is the test harness's:
+    `swarmtrain.testing.faults.CrashPlan` closes the crashing peer's node.)"""
 
     action: FaultAction
     delay_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.action not in ("drop", "delay", "corrupt", "truncate", "forge"):
+        if self.action not in ("drop", "delay", "corrupt", "truncate", "unreachable"):
             raise ValueError(f"Fault.action: unknown action {self.action!r}")
         if self.delay_s < 0:
             raise ValueError("Fault.delay_s: must be >= 0")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import hmac
 import logging
 from collections.abc import AsyncIterator
@@ -14,7 +13,6 @@ import grpc
 from google.protobuf.message import DecodeError
 from grpc import aio
 
-from swarmtrain.rpc.faults import FaultHook, FaultSite, corrupt, truncate
 from swarmtrain.rpc.node import RpcNode, RpcRejected, peer_of, remaining_s, translate
 from swarmtrain.trust import payload_mac
 from swarmtrain.wire import sync_pb2 as pb
@@ -45,10 +43,9 @@ class StateSource(Protocol):
 
 
 class _Servicer:
-    def __init__(self, node: RpcNode, source: StateSource, fault_hook: FaultHook | None) -> None:
+    def __init__(self, node: RpcNode, source: StateSource) -> None:
         self.node = node
         self.source = source
-        self.fault_hook = fault_hook
 
     async def GetState(self, raw: bytes, context: aio.ServicerContext) -> AsyncIterator[pb.StateChunk]:
         peer = peer_of(context)
@@ -74,12 +71,6 @@ class _Servicer:
         header = pb.StateHeader(run_id=state.run_id, round=state.round, config_json=state.config_json,
                                 total_bytes=len(state.blob), sha256=state.sha256)
         header.mac = _header_mac(self.node, header)
-        fault = self.fault_hook(FaultSite(self.node.peer_id, state.round, "state", peer)) if self.fault_hook else None
-        if fault is not None and fault.action in ("corrupt", "truncate", "forge"):
-            original = bytes(blob)
-            blob = truncate(original) if fault.action == "truncate" else corrupt(original)
-            if fault.action == "forge":  # the checksum rewritten to match: only the MAC can tell
-                header.sha256 = hashlib.sha256(blob).digest()
         if request.header_only:
             yield pb.StateChunk(header=header)
             return
@@ -97,9 +88,9 @@ def _header_mac(node: RpcNode, header: pb.StateHeader) -> bytes:
                        header.total_bytes, header.sha256)
 
 
-def serve_state(node: RpcNode, source: StateSource, *, fault_hook: FaultHook | None = None) -> None:
+def serve_state(node: RpcNode, source: StateSource) -> None:
     """Register the StateTransfer service backed by `source` on `node` (before `node.start()`)."""
-    servicer = _Servicer(node, source, fault_hook)
+    servicer = _Servicer(node, source)
     handler = grpc.method_handlers_generic_handler("swarmtrain.wire.StateTransfer", {
         "GetState": grpc.unary_stream_rpc_method_handler(
             servicer.GetState, request_deserializer=None, response_serializer=pb.StateChunk.SerializeToString)})

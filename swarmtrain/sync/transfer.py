@@ -21,7 +21,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 
 from swarmtrain.config import ConfigError, RunConfig, from_dict, public_dict
-from swarmtrain.rpc.faults import FaultHook
+from swarmtrain.round.ballots import Voter, voters_from_json, voters_to_json
 from swarmtrain.rpc.node import RpcError, RpcNode
 from swarmtrain.rpc.state_wire import StateBlob, StateClient, serve_state
 
@@ -31,9 +31,10 @@ __all__ = ["LiveState", "StateServer", "StateSnapshot", "StateTransferError", "f
 log = logging.getLogger(__name__)
 
 _PARAMS, _MOMENTUM = "params/", "momentum/"
-_MEMBERS = "swarmtrain.members"  # safetensors metadata key: the committing peers, a JSON list
-# safetensors header room: the members list (up to 4096 ids of <= 128 chars, quoted) and slack, plus a
-# JSON entry per tensor (name, dtype, shape, offsets).
+_VOTERS = "swarmtrain.voters"  # safetensors metadata key: the next round's voters, a JSON list of [id, incarnation]
+# safetensors header room: the voters (up to 4096 ids of <= 128 chars) and slack, plus a JSON entry per tensor
+# (name, dtype, shape, offsets). Certificates are not in the blob: every holder of a state serves the same bytes
+# (a joiner fetches ranges of one blob from several), while each keeps its own certificates of it.
 _HEADER_BYTES, _HEADER_BYTES_PER_TENSOR = 1 << 20, 1024
 UNBOUNDED_STATE_BYTES = 1 << 34  # without the model's shapes: only a sanity bound
 
@@ -50,7 +51,7 @@ class StateSnapshot:
     params: Mapping[str, torch.Tensor]
     momentum: Mapping[str, torch.Tensor]
     config: RunConfig
-    members: tuple[str, ...] = ()  # the peers whose commit produced these params (empty = unknown)
+    voters: tuple[Voter, ...] = ()  # the next round's voters (empty: the scope's genesis decides)
 
 
 def encode_snapshot(snapshot: StateSnapshot) -> StateBlob:
@@ -65,7 +66,7 @@ def _named(snapshot: StateSnapshot) -> dict[str, torch.Tensor]:
 
 
 def _metadata(snapshot: StateSnapshot) -> dict[str, str]:
-    return {_MEMBERS: json.dumps(list(snapshot.members))}
+    return {_VOTERS: json.dumps(voters_to_json(snapshot.voters))}
 
 
 def _state_blob(snapshot: StateSnapshot, blob: memoryview) -> StateBlob:
@@ -127,21 +128,18 @@ def decode_snapshot(state: StateBlob, *, expected_shapes: Mapping[str, Sequence[
         raise StateTransferError(f"round-{state.round} state: bad run config ({e})") from None
     if state.round < 0:
         raise StateTransferError(f"state round {state.round} is negative")
-    return StateSnapshot(state.round, params, momentum, config, _members_of(state))
+    return StateSnapshot(state.round, params, momentum, config, _voters_of(state))
 
 
-def _members_of(state: StateBlob) -> tuple[str, ...]:
-    """The commit's members from the safetensors header's metadata (a blob without them: unknown, ())."""
+def _voters_of(state: StateBlob) -> tuple[Voter, ...]:
+    """The voters in the safetensors header's metadata (absent: none)."""
     (size,) = struct.unpack("<Q", state.blob[:8])
     try:
         header = json.loads(bytes(state.blob[8:8 + size]))
-        raw = (header.get("__metadata__") or {}).get(_MEMBERS)
-        members = [] if raw is None else json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
-        raise StateTransferError(f"round-{state.round} state: unreadable metadata ({e})") from None
-    if not isinstance(members, list) or not all(isinstance(m, str) and m for m in members):
-        raise StateTransferError(f"round-{state.round} state: members must be a list of peer ids, got {raw!r}")
-    return tuple(members)
+        meta = header.get("__metadata__") or {}
+        return voters_from_json(json.loads(meta.get(_VOTERS, "[]")), what="state voters")
+    except (ValueError, UnicodeDecodeError, AttributeError, TypeError) as e:
+        raise StateTransferError(f"round-{state.round} state: unreadable voters ({e})") from None
 
 
 def _check_tensors(params: Mapping[str, torch.Tensor], momentum: Mapping[str, torch.Tensor],
@@ -180,7 +178,8 @@ class StateServer:
     a fixed state instead, serialized at once.
     """
 
-    def __init__(self, node: RpcNode, *, fault_hook: FaultHook | None = None, hold_s: float = 10.0) -> None:
+    def __init__(self, node: RpcNode, *, hold_s: float = 10.0, register: bool = True) -> None:
+        """`register`: serve it on `node` now (a test registers a wrapper of it instead)."""
         self._lock = threading.Lock()  # one serialization at a time: concurrent joiners share its blob
         self._node = node
         self._hold_s = hold_s
@@ -189,7 +188,8 @@ class StateServer:
         self._live: LiveState | None = None
         self._fixed: StateBlob | None = None
         self._shared: tuple[Hashable, weakref.ref[StateBlob]] | None = None
-        serve_state(node, self, fault_hook=fault_hook)
+        if register:
+            serve_state(node, self)
 
     def serve(self, live: LiveState) -> None:
         """Serve the state `live` yields from now on (see LiveState), in place of any published one."""

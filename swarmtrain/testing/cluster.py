@@ -9,13 +9,14 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 
 from swarmtrain.compress import Codec
-from swarmtrain.config import DiscoveryConfig, RunConfig, load_config, to_dict
-from swarmtrain.discovery import Discovery, InMemoryDiscovery, InMemoryRegistry, RunRecord
+from swarmtrain.config import DiscoveryConfig, RunConfig, load_config
+from swarmtrain.discovery import Discovery, InMemoryDiscovery, InMemoryRegistry
+from swarmtrain.discovery.coordinator import RunPublisher
 from swarmtrain.peer import Peer
 from swarmtrain.peer.network import NetworkPlane, NetworkServices
 from swarmtrain.rpc.node import RpcNode
 from swarmtrain.telemetry.events import HealEvent, Line, RoundEvent, parse_line
-from swarmtrain.testing.faults import FaultPlan
+from swarmtrain.testing.faults import FaultPlan, inject_faults
 
 __all__ = ["TINY_RUN", "EventLog", "LoopbackServices", "Partition", "hashes_by_round", "publish_run", "run_peer",
            "story"]
@@ -73,15 +74,15 @@ class LoopbackServices(NetworkServices):
         self.faults = faults  # consulted at every data-plane site of every peer (rpc/faults.py)
 
     async def open_data_plane(self, cfg: RunConfig, *, discovery: Discovery, codec: Codec,
-                              param_shapes: Sequence[tuple[str, tuple[int, ...]]], role: str = "worker",
+                              param_shapes: Sequence[tuple[str, tuple[int, ...]]], scope: str = "",
+                              role: str = "worker", round_now: Callable[[], int] = lambda: 0,
                               before_start: Callable[[RpcNode], None] | None = None) -> NetworkPlane:
         plane = await super().open_data_plane(cfg, discovery=discovery, codec=codec, param_shapes=param_shapes,
-                                              role=role, before_start=before_start)
+                                              scope=scope, role=role, round_now=round_now, before_start=before_start)
         self.partition.peer_at[plane.endpoint] = discovery.peer_id
         plane.node.links = self.partition
         if self.faults is not None:
-            plane.averager.registry.fault_hook = self.faults
-            plane.averager.allreduce.fault_hook = self.faults
+            inject_faults(plane.averager, self.faults)
         return plane
 
     async def open_discovery(self, cfg: DiscoveryConfig, *, run_id: str, run_key: str) -> Discovery:
@@ -94,14 +95,20 @@ class LoopbackServices(NetworkServices):
         return [f"/memory/{discovery.peer_id}"]
 
 
+_publishers: list[asyncio.Task[None]] = []  # kept until their loop ends (the test's)
+
+
 async def publish_run(registry: InMemoryRegistry, overrides: Sequence[str], *, run_key: str = "") -> RunConfig:
-    """Publish a run record (as a coordinator would) with `overrides` on the defaults, sealed with `run_key`;
-    returns its config."""
+    """Run a coordinator's duty in the background, as `swarmtrain coordinator` does: publish the run record with
+    `overrides` on the defaults, sealed with `run_key`, and keep it current, the scopes' genesis included, for
+    as long as the calling event loop runs; returns its config."""
     cfg = load_config(overrides=list(overrides))
     coordinator = InMemoryDiscovery(registry, run_id=cfg.train.run_id, record_ttl_s=3600.0, peer_id="coordinator",
                                     run_key=run_key)
-    await coordinator.publish_run(RunRecord(run_id=cfg.train.run_id, coordinator_id="coordinator",
-                                            config=to_dict(cfg), updated_at=registry.clock()), timeout_s=1.0)
+    publisher = RunPublisher(coordinator, cfg)
+    await publisher.publish()
+    task = asyncio.ensure_future(publisher.serve(asyncio.Event()))
+    _publishers[:] = [t for t in _publishers if not t.done()] + [task]
     return cfg
 
 

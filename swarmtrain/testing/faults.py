@@ -1,17 +1,33 @@
-"""FaultPlan: a deterministic table of faults keyed by (peer, round, call[, target]) for the data-plane seams;
-CrashPlan: peers that crash at such a site."""
+"""FaultPlan: a deterministic table of faults keyed by (peer, round, call[, target]); CrashPlan: peers that crash
+at such a site; and the wrappers that put them on production objects from outside (the all-reduce's and the
+round decision's transports): no fault branch lives in the shipped code."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from swarmtrain.rpc.faults import Fault, FaultAction, FaultSite
+from swarmtrain.averaging.group import Member
+from swarmtrain.averaging.network import NetworkAverager
+from swarmtrain.averaging.transport import ReduceTransport
+from swarmtrain.round.ballots import Ballot, MaterialLayout, Value
+from swarmtrain.round.certificate import Certificate
+from swarmtrain.round.messages import AcceptReply, ConsensusTransport, Contact, LearnReply, PrepareReply
+from swarmtrain.rpc.averaging_wire import PushHeader, SessionKey
+from swarmtrain.rpc.errors import RpcRejected, RpcTimeout, RpcUnavailable
+from swarmtrain.rpc.faults import Fault, FaultAction, FaultHook, FaultSite, corrupt, truncate
 from swarmtrain.rpc.node import RpcNode
 
-__all__ = ["CrashPlan", "FaultPlan"]
+__all__ = ["CrashPlan", "FaultPlan", "FaultyConsensusTransport", "FaultyReduceTransport", "inject_faults"]
 
-CRASH_HANG_S = 3600.0  # the crashing call's "delay": it is cancelled when the node's loop stops
+log = logging.getLogger(__name__)
+
+CRASH_HANG_S = 3600.0  # what a crashed peer's own calls wait: it does nothing more
+# Sites a peer serves (the site's peer answers the call): a crashed one is unreachable there at once.
+SERVED = frozenset({"contributors", "mean", "prepare", "accept", "learn", "state"})
 
 
 @dataclass
@@ -72,10 +88,124 @@ class CrashPlan:
             due = not gone and (site.peer, site.round, site.call) in {(s.peer, s.round, s.call) for s in self._sites}
             if due:
                 self.crashed.append(site)
+        dead = Fault("unreachable") if site.call in SERVED else Fault("delay", CRASH_HANG_S)
         if gone:
-            return Fault("delay", CRASH_HANG_S)  # a dead peer does nothing more, for anyone (itself included)
+            return dead  # a dead peer answers nothing and does nothing more (its own calls hang until cancelled)
         if not due:
             return self.plan(site)
-        # Called on the crashing node's own loop: close it from another thread (close joins that loop).
+        # Possibly called on a node's loop: close the crashing one from another thread (close joins its loop).
         threading.Thread(target=self.nodes[site.peer].close, name=f"crash-{site.peer}", daemon=True).start()
-        return Fault("delay", CRASH_HANG_S)
+        return dead
+
+
+def _left(deadline: float) -> float:
+    return deadline - asyncio.get_running_loop().time()
+
+
+async def _delayed(fault: Fault, deadline: float, what: str) -> None:
+    """A delay fault, bounded by the call's deadline (a held call times out as a slow peer's would)."""
+    wait = min(fault.delay_s, max(0.0, _left(deadline)))
+    await asyncio.sleep(wait)
+    if wait < fault.delay_s:
+        raise RpcTimeout(f"DEADLINE_EXCEEDED: {what} held by fault injection")
+
+
+class FaultyReduceTransport:
+    """The all-reduce's transport of member `peer` (averaging/transport.py) with a FaultPlan's faults: pushes
+    at site (member, round, "push", reducer) can be dropped, delayed, corrupted or truncated; a reducer's
+    answers at (reducer, round, "contributors" / "mean", member) delayed or refused."""
+
+    def __init__(self, inner: ReduceTransport, faults: FaultHook, *, peer: str) -> None:
+        self.inner = inner
+        self.faults = faults
+        self.peer = peer
+
+    async def push(self, reducer: Member, header: PushHeader, payload: bytes, *, deadline: float) -> None:
+        fault = self.faults(FaultSite(self.peer, header.session.round, "push", reducer.peer_id))
+        if fault is not None:
+            log.warning("%s: fault %s on push of shard %d to %s", self.peer, fault.action, header.shard, reducer.peer_id)
+            if fault.action == "drop":
+                return
+            if fault.action == "delay":
+                await asyncio.sleep(fault.delay_s)
+            payload = corrupt(payload) if fault.action == "corrupt" else payload
+            payload = truncate(payload) if fault.action == "truncate" else payload
+        await self.inner.push(reducer, header, payload, deadline=deadline)
+
+    async def _reducer_fault(self, reducer: Member, round_index: int, call: str, deadline: float) -> None:
+        fault = self.faults(FaultSite(reducer.peer_id, round_index, call, self.peer))
+        if fault is None:
+            return
+        if fault.action == "delay":
+            await _delayed(fault, deadline, f"{call} of {reducer.peer_id}")
+        elif fault.action == "drop":
+            raise RpcRejected("FAILED_PRECONDITION", "dropped by fault injection")
+        elif fault.action == "unreachable":
+            raise RpcUnavailable(f"UNAVAILABLE: {reducer.peer_id} is gone (fault injection)")
+
+    async def contributors(self, reducer: Member, key: SessionKey, shard: int, *,
+                           deadline: float) -> tuple[str, ...]:
+        await self._reducer_fault(reducer, key.round, "contributors", deadline)
+        return await self.inner.contributors(reducer, key, shard, deadline=deadline)
+
+    async def fetch(self, reducer: Member, key: SessionKey, shard: int, contributors: tuple[str, ...], *,
+                    max_bytes: int, deadline: float) -> bytes | bytearray | memoryview:
+        await self._reducer_fault(reducer, key.round, "mean", deadline)
+        return await self.inner.fetch(reducer, key, shard, contributors, max_bytes=max_bytes, deadline=deadline)
+
+    def release(self, data: bytes | bytearray | memoryview) -> None:
+        self.inner.release(data)
+
+
+class FaultyConsensusTransport:
+    """The round decision's transport of `peer` (round/messages.py) with a FaultPlan's faults at the voter's
+    sites (voter, round, "prepare" / "accept" / "learn", caller): delayed (bounded by the call's deadline) or
+    refused."""
+
+    def __init__(self, inner: ConsensusTransport, faults: FaultHook, *, peer: str) -> None:
+        self.inner = inner
+        self.faults = faults
+        self.peer = peer
+
+    async def _fault(self, to: Contact, round_index: int, call: str, timeout_s: float) -> None:
+        fault = self.faults(FaultSite(to.peer_id, round_index, call, self.peer))
+        if fault is None:
+            return
+        if fault.action == "delay":
+            await _delayed(fault, asyncio.get_running_loop().time() + timeout_s, f"{call} of {to.peer_id}")
+        elif fault.action == "drop":
+            raise RpcRejected("FAILED_PRECONDITION", "dropped by fault injection")
+        elif fault.action == "unreachable":
+            raise RpcUnavailable(f"UNAVAILABLE: {to.peer_id} is gone (fault injection)")
+
+    async def prepare(self, to: Contact, *, scope: str, round_index: int, ballot: Ballot,
+                      timeout_s: float) -> PrepareReply:
+        await self._fault(to, round_index, "prepare", timeout_s)
+        return await self.inner.prepare(to, scope=scope, round_index=round_index, ballot=ballot, timeout_s=timeout_s)
+
+    async def accept(self, to: Contact, *, scope: str, round_index: int, ballot: Ballot, value: Value,
+                     holders: Sequence[Contact], timeout_s: float) -> AcceptReply:
+        await self._fault(to, round_index, "accept", timeout_s)
+        return await self.inner.accept(to, scope=scope, round_index=round_index, ballot=ballot, value=value,
+                                       holders=holders, timeout_s=timeout_s)
+
+    async def learn(self, to: Contact, *, scope: str, round_index: int, timeout_s: float) -> LearnReply:
+        await self._fault(to, round_index, "learn", timeout_s)
+        return await self.inner.learn(to, scope=scope, round_index=round_index, timeout_s=timeout_s)
+
+    async def material(self, to: Contact, *, scope: str, layout: MaterialLayout, shard: int,
+                       timeout_s: float) -> bytes | bytearray | memoryview:
+        return await self.inner.material(to, scope=scope, layout=layout, shard=shard, timeout_s=timeout_s)
+
+    async def certificates(self, to: Contact, *, scope: str, from_round: int,
+                           timeout_s: float) -> tuple[Certificate, ...]:
+        return await self.inner.certificates(to, scope=scope, from_round=from_round, timeout_s=timeout_s)
+
+
+def inject_faults(averager: NetworkAverager, faults: FaultHook) -> None:
+    """Put `faults` on the transports of `averager` (its all-reduce, its proposer and learner, its fetches)."""
+    peer = averager.node.peer_id
+    averager.allreduce.transport = FaultyReduceTransport(averager.allreduce.transport, faults, peer=peer)
+    consensus = FaultyConsensusTransport(averager.decider.transport, faults, peer=peer)
+    averager.decider.transport = consensus
+    averager.fetcher.transport = consensus

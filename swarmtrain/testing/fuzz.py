@@ -31,6 +31,7 @@ from swarmtrain.discovery.records import (
     RunRecord,
     decode_record,
 )
+from swarmtrain.round.ballots import Voter
 from swarmtrain.rpc import bulk
 from swarmtrain.rpc.averaging_client import _fetch_fields
 from swarmtrain.rpc.averaging_wire import _push_fields
@@ -154,7 +155,7 @@ def _bundle_target() -> Target:
 
 def _state_target() -> Target:
     snapshot = StateSnapshot(2, {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b": torch.ones(4)},
-                             {"w": torch.zeros(3, 4)}, RunConfig(), members=("a", "b"))
+                             {"w": torch.zeros(3, 4)}, RunConfig(), voters=(Voter("a", 0), Voter("b", 1)))
     blob = encode_snapshot(snapshot)
     template = StateBlob(blob.run_id, blob.round, blob.config_json, b"", b"")
 

@@ -95,17 +95,3 @@ class BulkTicket(_message.Message):
     port: int
     total_bytes: int
     def __init__(self, token: _Optional[bytes] = ..., port: _Optional[int] = ..., total_bytes: _Optional[int] = ...) -> None: ...
-
-class VoteRequest(_message.Message):
-    __slots__ = ("session",)
-    SESSION_FIELD_NUMBER: _ClassVar[int]
-    session: SessionKey
-    def __init__(self, session: _Optional[_Union[SessionKey, _Mapping]] = ...) -> None: ...
-
-class VoteReply(_message.Message):
-    __slots__ = ("granted", "voted_for")
-    GRANTED_FIELD_NUMBER: _ClassVar[int]
-    VOTED_FOR_FIELD_NUMBER: _ClassVar[int]
-    granted: bool
-    voted_for: str
-    def __init__(self, granted: _Optional[bool] = ..., voted_for: _Optional[str] = ...) -> None: ...

@@ -59,11 +59,6 @@ class AveragingStub:
                 request_serializer=swarmtrain_dot_wire_dot_averaging__pb2.FetchRequest.SerializeToString,
                 response_deserializer=swarmtrain_dot_wire_dot_averaging__pb2.BulkTicket.FromString,
                 _registered_method=True)
-        self.Vote = channel.unary_unary(
-                '/swarmtrain.wire.Averaging/Vote',
-                request_serializer=swarmtrain_dot_wire_dot_averaging__pb2.VoteRequest.SerializeToString,
-                response_deserializer=swarmtrain_dot_wire_dot_averaging__pb2.VoteReply.FromString,
-                _registered_method=True)
 
 
 class AveragingServicer:
@@ -101,12 +96,6 @@ class AveragingServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Vote(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
 
 def add_AveragingServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -134,11 +123,6 @@ def add_AveragingServicer_to_server(servicer, server):
                     servicer.FetchTicket,
                     request_deserializer=swarmtrain_dot_wire_dot_averaging__pb2.FetchRequest.FromString,
                     response_serializer=swarmtrain_dot_wire_dot_averaging__pb2.BulkTicket.SerializeToString,
-            ),
-            'Vote': grpc.unary_unary_rpc_method_handler(
-                    servicer.Vote,
-                    request_deserializer=swarmtrain_dot_wire_dot_averaging__pb2.VoteRequest.FromString,
-                    response_serializer=swarmtrain_dot_wire_dot_averaging__pb2.VoteReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -276,33 +260,6 @@ class Averaging:
             '/swarmtrain.wire.Averaging/FetchTicket',
             swarmtrain_dot_wire_dot_averaging__pb2.FetchRequest.SerializeToString,
             swarmtrain_dot_wire_dot_averaging__pb2.BulkTicket.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Vote(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/swarmtrain.wire.Averaging/Vote',
-            swarmtrain_dot_wire_dot_averaging__pb2.VoteRequest.SerializeToString,
-            swarmtrain_dot_wire_dot_averaging__pb2.VoteReply.FromString,
             options,
             channel_credentials,
             insecure,

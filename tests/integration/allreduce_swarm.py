@@ -13,8 +13,11 @@ from swarmtrain.averaging.network import NetworkAverager
 from swarmtrain.averaging.protocol import AverageResult
 from swarmtrain.compress import get_codec
 from swarmtrain.config import AveragingConfig, RpcConfig
+from swarmtrain.discovery import InMemoryRegistry
 from swarmtrain.rpc.faults import FaultHook
 from swarmtrain.rpc.node import RpcNode
+from swarmtrain.testing.faults import inject_faults
+from swarmtrain.trust.identity import registry_binding
 
 RUN_ID = "test-run"
 RPC = RpcConfig(run_key="secret", call_timeout_s=5.0, chunk_bytes=4096, max_message_bytes=1 << 20, retries=2,
@@ -33,9 +36,15 @@ class Swarm:
         self.names = sorted(names)
         rpc = rpc or {}
         self.nodes = {n: RpcNode(rpc.get(n, RPC), peer_id=n, serve=n not in client_mode) for n in self.names}
+        keys = InMemoryRegistry()  # the peers' identity keys (what their voters sign with)
         self.averagers = {n: NetworkAverager(self.nodes[n], run_id=RUN_ID, group_provider=self._group,
-                                             codec=get_codec(codec, **(codec_options or {})), cfg=avg, fault_hook=fault_hook)
+                                             codec=get_codec(codec, **(codec_options or {})), cfg=avg,
+                                             identity=keys.identity(n), key_binding=registry_binding(keys.keys),
+                                             numel=0, incarnation=0)
                           for n in self.names}
+        if fault_hook is not None:
+            for averager in self.averagers.values():
+                inject_faults(averager, fault_hook)
         self.client_mode = set(client_mode)
         self.bandwidth = bandwidth or {}
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(self.names))
@@ -43,6 +52,8 @@ class Swarm:
     def __enter__(self) -> Swarm:
         for node in self.nodes.values():
             node.start()
+        for averager in self.averagers.values():
+            averager.started()
         return self
 
     def __exit__(self, *exc: object) -> None:

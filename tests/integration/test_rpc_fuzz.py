@@ -1,10 +1,11 @@
 """Property-based fuzzing of every RPC handler: an authenticated caller sends arbitrary and mutated request
-bytes to each method of a serving peer (averaging and state transfer, with an open round). Every reply is a
+bytes to each method of a serving peer (averaging, the round's decision and state transfer, with an open round). Every reply is a
 typed refusal, an answer, or gRPC's own refusal to deserialize: never a handler's unhandled error (UNKNOWN,
 or INTERNAL from anything but deserialization). The peer then still averages a round exactly."""
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Iterator
 
@@ -16,11 +17,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from swarmtrain.config import RunConfig
+from swarmtrain.round.ballots import MaterialLayout, ShardDigest, Value, Voter
 from swarmtrain.rpc.averaging_wire import SERVICE
+from swarmtrain.rpc.consensus_wire import SERVICE as CONSENSUS
 from swarmtrain.rpc.node import RpcNode
 from swarmtrain.sync.transfer import StateServer, StateSnapshot
 from swarmtrain.testing.fuzz import mutate
 from swarmtrain.wire import averaging_pb2 as pb
+from swarmtrain.wire import consensus_pb2 as cpb
 from swarmtrain.wire import sync_pb2
 
 pytestmark = pytest.mark.integration
@@ -29,7 +33,9 @@ TYPED = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.F
          grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED,
          grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED}
 KINDS = {"Push": "stream_unary", "Contributors": "unary_unary", "Fetch": "unary_stream", "PushTicket": "unary_unary",
-         "FetchTicket": "unary_unary", "Vote": "unary_unary"}
+         "FetchTicket": "unary_unary", "Prepare": "unary_unary", "Accept": "unary_unary", "Learn": "unary_unary",
+         "Certificates": "unary_unary", "Material": "unary_stream"}
+DECISION = {"Prepare", "Accept", "Learn", "Certificates", "Material"}
 
 
 def _seeds() -> dict[str, list[bytes]]:
@@ -38,9 +44,18 @@ def _seeds() -> dict[str, list[bytes]]:
     raw = header.SerializeToString()
     push = b"\x0a" + bytes([len(raw)]) + raw + b"\x12\x04abcd"
     fetch = pb.FetchRequest(session=session, shard=0, contributors=["a", "b"]).SerializeToString()
+    layout = MaterialLayout(20, "fp32", False, (ShardDigest(0, 20, 128, "0" * 64),))
+    value = Value("", 0, "s" * 24, "", ("a", "b"), (Voter("a", 0), Voter("b", 0)), layout, "1" * 64)
+    ballot = cpb.Ballot(attempt=0, retry=0, bump=0, session="s" * 24, proposer="")
     return {"Push": [push], "Contributors": [pb.ContributorsRequest(session=session, shard=0).SerializeToString()],
             "Fetch": [fetch], "PushTicket": [raw], "FetchTicket": [fetch],
-            "Vote": [pb.VoteRequest(session=session).SerializeToString()],
+            "Prepare": [cpb.PrepareRequest(scope="", round=0, ballot=ballot).SerializeToString()],
+            "Accept": [cpb.AcceptRequest(scope="", round=0, ballot=ballot, value_json=value.canonical(),
+                                         holders=[cpb.Contact(peer_id="b", endpoint="127.0.0.1:1")]).SerializeToString()],
+            "Learn": [cpb.LearnRequest(scope="", round=0).SerializeToString()],
+            "Certificates": [cpb.CertificatesRequest(scope="", from_round=0).SerializeToString()],
+            "Material": [cpb.MaterialRequest(scope="", layout_json=json.dumps(layout.to_json()).encode(),
+                                             shard=0).SerializeToString()],
             "GetState": [sync_pb2.StateRequest(run_id=RUN_ID).SerializeToString()]}
 
 
@@ -63,7 +78,8 @@ def served() -> Iterator[tuple[Swarm, RpcNode]]:
 
 async def _call(caller: RpcNode, endpoint: str, method: str, request: bytes) -> tuple[grpc.StatusCode, str]:
     channel = caller.channel(endpoint)
-    path = "/swarmtrain.wire.StateTransfer/GetState" if method == "GetState" else f"/{SERVICE}/{method}"
+    service = CONSENSUS if method in DECISION else SERVICE
+    path = "/swarmtrain.wire.StateTransfer/GetState" if method == "GetState" else f"/{service}/{method}"
     kind = "unary_stream" if method == "GetState" else KINDS[method]
     call = getattr(channel, kind)(path, request_serializer=None, response_deserializer=None)
     meta = caller.metadata(path, endpoint)

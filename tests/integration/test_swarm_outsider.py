@@ -141,7 +141,7 @@ def test_a_joiner_refuses_a_donor_serving_another_theta_and_heals_from_an_honest
     several rounds before its first commit. `rounds` only bounds the run."""
     rounds, join_at = 40, 2
     run = [*RUN[:-1], f"diloco.rounds={rounds}"]
-    caplog.set_level(logging.INFO, logger="swarmtrain.peer")
+    caplog.set_level(logging.INFO, logger="swarmtrain.driver")
 
     async def main() -> tuple[dict[str, EventLog], str]:
         services = LoopbackServices()

@@ -47,7 +47,7 @@ RUN = [
 
 def test_a_reducer_stalling_after_the_others_served_delays_its_round_but_never_blocks_it(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="swarmtrain.peer")
+    caplog.set_level(logging.INFO, logger="swarmtrain.driver")
     plan = FaultPlan()
 
     def stall_c(peer: Peer) -> None:

@@ -47,7 +47,7 @@ def _corrupt_at(peer: Peer, round_index: int) -> None:
             bad[:100] += 0.01
             worker.adopt_global(round_index=worker.round, theta_global=bad,
                                 outer_momentum=worker.outer.state_tensors().get("momentum"))
-            peer.plane.publish_state(peer.current_state())  # type: ignore[union-attr]
+            assert peer.part is not None  # its next match entry announces the corrupted state's digest
         return train(*args, **kwargs)  # type: ignore[arg-type]
 
     worker.train_inner = train_then_corrupt  # type: ignore[method-assign,assignment]
@@ -72,7 +72,7 @@ def test_a_peer_with_a_corrupted_theta_is_left_out_and_heals(tmp_path: Path) -> 
     left_out = [e for e in rounds["c"] if not e.committed and "θ_global differs" in e.reason]
     assert left_out and left_out[0].round == BAD_ROUND, told
     heals = [e for e in outs["c"].events() if isinstance(e, HealEvent)]
-    assert heals and heals[0].from_round == BAD_ROUND, told
+    assert any(h.from_round == BAD_ROUND and h.source != "certificate" for h in heals), told
     by_round = hashes_by_round(outs)
     assert sorted(by_round) == list(range(ROUNDS)) and all(len(h) == 1 for h in by_round.values()), told
     assert any(e.committed and e.round > BAD_ROUND and len(e.members) == 3 for e in rounds["c"]), \

@@ -8,7 +8,7 @@ import pytest
 from swarmtrain.config import DiscoveryConfig
 from swarmtrain.discovery import PeerRecord, RecordError, estimate_clock_offset_s
 from swarmtrain.discovery.records import decode_record
-from swarmtrain.peer.presence import Presence
+from swarmtrain.driver.presence import Presence
 
 pytestmark = pytest.mark.unit
 

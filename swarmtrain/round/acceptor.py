@@ -1,0 +1,239 @@
+"""A voter's side of a round's decision (Paxos' acceptor), pure: its state, how it answers a prepare and an
+accept, how it retires, and its state as JSON for a crash-safe store (sync/votes.py writes it, with fsyncs,
+before any answer that grants something leaves the peer).
+
+Per round of its scope the voter keeps the highest ballot it promised and the (ballot, value) it accepted
+last, with its signature of that grant. It promises a ballot higher than any it promised (and reports what
+it accepted), accepts a (ballot, value) unless it promised a higher ballot, and never names two values in
+one ballot. Rounds are bounded: below `floor` (forgotten once the voter's part is past them) and above
+`horizon` (its part's round + 1: a future round can pile up nothing) it refuses.
+
+Retiring (a graceful leave) ends the voter's current incarnation: it grants nothing in any round from
+`from_round` on, which is the round after the newest it granted anything in (at least its part's round),
+and the next incarnation starts with no votes. The voter announces the signed retirement only once it is
+stored, so a retirement someone counts is one the voter keeps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from swarmtrain.round.ballots import ZERO_BALLOT, Ballot, BallotError, Value
+
+__all__ = ["Accepted", "AcceptorState", "Promised", "Refused", "RoundVote", "VoterRetirement"]
+
+MAX_ROUNDS_KEPT = 64  # rounds a voter keeps votes of (the window is a few; this bounds a corrupt store)
+
+
+@dataclass
+class RoundVote:
+    """One round's votes of one incarnation."""
+
+    promised: Ballot = ZERO_BALLOT
+    accepted: Ballot = ZERO_BALLOT
+    value: Value | None = None
+    signature: bytes = b""  # this voter's signature of its grant of (accepted, value)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"promised": self.promised.to_json(), "accepted": self.accepted.to_json(),
+                "value": None if self.value is None else self.value.to_json(), "signature": self.signature.hex()}
+
+    @classmethod
+    def from_json(cls, raw: Any) -> RoundVote:
+        if not isinstance(raw, dict):
+            raise BallotError("round vote: expected an object")
+        value = raw.get("value")
+        try:
+            signature = bytes.fromhex(raw.get("signature", ""))
+        except (TypeError, ValueError):
+            raise BallotError("round vote: malformed signature") from None
+        return cls(Ballot.from_json(raw.get("promised")), Ballot.from_json(raw.get("accepted")),
+                   None if value is None else Value.from_json(value), signature)
+
+
+@dataclass(frozen=True)
+class VoterRetirement:
+    """An earlier (or this) incarnation's retirement as this voter stored it: announced in its departure."""
+
+    incarnation: int
+    from_round: int
+    signature: bytes
+
+
+@dataclass(frozen=True)
+class Promised:
+    """A promise: nothing below `ballot` is accepted any more; `accepted`/`value` is what was accepted last."""
+
+    ballot: Ballot
+    accepted: Ballot
+    value: Value | None
+    changed: bool  # the state changed and must be stored before the answer leaves
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """The (ballot, value) is accepted; the caller signs the grant and stores the state before answering."""
+
+    ballot: Ballot
+    value: Value
+    changed: bool
+
+
+RefusalKind = Literal["promised", "retired", "forgotten", "ahead", "conflict", "scope"]
+
+
+@dataclass(frozen=True)
+class Refused:
+    """Not granted: `kind` says why (`promised` carries the higher ballot promised)."""
+
+    kind: RefusalKind
+    reason: str
+    promised: Ballot = ZERO_BALLOT
+
+
+@dataclass
+class AcceptorState:
+    """One voter's votes in one scope (see the module docstring)."""
+
+    scope: str
+    incarnation: int
+    floor: int = 0
+    rounds: dict[int, RoundVote] = field(default_factory=dict)  # the current incarnation's
+    past: dict[int, tuple[int, RoundVote]] = field(default_factory=dict)  # round -> (incarnation, votes) of retired ones
+    retirements: list[VoterRetirement] = field(default_factory=list)
+    retired_from: int | None = None  # set while the current incarnation is retired and not yet replaced
+
+    # ------------------------------------------------------------------ answers
+
+    def refusal(self, round_index: int, *, horizon: int) -> Refused | None:
+        """Why this voter answers nothing in `round_index` (retired, forgotten, ahead), None when it may."""
+        if self.retired_from is not None and round_index >= self.retired_from:
+            return Refused("retired", f"this voter retired from round {self.retired_from}")
+        if round_index < self.floor:
+            return Refused("forgotten", f"round {round_index} is forgotten here (this voter is past round "
+                                        f"{self.floor - 1})")
+        if round_index > horizon:
+            return Refused("ahead", f"round {round_index} is ahead of this voter (at round {horizon - 1})")
+        return None
+
+    def prepare(self, round_index: int, ballot: Ballot, *, horizon: int) -> Promised | Refused:
+        """A proposer asks for a promise of `ballot` in round `round_index`."""
+        refused = self.refusal(round_index, horizon=horizon)
+        if refused is not None:
+            return refused
+        vote = self.rounds.get(round_index)
+        if vote is None:
+            vote = self.rounds[round_index] = RoundVote()
+        if ballot < vote.promised:
+            return Refused("promised", f"promised {tuple(vote.promised)} in round {round_index}", vote.promised)
+        changed = ballot > vote.promised
+        vote.promised = ballot
+        return Promised(ballot, vote.accepted, vote.value, changed)
+
+    def accept(self, round_index: int, ballot: Ballot, value: Value, *, horizon: int) -> Accepted | Refused:
+        """A proposer asks this voter to accept `value` in `ballot` of round `round_index`."""
+        if value.round != round_index or value.scope != self.scope:
+            return Refused("scope", f"a value of {value.scope!r} round {value.round} offered for "
+                                    f"{self.scope!r} round {round_index}")
+        refused = self.refusal(round_index, horizon=horizon)
+        if refused is not None:
+            return refused
+        vote = self.rounds.get(round_index)
+        if vote is None:
+            vote = self.rounds[round_index] = RoundVote()
+        if ballot < vote.promised:
+            return Refused("promised", f"promised {tuple(vote.promised)} in round {round_index}", vote.promised)
+        if vote.accepted == ballot and vote.value is not None:
+            if vote.value.value_id != value.value_id:
+                return Refused("conflict", f"ballot {tuple(ballot)} already carries another value here")
+            return Accepted(ballot, value, changed=False)
+        vote.promised = vote.accepted = ballot
+        vote.value, vote.signature = value, b""
+        return Accepted(ballot, value, changed=True)
+
+    def sign_accepted(self, round_index: int, signature: bytes) -> None:
+        """Record the signature of the grant just accepted in `round_index` (before the state is stored)."""
+        self.rounds[round_index].signature = signature
+
+    def accepted_in(self, round_index: int) -> tuple[int, RoundVote] | None:
+        """(incarnation, votes) of the newest incarnation that accepted a value in `round_index`, if any."""
+        vote = self.rounds.get(round_index)
+        if vote is not None and vote.value is not None:
+            return self.incarnation, vote
+        past = self.past.get(round_index)
+        if past is not None and past[1].value is not None:
+            return past
+        return None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def granted_rounds(self) -> list[int]:
+        return sorted(r for r, v in self.rounds.items() if v.promised != ZERO_BALLOT)
+
+    def retire(self, *, current_round: int) -> int:
+        """End the current incarnation: it grants nothing from the returned round on. Sign it
+        (`sign_retirement`) and store it; the next start (`reincarnate`) votes as the next incarnation."""
+        if self.retired_from is not None:
+            return self.retired_from
+        granted = self.granted_rounds()
+        self.retired_from = max(current_round, granted[-1] + 1 if granted else 0)
+        return self.retired_from
+
+    def sign_retirement(self, signature: bytes) -> VoterRetirement:
+        assert self.retired_from is not None, "sign_retirement() before retire()"
+        retirement = VoterRetirement(self.incarnation, self.retired_from, signature)
+        self.retirements = [*self.retirements[-3:], retirement]
+        return retirement
+
+    def reincarnate(self) -> None:
+        """The next incarnation: no votes of its own; the retired one's are kept for learners."""
+        for r, vote in self.rounds.items():
+            self.past[r] = (self.incarnation, vote)
+        self.rounds, self.retired_from = {}, None
+        self.incarnation += 1
+
+    def forget_before(self, round_index: int) -> bool:
+        """Refuse rounds below `round_index` from now on and drop their votes; whether anything changed."""
+        if round_index <= self.floor:
+            return False
+        self.floor = round_index
+        self.rounds = {r: v for r, v in self.rounds.items() if r >= round_index}
+        self.past = {r: v for r, v in self.past.items() if r >= round_index}
+        return True
+
+    # ------------------------------------------------------------------ storage
+
+    def to_json(self) -> dict[str, Any]:
+        return {"scope": self.scope, "incarnation": self.incarnation, "floor": self.floor,
+                "retired_from": self.retired_from,
+                "rounds": {str(r): v.to_json() for r, v in sorted(self.rounds.items())},
+                "past": {str(r): [inc, v.to_json()] for r, (inc, v) in sorted(self.past.items())},
+                "retirements": [[x.incarnation, x.from_round, x.signature.hex()] for x in self.retirements]}
+
+    @classmethod
+    def from_json(cls, raw: Any) -> AcceptorState:
+        """Raise BallotError naming what is malformed (a voter must not vote from a store it cannot read)."""
+        if not isinstance(raw, dict):
+            raise BallotError("voter state: expected an object")
+        scope, incarnation, floor = raw.get("scope"), raw.get("incarnation"), raw.get("floor")
+        retired_from = raw.get("retired_from")
+        if not isinstance(scope, str):
+            raise BallotError("voter state.scope: expected a string")
+        for name, v in (("incarnation", incarnation), ("floor", floor)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise BallotError(f"voter state.{name}: expected an int >= 0, got {v!r:.40}")
+        if retired_from is not None and (not isinstance(retired_from, int) or retired_from < 0):
+            raise BallotError("voter state.retired_from: malformed")
+        rounds, past = raw.get("rounds", {}), raw.get("past", {})
+        if not isinstance(rounds, dict) or not isinstance(past, dict) or len(rounds) + len(past) > 2 * MAX_ROUNDS_KEPT:
+            raise BallotError("voter state: malformed or oversized rounds")
+        try:
+            parsed_rounds = {int(r): RoundVote.from_json(v) for r, v in rounds.items()}
+            parsed_past = {int(r): (int(v[0]), RoundVote.from_json(v[1])) for r, v in past.items()}
+            retirements = [VoterRetirement(int(i), int(f), bytes.fromhex(s)) for i, f, s in raw.get("retirements", [])]
+        except (TypeError, ValueError, IndexError) as e:
+            if isinstance(e, BallotError):
+                raise
+            raise BallotError(f"voter state: {type(e).__name__}: {e}") from None
+        return cls(scope, incarnation, floor, parsed_rounds, parsed_past, retirements, retired_from)

@@ -1,0 +1,210 @@
+"""A round's certificate: the signed grants of a quorum of its voters for one (ballot, value), with the signed
+retirements the quorum was counted without. Any peer that knows the round's voters checks it; pure (the
+signature check is passed in: `Verify(peer_id, public_key, message, signature)`, trust/identity.py).
+
+A certificate proves that its value was chosen: a quorum of V(r) ∖ R accepted it in one ballot, and by
+Paxos' rule every later ballot of the round carries it. It is what a committer keeps and shows: a peer behind
+learns the round from it (and the material, from any holder), and a joiner trusts a state only as far as
+its certificate chain reaches back to voters it knows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from swarmtrain.round.ballots import (
+    MAX_VOTERS,
+    Ballot,
+    BallotError,
+    Value,
+    Voter,
+    grant_statement,
+    is_quorum,
+    quorum_base,
+    retire_statement,
+)
+
+__all__ = ["Certificate", "CertificateError", "Retirement", "SignedGrant", "Verify", "check_certificate", "follow_chain"]
+
+MAX_KEY_BYTES = 1024  # an RSA-2048 public key in DER is 294 bytes; ed25519 is 32
+MAX_SIGNATURE_BYTES = 1024
+
+Verify = Callable[[str, bytes, bytes, bytes], bool]
+"""(peer_id, public_key, message, signature) -> whether `public_key` is `peer_id`'s and signed `message`."""
+
+
+class CertificateError(ValueError):
+    """A certificate does not prove what it claims; the message says which part fails."""
+
+
+def _bytes_field(raw: Any, name: str, limit: int) -> bytes:
+    if not isinstance(raw, str):
+        raise BallotError(f"{name}: expected a hex string")
+    try:
+        out = bytes.fromhex(raw)
+    except ValueError:
+        raise BallotError(f"{name}: not hex") from None
+    if not 0 < len(out) <= limit:
+        raise BallotError(f"{name}: {len(out)} bytes (at most {limit})")
+    return out
+
+
+@dataclass(frozen=True)
+class SignedGrant:
+    """`voter` accepted the certificate's (ballot, value): its signature over `grant_statement`."""
+
+    voter: Voter
+    public_key: bytes
+    signature: bytes
+
+    def to_json(self) -> list[Any]:
+        return [self.voter.peer_id, self.voter.incarnation, self.public_key.hex(), self.signature.hex()]
+
+    @classmethod
+    def from_json(cls, raw: Any) -> SignedGrant:
+        if not isinstance(raw, list) or len(raw) != 4 or not isinstance(raw[0], str) or not isinstance(raw[1], int):
+            raise BallotError(f"grant: malformed {raw!r:.80}")
+        return cls(Voter(raw[0], raw[1]), _bytes_field(raw[2], "grant.public_key", MAX_KEY_BYTES),
+                   _bytes_field(raw[3], "grant.signature", MAX_SIGNATURE_BYTES))
+
+
+@dataclass(frozen=True)
+class Retirement:
+    """`voter` retired: it grants nothing in any round >= `from_round` (signature over `retire_statement`)."""
+
+    voter: Voter
+    from_round: int
+    public_key: bytes
+    signature: bytes
+
+    def statement(self, *, run: str, scope: str) -> bytes:
+        return retire_statement(run=run, scope=scope, voter=self.voter, from_round=self.from_round)
+
+    def to_json(self) -> list[Any]:
+        return [self.voter.peer_id, self.voter.incarnation, self.from_round, self.public_key.hex(),
+                self.signature.hex()]
+
+    @classmethod
+    def from_json(cls, raw: Any) -> Retirement:
+        if (not isinstance(raw, list) or len(raw) != 5 or not isinstance(raw[0], str) or not isinstance(raw[1], int)
+                or not isinstance(raw[2], int) or raw[2] < 0):
+            raise BallotError(f"retirement: malformed {raw!r:.80}")
+        return cls(Voter(raw[0], raw[1]), raw[2], _bytes_field(raw[3], "retirement.public_key", MAX_KEY_BYTES),
+                   _bytes_field(raw[4], "retirement.signature", MAX_SIGNATURE_BYTES))
+
+
+def check_retirement(r: Retirement, *, run: str, scope: str, verify: Verify) -> None:
+    if not verify(r.voter.peer_id, r.public_key, r.statement(run=run, scope=scope), r.signature):
+        raise CertificateError(f"the retirement of {r.voter} does not verify (not its key, or a forged signature)")
+
+
+@dataclass(frozen=True)
+class Certificate:
+    """Round `value.round` of `value.scope` chose `value`, in `ballot` (see the module docstring)."""
+
+    run: str  # "<run id>/<run nonce>": a certificate of another run never verifies here
+    ballot: Ballot
+    value: Value
+    grants: tuple[SignedGrant, ...]
+    retirements: tuple[Retirement, ...] = ()
+
+    @property
+    def round(self) -> int:
+        return self.value.round
+
+    @property
+    def scope(self) -> str:
+        return self.value.scope
+
+    def to_json(self) -> dict[str, Any]:
+        return {"run": self.run, "ballot": self.ballot.to_json(), "value": self.value.to_json(),
+                "grants": [g.to_json() for g in self.grants], "retirements": [r.to_json() for r in self.retirements]}
+
+    @classmethod
+    def from_json(cls, raw: Any) -> Certificate:
+        if not isinstance(raw, Mapping):
+            raise BallotError("certificate: expected an object")
+        grants, retirements = raw.get("grants"), raw.get("retirements", [])
+        if not isinstance(grants, list) or len(grants) > MAX_VOTERS:
+            raise BallotError("certificate.grants: malformed")
+        if not isinstance(retirements, list) or len(retirements) > MAX_VOTERS:
+            raise BallotError("certificate.retirements: malformed")
+        run = raw.get("run")
+        if not isinstance(run, str) or len(run) > 512:
+            raise BallotError("certificate.run: malformed")
+        return cls(run, Ballot.from_json(raw.get("ballot")), Value.from_json(raw.get("value")),
+                   tuple(SignedGrant.from_json(g) for g in grants), tuple(Retirement.from_json(r) for r in retirements))
+
+
+def check_certificate(cert: Certificate, *, run: str, voters: Sequence[Voter], verify: Verify,
+                      scope: str | None = None, round_index: int | None = None) -> None:
+    """Raise CertificateError unless `cert` proves its value chosen among `voters` (the round's V(r)).
+
+    Checked: the run, scope and round asked for; every grant and retirement is from a distinct voter of V,
+    signed with that voter's own key; every retirement counts for this round; the grants form a quorum of
+    V less the retirements."""
+    v = cert.value
+    if cert.run != run:
+        raise CertificateError(f"a certificate of run {cert.run!r}, not {run!r}")
+    if scope is not None and v.scope != scope:
+        raise CertificateError(f"a certificate of scope {v.scope!r}, not {scope!r}")
+    if round_index is not None and v.round != round_index:
+        raise CertificateError(f"a certificate of round {v.round}, not {round_index}")
+    if not voters:
+        raise CertificateError(f"round {v.round} has no voters to check a certificate against")
+    eligible = set(voters)
+    retired: set[Voter] = set()
+    for r in cert.retirements:
+        if r.voter not in eligible:
+            raise CertificateError(f"retirement of {r.voter}, who is not a voter of round {v.round}")
+        if r.from_round > v.round:
+            raise CertificateError(f"{r.voter} retired from round {r.from_round}, after round {v.round}")
+        check_retirement(r, run=run, scope=v.scope, verify=verify)
+        retired.add(r.voter)
+    granted: set[Voter] = set()
+    for g in cert.grants:
+        if g.voter not in eligible:
+            raise CertificateError(f"a grant from {g.voter}, who is not a voter of round {v.round}")
+        if g.voter in retired:
+            raise CertificateError(f"a grant from {g.voter}, who retired from round {v.round}")
+        if g.voter in granted:
+            raise CertificateError(f"two grants from {g.voter}")
+        message = grant_statement(run=run, scope=v.scope, round_index=v.round, ballot=cert.ballot,
+                                  value_id=v.value_id, voter=g.voter)
+        if not verify(g.voter.peer_id, g.public_key, message, g.signature):
+            raise CertificateError(f"the grant of {g.voter} does not verify (not its key, or a forged signature)")
+        granted.add(g.voter)
+    if not is_quorum(granted, voters, retired):
+        base = quorum_base(voters, retired)
+        raise CertificateError(f"{len(granted)} grants of the {len(base)} voters that did not retire: not a "
+                               f"quorum (more than half)")
+
+
+def grants_by_voter(grants: Sequence[SignedGrant]) -> Mapping[Voter, SignedGrant]:
+    return {g.voter: g for g in grants}
+
+
+def follow_chain(certs: Sequence[Certificate], *, run: str, scope: str, round_index: int, voters: Sequence[Voter],
+                 digest: str, verify: Verify) -> tuple[int, str, tuple[Voter, ...]] | None:
+    """From a state of round `round_index` with digest `digest` decided by `voters`: the newest (round, state
+    digest, voters) that `certs` lead to, each certificate checked against the voters the previous one named
+    and starting from the state its predecessor led to; None when they do not follow from this state.
+
+    This is how a peer behind trusts one peer ahead: the chain starts at what it holds itself, and each link
+    is a quorum of voters it derived, not anyone's word."""
+    by_round = {c.round: c for c in certs if c.scope == scope}
+    r, d, v = round_index, digest, tuple(voters)
+    reached: tuple[int, str, tuple[Voter, ...]] | None = None
+    while r in by_round and v:
+        cert = by_round[r]
+        try:
+            check_certificate(cert, run=run, voters=v, verify=verify, scope=scope, round_index=r)
+        except CertificateError:
+            break
+        if cert.value.base != d:
+            break
+        r, d, v = r + 1, cert.value.result, cert.value.next_voters
+        reached = (r, d, v)
+    return reached

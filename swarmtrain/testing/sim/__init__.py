@@ -1,0 +1,3 @@
+"""The deterministic simulation tester of the round's consensus (run.py): virtual time (loop.py), a simulated
+network (network.py) and DHT (dht.py), and peers running the production round driver on a small part
+(part.py, peer.py)."""

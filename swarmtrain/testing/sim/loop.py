@@ -1,0 +1,78 @@
+"""A deterministic asyncio event loop on virtual time: sleeps and timeouts take no real time, and work handed to
+threads (`asyncio.to_thread`) runs inline, so one seed gives one interleaving of every peer's tasks.
+
+Time only moves when every task waits: the loop then jumps to the earliest timer. Nothing here does I/O; a
+loop with nothing scheduled and nothing ready is deadlocked (`SimDeadlock`)."""
+
+from __future__ import annotations
+
+import asyncio
+import selectors
+from collections.abc import Callable, Mapping
+from typing import Any
+
+__all__ = ["SimDeadlock", "VirtualClock", "VirtualLoop"]
+
+
+class SimDeadlock(RuntimeError):
+    """Every task waits on something that no timer will ever wake."""
+
+
+class VirtualClock:
+    """Seconds since the simulation's start; `wall()` the same on a fixed epoch (what peers' clocks read)."""
+
+    EPOCH = 1_800_000_000.0
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def wall(self) -> float:
+        return self.EPOCH + self.now
+
+
+class _VirtualSelector(selectors.BaseSelector):
+    """Holds the loop's self-pipe registration; `select` advances the clock instead of waiting."""
+
+    def __init__(self, clock: VirtualClock) -> None:
+        self.clock = clock
+        self._keys: dict[Any, selectors.SelectorKey] = {}
+
+    def register(self, fileobj: Any, events: int, data: Any = None) -> selectors.SelectorKey:
+        key = selectors.SelectorKey(fileobj, fileobj if isinstance(fileobj, int) else fileobj.fileno(), events, data)
+        self._keys[fileobj] = key
+        return key
+
+    def unregister(self, fileobj: Any) -> selectors.SelectorKey:
+        return self._keys.pop(fileobj)
+
+    def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
+        if timeout is None:
+            raise SimDeadlock("nothing is ready and no timer is set")
+        self.clock.now += max(0.0, timeout)
+        return []
+
+    def get_map(self) -> Mapping[Any, selectors.SelectorKey]:
+        return self._keys
+
+    def close(self) -> None:
+        self._keys.clear()
+
+
+class VirtualLoop(asyncio.SelectorEventLoop):
+    """See the module docstring."""
+
+    def __init__(self, clock: VirtualClock | None = None) -> None:
+        self.clock = clock if clock is not None else VirtualClock()
+        super().__init__(selector=_VirtualSelector(self.clock))
+        self._clock_resolution = 1e-9
+
+    def time(self) -> float:
+        return self.clock.now
+
+    def run_in_executor(self, executor: Any, func: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
+        future: asyncio.Future[Any] = self.create_future()
+        try:
+            future.set_result(func(*args))
+        except BaseException as e:  # delivered to the awaiting task, as a thread's exception would be
+            future.set_exception(e)
+        return future
