@@ -38,12 +38,16 @@ from swarmtrain.round.certificate import CertificateError, Retirement, Verify, c
 from swarmtrain.round.messages import Contact
 from swarmtrain.telemetry import HealEvent
 
-__all__ = ["RoundDriver"]
+__all__ = ["Behind", "RoundDriver", "departure_record"]
 
 log = logging.getLogger(__name__)
 
 MAX_CHAIN_DONORS = 3  # peers ahead asked for their certificates in one heal check
 KEPT_CERTIFICATES = 16  # a healed peer asks its donor for this many rounds' certificates
+
+
+class Behind(RuntimeError):
+    """A part's `train` ended without a Δ: the part's other holders are past its round (it heals first)."""
 
 
 class RoundDriver:
@@ -69,11 +73,20 @@ class RoundDriver:
         self.genesis = genesis
         self.emit = emit
         self.changed = changed
-        self.machine = RoundMachine(round_index=part.round, rounds=cfg.diloco.rounds, clock=discovery.now,
-                                    overlap=overlap, on_transition=lambda t: log.info("%s: %s", self.peer_id, t.line()))
+        self.overlap = overlap
+        self.machine = self._new_machine()
         self.pending: Trained | None = None  # the round trained and not committed yet
         self.peers: tuple[PeerRecord, ...] = ()  # the scope's live records, as last read
         self._verified: dict[tuple[Voter, int], Retirement] = {}  # retirements checked once
+
+    def _new_machine(self) -> RoundMachine:
+        return RoundMachine(round_index=self.part.round, rounds=self.cfg.diloco.rounds, clock=self.discovery.now,
+                            overlap=self.overlap, on_transition=lambda t: log.info("%s: %s", self.peer_id, t.line()))
+
+    def restart_machine(self) -> None:
+        """The part's committed state was replaced from outside (a stage server took another stage): its rounds
+        start afresh from its round (before `run`)."""
+        self.machine, self.pending = self._new_machine(), None
 
     @property
     def peer_id(self) -> str:
@@ -144,7 +157,11 @@ class RoundDriver:
 
     async def _train(self, stop: asyncio.Event) -> None:
         self.pending = None  # the last round's Δ, done with: never two in memory
-        trained = await self.part.train(stop)
+        try:
+            trained = await self.part.train(stop)
+        except Behind as e:
+            self.machine.trained(problem=str(e))  # nothing trained to keep: the top of the round heals
+            return
         if trained is None:
             self.machine.stopped()
             return

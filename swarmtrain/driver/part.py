@@ -157,10 +157,6 @@ class RoundPlane(Protocol):
 
     def serve_state(self, live: Callable[[], AbstractContextManager[CommittedState]]) -> None: ...
 
-    def publish_state(self, state: CommittedState) -> None:
-        """The part's committed state changed: what its next match entries announce."""
-        ...
-
     async def aclose(self) -> None: ...
 
 

@@ -121,10 +121,13 @@ class NetworkPlane:
 
     # ------------------------------------------------------------------ the part's hooks
 
-    def attach(self, outcome_of: OutcomeOf) -> None:
+    def attach(self, outcome_of: OutcomeOf, *, round_now: Callable[[], int] | None = None) -> None:
         """The part's `outcome_of(value, mean)`: the state its outer step with `mean` would commit, or None when
-        the part does not hold `value.base` (then it cannot tell). This peer's voter checks values against it."""
+        the part does not hold `value.base` (then it cannot tell). This peer's voter checks values against it,
+        and bounds the rounds it answers by `round_now()` (the part's round) when given."""
         self._outcome_of = outcome_of
+        if round_now is not None:
+            self.averager.voter.round_now = round_now
 
     async def _check_result(self, value: Value, material: Material) -> str:
         if self._outcome_of is None:
@@ -222,9 +225,6 @@ class NetworkPlane:
                                                    config=self.cfg, voters=state.voters)
 
         self.states.serve(snapshot)
-
-    def publish_state(self, state: CommittedState) -> None:
-        return None
 
     def unreported_bytes(self) -> tuple[int, int]:
         return self.averager.unreported_bytes()

@@ -4,6 +4,8 @@ heartbeat; and reading the stage servers from the live peer records."""
 from __future__ import annotations
 
 import abc
+import asyncio
+import contextlib
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -14,18 +16,22 @@ from swarmtrain.compress import codec_from_config
 from swarmtrain.config import RunConfig
 from swarmtrain.diloco.flat import param_shapes
 from swarmtrain.discovery import Discovery, Heartbeat, PeerRecord, ScopedDiscovery
+from swarmtrain.driver.loop import departure_record
 from swarmtrain.peer.config import merge_run_config
 from swarmtrain.peer.data import peer_seed
-from swarmtrain.peer.joining import fetch_run_config
-from swarmtrain.peer.services import DataPlane, PeerError, PeerServices
+from swarmtrain.peer.joining import GenesisReader, fetch_run_record
+from swarmtrain.peer.network import NetworkPlane
+from swarmtrain.peer.services import PeerError, PeerServices
 from swarmtrain.pipeline.cut import stage_blocks
 from swarmtrain.pipeline.memory import MB, server_bytes
 from swarmtrain.pipeline.outer import PartRounds
 from swarmtrain.pipeline.routing import Server
+from swarmtrain.round.certificate import Retirement
 from swarmtrain.rpc.node import RpcNode
 from swarmtrain.telemetry import EventWriter
 from swarmtrain.telemetry.tally import Tally
 from swarmtrain.trust import resolve_run_key
+from swarmtrain.trust.identity import verifier
 
 __all__ = ["RoleBase", "fitting_stages", "least_served_stage", "servers_of"]
 
@@ -79,9 +85,11 @@ class RoleBase(abc.ABC):
         self.coordinator_id = coordinator_id
         self.cfg = local
         self.discovery: Discovery | None = None
+        self.coordinator = ""  # the peer id that signed the run record (it fixes each scope's genesis)
         self.node: RpcNode | None = None  # the plane's: the role's calls, the all-reduce, its part's state
-        self.plane: DataPlane | None = None
+        self.plane: NetworkPlane | None = None
         self.rounds: PartRounds | None = None
+        self._retired: dict[str, list[Retirement]] = {}  # scope -> its voter's retirements (a departure record)
         self.heartbeat: Heartbeat | None = None
         self.tally, self.metrics = Tally(), ""  # its work so far (record stats, /metrics at `metrics`: host:port)
         writer.listeners.append(self.tally.observe)
@@ -90,8 +98,9 @@ class RoleBase(abc.ABC):
         discovery = await self.services.open_discovery(self.local.discovery, run_id=self.local.train.run_id,
                                                        run_key=resolve_run_key(self.local.rpc.run_key))
         self.discovery = discovery
-        run = await fetch_run_config(discovery, self.local, coordinator_id=self.coordinator_id)
-        self.cfg = merge_run_config(run, self.local, local_overrides=self.local_overrides)
+        record = await fetch_run_record(discovery, self.local, coordinator_id=self.coordinator_id)
+        self.coordinator = record.coordinator_id
+        self.cfg = merge_run_config(record.run_config(), self.local, local_overrides=self.local_overrides)
         if self.cfg.pipeline.stages < 1:
             raise PeerError(f"run {self.cfg.train.run_id!r} has no pipeline (pipeline.stages = 0): join it without "
                             "--role, as a DiLoCo worker")
@@ -101,7 +110,7 @@ class RoleBase(abc.ABC):
         return discovery
 
     async def _open_plane(self, part: torch.nn.Module, *, scope: str, member: Any, role: str,
-                          serve: Any = None) -> tuple[ScopedDiscovery, DataPlane, RpcNode]:
+                          serve: Any = None) -> tuple[ScopedDiscovery, NetworkPlane, RpcNode]:
         """The data plane of `part`'s holders (its matchmaking under `scope`; `serve(node)` adds this role's
         own service before the node listens), with the scope's view of the DHT and the plane's node."""
         assert self.discovery is not None
@@ -116,19 +125,51 @@ class RoleBase(abc.ABC):
                 serve(node)
 
         plane = await self.services.open_data_plane(
-            cfg, discovery=scoped, codec=codec, role=role, before_start=before_start,
+            cfg, discovery=scoped, codec=codec, scope=scope, role=role, before_start=before_start,
             param_shapes=param_shapes(part))
         return scoped, plane, nodes[0]
 
-    def _rounds(self, part: torch.nn.Module, plane: DataPlane, scoped: ScopedDiscovery, *, stage: int, still: Any,
-                apply_now: bool, on_heal: Any = None, hold: Any = None) -> PartRounds:
-        return PartRounds(list(part.parameters()), plane=plane, discovery=scoped, cfg=self.cfg, stage=stage,
-                          still=still, emit=self.writer.emit, apply_now=apply_now, on_heal=on_heal, hold=hold)
+    def _rounds(self, part: torch.nn.Module, plane: NetworkPlane, scoped: ScopedDiscovery, *, stage: int, still: Any,
+                apply_now: bool, role: str, on_heal: Any = None, hold: Any = None) -> PartRounds:
+        cfg = self.cfg
+        rounds = PartRounds(list(part.parameters()), plane=plane, discovery=scoped, cfg=cfg, stage=stage,
+                            still=still, emit=self.writer.emit, apply_now=apply_now, role=role,
+                            run=f"{cfg.train.run_id}/{cfg.train.run_nonce}", verify=verifier(scoped.key_binding),
+                            genesis=GenesisReader(scoped, coordinator_id=self.coordinator, scope=plane.scope,
+                                                  timeout_s=cfg.rpc.call_timeout_s),
+                            incarnation=lambda: plane.incarnation, on_heal=on_heal, hold=hold,
+                            changed=self._beat_soon)
+        plane.attach(rounds.part.outcome_of, round_now=lambda: rounds.round)
+        return rounds
+
+    def _beat_soon(self) -> None:
+        """The part's committed state changed: announce it at once (its record names the round and digest)."""
+        if self.heartbeat is not None:
+            self._beat = asyncio.ensure_future(self._beat_once())
+
+    async def _beat_once(self) -> None:
+        if self.heartbeat is not None:
+            with contextlib.suppress(Exception):  # the periodic beat announces it anyway
+                await self.heartbeat.beat()
+
+    async def _retire(self, scope: str, rounds: PartRounds) -> None:
+        """This peer leaves `scope` for good: its voter there retires, and the departure record says so (with
+        every scope it left)."""
+        self._retired[scope] = await rounds.aclose(retire=True)
+        if self.discovery is None or not any(self._retired.values()):
+            return
+        record = departure_record(run_id=self.cfg.train.run_id, peer_id=self.discovery.peer_id,
+                                  retirements=self._retired, now=self.discovery.now())
+        try:
+            await self.discovery.announce_departure(record, timeout_s=self.cfg.rpc.call_timeout_s)
+        except Exception as e:  # best effort: the others count this voter until a commit drops it
+            log.warning("could not announce this peer's departure from %r: %s", scope, e)
 
     def _part_fields(self) -> dict[str, Any]:
-        """The record's fields of this role's part: its outer round, θ_global's hash, when its round ends."""
-        assert self.rounds is not None
-        return {"round": self.rounds.round, "state_hash": self.rounds.hash,
+        """The record's fields of this role's part: its outer round, its state's digest, its voter's incarnation,
+        when its round ends."""
+        assert self.rounds is not None and self.plane is not None
+        return {"round": self.rounds.round, "state_hash": self.rounds.hash, "incarnation": self.plane.incarnation,
                 "round_ends_at": self.rounds.round_ends_at(), "stats": self.tally.stats()}
 
     def _metrics_info(self) -> dict[str, str]:
@@ -149,8 +190,8 @@ class RoleBase(abc.ABC):
         """Stop beating, withdraw the record, close the data plane and the DHT node (each best effort)."""
         if self.heartbeat is not None:
             await self.heartbeat.aclose(withdraw=True)
-        if self.rounds is not None:
-            await self.rounds.aclose()
+        if self.rounds is not None and self.plane is not None:
+            await self._retire(self.plane.scope, self.rounds)
         if self.plane is not None:
             await self.plane.aclose()
         if self.discovery is not None:

@@ -60,7 +60,7 @@ class TrainerRole(RoleBase):
                                        hints=lambda: self._hints)
         # Applied between steps (settle): a step's micro-batches use the ends' weights throughout.
         rounds = self.rounds = self._rounds(ends, self.plane, scoped, stage=-1, still=contextlib.nullcontext,
-                                            apply_now=False)
+                                            apply_now=False, role="trainer")
         await rounds.join()
         rounds.start()
         await self._list_servers()

@@ -45,8 +45,10 @@ import torch
 from swarmtrain.config import RunConfig
 from swarmtrain.diloco.flat import param_shapes
 from swarmtrain.discovery import PeerRecord
+from swarmtrain.driver.part import CommittedState
 from swarmtrain.models.gpt import resolve_shape
-from swarmtrain.peer.services import DataPlane, PeerError, PeerState
+from swarmtrain.peer.network import NetworkPlane
+from swarmtrain.peer.services import PeerError
 from swarmtrain.pipeline.cut import stage_blocks
 from swarmtrain.pipeline.lost import (
     LiveServer,
@@ -65,6 +67,7 @@ from swarmtrain.pipeline.server import StageServer, StageStats
 from swarmtrain.pipeline.service import StageHandler, serve_stage
 from swarmtrain.pipeline.stage_copies import StageCopies, fetch_stage_state
 from swarmtrain.pipeline.tensors import TensorCodec
+from swarmtrain.round.ballots import Voter
 from swarmtrain.rpc.faults import FaultHook
 from swarmtrain.rpc.node import RpcNode
 from swarmtrain.telemetry import LeaveEvent, StageMoveEvent, StageRebuildEvent, StageStepEvent
@@ -86,7 +89,7 @@ class Holding:
     part: StageBlocks
     server: StageServer
     handler: StageHandler
-    plane: DataPlane
+    plane: NetworkPlane
     node: RpcNode
     rounds: PartRounds
     since: float  # swarm clock: when this server took the stage
@@ -177,7 +180,7 @@ class StageServerRole(RoleBase):
                                                      member=lambda p: p.role == "stage_server" and p.stage == stage)
         h = cfg.diloco.inner_steps
         rounds = self._rounds(part, plane, scoped, stage=stage, still=server.moving, apply_now=True,
-                              hold=server.still, on_heal=lambda r: server.resume_at(max(r * h, resume_step)))
+                              role="stage_server", hold=server.still, on_heal=lambda r: server.resume_at(max(r * h, resume_step)))
         cell.append(Holding(stage, part, server, handlers[0], plane, node, rounds, since=self.discovery.now(),
                             last_step=(resume_step, time.monotonic())))
         return cell[0]
@@ -264,7 +267,7 @@ class StageServerRole(RoleBase):
         transfer_s = time.monotonic() - start
         new, switched_at, drain_s, unfinished = await self._switch(
             old, target, part, state.theta_global, round_=state.round, outer_momentum=state.outer_momentum,
-            why=f"this server moved to stage {target}")
+            voters=state.voters, why=f"this server moved to stage {target}")
         self.writer.emit(StageMoveEvent(from_stage=old.stage, to_stage=target, reason=d.reason,
                                         capacity_per_s=d.capacity_per_s, load=d.load,
                                         predicted_per_s=d.predicted_per_s, round=new.rounds.round,
@@ -273,16 +276,20 @@ class StageServerRole(RoleBase):
                                         at=switched_at))
 
     async def _switch(self, old: Holding, stage: int, part: StageBlocks, theta: torch.Tensor, *, round_: int,
-                      outer_momentum: torch.Tensor | None, why: str) -> tuple[Holding, float, float, int]:
+                      outer_momentum: torch.Tensor | None, voters: Sequence[Voter] | None,
+                      why: str) -> tuple[Holding, float, float, int]:
         """Leave `old` (refuse its new forwards, drain its backwards, close its node), then serve `stage` with
         `part` started from `theta` at `round_` on a new node, announced at once. The old node goes first: a
         server listens on one port (`rpc.port`, fixed where a firewall opens it), which the new node then takes.
         Returns the new holding, the unix time of the switch, the seconds drained and the micro-batches left
-        undrained. If the new node cannot start, the server serves its old stage again from its own state."""
+        undrained. If the new node cannot start, the server serves its old stage again from its own state.
+
+        `voters` decide the new stage's next round: a moved-to stage's own (they came with its state), or None for
+        a stage this server rebuilt, whose next round only it can decide (its voter alone) until others join."""
         assert self.discovery is not None
         self._leaving.append(old)
         old.handler.leave(why)
-        await old.rounds.aclose()  # it follows the old part no more: no heal or idle join while it drains
+        old.rounds.stop_following()  # no heal or new round while it drains; a round in flight may still land
         drain_start = time.monotonic()
         unfinished = await self._drain(old)
         drain_s = time.monotonic() - drain_start
@@ -296,10 +303,13 @@ class StageServerRole(RoleBase):
             mine = old.rounds.snapshot(momentum=True)  # closed, so its θ_global and momentum no longer change
             back = await self._hold(old.stage, resume_step=old.server.step)
             await self._install(back, mine.theta_global, round_=mine.round, outer_momentum=mine.outer_momentum,
-                                step=old.server.step)
+                                voters=mine.voters, step=old.server.step)
             self._serve(back)
             raise
-        await self._install(new, theta, round_=round_, outer_momentum=outer_momentum, step=old.server.step)
+        await self._install(new, theta, round_=round_, outer_momentum=outer_momentum,
+                            voters=voters if voters is not None else (Voter(self.discovery.peer_id,
+                                                                            new.plane.incarnation),),
+                            step=old.server.step)
         switched_at = self._serve(new)
         if self.heartbeat is not None:
             with contextlib.suppress(Exception):  # the next beat announces it anyway
@@ -309,10 +319,10 @@ class StageServerRole(RoleBase):
 
     @staticmethod
     async def _install(holding: Holding, theta: torch.Tensor, *, round_: int, outer_momentum: torch.Tensor | None,
-                       step: int) -> None:
+                       voters: Sequence[Voter], step: int) -> None:
         def install() -> None:
             with holding.server.moving():
-                holding.rounds.adopt(theta, round=round_, outer_momentum=outer_momentum)
+                holding.rounds.adopt(theta, round=round_, outer_momentum=outer_momentum, voters=voters)
                 holding.server.resume_at(step)
 
         await asyncio.to_thread(install)
@@ -336,12 +346,13 @@ class StageServerRole(RoleBase):
             await asyncio.sleep(_DRAIN_POLL_S)
 
     async def _close(self, holding: Holding) -> None:
-        """Finish the holding's round in flight (bounded), stop its rounds, its node and its compute thread."""
+        """Finish the holding's round in flight (bounded), retire its voter (this server leaves the stage for
+        good: the departure record says so), stop its node and its compute thread."""
         a, r = self.cfg.averaging, self.cfg.rpc
         with contextlib.suppress(Exception):
             await holding.rounds.finish(timeout_s=4 * a.matchmaking_timeout_s + 4 * r.call_timeout_s
                                         + a.allreduce_timeout_s)
-        await holding.rounds.aclose()
+        await self._retire(holding.plane.scope, holding.rounds)
         await holding.plane.aclose()
         await asyncio.to_thread(holding.handler.close)
 
@@ -462,7 +473,7 @@ class StageServerRole(RoleBase):
         age_s = time.monotonic() - copy.taken_at
         source = f"stage {lost} round {copy.round} {copy.state_hash[:12]} from {copy.source}, kept {age_s:.1f} s"
         new, switched_at, drain_s, unfinished = await self._switch(
-            old, lost, part, copy.theta_global, round_=round_, outer_momentum=None,
+            old, lost, part, copy.theta_global, round_=round_, outer_momentum=None, voters=None,
             why=f"this server took the lost stage {lost}")
         self.writer.emit(StageRebuildEvent(stage=lost, from_stage=old.stage, method="checkpoint", sources=(source,),
                                            weights=(1.0,), lost_s=round(lost_s, 3), round=new.rounds.round,
@@ -484,20 +495,21 @@ class StageServerRole(RoleBase):
                         [k for k, t in zip(pair, taken, strict=True) if t is None], lost)
             return
         states = [t[0] for t in taken if t is not None]
-        sources = tuple(f"stage {k} round {t[0].round} {t[0].state_hash[:12]} from {t[1]}"
+        sources = tuple(f"stage {k} round {t[0].round} {t[0].digest[:12]} from {t[1]}"
                         for k, t in zip(pair, taken, strict=True) if t is not None)
         weights = (0.5, 0.5)  # no gradient norms in the records: CheckFree's weights are equal here
         theta = await asyncio.to_thread(weighted_average, [s.theta_global for s in states], weights)
         transfer_s = time.monotonic() - start
         new, switched_at, drain_s, unfinished = await self._switch(
-            old, lost, part, theta, round_=round_, outer_momentum=None, why=f"this server took the lost stage {lost}")
+            old, lost, part, theta, round_=round_, outer_momentum=None, voters=None,
+            why=f"this server took the lost stage {lost}")
         self.writer.emit(StageRebuildEvent(stage=lost, from_stage=old.stage, method="neighbours", sources=sources,
                                            weights=weights, lost_s=round(lost_s, 3), round=new.rounds.round,
                                            hash=new.rounds.hash, transfer_s=round(transfer_s, 4), drain_s=drain_s,
                                            unfinished=unfinished, peer=self.discovery.peer_id, at=switched_at))
 
-    async def _stage_state(self, stage: int, plane: DataPlane, records: Sequence[PeerRecord], *,
-                           shapes: list[tuple[str, tuple[int, ...]]]) -> tuple[PeerState, str] | None:
+    async def _stage_state(self, stage: int, plane: NetworkPlane, records: Sequence[PeerRecord], *,
+                           shapes: list[tuple[str, tuple[int, ...]]]) -> tuple[CommittedState, str] | None:
         """Stage `stage`'s θ_global (this server's own, or taken from its servers and checked against the hash
         most of them announce at their newest round), with who served it; None if none served one."""
         assert self.holding is not None and self.discovery is not None

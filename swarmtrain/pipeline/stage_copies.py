@@ -2,7 +2,7 @@
 verified download of a stage's θ_global from its servers that copies, moves and rebuilds share.
 
 A copy is θ_global of a neighbouring stage at one of its rounds, taken from that stage's servers and checked
-against the hash most of them announce at their newest round, as a heal is. It is refreshed when the stage's
+against the digest a strict majority of them announce at their newest round. It is refreshed when the stage's
 servers announce a newer round than the copy's, at most once every `pipeline.stage_copy_period_s`; a copy of a
 stage that is no longer a neighbour (the server moved) is dropped. The outer momentum is not kept: a copy
 costs one fp32 copy of the stage's blocks per neighbour, and a restored stage restarts its momentum, as a
@@ -11,8 +11,8 @@ rebuilt one does.
 
 from __future__ import annotations
 
-import asyncio
 import collections
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -21,10 +21,11 @@ from dataclasses import dataclass
 import torch
 
 from swarmtrain.config import ModelConfig
-from swarmtrain.diloco.flat import flat_hash, param_shapes
+from swarmtrain.diloco.flat import param_shapes
 from swarmtrain.discovery import PeerRecord
+from swarmtrain.driver.part import CommittedState
 from swarmtrain.models.gpt import resolve_shape
-from swarmtrain.peer.services import DataPlane, PeerState
+from swarmtrain.peer.network import NetworkPlane
 from swarmtrain.pipeline.cut import stage_blocks
 from swarmtrain.pipeline.lost import copy_stages
 from swarmtrain.pipeline.parts import StageBlocks
@@ -44,18 +45,26 @@ def stage_param_shapes(model: ModelConfig, stage: int, stages: int) -> ParamShap
     return param_shapes(part)
 
 
-async def fetch_stage_state(plane: DataPlane, stage: int, records: Sequence[PeerRecord], *, max_donors: int,
+async def fetch_stage_state(plane: NetworkPlane, stage: int, records: Sequence[PeerRecord], *, max_donors: int,
                             param_shapes: ParamShapes | None = None,
-                            momentum: bool = False) -> tuple[PeerState, str] | None:
-    """Stage `stage`'s θ_global (and with `momentum` its outer momentum, else None) from its servers at their
-    newest round, checked against the hash most of them announce there, with who served it; None (logged) when
-    none of them serves one that checks out."""
+                            momentum: bool = False) -> tuple[CommittedState, str] | None:
+    """Stage `stage`'s committed state (with `momentum` its outer momentum, else None) from its servers at their
+    newest round, with who served it; None (logged) when none serves one that checks out.
+
+    The digest to match is the one a strict majority of the servers at the newest round announce (a heal's
+    rule: a lone liar cannot outvote the stage), and the served state must hash to it whole: round, θ_global,
+    outer momentum and voters."""
     holders = [p for p in records if p.role == "stage_server" and p.stage == stage and p.endpoint]
     if not holders:
         return None
     top = max(p.round for p in holders)
-    want = collections.Counter(p.state_hash for p in holders if p.round == top).most_common(1)[0][0]
-    donors = [p for p in holders if p.round == top and p.state_hash == want]
+    at_top = [p for p in holders if p.round == top]
+    want, count = collections.Counter(p.state_hash for p in at_top).most_common(1)[0]
+    if 2 * count <= len(at_top):
+        log.warning("stage %d: no digest has a strict majority of its %d servers at round %d", stage, len(at_top),
+                    top)
+        return None
+    donors = [p for p in at_top if p.state_hash == want]
     # A range from each of several at once first (they must serve one blob), then one at a time, as a heal does.
     width = min(max_donors, len(donors))
     for chosen in ([donors[:width]] if width > 1 else []) + [[d] for d in donors]:
@@ -64,14 +73,12 @@ async def fetch_stage_state(plane: DataPlane, stage: int, records: Sequence[Peer
         except Exception as e:  # PeerError, a transfer error, a dead donor
             log.warning("no θ_global of stage %d from %s: %s", stage, [p.peer_id for p in chosen], e)
             continue
-        got = await asyncio.to_thread(flat_hash, state.theta_global)
-        if state.round != top or got != want:
+        if state.round != top or state.digest != want:
             log.warning("stage %d served round %d %s, its servers announced round %d %s", stage, state.round,
-                        got[:12], top, want[:12])
+                        state.digest[:12], top, want[:12])
             continue
         who = ",".join(p.peer_id for p in chosen if p.endpoint in served)
-        return PeerState(round=state.round, theta_global=state.theta_global,
-                         outer_momentum=state.outer_momentum if momentum else None, state_hash=want), who
+        return dataclasses.replace(state, outer_momentum=state.outer_momentum if momentum else None), who
     return None
 
 
@@ -104,7 +111,7 @@ class StageCopies:
     def get(self, stage: int) -> StageCopy | None:
         return self._kept.get(stage)
 
-    async def refresh(self, *, own_stage: int, plane: DataPlane, records: Sequence[PeerRecord]) -> list[StageCopy]:
+    async def refresh(self, *, own_stage: int, plane: NetworkPlane, records: Sequence[PeerRecord]) -> list[StageCopy]:
         """Keep copies of `own_stage`'s neighbours only, and download again each whose servers announce a newer
         round than its copy; returns the copies taken now."""
         wanted = copy_stages(own_stage, stages=self.stages)
@@ -122,7 +129,7 @@ class StageCopies:
             if got is None:
                 continue  # the old copy, if any, stays: older, but verified
             state, who = got
-            copy = StageCopy(stage=k, round=state.round, state_hash=state.state_hash,
+            copy = StageCopy(stage=k, round=state.round, state_hash=state.digest,
                              theta_global=state.theta_global, source=who, taken_at=time.monotonic())
             self._kept[k] = copy
             taken.append(copy)

@@ -1,6 +1,9 @@
-"""The outer round: its state machine (machine.py), commit rule (rules.py) and heal decision (heal.py).
+"""The outer round as pure code: its state machine (machine.py), heal decision (heal.py), the decision's
+ballots, quorums and values (ballots.py), a voter's acceptor state (acceptor.py), certificates and their chains
+(certificate.py), the consensus messages (messages.py), and the group's rule for material (rules.py).
 
-Pure code: no I/O, no threads, no clock but the one injected. The peer daemon drives it.
+No I/O, no threads, no clock but the one injected: the round driver (swarmtrain/driver) and the averaging
+services drive it.
 """
 
 from swarmtrain.round.heal import HealPlan, keeps_progress, majority_state, plan_heal, swarm_round_end
@@ -18,11 +21,10 @@ from swarmtrain.round.machine import (
     Transition,
     Wait,
 )
-from swarmtrain.round.rules import electorate_problem, has_quorum, vote_problem, voters
+from swarmtrain.round.rules import has_quorum
 
 __all__ = [
     "Action", "Average", "Finish", "Heal", "HealPlan", "Launch", "Phase", "RoundMachine", "RoundMachineError",
-    "Settle", "Train", "Transition", "Wait", "electorate_problem", "has_quorum", "keeps_progress", "majority_state",
-    "plan_heal",
-    "swarm_round_end", "vote_problem", "voters",
+    "Settle", "Train", "Transition", "Wait", "has_quorum", "keeps_progress", "majority_state", "plan_heal",
+    "swarm_round_end",
 ]

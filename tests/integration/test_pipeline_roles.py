@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from swarmtrain.config import load_config
-from swarmtrain.diloco.flat import flat_hash
+from swarmtrain.diloco.flat import state_digest
 from swarmtrain.discovery import PeerRecord
 from swarmtrain.pipeline.roles import StageServerRole, TrainerRole, least_served_stage
 from swarmtrain.telemetry import (
@@ -94,7 +94,11 @@ def test_servers_and_a_trainer_find_each_other_and_a_leaving_server_costs_no_mic
         logs["e"] = EventLog()
         late = StageServerRole(_local(), stage=0, writer=EventWriter(logs["e"]), services=services)
         await late.start()
-        heal = next(e for e in logs["e"].events() if isinstance(e, HealEvent))
+        # It learns round 0 from its certificate (the material from a holder), then follows the certificate
+        # chain to the stage's newest state and downloads that.
+        heals = [e for e in logs["e"].events() if isinstance(e, HealEvent)]
+        assert heals[0].source == "certificate" and heals[0].to_round == 1
+        heal = heals[-1]
         sources = heal.source.split(",")  # each served a range of the state
         donor = next(r for r in servers.values() if r.discovery is not None and r.discovery.peer_id in sources)
         assert donor.stage == 0 and late.rounds is not None and late.server is not None
@@ -104,7 +108,9 @@ def test_servers_and_a_trainer_find_each_other_and_a_leaving_server_costs_no_mic
                      if isinstance(e, StageRoundEvent) and e.committed}
         assert heal.to_round > 0 and committed[heal.to_round] == heal.hash
         with late.server.still():
-            assert committed[late.rounds.round] == late.rounds.hash == flat_hash(late.rounds.theta)
+            held = late.rounds.snapshot(momentum=True)  # the digest covers round, θ_global, momentum and voters
+            assert committed[late.rounds.round] == late.rounds.hash == \
+                state_digest(held.round, held.theta_global, held.outer_momentum, held.voters)
             assert torch.equal(torch.cat([p.reshape(-1) for p in late.server.part.parameters()]), late.rounds.theta)
         # The records carry the stats the dashboard reads: the stage's committed rounds, the late server's heal.
         assert donor.discovery is not None and late.discovery is not None

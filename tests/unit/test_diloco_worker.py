@@ -17,6 +17,7 @@ from swarmtrain.diloco import DilocoWorker
 from swarmtrain.diloco.flat import flatten
 from swarmtrain.diloco.inner import lr_factor
 from swarmtrain.models import build_model
+from swarmtrain.round.ballots import Voter
 
 pytestmark = pytest.mark.unit
 
@@ -164,7 +165,7 @@ def test_the_eager_mean_of_an_overlapped_round_is_this_peers_share(tiny_config: 
     cfg = tiny_config.replace(compress={"codec": codec, "error_feedback": ef})
     w = _worker(cfg, codec=get_codec(codec))
     w.train_inner()
-    w.members = ("a", "b", "c", "d")  # the last commit's group; no overlapped round seen yet: the default guess
+    w.voters = tuple(Voter(x, 0) for x in "abcd")  # 4 voters named by the last commit; no overlapped round seen yet
     delta = w.delta()
     guess = w.own_contribution(delta.clone()) * w.eager_scale()
     if codec == "sparse":

@@ -114,9 +114,6 @@ class SimPlane:
     def serve_state(self, live: Callable[[], AbstractContextManager[CommittedState]]) -> None:
         self._live = live
 
-    def publish_state(self, state: CommittedState) -> None:
-        return None
-
     async def aclose(self) -> None:
         return None
 

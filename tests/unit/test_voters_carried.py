@@ -1,5 +1,5 @@
-"""The swarm's commit rule (a strict majority of the previous commit's members) and what carries it:
-the worker's state, checkpoints, state transfer, and the partitioned DHT twin tests run on."""
+"""What carries a round's voters (the voters the commit that produced θ_global named, docs/protocol.md): the
+worker's state, checkpoints, state transfer; and the partitioned DHT twin tests run on."""
 
 from __future__ import annotations
 
@@ -17,36 +17,12 @@ from swarmtrain.diloco import DilocoWorker
 from swarmtrain.discovery import DepartureRecord, InMemoryRegistry, RecordError
 from swarmtrain.discovery.records import decode_record
 from swarmtrain.models import build_model
-from swarmtrain.round.rules import electorate_problem
+from swarmtrain.round.ballots import Ballot, MaterialLayout, ShardDigest, Value, Voter
+from swarmtrain.round.certificate import Certificate
 from swarmtrain.rpc.state_wire import StateBlob
 from swarmtrain.sync.transfer import StateSnapshot, StateTransferError, decode_snapshot, encode_snapshot
 
 pytestmark = pytest.mark.unit
-
-
-@pytest.mark.parametrize(("contributors", "electorate", "ok"), [
-    (("a", "b"), (), True),  # before the first commit: the group rule alone
-    (("a", "b", "c"), ("a", "b", "c", "d"), True),
-    (("a", "b"), ("a", "b", "c", "d"), False),  # half is not a majority: a 2+2 partition commits nothing
-    (("c", "d"), ("a", "b", "c", "d"), False),
-    (("a", "x", "y", "z"), ("a", "b", "c"), False),  # joiners do not count until they were in a commit
-    (("a", "b", "x"), ("a", "b", "c"), True),
-    (("a",), ("a",), True),
-])
-def test_a_commit_needs_a_strict_majority_of_the_previous_commits_members(
-        contributors: tuple[str, ...], electorate: tuple[str, ...], ok: bool) -> None:
-    problem = electorate_problem(contributors, electorate)
-    assert (problem == "") is ok
-    if not ok:
-        assert f"of the {len(electorate)} peers of the previous commit" in problem
-
-
-def test_two_disjoint_sides_never_both_pass() -> None:
-    electorate = tuple("abcdefg")
-    for mask in range(1 << len(electorate)):
-        left = tuple(p for i, p in enumerate(electorate) if mask >> i & 1)
-        right = (*(p for p in electorate if p not in left), "joiner")
-        assert not (electorate_problem(left, electorate) == "" and electorate_problem(right, electorate) == "")
 
 
 def _worker(cfg: RunConfig) -> DilocoWorker:
@@ -56,43 +32,58 @@ def _worker(cfg: RunConfig) -> DilocoWorker:
                         device=torch.device("cpu"), rng_seed=0)
 
 
-def test_the_worker_keeps_the_members_of_its_commit_through_heals_and_checkpoints(tiny_config: RunConfig) -> None:
+def _commit(w: DilocoWorker, next_voters: tuple[Voter, ...]) -> AverageResult:
+    """A committed result of `w`'s round whose value names `next_voters` (the grants do not matter here)."""
+    n = w.numel
+    value = Value(scope="", round=w.round, session="s", base=w.digest(), contributors=("a", "b"),
+                  next_voters=next_voters, layout=MaterialLayout(n, "none", False, (ShardDigest(0, n, 4 * n, "d"),)),
+                  result="")
+    cert = Certificate(run="r/n", ballot=Ballot(0, 0, 0, "s", "a"), value=value, grants=())
+    return AverageResult(round=w.round, committed=True, mean=w.delta(), members=("a", "b"), certificate=cert)
+
+
+def test_the_worker_keeps_the_voters_of_its_commit_through_heals_and_checkpoints(tiny_config: RunConfig) -> None:
     w = _worker(tiny_config)
-    assert w.members == ()
+    assert w.voters == ()
     w.train_inner(1)
-    w.apply(AverageResult(round=0, committed=True, mean=w.delta(), members=("b", "a")))
-    assert w.members == ("b", "a")
+    named = (Voter("b", 7), Voter("a", 0))
+    before = w.digest()
+    w.apply(_commit(w, named))
+    assert w.voters == named and w.digest() != before
     tensors, meta = w.state_dict()
-    assert json.loads(json.dumps(meta))["members"] == ["b", "a"]
+    assert json.loads(json.dumps(meta))["voters"] == [["b", 7], ["a", 0]]
     other = _worker(tiny_config)
     other.load_state_dict(tensors, meta)
-    assert other.members == ("b", "a")
-    del meta["members"]  # a checkpoint written before commits recorded their members
+    assert other.voters == named and other.digest() == w.digest()  # the digest covers the voters too
+    del meta["voters"]  # a checkpoint written before commits named their voters: the scope's genesis decides
     other.load_state_dict(tensors, meta)
-    assert other.members == ()
+    assert other.voters == () and other.digest() != w.digest()
+    meta["voters"] = [["a", "zero"]]
+    with pytest.raises(ValueError, match="voters"):
+        other.load_state_dict(tensors, meta)
     other.adopt_global(round_index=3, theta_global=w.theta_global.clone(),
-                       outer_momentum=w.outer.state_tensors().get("momentum"), members=("c",))
-    assert other.members == ("c",)
+                       outer_momentum=w.outer.state_tensors().get("momentum"), voters=(Voter("c", 1),))
+    assert other.voters == (Voter("c", 1),)
     w.apply(AverageResult(round=1, committed=False, mean=None, members=("x",)))
-    assert w.members == ("b", "a"), "an aborted round does not change who committed θ_global"
+    assert w.voters == named, "an aborted round does not change who decides the next one"
 
 
-def _snapshot(cfg: RunConfig, members: tuple[str, ...]) -> StateSnapshot:
-    return StateSnapshot(2, {"w": torch.ones(3, 2)}, {}, cfg, members)
+def _snapshot(cfg: RunConfig, voters: tuple[Voter, ...]) -> StateSnapshot:
+    return StateSnapshot(2, {"w": torch.ones(3, 2)}, {}, cfg, voters)
 
 
-def test_state_transfer_carries_the_members_and_refuses_malformed_ones(tiny_config: RunConfig) -> None:
-    got = decode_snapshot(encode_snapshot(_snapshot(tiny_config, ("p1", "p2"))))
-    assert got.members == ("p1", "p2") and got.round == 2
-    assert decode_snapshot(encode_snapshot(_snapshot(tiny_config, ()))).members == ()
-    blob = encode_snapshot(_snapshot(tiny_config, ("p1",)))
+def test_state_transfer_carries_the_voters_and_refuses_malformed_ones(tiny_config: RunConfig) -> None:
+    got = decode_snapshot(encode_snapshot(_snapshot(tiny_config, (Voter("p1", 0), Voter("p2", 5)))))
+    assert got.voters == (Voter("p1", 0), Voter("p2", 5)) and got.round == 2
+    assert decode_snapshot(encode_snapshot(_snapshot(tiny_config, ()))).voters == ()
+    blob = encode_snapshot(_snapshot(tiny_config, (Voter("p1", 0),)))
     (size,) = struct.unpack("<Q", blob.blob[:8])
     header = json.loads(bytes(blob.blob[8:8 + size]))
-    header["__metadata__"]["swarmtrain.members"] = json.dumps([1, 2])
+    header["__metadata__"]["swarmtrain.voters"] = json.dumps([1, 2])
     raw = json.dumps(header).encode()
     body = struct.pack("<Q", len(raw)) + raw + bytes(blob.blob[8 + size:])
     bad = StateBlob(blob.run_id, blob.round, blob.config_json, body, hashlib.sha256(body).digest())
-    with pytest.raises(StateTransferError, match="members must be a list of peer ids"):
+    with pytest.raises(StateTransferError, match="voters"):
         decode_snapshot(bad)
 
 
