@@ -9,6 +9,7 @@ default. `swarmtrain config reference` (config_reference.py) documents every fie
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import tomllib
@@ -171,8 +172,14 @@ def _deep_merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any
     return out
 
 
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    """A config dataclass's resolved field types (resolving them is most of a run record's decode)."""
+    return typing.get_type_hints(cls)
+
+
 def _section_types() -> dict[str, type]:
-    hints = typing.get_type_hints(RunConfig)
+    hints = _hints(RunConfig)
     return {f.name: hints[f.name] for f in dataclasses.fields(RunConfig)}
 
 
@@ -190,7 +197,7 @@ def from_dict(data: Mapping[str, Any]) -> RunConfig:
 
 
 def _build_section(name: str, cls: type, values: Mapping[str, Any]) -> Any:
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
     kwargs: dict[str, Any] = {}
     for key, raw in values.items():

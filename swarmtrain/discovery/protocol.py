@@ -12,6 +12,8 @@ the others from reading the swarm, nor write anything they act on.
 from __future__ import annotations
 
 import abc
+import collections
+import hashlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -37,6 +39,9 @@ log = logging.getLogger(__name__)
 # How long a departure stays readable: far past any round's length, so the round after a graceful leave
 # (however long it takes) still sees it; at least 10 record TTLs.
 DEPARTURE_KEEP_S = 3600.0
+MAX_SLOTS_PER_KEY = 4096  # slots (one per signer) decoded per key read
+MAX_GOOD_SIGNERS = 16384  # signers whose records checked out, remembered to rank them first
+DECODED_CACHE_SIZE = 4096  # decoded records kept per directory (a few heartbeats of a large swarm's records)
 MAX_LOGGED_SIGNERS = 1024  # signers whose refused records were logged once; past it, refusals are not logged
 R = TypeVar("R", bound=Record)
 M = TypeVar("M", MatchEntry, GroupRecord)  # the records of one matchmaking attempt
@@ -143,6 +148,12 @@ class RecordDirectory(abc.ABC):
         self._run_id = run_id
         self._seal_key = RunSecret.from_run_key(run_key).records
         self._logged_signers: set[str] = set()
+        # (kind, key, signer, sealed bytes) -> the record they decode to: peers re-read the same records every
+        # heartbeat, and checking a seal and validating a record field by field is most of a read's cost.
+        # Both are pure functions of those four (the seal key is this directory's), and records are frozen.
+        self._decoded_cache: collections.OrderedDict[tuple[str, str, str, bytes], Record] = collections.OrderedDict()
+        self._good_signers: collections.OrderedDict[str, None] = collections.OrderedDict()  # least recent first
+        self._capped_keys: set[str] = set()  # keys whose slots were capped (logged once each)
         self._ttl_s = record_ttl_s
         self._clock = clock
         # (swarm clock − this machine's clock): every timestamp this peer writes or compares is on the
@@ -208,17 +219,47 @@ class RecordDirectory(abc.ABC):
 
     async def _decoded(self, cls: type[R], key: str, *, timeout_s: float) -> list[R]:
         out: list[R] = []
-        for slot in await self._get(key, timeout_s=timeout_s):
+        for slot in self._bounded(key, await self._get(key, timeout_s=timeout_s)):
             if slot.value == b"":
                 continue  # a withdrawn record's tombstone
+            cache_key = (cls.KIND, key, str(slot.signer_id), bytes(slot.value))
+            cached = self._decoded_cache.get(cache_key)
+            if cached is not None:
+                self._decoded_cache.move_to_end(cache_key)
+                out.append(cached)  # type: ignore[arg-type]
+                continue
             try:
                 if slot.signer_id is None:
                     raise RecordError(f"{cls.KIND}: unsigned record")
                 body = open_sealed(self._seal_key, slot.value, dht_key=key, signer_id=slot.signer_id)
-                out.append(decode_record(cls, body, run_id=self._run_id, signer_id=slot.signer_id))
+                record = decode_record(cls, body, run_id=self._run_id, signer_id=slot.signer_id)
             except (RecordError, SealError) as e:
                 self._log_refused(cls.KIND, key, slot.signer_id, e)
+                continue
+            self._decoded_cache[cache_key] = record
+            if len(self._decoded_cache) > DECODED_CACHE_SIZE:
+                self._decoded_cache.popitem(last=False)
+            self._good_signers[str(slot.signer_id)] = None
+            self._good_signers.move_to_end(str(slot.signer_id))
+            if len(self._good_signers) > MAX_GOOD_SIGNERS:
+                self._good_signers.popitem(last=False)
+            out.append(record)
         return out
+
+    def _bounded(self, key: str, slots: Sequence[RawSlot]) -> Sequence[RawSlot]:
+        """At most `MAX_SLOTS_PER_KEY` of a key's slots: signers whose records checked out before first, then
+        the rest in an order of this peer's own (a hash of its id and theirs), so that identities made up by
+        the thousand cannot make every reader decode all of them, nor choose whom each reader drops."""
+        if len(slots) <= MAX_SLOTS_PER_KEY:
+            return slots
+        me = self.peer_id
+        ranked = sorted(slots, key=lambda slot: (str(slot.signer_id) not in self._good_signers,
+                                                 hashlib.sha256(f"{me}|{slot.signer_id}".encode()).digest()))
+        if key not in self._capped_keys and len(self._capped_keys) < MAX_LOGGED_SIGNERS:
+            self._capped_keys.add(key)
+            log.warning("%s holds %d records; reading the first %d (known signers first): a swarm that large, or "
+                        "identities made up to flood it", key, len(slots), MAX_SLOTS_PER_KEY)
+        return ranked[:MAX_SLOTS_PER_KEY]
 
     def _log_refused(self, kind: str, key: str, signer_id: str | None, error: Exception) -> None:
         """Once per signer at WARNING (a stranger re-publishes every heartbeat), at DEBUG after."""

@@ -150,7 +150,7 @@ class RoundDriver:
 
     async def wait(self, action: Wait, stop: asyncio.Event) -> None:
         """The machine's wait, reported to it."""
-        if await self._await_swarm_past(action.round, until=action.until, stop=stop):
+        if await self._await_swarm_past(action.round, until=action.until, stop=stop, watch=action.watch):
             self.machine.waited()
         else:
             self.machine.stopped()
@@ -409,10 +409,16 @@ class RoundDriver:
 
     # ------------------------------------------------------------------ waits
 
-    async def _await_swarm_past(self, round_index: int, *, until: float, stop: asyncio.Event) -> bool:
-        """After an attempt that did not commit here: until `until` (swarm clock) or a live peer past the round."""
-        await self.watch(lambda peers: any(p.round > round_index for p in peers),
-                         deadline=self._loop_time() + until - self.discovery.now(), stop=stop)
+    async def _await_swarm_past(self, round_index: int, *, until: float, stop: asyncio.Event,
+                                watch: bool = True) -> bool:
+        """After an attempt that did not commit here: until `until` (swarm clock) or, with `watch`, a live peer
+        past the round; False on `stop`."""
+        deadline = self._loop_time() + until - self.discovery.now()
+        if watch:
+            await self.watch(lambda peers: any(p.round > round_index for p in peers), deadline=deadline, stop=stop)
+        else:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=max(0.0, deadline - self._loop_time()))
         return not stop.is_set()
 
     async def watch(self, done: Callable[[Sequence[PeerRecord]], bool], *, deadline: float,

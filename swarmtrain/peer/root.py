@@ -230,8 +230,19 @@ class Peer:
 
     async def aclose(self, reason: str) -> None:
         """Leave: the voter retires (stored, then announced), the record is withdrawn, a checkpoint written, the
-        data plane drained and closed, the DHT stopped."""
+        data plane drained and closed, the DHT stopped. The DHT is stopped and the directory released whatever
+        fails before (a process whose DHT child outlives it never exits: multiprocessing joins it)."""
         self.phase = "leaving"
+        try:
+            await self._leave(reason)
+        finally:
+            if self.discovery is not None:
+                await self.discovery.aclose()
+            if self._claim is not None:
+                self._claim.release()
+            self.phase = "stopped"
+
+    async def _leave(self, reason: str) -> None:
         path: Path | None = None
         if self._beat_task is not None:
             await self._beat_task  # a record stored after the withdrawal would announce a departed peer
@@ -253,11 +264,6 @@ class Peer:
             self.writer.emit(LeaveEvent(round=self.worker.round, reason=reason, hash=self.worker.digest(),
                                         peer=self._peer_id, checkpoint=str(path or ""), bytes_sent=sent,
                                         bytes_received=received))
-        if self.discovery is not None:
-            await self.discovery.aclose()
-        if self._claim is not None:
-            self._claim.release()
-        self.phase = "stopped"
 
     async def _announce_departure(self) -> None:
         """This peer's voter retires for good (stored before anything is announced), then the departure record

@@ -187,13 +187,16 @@ class RoleBase(abc.ABC):
         await self.heartbeat.start()
 
     async def aclose(self, reason: str) -> None:
-        """Stop beating, withdraw the record, close the data plane and the DHT node (each best effort)."""
-        if self.heartbeat is not None:
-            await self.heartbeat.aclose(withdraw=True)
-        if self.rounds is not None and self.plane is not None:
-            await self._retire(self.plane.scope, self.rounds)
-        if self.plane is not None:
-            await self.plane.aclose()
-        if self.discovery is not None:
-            await self.discovery.aclose()
+        """Stop beating, withdraw the record, retire the part's voter, close the data plane, and whatever failed
+        before, the DHT node (a process whose DHT child outlives it never exits: multiprocessing joins it)."""
+        try:
+            if self.heartbeat is not None:
+                await self.heartbeat.aclose(withdraw=True)
+            if self.rounds is not None and self.plane is not None:
+                await self._retire(self.plane.scope, self.rounds)
+            if self.plane is not None:
+                await self.plane.aclose()
+        finally:
+            if self.discovery is not None:
+                await self.discovery.aclose()
         log.info("%s left: %s", self.role, reason)

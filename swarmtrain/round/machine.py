@@ -101,10 +101,12 @@ class Settle:
 
 @dataclass(frozen=True)
 class Wait:
-    """Wait until `until` (swarm clock) or until a live peer is past `round`; report with `waited`."""
+    """Wait until `until` (swarm clock) or, with `watch`, until a live peer is past `round`; report with
+    `waited`."""
 
     round: int
     until: float
+    watch: bool = True
 
 
 @dataclass(frozen=True)
@@ -204,6 +206,11 @@ class RoundMachine:
             self._next = self._decide()
         elif action.want_hash:  # left out for its θ and no donor delivered: wait out the attempt
             self._next = self._wait()
+        elif self._retry_at > self.clock():
+            # A wait ended early (a peer looked past the round) and the heal found nothing to take (no donor
+            # reached, or another read shows nobody ahead): the fence is waited out, not watched again, or
+            # two views of a stale or partitioned DHT would make the peer attempt the round back to back.
+            self._next = Wait(self.round, self._retry_at, watch=False)
         else:
             self._next = self._decide()
 
@@ -300,7 +307,7 @@ class RoundMachine:
 
     def _new_round(self, round_index: int) -> None:
         if round_index != self.round:
-            self.attempt = 0
+            self.attempt, self._retry_at = 0, 0.0
         self.round = round_index
         self._delta_round = None
 

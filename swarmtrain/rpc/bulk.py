@@ -62,6 +62,9 @@ TOKEN_BYTES = 16
 PROOF_BYTES = 16
 BULK_HELLO_TIMEOUT_S = 2.0  # a member's hello follows its ticket call at once
 MAX_UNAUTHENTICATED = 64  # connections still before their hello; a new one past it closes the oldest
+MAX_TICKETS_PER_PEER = 32  # open tickets of one caller; a new one past it voids that caller's oldest
+MAX_TRANSFERS_PER_PEER = 16  # transfers of one caller running at once (each may hold a payload's buffer)
+MAX_TICKET_TTL_S = 600.0  # however long a caller's deadline, a ticket is void after this
 CODES = ("OK", "INVALID_ARGUMENT", "FAILED_PRECONDITION", "NOT_FOUND", "RESOURCE_EXHAUSTED", "UNAUTHENTICATED",
          "ABORTED")
 _STATUS = struct.Struct("!BI")
@@ -180,6 +183,8 @@ class BulkServer:
         self._payload_key = payload_key
         self._tls = tls  # a server context: every connection is TLS (rpc.tls), handshake within the hello deadline
         self._tickets: dict[bytes, _Ticket] = {}
+        self._tickets_of: dict[str, collections.OrderedDict[bytes, None]] = {}  # peer -> its open tokens, oldest first
+        self._running_of: collections.Counter[str] = collections.Counter()  # peer -> its transfers running
         self._unauthenticated: collections.OrderedDict[asyncio.Task[None], None] = collections.OrderedDict()
         self.refused_connections = 0  # closed before or at their hello (junk, bad proof, crowded out)
         self._listener: socket.socket | None = None
@@ -209,6 +214,7 @@ class BulkServer:
             if ticket.expiry is not None:
                 ticket.expiry.cancel()
         self._tickets.clear()
+        self._tickets_of.clear()
         if self._transfers and grace_s > 0:
             await asyncio.wait(set(self._transfers), timeout=grace_s)
         for task in list(self._transfers):
@@ -230,10 +236,32 @@ class BulkServer:
         if self._listener is None:
             raise Rejected(f"{self.peer_id}'s bulk port is closed", kind="precondition")
         token = secrets.token_bytes(TOKEN_BYTES)
+        ticket.deadline = min(ticket.deadline, time.monotonic() + MAX_TICKET_TTL_S)
         ttl_s = max(ticket.deadline - time.monotonic(), 0.0)
-        ticket.expiry = asyncio.get_running_loop().call_later(ttl_s, self._tickets.pop, token, None)
+        ticket.expiry = asyncio.get_running_loop().call_later(ttl_s, self._void, token)
         self._tickets[token] = ticket
+        mine = self._tickets_of.setdefault(ticket.peer, collections.OrderedDict())
+        mine[token] = None
+        while len(mine) > MAX_TICKETS_PER_PEER:  # a caller asking for tickets it never uses: its oldest goes
+            oldest = next(iter(mine))
+            log.info("%s: voided a bulk ticket of %s (more than %d open)", self.peer_id, ticket.peer,
+                     MAX_TICKETS_PER_PEER)
+            self._void(oldest)
         return token
+
+    def _void(self, token: bytes) -> _Ticket | None:
+        """Forget `token` (expired, claimed, or crowded out by its caller's newer ones)."""
+        ticket = self._tickets.pop(token, None)
+        if ticket is None:
+            return None
+        if ticket.expiry is not None:
+            ticket.expiry.cancel()
+        mine = self._tickets_of.get(ticket.peer)
+        if mine is not None:
+            mine.pop(token, None)
+            if not mine:
+                del self._tickets_of[ticket.peer]
+        return ticket
 
     async def _accept_loop(self, listener: socket.socket) -> None:
         loop = asyncio.get_running_loop()
@@ -280,11 +308,20 @@ class BulkServer:
                     hello = bytes(await _recv_exact(link, len(MAGIC) + TOKEN_BYTES + PROOF_BYTES))
                 ticket = self._claim(hello)
                 self._unauthenticated.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
-                async with asyncio.timeout(max(ticket.deadline - time.monotonic(), 1e-3)):
-                    if ticket.consume is not None:
-                        await self._receive(link, ticket)
-                    else:
-                        await self._send(link, ticket)
+                if self._running_of[ticket.peer] >= MAX_TRANSFERS_PER_PEER:
+                    raise BulkRefused("RESOURCE_EXHAUSTED", f"{ticket.peer} already runs {MAX_TRANSFERS_PER_PEER} "
+                                                            "transfers here")
+                self._running_of[ticket.peer] += 1
+                try:
+                    async with asyncio.timeout(max(ticket.deadline - time.monotonic(), 1e-3)):
+                        if ticket.consume is not None:
+                            await self._receive(link, ticket)
+                        else:
+                            await self._send(link, ticket)
+                finally:
+                    self._running_of[ticket.peer] -= 1
+                    if not self._running_of[ticket.peer]:
+                        del self._running_of[ticket.peer]
             except BulkRefused as e:
                 if ticket is None:
                     self.refused_connections += 1
@@ -315,10 +352,9 @@ class BulkServer:
             return None if ticket is None else ticket.peer
 
         token = check_hello(hello, key=self._ticket_key, issued_to=issued_to)
-        ticket = self._tickets.pop(token)
+        ticket = self._void(token)
+        assert ticket is not None  # check_hello found it just now, on this loop
         ticket.token = token
-        if ticket.expiry is not None:
-            ticket.expiry.cancel()
         return ticket
 
     async def _receive(self, link: Link, ticket: _Ticket) -> None:

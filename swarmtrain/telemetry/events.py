@@ -6,8 +6,11 @@ shipper) parses them with `parse_line`, so the schema lives in exactly one place
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
+import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -29,6 +32,8 @@ __all__ = [
     "format_ready",
     "parse_line",
 ]
+
+log = logging.getLogger(__name__)
 
 READY_PREFIX = "READY "
 
@@ -274,6 +279,7 @@ class EventWriter:
         """`listeners` see every event written, after its line (a Tally: the peer's stats and metrics)."""
         self._stream = stream
         self._lock = threading.Lock()
+        self._gone = False  # the stream's reader went away: lines are dropped
         self.listeners = list(listeners)
 
     def ready(self, info: dict[str, Any]) -> None:
@@ -286,5 +292,22 @@ class EventWriter:
 
     def _write(self, line: str) -> None:
         with self._lock:
-            self._stream.write(line + "\n")
-            self._stream.flush()
+            if self._gone:
+                return
+            try:
+                self._stream.write(line + "\n")
+                self._stream.flush()
+            except (BrokenPipeError, ValueError) as e:  # the reader went away (a closed pipe), or the stream closed
+                self._reader_gone(e)
+
+    def _reader_gone(self, error: Exception) -> None:
+        """Drop this line and every later one, say so once, and point the stream's descriptor at /dev/null: the
+        interpreter's own flush at exit would fail on the dead pipe too. The process goes on (a training peer
+        must not stop because its log reader died), and leaves as it would have."""
+        self._gone = True
+        log.warning("the reader of this process's event lines went away (%s): lines are dropped from now on", error)
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            fd = self._stream.fileno()
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, fd)
+            os.close(null)

@@ -3,14 +3,26 @@
 The caller sends `x-swarmtrain-peer: <its id>` and `x-swarmtrain-auth: 1.<unix ms>.<nonce>.<mac>`, the MAC
 (HMAC-SHA256 under the calls key) covering the method, the caller's id, the endpoint it dialed, the time
 and the nonce. The callee recomputes it for its own endpoint, refuses a time outside ±`window_s` of its
-clock, and remembers every accepted nonce for that long, so a captured header is worth nothing: not on
-another method, another callee, after the window, or a second time.
+clock, and remembers the accepted nonces of each caller while their time is inside the window, so a
+captured header is worth nothing: not on another method, another callee, after the window, or a second time.
+
+Memory is bounded without ever refusing a fresh call: each caller's nonces are kept up to
+`max_per_caller`, and past that the oldest (by their time) are forgotten and the caller's *floor* rises to
+the newest time forgotten: a call of that caller at or before its floor is refused as possibly replayed.
+An honest caller stamps its calls with its clock as it makes them, so its new calls are always above its
+floor; only a call delayed, in flight, past `max_per_caller` later calls of the same caller would be
+refused. Callers are kept up to `max_callers`, the least recently heard from forgotten first, and the
+forgotten caller's newest time (at most the callee's clock) becomes the floor of every caller not
+remembered. A key holder flooding under many made-up caller ids thus makes callers it has not heard from
+refuse calls stamped before that floor (a clock running that far behind), never calls stamped now; a
+forgotten caller's call stamped ahead of the callee's clock could then be replayed once.
 """
 
 from __future__ import annotations
 
 import collections
 import hashlib
+import heapq
 import hmac
 import re
 import secrets
@@ -22,7 +34,8 @@ __all__ = ["AUTH_HEADER", "CALL_WINDOW_S", "PEER_HEADER", "CallAuth", "CallRefus
 AUTH_HEADER = "x-swarmtrain-auth"
 PEER_HEADER = "x-swarmtrain-peer"
 CALL_WINDOW_S = 300.0  # clocks of peers may differ this much; a captured call is refused after it
-MAX_REMEMBERED = 200_000  # nonces in one window; past it calls are refused rather than memory growing
+MAX_PER_CALLER = 256  # nonces remembered per caller; past it, the oldest go and the caller's floor rises
+MAX_CALLERS = 2048  # callers remembered; past it, the least recently heard from goes
 _HEADER_RE = re.compile(r"^1\.(\d{1,16})\.([0-9a-f]{32})\.([0-9a-f]{64})$")
 
 
@@ -48,18 +61,38 @@ class CallSigner:
         return f"1.{at_ms}.{nonce}.{mac}"
 
 
+class _Caller:
+    """What a callee remembers of one caller: the accepted (time, nonce) pairs inside the window, and its floor."""
+
+    __slots__ = ("floor_ms", "heap", "nonces")
+
+    def __init__(self, floor_ms: int) -> None:
+        self.heap: list[tuple[int, str]] = []  # (at ms, nonce), oldest first
+        self.nonces: set[str] = set()
+        self.floor_ms = floor_ms
+
+    def forget_before(self, ms: int) -> None:
+        while self.heap and self.heap[0][0] < ms:
+            self.nonces.discard(heapq.heappop(self.heap)[1])
+
+    def newest_ms(self) -> int:
+        return max((at for at, _ in self.heap), default=self.floor_ms)
+
+
 class CallAuth:
     """The callee's side: `check` accepts a call once or raises CallRefused. Not thread-safe: one event loop."""
 
-    def __init__(self, secret: RunSecret, *, window_s: float = CALL_WINDOW_S,
-                 max_remembered: int = MAX_REMEMBERED) -> None:
-        if window_s <= 0 or max_remembered <= 0:
-            raise ValueError(f"CallAuth: window_s and max_remembered must be > 0, got {window_s}, {max_remembered}")
+    def __init__(self, secret: RunSecret, *, window_s: float = CALL_WINDOW_S, max_per_caller: int = MAX_PER_CALLER,
+                 max_callers: int = MAX_CALLERS) -> None:
+        if window_s <= 0 or max_per_caller <= 0 or max_callers <= 0:
+            raise ValueError(f"CallAuth: window_s, max_per_caller and max_callers must be > 0, got {window_s}, "
+                             f"{max_per_caller}, {max_callers}")
         self._key = secret.calls
         self.window_s = window_s
-        self.max_remembered = max_remembered
-        self._seen: set[str] = set()
-        self._order: collections.deque[tuple[float, str]] = collections.deque()  # (forget at, nonce)
+        self.max_per_caller = max_per_caller
+        self.max_callers = max_callers
+        self._callers: collections.OrderedDict[str, _Caller] = collections.OrderedDict()  # least recent first
+        self._floor_ms = -1  # of callers not remembered: the newest time of a forgotten caller
 
     def check(self, *, method: str, caller: str, callee: str, header: str, now: float) -> None:
         m = _HEADER_RE.match(header)
@@ -73,15 +106,34 @@ class CallAuth:
         if abs(skew_s) > self.window_s:
             raise CallRefused(f"call made {skew_s:+.0f}s from this peer's clock, outside ±{self.window_s:.0f}s "
                               "(a replayed call, or a clock far off)")
-        self._forget(now)
-        if nonce in self._seen:
+        entry = self._callers.get(caller)
+        if entry is None:
+            entry = self._remember(caller, now_ms=int(now * 1000))
+        else:
+            self._callers.move_to_end(caller)
+        # A time outside the window is refused above, so its nonce need not be remembered any more.
+        entry.forget_before(int((now - self.window_s) * 1000))
+        if at_ms <= entry.floor_ms:
+            raise CallRefused(f"a call stamped {(entry.floor_ms - at_ms) / 1000:.3f}s before the oldest this peer "
+                              f"still remembers of {caller[:64]!r} (possibly replayed; this peer keeps "
+                              f"{self.max_per_caller} calls per caller)")
+        if nonce in entry.nonces:
             raise CallRefused("a replayed call (its nonce was already used)")
-        if len(self._seen) >= self.max_remembered:
-            raise CallRefused(f"more than {self.max_remembered} calls in {self.window_s:.0f}s: refusing until some age out")
-        self._seen.add(nonce)
-        self._order.append((now + 2 * self.window_s, nonce))
+        heapq.heappush(entry.heap, (at_ms, nonce))
+        entry.nonces.add(nonce)
+        while len(entry.heap) > self.max_per_caller:
+            old_ms, old = heapq.heappop(entry.heap)
+            entry.nonces.discard(old)
+            entry.floor_ms = max(entry.floor_ms, old_ms)
 
-    def _forget(self, now: float) -> None:
-        # A nonce is kept until no clock inside the window could still accept its time: 2 windows after now.
-        while self._order and self._order[0][0] <= now:
-            self._seen.discard(self._order.popleft()[1])
+    def _remember(self, caller: str, *, now_ms: int) -> _Caller:
+        while len(self._callers) >= self.max_callers:
+            _, gone = self._callers.popitem(last=False)
+            # Never above this clock: a flood stamped ahead must not make callers stamping now look replayed.
+            self._floor_ms = max(self._floor_ms, min(gone.newest_ms(), now_ms - 1))
+        entry = self._callers[caller] = _Caller(self._floor_ms)
+        return entry
+
+    def remembered(self) -> int:
+        """How many nonces are remembered (all callers)."""
+        return sum(len(c.heap) for c in self._callers.values())

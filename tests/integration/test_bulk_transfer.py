@@ -148,6 +148,38 @@ def test_bad_tickets_truncated_and_oversized_uploads_are_refused_and_logged(capl
         assert words in logged, words
 
 
+def test_a_caller_hoarding_tickets_voids_only_its_own_oldest_and_no_ticket_outlives_the_cap() -> None:
+    """Tickets used to live for the caller's deadline, as many as it asked for: a key holder could pin any
+    number of them (each a download's bytes, or a consumer) for as long as it liked."""
+    server, client = _serving_node(), RpcNode(RPC, peer_id="x", serve=False)
+    client.start()
+    try:
+        got: list[bytes] = []
+        other = _ticket(server, 10, got)  # x's oldest
+        tokens = [_ticket(server, 10, got) for _ in range(bulk.MAX_TICKETS_PER_PEER)]  # one past the cap
+
+        async def issue_y() -> bytes:
+            assert server.bulk is not None
+
+            async def consume(view: memoryview) -> None:
+                got.append(bytes(view))
+            return server.bulk.expect_upload(peer="y", what="push", size_bytes=10,
+                                             deadline=time.monotonic() + 10 * bulk.MAX_TICKET_TTL_S, consume=consume)
+
+        y_token = server.run(issue_y(), timeout_s=IO_S)
+        voided = _refused(lambda: _upload(client, server, other, bytes(10)))
+        assert voided.code == "UNAUTHENTICATED"
+        _upload(client, server, tokens[-1], b"0123456789")  # its newer tickets stand
+        assert got == [b"0123456789"]
+        assert server.bulk is not None
+        ticket = server.bulk._tickets[y_token]  # another caller's stands too, its life capped
+        assert ticket.deadline <= time.monotonic() + bulk.MAX_TICKET_TTL_S
+        assert len(server.bulk._tickets) == bulk.MAX_TICKETS_PER_PEER  # x: the cap, less the one used; y: one
+    finally:
+        client.close()
+        server.close()
+
+
 def test_a_wrong_run_key_gets_no_ticket(monkeypatch) -> None:
     with Swarm(["a", "b"]) as swarm:
         group = swarm._group(0)

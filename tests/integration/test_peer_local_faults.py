@@ -1,32 +1,35 @@
 """A peer whose own round fails (a NaN Δ, an error in its side of the all-reduce) aborts that round,
-resynchronises and commits later with the swarm's hash; it never exits and never poisons θ_global.
+resynchronises and commits later with the swarm's hash; it never exits and never poisons θ_global. A peer that
+sees no one says so; one whose clock is off the swarm's says so and announces the offset.
 
-In-process peers over the in-memory twins of tests/integration/test_peer_composition.py.
+Real Peers on the in-process cluster (peer_harness.py); the faults are put on the peer from outside.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
 import torch
+from peer_harness import RUN, live_records, peer_config, until
 
-from swarmtrain.config import load_config
+from swarmtrain.averaging.group import Member
+from swarmtrain.averaging.transport import ReduceTransport
 from swarmtrain.diloco.worker import InnerStats
-from swarmtrain.discovery import InMemoryDiscovery, InMemoryRegistry, PeerRecord
+from swarmtrain.discovery import InMemoryDiscovery, PeerRecord
 from swarmtrain.peer import Peer
-from swarmtrain.telemetry import EventWriter, HealEvent, RoundEvent
-from tests.integration.test_peer_composition import (
-    RUN,
-    InMemoryServices,
-    Out,
-    _local,
-    _publish_run,
-    _run_peer,
-    _until,
+from swarmtrain.rpc.averaging_wire import PushHeader, SessionKey
+from swarmtrain.telemetry import EventWriter
+from swarmtrain.testing.cluster import (
+    EventLog,
+    LoopbackServices,
+    hashes_by_round,
+    publish_run,
+    run_peer,
+    story,
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -53,77 +56,77 @@ def _poison_once(peer: Peer) -> None:
     worker.train_inner = poisoned  # type: ignore[method-assign]
 
 
-def _fail_average_once(peer: Peer) -> None:
-    """The peer's first all-reduce of round BAD_ROUND raises, as a codec or a bug in its own code would."""
-    assert peer.plane is not None
-    plane, average = peer.plane, peer.plane.average
-    done = False
+class _ExplodingPush:
+    """The peer's all-reduce transport, whose first push of round BAD_ROUND raises as a codec or a bug in the
+    peer's own code would (not a network fault: the all-reduce surfaces it)."""
 
-    async def failing(round_index: int, delta: torch.Tensor, **kwargs: float) -> object:
-        nonlocal done
-        if round_index == BAD_ROUND and not done:
-            done = True
+    def __init__(self, inner: ReduceTransport) -> None:
+        self.inner = inner
+        self.exploded = False
+
+    async def push(self, reducer: Member, header: PushHeader, payload: bytes, *, deadline: float) -> None:
+        if header.session.round == BAD_ROUND and not self.exploded:
+            self.exploded = True
             raise RuntimeError("codec exploded")
-        return await average(round_index, delta, **kwargs)
+        await self.inner.push(reducer, header, payload, deadline=deadline)
 
-    plane.average = failing  # type: ignore[method-assign]
+    async def contributors(self, reducer: Member, key: SessionKey, shard: int, *,
+                           deadline: float) -> tuple[str, ...]:
+        return await self.inner.contributors(reducer, key, shard, deadline=deadline)
+
+    async def fetch(self, reducer: Member, key: SessionKey, shard: int, contributors: tuple[str, ...], *,
+                    max_bytes: int, deadline: float) -> bytes | bytearray | memoryview:
+        return await self.inner.fetch(reducer, key, shard, contributors, max_bytes=max_bytes, deadline=deadline)
+
+    def release(self, data: bytes | bytearray | memoryview) -> None:
+        self.inner.release(data)
 
 
-async def _run_three(tmp_path: Path, run: list[str], fault: Callable[[Peer], None] = _poison_once) -> dict[str, Out]:
-    registry = InMemoryRegistry()
-    await _publish_run(registry, load_config(overrides=[*run, f"diloco.rounds={ROUNDS}"]))
-    services = InMemoryServices(registry, window_s=0.8)
-    outs = {n: Out() for n in "abc"}
+def _fail_average_once(peer: Peer) -> None:
+    assert peer.plane is not None
+    allreduce = peer.plane.averager.allreduce
+    allreduce.transport = _ExplodingPush(allreduce.transport)
+
+
+async def _run_three(tmp_path: Path, run: Sequence[str], fault: Callable[[Peer], None]) -> dict[str, EventLog]:
+    """a, b and c run ROUNDS rounds; `fault` is put on c once it started."""
+    services = LoopbackServices()
+    await publish_run(services.registry, [*run, f"diloco.rounds={ROUNDS}"])
+    logs = {n: EventLog() for n in "abc"}
     stop = asyncio.Event()
-    peers = {n: Peer(_local(tmp_path / n), writer=EventWriter(outs[n]), services=services) for n in "abc"}
-
-    async def run_c() -> str:
-        await peers["c"].start()
-        fault(peers["c"])
-        reason = "error"
-        try:
-            reason = await peers["c"].run(stop)
-        finally:
-            await peers["c"].aclose(reason)
-        return reason
-
-    tasks = [asyncio.create_task(_run_peer(peers[n], stop)) for n in "ab"] + [asyncio.create_task(run_c())]
-    assert await asyncio.wait_for(asyncio.gather(*tasks), timeout=100) == ["done", "done", "done"]
-    return outs
-
-
-def _trace(outs: dict[str, Out]) -> dict[str, list[object]]:
-    return {n: [(e.round, e.committed, len(e.members), e.hash[:8], e.reason) if isinstance(e, RoundEvent)
-                else ("heal", e.from_round, e.to_round) for e in out.events() if isinstance(e, (RoundEvent, HealEvent))]
-            for n, out in outs.items()}
+    peers = {n: Peer(peer_config(tmp_path / n), writer=EventWriter(logs[n]), services=services) for n in "abc"}
+    tasks = [asyncio.create_task(run_peer(peers[n], stop, started=fault if n == "c" else None)) for n in "abc"]
+    try:
+        assert await asyncio.wait_for(asyncio.gather(*tasks), timeout=100) == ["done"] * 3, story(logs)
+    finally:
+        stop.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return logs
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["classic", "overlapped"])
 def test_a_nan_delta_aborts_that_peers_round_and_it_commits_later(tmp_path: Path, overlap: bool) -> None:
-    outs = asyncio.run(_run_three(tmp_path, [*RUN, f"diloco.overlap={'true' if overlap else 'false'}"]))
-    trace = _trace(outs)
-    bad = [e for e in outs["c"].rounds() if not e.committed and e.reason.startswith("non-finite pseudo-gradient")]
+    logs = asyncio.run(_run_three(tmp_path, [*RUN, f"diloco.overlap={'true' if overlap else 'false'}"], _poison_once))
+    told = story(logs)
+    bad = [e for e in logs["c"].rounds() if not e.committed and e.reason.startswith("non-finite pseudo-gradient")]
     # overlapped, the steps trained while round BAD_ROUND averages are the next round's: its Δ is the bad one
-    assert len(bad) == 1 and bad[0].round == BAD_ROUND + overlap and bad[0].members == (), trace
-    by_round: dict[int, set[str]] = {}
-    for out in outs.values():
-        for e in out.rounds():
-            if e.committed:
-                by_round.setdefault(e.round, set()).add(e.hash)
-    assert sorted(by_round) == list(range(ROUNDS)) and all(len(h) == 1 for h in by_round.values()), trace
-    assert any(e.committed and e.round > bad[0].round for e in outs["c"].rounds()), f"c never committed again: {trace}"
+    assert len(bad) == 1 and bad[0].round == BAD_ROUND + overlap and bad[0].members == (), told
+    by_round = hashes_by_round(logs)
+    assert sorted(by_round) == list(range(ROUNDS)) and all(len(h) == 1 for h in by_round.values()), told
+    assert all(len(e.members) >= 2 for log in logs.values() for e in log.rounds() if e.committed), told
+    assert any(e.committed and e.round > bad[0].round for e in logs["c"].rounds()), f"c never committed again: {told}"
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["classic", "overlapped"])
 def test_an_error_in_a_peers_own_all_reduce_aborts_its_round_and_it_goes_on(tmp_path: Path, overlap: bool) -> None:
-    outs = asyncio.run(_run_three(tmp_path, [*RUN, f"diloco.overlap={'true' if overlap else 'false'}"],
-                                  fault=_fail_average_once))
-    trace = _trace(outs)
-    failed = [e for e in outs["c"].rounds() if "local error in the all-reduce: RuntimeError: codec exploded" in e.reason]
-    assert len(failed) == 1 and failed[0].round == BAD_ROUND and not failed[0].committed, trace
-    committed = {(e.round, e.hash) for out in outs.values() for e in out.rounds() if e.committed}
-    assert sorted(r for r, _ in committed) == list(range(ROUNDS)), trace  # one hash per round
-    assert any(e.committed and e.round > BAD_ROUND for e in outs["c"].rounds()), trace
+    logs = asyncio.run(_run_three(tmp_path, [*RUN, f"diloco.overlap={'true' if overlap else 'false'}"],
+                                  _fail_average_once))
+    told = story(logs)
+    failed = [e for e in logs["c"].rounds() if "local error in the all-reduce: RuntimeError: codec exploded" in e.reason]
+    assert len(failed) == 1 and failed[0].round == BAD_ROUND and not failed[0].committed, told
+    by_round = hashes_by_round(logs)
+    assert sorted(by_round) == list(range(ROUNDS)) and all(len(h) == 1 for h in by_round.values()), told
+    assert any(e.committed and e.round > BAD_ROUND for e in logs["c"].rounds()), told
 
 
 def test_a_peer_that_sees_no_one_says_so_once_and_in_its_round_lines(tmp_path: Path,
@@ -131,30 +134,35 @@ def test_a_peer_that_sees_no_one_says_so_once_and_in_its_round_lines(tmp_path: P
     """Alone past discovery.alone_warning_s: one warning and alone_s > 0 in round lines; a second peer
     arriving resets it."""
 
-    async def main() -> dict[str, Out]:
-        registry = InMemoryRegistry()
-        await _publish_run(registry, load_config(overrides=[*RUN, "diloco.rounds=3"]))
-        services = InMemoryServices(registry, window_s=0.3)
-        outs = {n: Out() for n in "ab"}
+    async def main() -> dict[str, EventLog]:
+        services = LoopbackServices()
+        await publish_run(services.registry, [*RUN, "diloco.rounds=3"])
+        logs = {n: EventLog() for n in "ab"}
         stop = asyncio.Event()
-        local = [f"discovery.alone_warning_s={ALONE_S}"]
-        peers = {n: Peer(load_config(overrides=[*local, f"checkpoint.dir={str(tmp_path / n)!r}"]),
-                         writer=EventWriter(outs[n]), services=services) for n in "ab"}
-        tasks = [asyncio.create_task(_run_peer(peers["a"], stop))]
-        await _until(lambda: any(e.alone_s > 0 for e in outs["a"].rounds()), timeout_s=60,
-                     what="a says it is alone", tasks=tasks)
-        tasks.append(asyncio.create_task(_run_peer(peers["b"], stop)))
-        assert await asyncio.wait_for(asyncio.gather(*tasks), timeout=90) == ["done", "done"]
-        return outs
+        peers = {n: Peer(peer_config(tmp_path / n, f"discovery.alone_warning_s={ALONE_S}"),
+                         writer=EventWriter(logs[n]), services=services) for n in "ab"}
+        tasks = [asyncio.create_task(run_peer(peers["a"], stop))]
+        try:
+            await until(lambda: any(e.alone_s > 0 for e in logs["a"].rounds()), timeout_s=60,
+                        what="a says it is alone", tasks=tasks, logs=logs)
+            tasks.append(asyncio.create_task(run_peer(peers["b"], stop)))
+            assert await asyncio.wait_for(asyncio.gather(*tasks), timeout=90) == ["done", "done"], story(logs)
+        finally:
+            stop.set()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        return logs
 
-    with caplog.at_level(logging.INFO, logger="swarmtrain.peer"):
-        outs = asyncio.run(main())
-    lonely = [e for e in outs["a"].rounds() if e.alone_s > 0]
-    assert lonely and all(not e.committed and e.alone_s >= ALONE_S for e in lonely)
-    assert all(e.alone_s == 0 for e in outs["a"].rounds() if e.committed)
+    with caplog.at_level(logging.INFO, logger="swarmtrain.driver"):
+        logs = asyncio.run(main())
+    told = story(logs)
+    lonely = [e for e in logs["a"].rounds() if e.alone_s > 0]
+    assert lonely and all(not e.committed and e.alone_s >= ALONE_S for e in lonely), told
+    assert all(e.alone_s == 0 for e in logs["a"].rounds() if e.committed), told
+    assert [e.round for e in logs["a"].rounds() if e.committed] == [0, 1, 2], told
     said = [r.getMessage() for r in caplog.records if "has seen no other live peer" in r.getMessage()]
     assert len(said) == 1 and "clock is synced" in said[0], said
-    assert any("again" in r.getMessage() for r in caplog.records if r.name.startswith("swarmtrain.peer"))
+    again = [r.getMessage() for r in caplog.records if "other live peer(s) of run" in r.getMessage()]
+    assert again and all(m.endswith("again") for m in again), again
 
 
 def test_a_peer_whose_clock_is_behind_the_swarms_says_so_and_announces_the_offset(
@@ -163,33 +171,53 @@ def test_a_peer_whose_clock_is_behind_the_swarms_says_so_and_announces_the_offse
     ~10 s behind in one warning line and in its peer record."""
     skew_s = 10.0
 
-    async def main() -> Peer:
-        registry = InMemoryRegistry()
-        cfg = load_config(overrides=[*RUN, "diloco.rounds=3", "averaging.min_peers=1"])
-        await _publish_run(registry, cfg)
-        services = InMemoryServices(registry, window_s=0.1)
-        services.allreduce.min_peers = 1
-        ahead = InMemoryDiscovery(registry, run_id=cfg.train.run_id, record_ttl_s=60.0, peer_id="ahead")
+    async def main() -> tuple[Peer, PeerRecord]:
+        services = LoopbackServices()
+        cfg = await publish_run(services.registry, [*RUN, "diloco.rounds=50", "averaging.min_peers=1"])
+        run_id = cfg.train.run_id
+        ahead = InMemoryDiscovery(services.registry, run_id=run_id, record_ttl_s=60.0, peer_id="ahead",
+                                  skew_s=skew_s)
         stop = asyncio.Event()
-        peer = Peer(_local(tmp_path / "p"), writer=EventWriter(Out()), services=services)
-        task = asyncio.create_task(_run_peer(peer, stop))
+        log = EventLog()
+        peer = Peer(peer_config(tmp_path / "p"), writer=EventWriter(log), services=services)
+        task = asyncio.create_task(run_peer(peer, stop))
 
         async def beat() -> None:
             while not task.done():
                 # a trainer: it counts for the clock but is nobody to heal from or to wait for
-                await ahead.announce(PeerRecord(run_id=cfg.train.run_id, peer_id="ahead", endpoint="127.0.0.1:1",
-                                                role="trainer", heartbeat_at=registry.clock() + skew_s), timeout_s=1.0)
-                await asyncio.sleep(cfg.discovery.heartbeat_s)
+                await ahead.announce(PeerRecord(run_id=run_id, peer_id="ahead", endpoint="127.0.0.1:1",
+                                                role="trainer", heartbeat_at=ahead.now()), timeout_s=1.0)
+                await asyncio.sleep(peer.cfg.discovery.heartbeat_s)
 
         beats = asyncio.create_task(beat())
-        assert await asyncio.wait_for(task, timeout=60) == "done"
-        beats.cancel()
-        return peer
+        announced: list[PeerRecord] = []
 
-    with caplog.at_level(logging.WARNING, logger="swarmtrain.peer"):
-        peer = asyncio.run(main())
+        async def offset_announced() -> None:
+            while True:
+                mine = [r for r in await live_records(services.registry, run_id) if r.peer_id == peer._peer_id]
+                if mine and abs(mine[0].clock_offset_s - skew_s) <= peer.cfg.discovery.heartbeat_s:
+                    announced.append(mine[0])
+                    return
+                await asyncio.sleep(0.05)
+
+        watch = asyncio.create_task(offset_announced())
+        try:
+            await until(watch.done, timeout_s=60, what="the offset in its peer record", tasks=[task],
+                        logs={"p": log})
+            stop.set()
+            assert await asyncio.wait_for(task, timeout=30) == "signal"
+        finally:
+            stop.set()
+            beats.cancel()
+            watch.cancel()
+            await asyncio.gather(task, beats, watch, return_exceptions=True)
+        assert any(e.committed for e in log.rounds()), story({"p": log})
+        return peer, announced[0]
+
+    with caplog.at_level(logging.WARNING, logger="swarmtrain.driver"):
+        peer, record = asyncio.run(main())
     said = [r.getMessage() for r in caplog.records if "clock is about" in r.getMessage()]
     assert len(said) == 1 and "behind the swarm's" in said[0], said
     heartbeat_s = peer.cfg.discovery.heartbeat_s
     assert peer.presence is not None and abs(peer.presence.clock_offset_s - skew_s) <= heartbeat_s
-    assert peer._record().clock_offset_s == peer.presence.clock_offset_s
+    assert abs(record.clock_offset_s - skew_s) <= heartbeat_s

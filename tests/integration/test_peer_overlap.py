@@ -1,7 +1,6 @@
-"""Peers with diloco.overlap over the in-memory twins: rounds agree, a late joiner heals, aborts keep progress.
-
-Uses the windowed all-reduce double and services of test_peer_composition.
-"""
+"""Peers with diloco.overlap on the in-process cluster (real matchmaking, all-reduce and round decision over
+loopback gRPC, the in-memory DHT twin): rounds agree, a late joiner heals, aborts keep progress, a mean lands
+between two inner steps, a Δ computed and not sent goes back into θ_local."""
 
 from __future__ import annotations
 
@@ -9,32 +8,26 @@ import asyncio
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import pytest
 import torch
-from test_peer_composition import (
-    RUN,
-    InMemoryServices,
-    Out,
-    _publish_run,
-    _run_peer,
-    _until,
-    run_alone_then_stop,
-    run_started_apart,
-    run_with_late_joiner,
-)
+from peer_harness import RUN, peer_config, run_alone_then_stop, run_started_apart, run_with_late_joiner, until
 
-from swarmtrain.config import load_config
 from swarmtrain.diloco import DilocoWorker
 from swarmtrain.diloco.flat import flatten
-from swarmtrain.discovery import InMemoryRegistry
 from swarmtrain.peer import Peer
-from swarmtrain.telemetry import EventWriter, HealEvent, LeaveEvent, RoundEvent
-
-if TYPE_CHECKING:
-    from collections.abc import Callable
+from swarmtrain.peer.part import WorkerPart
+from swarmtrain.telemetry import EventWriter, HealEvent, LeaveEvent
+from swarmtrain.testing.cluster import (
+    EventLog,
+    LoopbackServices,
+    hashes_by_round,
+    publish_run,
+    run_peer,
+    story,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -44,26 +37,26 @@ ON_THREAD = [*OVERLAP, "diloco.eval_every_rounds=0", "diloco.inner_steps=6", "di
              "diloco.rounds=50", "averaging.min_peers=1"]
 
 
-async def _alone(tmp_path: Path, stop: asyncio.Event, until: Callable[[Out], bool]) -> tuple[Out, Peer]:
-    """One peer (min_peers 1, the double's window 0.1 s, a checkpoint only on leaving) runs until `until`
-    holds, then `stop` is set; it must leave on the signal."""
-    registry = InMemoryRegistry()
-    await _publish_run(registry, load_config(overrides=ON_THREAD))
-    services = InMemoryServices(registry, window_s=0.1)
-    services.allreduce.min_peers = 1
-    out = Out()
-    local = load_config(overrides=[f"checkpoint.dir={str(tmp_path / 'p')!r}", "checkpoint.every_rounds=1000"])
-    peer = Peer(local, writer=EventWriter(out), services=services)
-    task = asyncio.create_task(_run_peer(peer, stop))
-    await _until(lambda: until(out), timeout_s=60, what="the peer's rounds", tasks=[task])
-    stop.set()
+async def _alone(tmp_path: Path, stop: asyncio.Event, until_: Callable[[EventLog], bool]) -> tuple[EventLog, Peer]:
+    """One peer (min_peers 1, a checkpoint only on leaving) runs until `until_` holds, then `stop` is set; it
+    must leave on the signal."""
+    services = LoopbackServices()
+    await publish_run(services.registry, ON_THREAD)
+    log = EventLog()
+    peer = Peer(peer_config(tmp_path / "p", "checkpoint.every_rounds=1000"), writer=EventWriter(log),
+                services=services)
+    task = asyncio.create_task(run_peer(peer, stop))
+    try:
+        await until(lambda: until_(log), timeout_s=60, what="the peer's rounds", tasks=[task], logs={"p": log})
+    finally:
+        stop.set()
     assert await asyncio.wait_for(task, timeout=30) == "signal"
-    return out, peer
+    return log, peer
 
 
 def _slow_steps(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
-    """Every inner step takes `seconds` more, so that a mean (the double's window: 0.1 s) lands mid-round:
-    at 0.05 s a round of 6 steps takes 0.3 s, and its mean lands about 2 steps into the next one."""
+    """Every inner step takes `seconds` more, so that a mean lands mid-round: at 0.05 s a round of 6 steps
+    takes 0.3 s, longer than a lone peer's round of matchmaking, all-reduce and decision on loopback."""
     step = DilocoWorker._inner_step
 
     def slow(self: DilocoWorker, loss_sum: torch.Tensor) -> int:
@@ -73,33 +66,24 @@ def _slow_steps(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
     monkeypatch.setattr(DilocoWorker, "_inner_step", slow)
 
 
-def _committed_hashes(outs: dict[str, Out]) -> dict[int, set[str]]:
-    by_round: dict[int, set[str]] = {}
-    for out in outs.values():
-        for e in out.rounds():
-            if e.committed:
-                by_round.setdefault(e.round, set()).add(e.hash)
-    return by_round
-
-
-def _story(outs: dict[str, Out]) -> dict[str, list[object]]:
-    return {n: [(e.round, e.committed, e.members, e.hash[:8], e.reason) if isinstance(e, RoundEvent)
-                else ("heal", e.from_round, e.to_round, e.hash[:8]) for e in out.events()
-                if isinstance(e, (RoundEvent, HealEvent))] for n, out in outs.items()}
-
-
 def test_overlapped_peers_agree_and_a_late_joiner_heals(tmp_path: Path) -> None:
     async def main() -> None:
-        outs, peers = await run_with_late_joiner(tmp_path, OVERLAP)
-
-        by_round = _committed_hashes(outs)
-        assert sorted(by_round) == [0, 1, 2, 3, 4] and all(len(h) == 1 for h in by_round.values()), _story(outs)
-        assert any(isinstance(e, HealEvent) for e in outs["c"].events())
-        leaves = [e for out in outs.values() for e in out.events() if isinstance(e, LeaveEvent)]
-        assert {e.reason for e in leaves} == {"done"} and len({e.hash for e in leaves}) == 1
-        for n in "ab":  # every round's inner steps were taken once: H steps per round, none wasted
-            assert peers[n].worker is not None and peers[n].worker.inner_step == 5 * 3, n
-            assert not peers[n].worker.has_local_progress(), "the last round's average carried everything"
+        logs, peers = await run_with_late_joiner(tmp_path, OVERLAP)
+        told = story(logs)
+        by_round = hashes_by_round(logs)
+        assert sorted(by_round) == [0, 1, 2, 3, 4] and all(len(h) == 1 for h in by_round.values()), told
+        heals = [e for e in logs["c"].events() if isinstance(e, HealEvent)]
+        assert heals and heals[0].from_round == 0, told
+        committed = {e.round + 1: e.hash for n in "ab" for e in logs[n].rounds() if e.committed}
+        assert all(committed[e.to_round] == e.hash for e in heals), told
+        assert any(e.committed and len(e.members) == 3 for e in logs["c"].rounds()), told
+        leaves = [e for log in logs.values() for e in log.events() if isinstance(e, LeaveEvent)]
+        assert {e.reason for e in leaves} == {"done"} and len({e.hash for e in leaves}) == 1, leaves
+        for n in "ab":  # every round committed at its first attempt: H steps per round, none wasted
+            assert [e.round for e in logs[n].rounds()] == [0, 1, 2, 3, 4], told
+            worker = peers[n].worker
+            assert worker is not None and worker.inner_step == 5 * 3, (n, worker.inner_step if worker else None)
+            assert not worker.has_local_progress(), "the last round's average carried everything"
 
     asyncio.run(main())
 
@@ -108,23 +92,24 @@ def test_an_aborted_overlapped_round_is_sent_again_with_the_newer_progress(tmp_p
     """a averages round 0 alone (abort) while training round 1; its retry carries both rounds' steps."""
 
     async def main() -> None:
-        outs, peers = await run_started_apart(tmp_path, [*OVERLAP, "diloco.rounds=3"])
-        committed = {n: [(e.round, e.hash) for e in out.rounds() if e.committed] for n, out in outs.items()}
-        assert committed["a"] == committed["b"] and [r for r, _ in committed["a"]] == [0, 1, 2], _story(outs)
+        logs, peers = await run_started_apart(tmp_path, [*OVERLAP, "diloco.rounds=3"])
+        told = story(logs)
+        committed = {n: [(e.round, e.hash) for e in log.rounds() if e.committed] for n, log in logs.items()}
+        assert committed["a"] == committed["b"] and [r for r, _ in committed["a"]] == [0, 1, 2], told
         # a trained round 1 while its round 0 aborted; that work went into a later Δ, not thrown away.
         worker = peers["a"].worker
-        assert worker is not None and worker.inner_step >= 3 * 3
+        assert worker is not None and worker.inner_step >= 3 * 3, worker.inner_step if worker else None
 
     asyncio.run(main())
 
 
 def test_stop_during_an_overlapped_round_finishes_its_average_first(tmp_path: Path) -> None:
     async def main() -> None:
-        out, _, _ = await run_alone_then_stop(tmp_path, OVERLAP)
-        rounds = [e.round for e in out.rounds()]
-        assert rounds == list(range(len(rounds))) and all(e.committed for e in out.rounds())
-        (leave,) = [e for e in out.events() if isinstance(e, LeaveEvent)]
-        assert leave.round == rounds[-1] + 1 and Path(leave.checkpoint).is_file()
+        log, _, _ = await run_alone_then_stop(tmp_path, OVERLAP)
+        rounds = [e.round for e in log.rounds()]
+        assert rounds == list(range(len(rounds))) and all(e.committed for e in log.rounds()), story({"p": log})
+        (leave,) = [e for e in log.events() if isinstance(e, LeaveEvent)]
+        assert leave.round == rounds[-1] + 1 and leave.checkpoint and Path(leave.checkpoint).is_dir()
 
     asyncio.run(main())
 
@@ -133,7 +118,7 @@ def test_a_mean_that_lands_mid_round_is_applied_between_two_steps_of_the_running
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _slow_steps(monkeypatch, 0.05)
     training, landed_in_call = threading.local(), []
-    train, land = DilocoWorker.train_inner, Peer._land
+    train, land = DilocoWorker.train_inner, WorkerPart.land
 
     def spy_train(self: DilocoWorker, *args: object, **kwargs: object) -> object:
         training.on = True
@@ -142,17 +127,18 @@ def test_a_mean_that_lands_mid_round_is_applied_between_two_steps_of_the_running
         finally:
             training.on = False
 
-    def spy_land(self: Peer, *args: object, **kwargs: object) -> object:
+    def spy_land(self: WorkerPart, *args: object, **kwargs: object) -> object:
         landed_in_call.append(getattr(training, "on", False))
         return land(self, *args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(DilocoWorker, "train_inner", spy_train)
-    monkeypatch.setattr(Peer, "_land", spy_land)
+    monkeypatch.setattr(WorkerPart, "land", spy_land)
 
     async def main() -> None:
-        out, peer = await _alone(tmp_path, asyncio.Event(), lambda o: len(o.rounds()) >= 4)
-        rounds = out.rounds()
-        assert [e.round for e in rounds] == list(range(len(rounds))) and all(e.committed for e in rounds)
+        log, peer = await _alone(tmp_path, asyncio.Event(), lambda o: len(o.rounds()) >= 4)
+        rounds = log.rounds()
+        assert [e.round for e in rounds] == list(range(len(rounds))) and all(e.committed for e in rounds), \
+            story({"p": log})
         assert any(landed_in_call), f"no mean was applied inside a training call: {landed_in_call}"
         worker = peer.worker
         assert worker is not None and worker.inner_step >= 6 * len(rounds)
@@ -167,10 +153,12 @@ def test_a_delta_computed_at_the_end_of_a_round_and_not_sent_goes_back_into_thet
     send = DilocoWorker.send_overlapped
     before: list[torch.Tensor] = []
     stop = asyncio.Event()
+    loop: asyncio.AbstractEventLoop | None = None
 
     def presend_then_stop(self: DilocoWorker) -> object:
         if sys._getframe(1).f_code.co_name == "presend" and not before:
             before.append(flatten(self.params))
+            assert loop is not None
             loop.call_soon_threadsafe(stop.set)  # arrives after this Δ was computed, before any launch
         return send(self)
 
@@ -179,13 +167,12 @@ def test_a_delta_computed_at_the_end_of_a_round_and_not_sent_goes_back_into_thet
     async def main() -> None:
         nonlocal loop
         loop = asyncio.get_running_loop()
-        out, peer = await _alone(tmp_path, stop, lambda _: stop.is_set())
+        log, peer = await _alone(tmp_path, stop, lambda _: stop.is_set())
         worker = peer.worker
         assert worker is not None and before
         assert torch.equal(flatten(worker.params), before[0]), "θ_local is back where the unsent Δ was taken"
         assert worker.has_local_progress(), "the unsent steps stay in θ_local, for the checkpoint and a resume"
-        (leave,) = [e for e in out.events() if isinstance(e, LeaveEvent)]
-        assert leave.reason == "signal" and all(e.committed for e in out.rounds())
+        (leave,) = [e for e in log.events() if isinstance(e, LeaveEvent)]
+        assert leave.reason == "signal" and all(e.committed for e in log.rounds()), story({"p": log})
 
-    loop: asyncio.AbstractEventLoop | None = None
     asyncio.run(main())

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
-from swarmtrain.daemon.children import Child
+from swarmtrain.daemon.children import Child, swarmtrain_argv
 from swarmtrain.daemon.cmd_coordinator import SHUTDOWN_MARGIN_S
 from swarmtrain.proctree import descendants, running
 from swarmtrain.testing.procs import ProcessSet
@@ -77,3 +78,31 @@ def _second_sigterm_exits_at_once(child: Child, *, first_line: str) -> None:
     child.proc.send_signal(signal.SIGTERM)
     assert child.proc.wait(timeout=10) == 128 + signal.SIGTERM
     assert time.monotonic() - t0 < 2.0
+
+
+def test_a_peer_whose_stdout_reader_went_away_still_leaves_on_sigterm(procs: ProcessSet, tmp_path: Path) -> None:
+    """A closed log pipe (`| head`, a supervisor that died): the peer's next line gets EPIPE. It used to hang
+    for good on SIGTERM, in multiprocessing's exit handler joining its DHT child; it must leave in its bound."""
+    run = ["model.preset=tiny", "data.seq_len=32", "data.batch_size=2", "data.max_corpus_bytes=200000",
+           "diloco.inner_steps=2", "train.threads=1"]
+    _, join = procs.coordinator([*run, *SETS], timeout_s=90.0)
+    log_path = tmp_path / "peer.log"
+    with log_path.open("ab") as log:
+        proc = subprocess.Popen(swarmtrain_argv("peer", "--join", join, "--checkpoint-dir", str(tmp_path / "ckpt")),
+                                stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
+    try:
+        assert proc.stdout is not None
+        deadline = time.monotonic() + 90
+        while not proc.stdout.readline().startswith(b"READY"):
+            assert time.monotonic() < deadline and proc.poll() is None, log_path.read_text()
+        children = descendants(proc.pid)
+        proc.stdout.close()  # the reader goes away: the peer's next line (its leave line) hits a closed pipe
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=SHUTDOWN_TIMEOUT_S + SHUTDOWN_MARGIN_S + 30) == 0, log_path.read_text()[-3000:]
+        _assert_gone(children)
+        assert "Traceback" not in log_path.read_text()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

@@ -246,3 +246,31 @@ def test_a_coordinator_draws_a_run_nonce_once_and_a_restarted_one_keeps_it() -> 
     asyncio.run(main())
     with pytest.raises(ConfigError, match=r"train\.run_nonce"):
         RunConfig().replace(train={"run_nonce": "not/allowed"})
+
+
+def test_a_key_flooded_with_identities_is_read_up_to_a_cap_known_signers_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every reader used to decode every subkey under a key: identities made up by the thousand cost every peer
+    a seal check and a validation each, every heartbeat. Now a read decodes at most MAX_SLOTS_PER_KEY, and the
+    signers whose records checked out before come first."""
+    import swarmtrain.discovery.protocol as protocol
+
+    async def main() -> None:
+        registry = InMemoryRegistry()
+
+        async def announce() -> InMemoryDiscovery:
+            d = InMemoryDiscovery(registry, run_id="r", record_ttl_s=60.0)
+            await d.announce(PeerRecord(run_id="r", peer_id=d.peer_id, endpoint="127.0.0.1:1", heartbeat_at=d.now()),
+                             timeout_s=1.0)
+            return d
+
+        reader, honest = await announce(), await announce()
+        assert {p.peer_id for p in await reader.live_peers(timeout_s=1.0)} == {reader.peer_id, honest.peer_id}
+        flood = [await announce() for _ in range(30)]
+        monkeypatch.setattr(protocol, "MAX_SLOTS_PER_KEY", 6)
+        seen = {p.peer_id for p in await reader.live_peers(timeout_s=1.0)}
+        assert len(seen) == 6 and {reader.peer_id, honest.peer_id} <= seen  # known first, then 4 of the flood
+        other = InMemoryDiscovery(registry, run_id="r", record_ttl_s=60.0)
+        assert len(await other.live_peers(timeout_s=1.0)) == 6  # a new reader: 6 of them, in its own order
+        assert len({p.peer_id for p in flood} & seen) == 4
+
+    asyncio.run(main())

@@ -82,6 +82,29 @@ def test_an_aborted_round_waits_out_its_fence_then_averages_the_same_delta_again
     assert [(t.round, t.attempt, t.reason) for t in aborted] == [(0, 0, "only 1 of 3 delivered")]
 
 
+def test_a_wait_cut_short_by_a_peer_ahead_and_a_heal_that_took_nothing_waits_the_fence_out_unwatched() -> None:
+    """Two reads of a stale or partitioned DHT can disagree: one shows a peer past the round (the wait ends),
+    the next nobody ahead (the heal takes nothing). Attempting again at once, back to back, is spinning."""
+    m, clock, _ = machine()
+    m.next()
+    m.healed(round_index=None)
+    m.next()
+    m.trained()
+    m.next()
+    m.averaged(committed=False, reason="late", retry_at=clock.t + 5)
+    assert m.next() == Wait(0, clock.t + 5)
+    clock.t += 1
+    m.waited()  # a peer looked past round 0
+    assert m.next() == Heal()
+    m.healed(round_index=None)  # no donor reached, or nobody ahead on the next read
+    assert m.next() == Wait(0, clock.t + 4, watch=False)
+    clock.t += 4
+    m.waited()
+    assert m.next() == Heal()
+    m.healed(round_index=None)
+    assert m.next() == Average(0, 1)  # the fence is over: the same Δ again
+
+
 def test_an_abort_whose_fence_already_passed_goes_straight_to_the_heal_check() -> None:
     m, clock, _ = machine()
     m.next()
@@ -104,6 +127,7 @@ def test_a_peer_left_out_for_its_theta_heals_to_the_groups_hash_or_waits_when_no
     assert m.next() == Heal(want_hash="ab" * 32)
     m.healed(round_index=None)
     assert m.next() == Wait(0, clock.t + 3)
+    clock.t += 3
     m.waited()
     assert m.next() == Heal()
     m.healed(round_index=None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import threading
 
 import pytest
@@ -138,3 +139,24 @@ def test_progress_shows_a_round_that_aborted_then_committed_as_committed() -> No
     assert p.add("a", _round(0)) == []
     (s,) = p.add("b", _round(0))
     assert len(s.committed) == 2 and "committed 2/2" in format_round(s, num_peers=2, elapsed_s=0.0)
+
+
+def test_a_writer_whose_reader_went_away_drops_its_lines_and_says_so_once(caplog: pytest.LogCaptureFixture) -> None:
+    """A closed log pipe made the next line raise BrokenPipeError out of whatever emitted it: a leaving peer
+    then skipped stopping its DHT and hung at exit."""
+    class DeadPipe(io.StringIO):
+        writes = 0
+
+        def write(self, s: str) -> int:
+            DeadPipe.writes += 1
+            raise BrokenPipeError(32, "Broken pipe")
+
+    writer = EventWriter(DeadPipe())
+    seen: list[object] = []
+    writer.listeners.append(seen.append)
+    with caplog.at_level(logging.WARNING):
+        writer.ready({"role": "peer"})
+        writer.emit(LeaveEvent(round=1, reason="signal"))
+        writer.emit(LeaveEvent(round=2, reason="signal"))
+    assert DeadPipe.writes == 1 and len(seen) == 2  # one failed write, then none; listeners still see events
+    assert sum("went away" in r.getMessage() for r in caplog.records) == 1

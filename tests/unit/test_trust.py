@@ -84,18 +84,41 @@ def test_a_call_proof_is_accepted_once_for_its_method_caller_callee_and_time() -
 
 
 def test_the_replay_guard_forgets_only_what_its_window_refuses_and_is_bounded() -> None:
-    signer, auth = CallSigner(KEYED, peer_id="alice"), CallAuth(KEYED, window_s=10, max_remembered=3)
-    headers = [signer.header(method=METHOD, callee="e:1", now=NOW) for _ in range(4)]
-    for h in headers[:3]:
+    signer, auth = CallSigner(KEYED, peer_id="alice"), CallAuth(KEYED, window_s=10, max_per_caller=3)
+    headers = [signer.header(method=METHOD, callee="e:1", now=NOW + i * 0.001) for i in range(5)]
+    for h in headers[:4]:
         _call(auth, h, callee="e:1")
-    with pytest.raises(CallRefused, match="more than 3 calls"):
-        _call(auth, headers[3], callee="e:1")
+    assert auth.remembered() == 3  # the oldest was forgotten: the caller's floor is its time
+    with pytest.raises(CallRefused, match="before the oldest"):
+        _call(auth, headers[0], callee="e:1")  # so its replay is refused all the same
     with pytest.raises(CallRefused, match="replayed"):
-        _call(auth, headers[0], callee="e:1", now=NOW + 10)  # still inside the window: still remembered
+        _call(auth, headers[2], callee="e:1", now=NOW + 10)  # still inside the window: still remembered
+    _call(auth, headers[4], callee="e:1")  # a fresh call is never refused for want of room
     with pytest.raises(CallRefused, match="outside"):
-        _call(auth, headers[0], callee="e:1", now=NOW + 21)  # forgotten, and refused by its time
-    _call(auth, signer.header(method=METHOD, callee="e:1", now=NOW + 21), callee="e:1", now=NOW + 21)  # room again
-    assert len(auth._seen) == 1
+        _call(auth, headers[2], callee="e:1", now=NOW + 21)  # forgotten, and refused by its time
+    _call(auth, signer.header(method=METHOD, callee="e:1", now=NOW + 21), callee="e:1", now=NOW + 21)
+    assert auth.remembered() == 1  # everything older than the window is gone
+
+
+def test_a_flood_of_made_up_callers_locks_out_no_honest_caller() -> None:
+    """The old guard refused every call once 200,000 nonces were remembered: a key holder's flood locked the
+    honest peers out for a whole window. Now memory stays bounded and a call stamped now always passes."""
+    auth = CallAuth(KEYED, window_s=300, max_per_caller=4, max_callers=16)
+    honest = CallSigner(KEYED, peer_id="alice")
+    _call(auth, honest.header(method=METHOD, callee="e:1", now=NOW), callee="e:1")
+    for i in range(400):  # 100 made-up ids, some stamping ahead of the callee's clock
+        flood = CallSigner(KEYED, peer_id=f"sybil-{i % 100}")
+        at = NOW + 1 + i * 0.001
+        _call(auth, flood.header(method=METHOD, callee="e:1", now=at + (i % 3) * 100), caller=f"sybil-{i % 100}",
+              callee="e:1", now=at)
+        assert auth.remembered() <= 16 * 4
+    for caller in ("alice", "bob"):  # one it forgot, one it never heard from
+        signer = CallSigner(KEYED, peer_id=caller)
+        _call(auth, signer.header(method=METHOD, callee="e:1", now=NOW + 2), caller=caller, callee="e:1",
+              now=NOW + 2)
+    stale = honest.header(method=METHOD, callee="e:1", now=NOW)
+    with pytest.raises(CallRefused, match="before the oldest"):  # alice was forgotten: older calls are suspect
+        _call(auth, stale, callee="e:1", now=NOW + 2)
 
 
 @settings(max_examples=200, deadline=None)
