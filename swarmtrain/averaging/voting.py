@@ -8,8 +8,9 @@ finish first; otherwise, or for the shards it still misses, it fetches them from
 holders the proposer names. A chosen value is thus held by a quorum of voters, whoever crashes.
 
 Bounds: it answers only rounds in [its floor, its part's round + 1], only values of its scope whose
-material fits the part (its size, the run's codec), and at most `MAX_CONCURRENT_ACCEPTS` accepts at once
-(each may fetch material); every wait ends by the caller's deadline.
+material fits the part (at most its size, since a round may average one fragment of it; the run's codec),
+and at most `MAX_CONCURRENT_ACCEPTS` accepts at once (each may fetch material); every wait ends by the
+caller's deadline.
 """
 
 from __future__ import annotations
@@ -94,6 +95,7 @@ class VoterService:
         store.save(self.state)
         self.certificates = CertificateBook()
         self._lock = asyncio.Lock()
+        self._saving = asyncio.Lock()
         self._accepting = asyncio.Semaphore(MAX_CONCURRENT_ACCEPTS)
         self._pulls: dict[str, asyncio.Event] = {}  # sessions this peer's own all-reduce is pulling
 
@@ -102,10 +104,15 @@ class VoterService:
         return Voter(self.identity.peer_id, self.state.incarnation)
 
     async def _save(self) -> None:
-        if self.offload:
-            await asyncio.to_thread(self.store.save, self.state)
-        else:
-            self.store.save(self.state)
+        """Store the voter's state as it is now; returns once it is durable. Saves run one at a time, each of a
+        copy taken when its turn comes (on this loop, which alone changes the state): a save never writes an
+        older state over a newer one, and no thread reads the state while the loop changes it."""
+        async with self._saving:
+            snapshot = AcceptorState.from_json(self.state.to_json())
+            if self.offload:
+                await asyncio.to_thread(self.store.save, snapshot)
+            else:
+                self.store.save(snapshot)
 
     def _retirement(self) -> Retirement | None:
         if self.state.retired_from is None:
@@ -149,7 +156,8 @@ class VoterService:
         """`deadline_s`: seconds the caller waits (the material fetch must end within it)."""
         self._check_scope(scope)
         layout = value.layout
-        if (self.numel and layout.numel != self.numel) or layout.codec != self.codec:
+        # A round averages the whole part or, with streaming fragments, one fragment of it: never more.
+        if (self.numel and not 0 < layout.numel <= self.numel) or layout.codec != self.codec:
             raise Rejected(f"a value of {layout.numel} values in codec {layout.codec!r}; this part holds "
                            f"{self.numel} in {self.codec!r}")
         # Cheap refusals first: no fetch for a value this voter would refuse anyway.

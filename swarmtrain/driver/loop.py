@@ -35,6 +35,7 @@ from swarmtrain.driver.presence import Presence
 from swarmtrain.round import Average, Finish, Heal, RoundMachine, Train, Wait, keeps_progress, plan_heal
 from swarmtrain.round.ballots import Genesis, Voter, quorum_base
 from swarmtrain.round.certificate import CertificateError, Retirement, Verify, check_retirement, follow_chain
+from swarmtrain.round.heal import donor_order
 from swarmtrain.round.messages import Contact
 from swarmtrain.telemetry import HealEvent
 
@@ -365,9 +366,9 @@ class RoundDriver:
             if reached is None:
                 continue
             round_index, digest, _ = reached
-            donors = [p for p in ahead if (p.round, p.state_hash) == (round_index, digest)]
+            donors = donor_order(self.peer_id, [p for p in ahead if (p.round, p.state_hash) == (round_index, digest)])
             if donors:
-                return round_index, digest, sorted(donors, key=lambda p: p.peer_id != peer.peer_id)
+                return round_index, digest, list(donors)
         return None
 
     async def _transfer(self, round_index: int, digest: str, donors: Sequence[PeerRecord], *,

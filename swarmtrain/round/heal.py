@@ -17,9 +17,9 @@ import statistics
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
-__all__ = ["HealPlan", "PeerView", "keeps_progress", "majority_state", "plan_heal", "swarm_round_end"]
+__all__ = ["HealPlan", "PeerView", "donor_order", "keeps_progress", "majority_state", "plan_heal", "swarm_round_end"]
 
 
 class PeerView(Protocol):
@@ -37,6 +37,9 @@ class PeerView(Protocol):
     def state_hash(self) -> str: ...
     @property
     def round_ends_at(self) -> float: ...
+
+
+P = TypeVar("P", bound=PeerView)
 
 
 @dataclass(frozen=True)
@@ -90,11 +93,16 @@ def plan_heal(peers: Sequence[PeerView], *, own_round: int, self_id: str, want_h
                         problem=f"the {len(ahead)} peers ahead (rounds {rounds[0]}..{rounds[-1]}) announce no "
                                 f"(round, state digest) a strict majority of them, and at least {need} of the "
                                 f"{len(serving)} live peers, agree on")
-    donors = sorted((p for p in serving if (p.round, p.state_hash) == target),
-                    key=lambda p: hashlib.sha256(f"{self_id}|{p.peer_id}".encode()).digest())
+    donors = donor_order(self_id, [p for p in serving if (p.round, p.state_hash) == target])
     return HealPlan(round=target[0], state_hash=target[1], donors=tuple(donors),
                     round_ends_at=swarm_round_end(serving, target[0]),
                     problem="" if donors else f"no serving peer announces round {target[0]} with the group's state")
+
+
+def donor_order(self_id: str, donors: Sequence[P]) -> tuple[P, ...]:
+    """`donors` in the order this peer asks them: a hash of (this peer, donor), so that joiners spread over the
+    donors instead of all asking the smallest id."""
+    return tuple(sorted(donors, key=lambda p: hashlib.sha256(f"{self_id}|{p.peer_id}".encode()).digest()))
 
 
 def _supported(peers: Sequence[PeerView], need: int) -> tuple[int, str] | None:

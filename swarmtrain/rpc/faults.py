@@ -8,7 +8,7 @@ from typing import Literal, Protocol
 
 __all__ = ["CORRUPT_BYTES", "Fault", "FaultAction", "FaultHook", "FaultSite", "LinkHook", "corrupt", "truncate"]
 
-FaultAction = Literal["drop", "delay", "corrupt", "truncate", "unreachable"]
+FaultAction = Literal["drop", "delay", "corrupt", "truncate", "forge", "unreachable"]
 CORRUPT_BYTES = 16
 
 
@@ -29,15 +29,16 @@ class FaultSite:
 
 @dataclass(frozen=True)
 class Fault:
-    """What to do at a site: drop the message, delay it, corrupt or truncate its payload, or fail it as a call
-    to a peer that cannot be reached (`unreachable`). (A crash is the test harness's:
+    """What to do at a site: drop the message, delay it, corrupt or truncate its payload, alter it and its
+    checksum as a man in the middle would (`forge`), or fail it as a call to a peer that cannot be reached
+    (`unreachable`). (A crash is the test harness's:
     `swarmtrain.testing.faults.CrashPlan` closes the crashing peer's node.)"""
 
     action: FaultAction
     delay_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.action not in ("drop", "delay", "corrupt", "truncate", "unreachable"):
+        if self.action not in ("drop", "delay", "corrupt", "truncate", "forge", "unreachable"):
             raise ValueError(f"Fault.action: unknown action {self.action!r}")
         if self.delay_s < 0:
             raise ValueError("Fault.delay_s: must be >= 0")

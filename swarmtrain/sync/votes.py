@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import random
+import threading
 from pathlib import Path
 from typing import Protocol
 
@@ -78,6 +79,7 @@ class FileVoteStore:
     def __init__(self, directory: str | os.PathLike[str], *, rng: random.Random | None = None) -> None:
         self.directory = Path(directory)
         self.rng = rng
+        self._writing = threading.Lock()
 
     def load(self, scope: str) -> AcceptorState:
         path = votes_file(self.directory, scope)
@@ -104,11 +106,17 @@ class FileVoteStore:
         return state
 
     def save(self, state: AcceptorState) -> None:
+        """Write `state` durably: a temporary file fsynced, renamed over the book, the directory fsynced. One
+        write at a time per store (each through its own temporary file)."""
         path = votes_file(self.directory, state.scope)
         data = json.dumps({"format": FORMAT, "state": state.to_json()}, separators=(",", ":")).encode()
+        with self._writing:
+            self._write(path, data)
+
+    def _write(self, path: Path, data: bytes) -> None:
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(path.name + ".tmp")
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
             with open(tmp, "wb") as f:
                 f.write(data)
                 f.flush()

@@ -13,16 +13,17 @@ import pytest
 import torch
 
 from swarmtrain.config import RpcConfig, RunConfig
+from swarmtrain.round.ballots import Voter
 from swarmtrain.rpc.node import RpcNode, RpcRejected
 from swarmtrain.rpc.state_wire import StateClient
 from swarmtrain.sync.transfer import (
-    StateServer,
     StateSnapshot,
     StateTransferError,
     fetch_state_parallel,
     split_ranges,
 )
 from swarmtrain.testing import FaultPlan
+from swarmtrain.testing.state_faults import faulty_state_server
 
 pytestmark = pytest.mark.integration
 
@@ -34,11 +35,11 @@ SHAPES = {"w": (256, 65), "b": (65,)}
 def _snapshot(round_index: int) -> StateSnapshot:
     g = torch.Generator().manual_seed(round_index)
     params = {name: torch.randn(*shape, generator=g) for name, shape in SHAPES.items()}
-    return StateSnapshot(round_index, params, {"w": torch.randn(256, 65, generator=g)}, CONFIG, members=("a", "b"))
+    return StateSnapshot(round_index, params, {"w": torch.randn(256, 65, generator=g)}, CONFIG, voters=(Voter("a", 0), Voter("b", 3)))
 
 
 def _same(got: StateSnapshot, ref: StateSnapshot) -> bool:
-    return got.round == ref.round and got.members == ref.members and all(
+    return got.round == ref.round and got.voters == ref.voters and all(
         torch.equal(got.params[k], ref.params[k]) for k in ref.params) and all(
         torch.equal(got.momentum[k], ref.momentum[k]) for k in ref.momentum)
 
@@ -47,7 +48,7 @@ def _same(got: StateSnapshot, ref: StateSnapshot) -> bool:
 def swarm(no_thread_leak: None):
     plan = FaultPlan()
     donors = [RpcNode(RPC, peer_id=f"d{i}") for i in range(4)]
-    servers = [StateServer(node, fault_hook=plan) for node in donors]
+    servers = [faulty_state_server(node, plan) for node in donors]
     joiner = RpcNode(RPC, peer_id="joiner", serve=False)
     for node in (*donors, joiner):
         node.start()

@@ -26,6 +26,7 @@ from swarmtrain.sync.transfer import (
     state_size_limit,
 )
 from swarmtrain.testing import FaultPlan, wait_until
+from swarmtrain.testing.state_faults import faulty_state_server
 
 pytestmark = pytest.mark.integration
 
@@ -46,7 +47,7 @@ def _snapshot(round_index: int, *, nan: bool = False) -> StateSnapshot:
 def peers(no_thread_leak: None):
     plan = FaultPlan()
     donor = RpcNode(RPC, peer_id="donor")
-    server = StateServer(donor, fault_hook=plan, hold_s=HOLD_S)
+    server = faulty_state_server(donor, plan, hold_s=HOLD_S)
     spare = RpcNode(RPC, peer_id="spare")
     spare_server = StateServer(spare)
     joiner = RpcNode(RPC, peer_id="joiner", serve=False)

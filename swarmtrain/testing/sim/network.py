@@ -76,6 +76,9 @@ class SimNetwork:
         self.frozen: dict[str, float] = {}  # peer id -> loop time it thaws at
         self.bugs: list[str] = []
         self.calls = 0
+        # Called as a call's answer reaches its caller, with (caller, callee node, the call's tag):
+        # the seam for faults timed to one message (a reducer dying right after serving one member its mean).
+        self.answered: Callable[[str, SimNode, object], None] | None = None
 
     def add(self, node: SimNode) -> None:
         self.nodes[node.endpoint] = node
@@ -100,15 +103,17 @@ class SimNetwork:
         while (until := self.frozen.get(peer_id, 0.0)) > loop.time():
             await asyncio.sleep(until - loop.time())
 
-    async def call(self, src: str, endpoint: str, fn: Callable[[SimNode], Awaitable[T]], *, timeout_s: float) -> T:
-        """`fn(node)` on the node at `endpoint`, as `src` calling it over the network (see the module docstring)."""
+    async def call(self, src: str, endpoint: str, fn: Callable[[SimNode], Awaitable[T]], *, timeout_s: float,
+                   tag: object = None) -> T:
+        """`fn(node)` on the node at `endpoint`, as `src` calling it over the network (see the module docstring);
+        `tag` names the call for `answered`."""
         self.calls += 1
         try:
-            return await asyncio.wait_for(self._call(src, endpoint, fn), timeout=max(timeout_s, 1e-3))
+            return await asyncio.wait_for(self._call(src, endpoint, fn, tag), timeout=max(timeout_s, 1e-3))
         except TimeoutError:
             raise RpcTimeout(f"DEADLINE_EXCEEDED: {endpoint}") from None
 
-    async def _call(self, src: str, endpoint: str, fn: Callable[[SimNode], Awaitable[T]]) -> T:
+    async def _call(self, src: str, endpoint: str, fn: Callable[[SimNode], Awaitable[T]], tag: object) -> T:
         await self.thawed(src)
         node = self.nodes.get(endpoint)
         local = node is not None and node.peer_id == src
@@ -131,6 +136,8 @@ class SimNetwork:
             await asyncio.sleep(self._latency())
             if not node.alive or not self.linked(src, node.peer_id):
                 raise RpcUnavailable(f"UNAVAILABLE: the answer from {endpoint} was lost")
+        if self.answered is not None:
+            self.answered(src, node, tag)
         return result
 
     async def _handle(self, node: SimNode, fn: Callable[[SimNode], Awaitable[T]]) -> T:
@@ -181,7 +188,8 @@ class SimReduceTransport:
             await node.reducer.delivered(key, shard, peer=self.peer_id)
             return bytes(data)
 
-        data = await self.net.call(self.peer_id, reducer.endpoint, handle, timeout_s=_left(deadline))
+        data = await self.net.call(self.peer_id, reducer.endpoint, handle, timeout_s=_left(deadline),
+                                   tag=("mean", key.round))
         if len(data) > max_bytes:
             raise RpcRejected("INVALID_REPLY", f"mean of shard {shard}: {len(data)} bytes, max {max_bytes}")
         return data

@@ -38,6 +38,7 @@ from swarmtrain.rpc.buffers import BufferPool
 from swarmtrain.rpc.errors import RpcError
 from swarmtrain.sync.votes import FileVoteStore
 from swarmtrain.testing.sim.dht import SimDiscovery, SimRegistry
+from swarmtrain.testing.sim.legacy import LegacyVoter
 from swarmtrain.testing.sim.network import (
     SimConsensusTransport,
     SimNetwork,
@@ -123,7 +124,7 @@ class SimPeer:
 
     def __init__(self, *, index: int, cfg: RunConfig, net: SimNetwork, registry: SimRegistry, ledger: Ledger,
                  directory: Path, skew_s: float, seed: int, numel: int, train_s: float, checkpoint_every: int,
-                 dht_latency_s: float) -> None:
+                 dht_latency_s: float, rules: str = "paxos") -> None:
         self.index = index
         self.peer_id = f"p{index:02d}"
         self.endpoint = f"10.0.{index // 250}.{index % 250 + 1}:7000"
@@ -138,6 +139,7 @@ class SimPeer:
         self.train_s = train_s
         self.checkpoint_every = checkpoint_every
         self.dht_latency_s = dht_latency_s
+        self.rules = rules  # "paxos", or "legacy": the voting rules before the decision was consensus (legacy.py)
         self.alive = False
         self.starts = 0
         self.tasks: list[asyncio.Task[object]] = []
@@ -178,11 +180,13 @@ class SimPeer:
             mine = await part.preview(sharded_mean(material, codec), value.next_voters)
             return "" if mine == value.result else f"its outer step gives {mine[:12]}, the value names {value.result[:12]}"
 
-        voter = VoterService(scope="", run=run, identity=discovery.identity, check_result=check_result,
-                             store=FileVoteStore(self.directory, rng=random.Random(f"{self.seed}|{self.peer_id}|"
-                                                                                   f"{self.starts}")),
-                             materials=materials, fetcher=fetcher, round_now=lambda: part.round, numel=self.numel,
-                             codec=codec.name, offload=False)
+        voter_kw = dict(scope="", run=run, identity=discovery.identity, check_result=check_result,
+                        store=FileVoteStore(self.directory, rng=random.Random(f"{self.seed}|{self.peer_id}|"
+                                                                              f"{self.starts}")),
+                        materials=materials, fetcher=fetcher, round_now=lambda: part.round, numel=self.numel,
+                        codec=codec.name, offload=False)
+        voter = (LegacyVoter(path=self.directory / "legacy-votes.json", **voter_kw) if self.rules == "legacy"
+                 else VoterService(**voter_kw))  # type: ignore[arg-type]
         verify = verifier(discovery.key_binding)
         decider = Decider(transport=consensus, run=run, scope="", me=Contact(self.peer_id, self.endpoint),
                           verify=verify, materials=materials, fetcher=fetcher)

@@ -29,7 +29,7 @@ from swarmtrain.discovery import InMemoryDiscovery
 from swarmtrain.discovery.coordinator import RunPublisher
 from swarmtrain.testing.sim.dht import SimRegistry
 from swarmtrain.testing.sim.loop import SimDeadlock, VirtualLoop
-from swarmtrain.testing.sim.network import SimNetwork
+from swarmtrain.testing.sim.network import SimNetwork, SimNode
 from swarmtrain.testing.sim.part import Ledger
 from swarmtrain.testing.sim.peer import SimPeer
 
@@ -57,7 +57,9 @@ def sim_config(*extra: str) -> RunConfig:
 @dataclass(frozen=True)
 class Fault:
     """At virtual time `at`: `kind` one of crash (restart `down_s` later), freeze (for `down_s`), partition
-    (into `sides` until `down_s` later), stale (DHT reads stale with probability `rate` for `down_s`)."""
+    (into `sides` until `down_s` later), stale (DHT reads stale with probability `rate` for `down_s`), or
+    mean_crash: from `at` on, `peer` crashes as soon as its answer with a mean of round `round` reaches peer
+    `to` (restarting `down_s` later): a reducer dying between serving one member and the others."""
 
     at: float
     kind: str
@@ -65,6 +67,8 @@ class Fault:
     down_s: float = 0.0
     sides: tuple[tuple[int, ...], ...] = ()
     rate: float = 0.0
+    to: int = -1
+    round: int = -1
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,7 @@ class Schedule:
     drop: float = 0.0
     checkpoint_every: int = 1
     numel: int = 32
+    rules: str = "paxos"  # or "legacy": the voting rules before the decision was consensus (legacy.py)
 
     @classmethod
     def draw(cls, seed: int, *, peers: tuple[int, int] = (5, 9), faults_until_s: float = 90.0,
@@ -115,6 +120,8 @@ class SimResult:
     rounds_at_faults_end: int = 0
     recovered_s: float | None = None  # virtual seconds from the faults' end until every peer committed past them
     virtual_s: float = 0.0
+    notes: list[str] = field(default_factory=list)  # what the schedule's targeted faults did, and when
+    ledger: Ledger | None = None  # every commit, heal and attempt of the run
 
     @property
     def ok(self) -> bool:
@@ -156,7 +163,7 @@ async def _run(schedule: Schedule, root: Path) -> SimResult:
     registry = SimRegistry(clock=clock.wall, rng=random.Random(schedule.seed * 31 + 7), key_seed=b"sim-keys")
     net = SimNetwork(rng=rng, drop=schedule.drop)
     ledger = Ledger()
-    result = SimResult(schedule)
+    result = SimResult(schedule, ledger=ledger)
     coordinator = InMemoryDiscovery(registry, run_id=cfg.train.run_id, record_ttl_s=3600.0, peer_id="coordinator",
                                     run_key=cfg.rpc.run_key)
     publisher = RunPublisher(coordinator, cfg)
@@ -165,13 +172,14 @@ async def _run(schedule: Schedule, root: Path) -> SimResult:
     publishing = asyncio.ensure_future(publisher.serve(stop_publisher))
     peers = [SimPeer(index=i, cfg=cfg, net=net, registry=registry, ledger=ledger, directory=root / f"p{i:02d}",
                      skew_s=schedule.skews_s[i], seed=schedule.seed, numel=schedule.numel, train_s=1.0,
-                     checkpoint_every=schedule.checkpoint_every, dht_latency_s=0.005) for i in range(schedule.peers)]
+                     checkpoint_every=schedule.checkpoint_every, dht_latency_s=0.005, rules=schedule.rules)
+             for i in range(schedule.peers)]
     for p in peers:
         p.start()
         await asyncio.sleep(rng.uniform(0.0, 0.5))
     span_s = _attempt_span_s(cfg)
     try:
-        await _faults(schedule, peers, net, registry)
+        await _faults(schedule, peers, net, registry, result.notes)
         await _end_faults(peers, net, registry)
         result.rounds_at_faults_end = max((p.part.round for p in peers if p.part is not None), default=0)
         result.recovered_s = await _until_recovered(peers, past=result.rounds_at_faults_end,
@@ -201,7 +209,8 @@ def _attempt_span_s(cfg: RunConfig) -> float:
     return 0.25 * window + max(window, 1.0) + a.allreduce_timeout_s + max(window, 2.0)
 
 
-async def _faults(schedule: Schedule, peers: Sequence[SimPeer], net: SimNetwork, registry: SimRegistry) -> None:
+async def _faults(schedule: Schedule, peers: Sequence[SimPeer], net: SimNetwork, registry: SimRegistry,
+                  notes: list[str]) -> None:
     loop = asyncio.get_running_loop()
     pending: list[tuple[float, str, object]] = [(f.at, "on", f) for f in schedule.faults]
     pending += [(f.at + f.down_s, "off", f) for f in schedule.faults]
@@ -211,13 +220,19 @@ async def _faults(schedule: Schedule, peers: Sequence[SimPeer], net: SimNetwork,
             continue
         if at > loop.time():
             await asyncio.sleep(at - loop.time())
-        _apply(fault, phase == "on", peers, net, registry, loop.time())  # type: ignore[arg-type]
+        _apply(fault, phase == "on", peers, net, registry, loop.time(), notes)  # type: ignore[arg-type]
     if schedule.faults_until_s > loop.time():
         await asyncio.sleep(schedule.faults_until_s - loop.time())
 
 
-def _apply(f: Fault, on: bool, peers: Sequence[SimPeer], net: SimNetwork, registry: SimRegistry, now: float) -> None:
-    if f.kind == "crash":
+def _apply(f: Fault, on: bool, peers: Sequence[SimPeer], net: SimNetwork, registry: SimRegistry, now: float,
+           notes: list[str]) -> None:
+    if f.kind == "mean_crash":
+        if on:
+            _crash_after_mean(f, peers, net, notes)
+        elif not peers[f.peer].alive:
+            peers[f.peer].start()
+    elif f.kind == "crash":
         peer = peers[f.peer]
         if on:
             peer.crash()
@@ -237,6 +252,19 @@ def _apply(f: Fault, on: bool, peers: Sequence[SimPeer], net: SimNetwork, regist
             registry.heal()
     elif f.kind == "stale":
         registry.stale, registry.stale_s = (f.rate, 10.0) if on else (0.0, 0.0)
+
+
+def _crash_after_mean(f: Fault, peers: Sequence[SimPeer], net: SimNetwork, notes: list[str]) -> None:
+    victim, to = peers[f.peer], peers[f.to].peer_id
+
+    def answered(caller: str, node: SimNode, tag: object) -> None:
+        if caller == to and node.peer_id == victim.peer_id and tag == ("mean", f.round) and victim.alive:
+            net.answered = None
+            victim.crash()
+            notes.append(f"{victim.peer_id} crashed right after serving {to} its mean of round {f.round} at "
+                         f"t={asyncio.get_running_loop().time():.2f}")
+
+    net.answered = answered
 
 
 async def _end_faults(peers: Sequence[SimPeer], net: SimNetwork, registry: SimRegistry) -> None:

@@ -1,0 +1,66 @@
+"""The round decision's rules before it was consensus, as a voter the simulator can run in place of the real
+one: a test of the tester (it must find the wedge those rules had).
+
+The rules: a voter gives its one vote of a round to the first session that asks (`prepare`), records it on
+disk and never releases it; it grants that session's value whatever it holds (no material needed); it tells
+nobody what it voted for or what was chosen (no learning, no certificates served), so a peer whose session
+lost can only heal from a state that two peers ahead announce. A schedule in which one member commits with
+the votes of peers whose own all-reduce then fails leaves those peers unable to commit or heal.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from swarmtrain.averaging.voting import VoterService
+from swarmtrain.round.ballots import Ballot, Value, grant_statement
+from swarmtrain.round.certificate import Certificate, SignedGrant
+from swarmtrain.round.messages import AcceptReply, Contact, LearnReply, PrepareReply
+
+__all__ = ["LegacyVoter"]
+
+
+class LegacyVoter(VoterService):
+    """A VoterService that votes by the legacy rules (see the module docstring); its votes in `path`."""
+
+    def __init__(self, *, path: Path, **kw: object) -> None:
+        super().__init__(**kw)  # type: ignore[arg-type]
+        self.path = path
+        self.votes: dict[int, str] = {}  # round -> the session it voted for
+        if path.is_file():
+            self.votes = {int(r): s for r, s in json.loads(path.read_text()).items()}
+
+    def _vote(self, round_index: int, session: str) -> bool:
+        """Give the round's vote to `session` if it is still free; whether `session` holds it."""
+        if round_index not in self.votes:
+            self.votes[round_index] = session
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text(json.dumps(self.votes))
+        return self.votes[round_index] == session
+
+    async def prepare(self, *, scope: str, round_index: int, ballot: Ballot, caller: str) -> PrepareReply:
+        self._check_scope(scope)
+        if not self._vote(round_index, ballot.session):
+            return PrepareReply(self.voter, False, refusal="promised",
+                                reason=f"voted for session {self.votes[round_index][:12]} in round {round_index}")
+        return PrepareReply(self.voter, True, promised=ballot)
+
+    async def accept(self, *, scope: str, round_index: int, ballot: Ballot, value: Value,
+                     holders: tuple[Contact, ...] | list[Contact], caller: str, deadline_s: float) -> AcceptReply:
+        self._check_scope(scope)
+        if not self._vote(round_index, value.session):
+            return AcceptReply(self.voter, False, refusal="promised",
+                               reason=f"voted for session {self.votes[round_index][:12]} in round {round_index}")
+        message = grant_statement(run=self.run, scope=self.scope, round_index=round_index, ballot=ballot,
+                                  value_id=value.value_id, voter=self.voter)
+        return AcceptReply(self.voter, True, grant=SignedGrant(self.voter, self.identity.public_key,
+                                                               self.identity.sign(message)))
+
+    async def learn(self, *, scope: str, round_index: int, caller: str) -> LearnReply:
+        self._check_scope(scope)
+        return LearnReply()
+
+    async def certificates_from(self, *, scope: str, from_round: int, caller: str) -> tuple[Certificate, ...]:
+        self._check_scope(scope)
+        return ()
