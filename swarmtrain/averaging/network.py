@@ -90,7 +90,7 @@ class NetworkAverager:
         store: VoteStore = FileVoteStore(votes_dir) if votes_dir else MemoryVoteStore(incarnation=incarnation)
         self.voter = VoterService(scope=scope, run=self.run, identity=identity, store=store, materials=self.materials,
                                   fetcher=self.fetcher, round_now=round_now, numel=numel, codec=codec.name,
-                                  check_result=check_result)
+                                  check_result=check_result, offload=votes_dir is not None)  # a memory store: no fsync
         self.decider = Decider(transport=transport, run=self.run, scope=scope,
                                me=Contact(node.peer_id, ""), verify=verifier(key_binding), materials=self.materials,
                                fetcher=self.fetcher)
@@ -123,6 +123,10 @@ class NetworkAverager:
         deadline = asyncio.get_running_loop().time() + self.cfg.allreduce_timeout_s
         return await self.averager.average(group, delta, base=base, electorate=electorate, deadline=deadline,
                                            preview=preview)
+
+    def close(self) -> None:
+        """After the node closed: finish the voter's queued writes and stop its writer thread."""
+        self.voter.close()
 
     def drain(self, *, timeout_s: float) -> tuple[str, ...]:
         """Blocking `drain_async`."""

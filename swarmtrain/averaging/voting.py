@@ -20,6 +20,7 @@ import contextlib
 import logging
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 from swarmtrain.averaging.fetching import MaterialFetcher
 from swarmtrain.averaging.material import Material, MaterialError, MaterialStore
@@ -95,7 +96,10 @@ class VoterService:
         store.save(self.state)
         self.certificates = CertificateBook()
         self._lock = asyncio.Lock()
-        self._saving = asyncio.Lock()
+        # One writer thread: an fsync must not stall the loop, and writes must land in the order they were made.
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"votes-{scope or 'model'}") \
+            if offload else None
+        self._last_save: asyncio.Future[None] | None = None
         self._accepting = asyncio.Semaphore(MAX_CONCURRENT_ACCEPTS)
         self._pulls: dict[str, asyncio.Event] = {}  # sessions this peer's own all-reduce is pulling
 
@@ -103,16 +107,36 @@ class VoterService:
     def voter(self) -> Voter:
         return Voter(self.identity.peer_id, self.state.incarnation)
 
+    def _submit(self) -> asyncio.Future[None]:
+        """Queue a write of the voter's state as it is now (copied here, on the loop that alone changes it)."""
+        snapshot = AcceptorState.from_json(self.state.to_json())
+        if self._writer is None:
+            self.store.save(snapshot)
+            done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            done.set_result(None)
+            self._last_save = done
+        else:
+            self._last_save = asyncio.get_running_loop().run_in_executor(self._writer, self.store.save, snapshot)
+            self._last_save.add_done_callback(_log_failed_save)
+        return self._last_save
+
     async def _save(self) -> None:
-        """Store the voter's state as it is now; returns once it is durable. Saves run one at a time, each of a
-        copy taken when its turn comes (on this loop, which alone changes the state): a save never writes an
-        older state over a newer one, and no thread reads the state while the loop changes it."""
-        async with self._saving:
-            snapshot = AcceptorState.from_json(self.state.to_json())
-            if self.offload:
-                await asyncio.to_thread(self.store.save, snapshot)
-            else:
-                self.store.save(snapshot)
+        """Store the voter's state as it is now; returns once it is durable. Writes run one at a time, in the
+        order they were queued, each of a copy taken when it was queued: a write never puts an older state over
+        a newer one. A caller cancelled meanwhile does not cancel its write."""
+        await asyncio.shield(self._submit())
+
+    async def _durable(self) -> None:
+        """Until every state queued so far is stored: an answer that grants what an earlier, still running
+        write records (a retried prepare of the ballot just promised) waits for it."""
+        last = self._last_save
+        if last is not None and not last.done():
+            await asyncio.shield(last)
+
+    def close(self) -> None:
+        """Finish the queued writes and stop the writer thread."""
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
 
     def _retirement(self) -> Retirement | None:
         if self.state.retired_from is None:
@@ -140,6 +164,8 @@ class VoterService:
                                     reason=answer.reason, retirement=self._retirement())
             if answer.changed:
                 await self._save()
+            else:
+                await self._durable()
             holds = answer.value is not None and self.materials.holds(answer.value.layout)
             return PrepareReply(self.voter, True, promised=answer.ballot, accepted=answer.accepted,
                                 value=answer.value, holds_material=holds)
@@ -195,6 +221,8 @@ class VoterService:
                                       value_id=answer.value.value_id, voter=self.voter)
             self.state.sign_accepted(round_index, self.identity.sign(message))
             await self._save()
+        else:
+            await self._durable()
         return SignedGrant(self.voter, self.identity.public_key, vote.signature)
 
     async def _hold_material(self, round_index: int, value: Value, holders: Sequence[Contact],
@@ -284,3 +312,8 @@ class VoterService:
         return [Retirement(Voter(self.identity.peer_id, x.incarnation), x.from_round, self.identity.public_key,
                            x.signature) for x in self.state.retirements]
 
+
+def _log_failed_save(fut: asyncio.Future[None]) -> None:
+    """A write whose caller went away: its error is still said (the next write tries again)."""
+    if not fut.cancelled() and fut.exception() is not None:
+        log.error("could not store this voter's state: %s", fut.exception())

@@ -35,7 +35,7 @@ from swarmtrain.driver.presence import Presence
 from swarmtrain.round import Average, Finish, Heal, RoundMachine, Train, Wait, keeps_progress, plan_heal
 from swarmtrain.round.ballots import Genesis, Voter, quorum_base
 from swarmtrain.round.certificate import CertificateError, Retirement, Verify, check_retirement, follow_chain
-from swarmtrain.round.heal import donor_order
+from swarmtrain.round.heal import donor_order, swarm_round_end
 from swarmtrain.round.messages import Contact
 from swarmtrain.telemetry import HealEvent
 
@@ -328,6 +328,7 @@ class RoundDriver:
                 await asyncio.sleep(self.cfg.discovery.heartbeat_s)
             self.machine.healed(round_index=None)
             return False
+        self.part.joined(self.part.round, swarm_round_end(self.peers, self.part.round))
         self.machine.healed(round_index=self.part.round, source=source)
         return True
 

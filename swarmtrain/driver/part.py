@@ -100,6 +100,12 @@ class Part(Protocol):
         """A fault of the part's own (a NaN Δ, a local error): θ_local restarts from θ_global."""
         ...
 
+    def joined(self, round_index: int, round_ends_at: float | None) -> None:
+        """A heal put the part at `round_index`, which the swarm may be training already: its peers expect their
+        steps of it to end at `round_ends_at` (swarm clock; None: nobody said). A part that paces its own steps
+        ends them then, and so reaches the round's matchmaking with the others."""
+        ...
+
     async def report(self, trained: Trained | None, result: AverageResult, *, comm_s: float) -> None:
         """After an attempt: one round line (and, after a commit, evaluation and a checkpoint on schedule)."""
         ...

@@ -1,13 +1,13 @@
-"""The peer daemon: a DiLoCo worker of a running swarm, composed from discovery, rpc, averaging and diloco.
+"""The peer daemon: a DiLoCo worker of a running swarm, composed from discovery, rpc, averaging, diloco and the
+round driver (swarmtrain/driver).
 
-root.py      Peer: the composition root; start/stop order, the classic round loop, heal, checkpoints
-overlap.py   the round loop under `diloco.overlap` (a mixin of Peer)
-rounds.py    rounds in flight: a Δ not yet committed, steps not yet sent, LocalRoundError
-healing.py   state transfer into a running peer (a mixin of Peer)
-watching.py  reads of the live peers: clock correction, waits for the swarm, DHT rejoin (a mixin of Peer)
+root.py      Peer: the composition root; start/stop order, checkpoints, the departure
+part.py      WorkerPart: the worker's model as the round driver's part (train, preview, land a commit, adopt)
+overlap.py   the round loop under `diloco.overlap` (a RoundDriver's launch/settle around the part)
+rounds.py    inner steps not yet sent, and how inner steps end on a stop
+joining.py   the run record to join, and the scope's genesis (round 0's voters) from it
 heap.py      the C heap between rounds and inner steps (malloc_trim, mmap threshold)
-presence.py  when other peers were last seen, and this clock against theirs (one log line each)
-services.py  what a Peer is composed from: PeerServices, DataPlane (protocols), PeerState, PeerError
+services.py  what a Peer is composed from: PeerServices (a protocol), PeerError
 network.py   NetworkServices/NetworkPlane: hivemind DHT + gRPC, the services of a real peer
 data.py      which slot of the data a peer reads
 config.py    the run's config merged with the settings a peer owns itself
@@ -16,6 +16,6 @@ process.py   `swarmtrain peer` as a process: uvloop, signals
 
 from swarmtrain.peer.config import merge_run_config
 from swarmtrain.peer.root import Peer
-from swarmtrain.peer.services import DataPlane, PeerError, PeerServices, PeerState
+from swarmtrain.peer.services import PeerError, PeerServices
 
-__all__ = ["DataPlane", "Peer", "PeerError", "PeerServices", "PeerState", "merge_run_config"]
+__all__ = ["Peer", "PeerError", "PeerServices", "merge_run_config"]

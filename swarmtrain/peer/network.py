@@ -265,6 +265,7 @@ class NetworkPlane:
             with contextlib.suppress(Exception):
                 await self._on_node(self.averager.drain_async(timeout_s=self.cfg.averaging.contribution_window_s))
         await asyncio.to_thread(self.node.close)
+        await asyncio.to_thread(self.averager.close)
 
 
 def _with_bytes(result: AverageResult, sent: int, received: int) -> AverageResult:

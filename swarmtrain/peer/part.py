@@ -252,6 +252,13 @@ class WorkerPart:
         self.phase = "training"
         await self._publish()
 
+    def joined(self, round_index: int, round_ends_at: float | None) -> None:
+        """Healed into `round_index`: its inner steps end with the swarm's (`train_steps` cuts its budget), and
+        the record announces that end."""
+        self.round_ends_at = round_ends_at or 0.0
+        self.join_by = None if round_ends_at is None else (round_index,
+                                                           time.monotonic() + round_ends_at - self.now())
+
     async def resync(self, reason: str) -> None:
         """End this peer's attempt at a round for a fault of its own: report it, resync from θ_global."""
         log.warning("round %d aborted on this peer: %s; resynchronising from θ_global", self.worker.round, reason)

@@ -287,6 +287,9 @@ class _Part:
                              f"{state.digest[:12]}")
         log.debug("part %s: adopted round %d (was %d)", self.name, state.round, before)
 
+    def joined(self, round_index: int, round_ends_at: float | None) -> None:
+        """A pipeline part's Δ is due when any holder's steps of the round are over (`_due`): nothing to do."""
+
     async def resync(self, reason: str) -> None:
         def resync() -> None:
             with self.still():

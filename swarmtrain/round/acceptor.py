@@ -187,9 +187,11 @@ class AcceptorState:
         return retirement
 
     def reincarnate(self) -> None:
-        """The next incarnation: no votes of its own; the retired one's are kept for learners."""
+        """The next incarnation: no votes of its own; the values the retired one accepted are kept for learners
+        (a round where it only promised keeps an older incarnation's accepted value, if any)."""
         for r, vote in self.rounds.items():
-            self.past[r] = (self.incarnation, vote)
+            if vote.value is not None:
+                self.past[r] = (self.incarnation, vote)
         self.rounds, self.retired_from = {}, None
         self.incarnation += 1
 
@@ -223,16 +225,20 @@ class AcceptorState:
         for name, v in (("incarnation", incarnation), ("floor", floor)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise BallotError(f"voter state.{name}: expected an int >= 0, got {v!r:.40}")
-        if retired_from is not None and (not isinstance(retired_from, int) or retired_from < 0):
+        if retired_from is not None and (not isinstance(retired_from, int) or isinstance(retired_from, bool)
+                                         or retired_from < 0):
             raise BallotError("voter state.retired_from: malformed")
         rounds, past = raw.get("rounds", {}), raw.get("past", {})
         if not isinstance(rounds, dict) or not isinstance(past, dict) or len(rounds) + len(past) > 2 * MAX_ROUNDS_KEPT:
             raise BallotError("voter state: malformed or oversized rounds")
+        for r, v in past.items():
+            if not isinstance(v, list) or len(v) != 2 or not isinstance(v[0], int) or isinstance(v[0], bool):
+                raise BallotError(f"voter state.past[{r!r:.20}]: expected [incarnation, votes]")
         try:
             parsed_rounds = {int(r): RoundVote.from_json(v) for r, v in rounds.items()}
-            parsed_past = {int(r): (int(v[0]), RoundVote.from_json(v[1])) for r, v in past.items()}
+            parsed_past = {int(r): (v[0], RoundVote.from_json(v[1])) for r, v in past.items()}
             retirements = [VoterRetirement(int(i), int(f), bytes.fromhex(s)) for i, f, s in raw.get("retirements", [])]
-        except (TypeError, ValueError, IndexError) as e:
+        except (TypeError, ValueError, IndexError, KeyError, AttributeError) as e:
             if isinstance(e, BallotError):
                 raise
             raise BallotError(f"voter state: {type(e).__name__}: {e}") from None

@@ -181,13 +181,19 @@ class MaterialLayout:
     @classmethod
     def from_json(cls, raw: Any) -> MaterialLayout:
         try:
-            shards = tuple(ShardDigest(int(lo), int(hi), int(n), str(d)) for lo, hi, n, d in raw["shards"])
-            if len(shards) > MAX_SHARDS or any(not _is_hex(s.digest, 64) for s in shards):
-                raise BallotError("material layout: too many shards or a malformed digest")
+            rows = raw["shards"]
+            if not isinstance(rows, list) or len(rows) > MAX_SHARDS:
+                raise BallotError(f"material layout: expected a list of at most {MAX_SHARDS} shards")
+            shards = []
+            for row in rows:
+                if not isinstance(row, list) or len(row) != 4 or not all(_is_count(x) for x in row[:3]) \
+                        or not isinstance(row[3], str) or not _is_hex(row[3], 64):
+                    raise BallotError(f"material layout: malformed shard {row!r:.80}")
+                shards.append(ShardDigest(*row))
             numel, codec, gather = raw["numel"], raw["codec"], raw["gather"]
-            if not isinstance(numel, int) or not isinstance(codec, str) or not isinstance(gather, bool):
+            if not _is_count(numel) or not isinstance(codec, str) or not isinstance(gather, bool):
                 raise BallotError("material layout: malformed numel, codec or gather")
-            return cls(numel, codec, gather, shards)
+            return cls(numel, codec, gather, tuple(shards))
         except (KeyError, TypeError, ValueError) as e:
             if isinstance(e, BallotError):
                 raise
@@ -248,6 +254,11 @@ class Value:
         return hashlib.sha256(b"swarmtrain/value\0" + self.canonical()).hexdigest()
 
 
+def _is_count(x: Any) -> bool:
+    """An int >= 0 (JSON's true is no count)."""
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
 def _is_hex(s: str, n: int, *, empty: bool = False) -> bool:
     if empty and s == "":
         return True
@@ -293,6 +304,6 @@ class Genesis:
 
     @classmethod
     def from_json(cls, raw: Any) -> Genesis:
-        if not isinstance(raw, Mapping) or not isinstance(raw.get("round"), int) or raw["round"] < 0:
+        if not isinstance(raw, Mapping) or not _is_count(raw.get("round")):
             raise BallotError("genesis: expected {round, voters}")
         return cls(raw["round"], voters_from_json(raw.get("voters"), what="genesis.voters"))

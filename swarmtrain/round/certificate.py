@@ -30,6 +30,7 @@ __all__ = ["Certificate", "CertificateError", "Retirement", "SignedGrant", "Veri
 
 MAX_KEY_BYTES = 1024  # an RSA-2048 public key in DER is 294 bytes; ed25519 is 32
 MAX_SIGNATURE_BYTES = 1024
+MAX_CHAIN = 64  # certificates a chain is followed through (a peer keeps 16; a donor may send a few more)
 
 Verify = Callable[[str, bytes, bytes, bytes], bool]
 """(peer_id, public_key, message, signature) -> whether `public_key` is `peer_id`'s and signed `message`."""
@@ -194,17 +195,25 @@ def follow_chain(certs: Sequence[Certificate], *, run: str, scope: str, round_in
 
     This is how a peer behind trusts one peer ahead: the chain starts at what it holds itself, and each link
     is a quorum of voters it derived, not anyone's word."""
-    by_round = {c.round: c for c in certs if c.scope == scope}
+    by_round: dict[int, list[Certificate]] = {}
+    for c in certs[:MAX_CHAIN]:
+        if c.scope == scope:
+            by_round.setdefault(c.round, []).append(c)
     r, d, v = round_index, digest, tuple(voters)
     reached: tuple[int, str, tuple[Voter, ...]] | None = None
-    while r in by_round and v:
-        cert = by_round[r]
-        try:
-            check_certificate(cert, run=run, voters=v, verify=verify, scope=scope, round_index=r)
-        except CertificateError:
+    while v:
+        link = next((c for c in by_round.get(r, ()) if c.value.base == d and _checks(c, run, v, verify, scope, r)),
+                    None)
+        if link is None:  # a bad certificate beside a good one of its round does not break the chain
             break
-        if cert.value.base != d:
-            break
-        r, d, v = r + 1, cert.value.result, cert.value.next_voters
+        r, d, v = r + 1, link.value.result, link.value.next_voters
         reached = (r, d, v)
     return reached
+
+
+def _checks(cert: Certificate, run: str, voters: Sequence[Voter], verify: Verify, scope: str, round_index: int) -> bool:
+    try:
+        check_certificate(cert, run=run, voters=voters, verify=verify, scope=scope, round_index=round_index)
+    except CertificateError:
+        return False
+    return True

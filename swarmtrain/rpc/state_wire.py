@@ -42,7 +42,9 @@ class StateSource(Protocol):
         ...
 
 
-class _Servicer:
+class StateServicer:
+    """The StateTransfer service of one node: streams `source`'s current blob, or a range of it."""
+
     def __init__(self, node: RpcNode, source: StateSource) -> None:
         self.node = node
         self.source = source
@@ -90,7 +92,11 @@ def _header_mac(node: RpcNode, header: pb.StateHeader) -> bytes:
 
 def serve_state(node: RpcNode, source: StateSource) -> None:
     """Register the StateTransfer service backed by `source` on `node` (before `node.start()`)."""
-    servicer = _Servicer(node, source)
+    register_state_servicer(node, StateServicer(node, source))
+
+
+def register_state_servicer(node: RpcNode, servicer: StateServicer) -> None:
+    """Register `servicer` (a StateServicer, or one that wraps its answers: a test's faults) on `node`."""
     handler = grpc.method_handlers_generic_handler("swarmtrain.wire.StateTransfer", {
         "GetState": grpc.unary_stream_rpc_method_handler(
             servicer.GetState, request_deserializer=None, response_serializer=pb.StateChunk.SerializeToString)})

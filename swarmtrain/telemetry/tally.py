@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import math
 import threading
 from dataclasses import dataclass, field
 
@@ -79,8 +80,7 @@ class Tally:
                 s = self._stats
                 self._stats = _replace(s, tokens=s.tokens + tokens, compute_s=s.compute_s + event.compute_s,
                                        tokens_per_s=tokens / event.compute_s if event.compute_s > 0 else s.tokens_per_s,
-                                       loss=event.loss if event.loss is not None else s.loss,
-                                       val_loss=event.val_loss if event.val_loss is not None else s.val_loss)
+                                       loss=_known(event.loss, s.loss), val_loss=_known(event.val_loss, s.val_loss))
                 if event.steps:
                     self.steps += event.steps
                     for _ in range(event.steps):
@@ -92,7 +92,7 @@ class Tally:
                 s = self._stats
                 self.steps += 1
                 self._stats = _replace(s, tokens=s.tokens + event.samples * self.seq_len,
-                                       loss=event.loss if event.loss is not None else s.loss)
+                                       loss=_known(event.loss, s.loss))
             elif isinstance(event, StageStepEvent):
                 self.steps += 1
                 self._stats = _replace(self._stats, tokens_per_s=event.samples_per_s * self.seq_len)
@@ -118,3 +118,9 @@ class Tally:
 
 def _replace(s: PeerStats, **changes: object) -> PeerStats:
     return dataclasses.replace(s, **changes)  # type: ignore[arg-type]
+
+
+def _known(value: float | None, last: float | None) -> float | None:
+    """`value` when it is a number, else `last`: an aborted round's loss is NaN (nothing trained into Δ), and a
+    NaN in the peer's record would make every reader refuse the record, hiding the peer from the swarm."""
+    return value if value is not None and math.isfinite(value) else last

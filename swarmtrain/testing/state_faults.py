@@ -13,25 +13,23 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import AsyncIterator
-
-import grpc
-from grpc import aio
+from typing import Any
 
 from swarmtrain.rpc.faults import FaultHook, FaultSite, corrupt, truncate
 from swarmtrain.rpc.node import RpcNode, peer_of
-from swarmtrain.rpc.state_wire import StateSource, _Servicer
+from swarmtrain.rpc.state_wire import StateServicer, StateSource, register_state_servicer
 from swarmtrain.sync.transfer import StateServer
 from swarmtrain.wire import sync_pb2 as pb
 
 __all__ = ["faulty_state_server"]
 
 
-class _FaultyServicer(_Servicer):
+class _FaultyServicer(StateServicer):
     def __init__(self, node: RpcNode, source: StateSource, faults: FaultHook) -> None:
         super().__init__(node, source)
         self.faults = faults
 
-    async def GetState(self, raw: bytes, context: aio.ServicerContext) -> AsyncIterator[pb.StateChunk]:
+    async def GetState(self, raw: bytes, context: Any) -> AsyncIterator[pb.StateChunk]:
         chunks = [c async for c in super().GetState(raw, context)]
         if not chunks or not chunks[0].HasField("header"):
             for c in chunks:
@@ -60,9 +58,5 @@ class _FaultyServicer(_Servicer):
 def faulty_state_server(node: RpcNode, faults: FaultHook, *, hold_s: float = 10.0) -> StateServer:
     """A StateServer on `node` (before `node.start()`) whose answers go through `faults` (the module docstring)."""
     server = StateServer(node, hold_s=hold_s, register=False)
-    servicer = _FaultyServicer(node, server, faults)
-    handler = grpc.method_handlers_generic_handler("swarmtrain.wire.StateTransfer", {
-        "GetState": grpc.unary_stream_rpc_method_handler(
-            servicer.GetState, request_deserializer=None, response_serializer=pb.StateChunk.SerializeToString)})
-    node.add_service(lambda s: s.add_generic_rpc_handlers((handler,)))
+    register_state_servicer(node, _FaultyServicer(node, server, faults))
     return server

@@ -14,14 +14,14 @@ from swarmtrain.peer import Peer
 from swarmtrain.telemetry import EventWriter
 from swarmtrain.testing.cluster import TINY_RUN, EventLog, LoopbackServices, publish_run, run_peer, story
 
-__all__ = ["LOCAL", "RUN", "live_records", "peer_config", "run_alone_then_stop", "run_started_apart",
+__all__ = ["LOCAL", "RUN", "live_records", "peer_config", "peers_of", "run_alone_then_stop", "run_started_apart",
            "run_with_late_joiner", "until"]
 
 # A peer's own sections (discovery, rpc) are not the run's: each peer gets the same fast timing locally,
 # and the coordinator (which refreshes the run record and the genesis every heartbeat) too, through RUN.
 LOCAL = ("discovery.heartbeat_s=0.2", "discovery.record_ttl_s=3.0", "rpc.call_timeout_s=3.0")
 RUN = (
-    *TINY_RUN, "averaging.matchmaking_timeout_s=1.0", "averaging.allreduce_timeout_s=10",
+    *TINY_RUN, "averaging.matchmaking_timeout_s=2.0", "averaging.allreduce_timeout_s=10",
     "averaging.contribution_window_s=3", *LOCAL,
 )
 
@@ -52,17 +52,18 @@ async def live_records(registry: InMemoryRegistry, run_id: str) -> tuple[PeerRec
     return await observer.live_peers(timeout_s=1.0)
 
 
-def _peers(services: LoopbackServices, tmp_path: Path, logs: Mapping[str, EventLog]) -> dict[str, Peer]:
-    return {n: Peer(peer_config(tmp_path / n), writer=EventWriter(log), services=services) for n, log in logs.items()}
+def peers_of(services: LoopbackServices, logs: Mapping[str, EventLog]) -> dict[str, Peer]:
+    """A peer for each log, without a checkpoint directory (their votes kept in memory): what the tests that
+    use these look at is the rounds, not what a restart would find."""
+    return {n: Peer(peer_config(None), writer=EventWriter(log), services=services) for n, log in logs.items()}
 
 
-async def run_with_late_joiner(tmp_path: Path, run: Sequence[str], *, rounds: int = 5,
-                               ) -> tuple[dict[str, EventLog], dict[str, Peer]]:
+async def run_with_late_joiner(run: Sequence[str], *, rounds: int = 5) -> tuple[dict[str, EventLog], dict[str, Peer]]:
     """a and b train `rounds` rounds; c starts once a committed round 1; all three run to the end."""
     services = LoopbackServices()
     await publish_run(services.registry, [*run, f"diloco.rounds={rounds}"])
     logs = {n: EventLog() for n in "abc"}
-    peers = _peers(services, tmp_path, logs)
+    peers = peers_of(services, logs)
     stop = asyncio.Event()
     tasks = [asyncio.create_task(run_peer(peers[n], stop)) for n in "ab"]
     try:
@@ -76,12 +77,12 @@ async def run_with_late_joiner(tmp_path: Path, run: Sequence[str], *, rounds: in
     return logs, peers
 
 
-async def run_started_apart(tmp_path: Path, run: Sequence[str]) -> tuple[dict[str, EventLog], dict[str, Peer]]:
+async def run_started_apart(run: Sequence[str]) -> tuple[dict[str, EventLog], dict[str, Peer]]:
     """Peer a runs alone until its first attempt at a round aborts, then b starts; both run to the end."""
     services = LoopbackServices()
     await publish_run(services.registry, run)
     logs = {n: EventLog() for n in "ab"}
-    peers = _peers(services, tmp_path, logs)
+    peers = peers_of(services, logs)
     stop = asyncio.Event()
     tasks = [asyncio.create_task(run_peer(peers["a"], stop))]
     try:

@@ -40,9 +40,9 @@ from swarmtrain.testing.cluster import (
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 
-def test_peers_agree_and_a_late_joiner_heals_to_the_swarm(tmp_path: Path) -> None:
+def test_peers_agree_and_a_late_joiner_heals_to_the_swarm() -> None:
     async def main() -> None:
-        logs, peers = await run_with_late_joiner(tmp_path, RUN)
+        logs, peers = await run_with_late_joiner(RUN)
         told = story(logs)
         ids = {n: p.discovery.peer_id for n, p in peers.items() if p.discovery is not None}
 
@@ -63,11 +63,11 @@ def test_peers_agree_and_a_late_joiner_heals_to_the_swarm(tmp_path: Path) -> Non
     asyncio.run(main())
 
 
-def test_peers_that_started_apart_meet_in_one_attempt(tmp_path: Path) -> None:
+def test_peers_that_started_apart_meet_in_one_attempt() -> None:
     """a aborts round 0 alone and keeps retrying it with the Δ it trained; b starts later and joins a retry."""
 
     async def main() -> None:
-        logs, _ = await run_started_apart(tmp_path, [*RUN, "diloco.rounds=2"])
+        logs, _ = await run_started_apart([*RUN, "diloco.rounds=2"])
         told = story(logs)
         committed = {n: [(e.round, e.hash) for e in log.rounds() if e.committed] for n, log in logs.items()}
         assert committed["a"] == committed["b"] and [r for r, _ in committed["a"]] == [0, 1], told

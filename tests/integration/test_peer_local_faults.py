@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
 import torch
-from peer_harness import RUN, live_records, peer_config, until
+from peer_harness import RUN, live_records, peer_config, peers_of, until
 
 from swarmtrain.averaging.group import Member
 from swarmtrain.averaging.transport import ReduceTransport
@@ -88,25 +89,42 @@ def _fail_average_once(peer: Peer) -> None:
     allreduce.transport = _ExplodingPush(allreduce.transport)
 
 
-async def _run_three(tmp_path: Path, run: Sequence[str], fault: Callable[[Peer], None]) -> dict[str, EventLog]:
-    """a, b and c run ROUNDS rounds; `fault` is put on c once it started."""
+async def _run_started(peer: Peer, stop: asyncio.Event) -> str:
+    reason = "error"
+    try:
+        reason = await peer.run(stop)
+    finally:
+        await peer.aclose(reason)
+    return reason
+
+
+async def _run_three(run: Sequence[str], fault: Callable[[Peer], None]) -> dict[str, EventLog]:
+    """a, b and c run ROUNDS rounds; `fault` is put on c once it started. All three start (their records are live)
+    before any trains: round 0's group holds the three, and c's rounds are the swarm's from the first on."""
     services = LoopbackServices()
     await publish_run(services.registry, [*run, f"diloco.rounds={ROUNDS}"])
     logs = {n: EventLog() for n in "abc"}
     stop = asyncio.Event()
-    peers = {n: Peer(peer_config(tmp_path / n), writer=EventWriter(logs[n]), services=services) for n in "abc"}
-    tasks = [asyncio.create_task(run_peer(peers[n], stop, started=fault if n == "c" else None)) for n in "abc"]
+    peers = peers_of(services, logs)
+    tasks: list[asyncio.Task[str]] = []
     try:
+        for peer in peers.values():
+            await peer.start()
+        fault(peers["c"])
+        tasks = [asyncio.create_task(_run_started(peer, stop)) for peer in peers.values()]
         assert await asyncio.wait_for(asyncio.gather(*tasks), timeout=100) == ["done"] * 3, story(logs)
     finally:
         stop.set()
         await asyncio.gather(*tasks, return_exceptions=True)
+        for peer in peers.values():
+            if peer.phase != "stopped":  # a start failed, or it never ran: closed here
+                await peer.aclose("error")
     return logs
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["classic", "overlapped"])
-def test_a_nan_delta_aborts_that_peers_round_and_it_commits_later(tmp_path: Path, overlap: bool) -> None:
-    logs = asyncio.run(_run_three(tmp_path, [*RUN, f"diloco.overlap={'true' if overlap else 'false'}"], _poison_once))
+def test_a_nan_delta_aborts_that_peers_round_and_it_commits_later(overlap: bool) -> None:
+    logs = asyncio.run(_run_three([*RUN, f"diloco.overlap={'true' if overlap else 'false'}"], _poison_once))
     told = story(logs)
     bad = [e for e in logs["c"].rounds() if not e.committed and e.reason.startswith("non-finite pseudo-gradient")]
     # overlapped, the steps trained while round BAD_ROUND averages are the next round's: its Δ is the bad one
@@ -114,23 +132,76 @@ def test_a_nan_delta_aborts_that_peers_round_and_it_commits_later(tmp_path: Path
     by_round = hashes_by_round(logs)
     assert sorted(by_round) == list(range(ROUNDS)) and all(len(h) == 1 for h in by_round.values()), told
     assert all(len(e.members) >= 2 for log in logs.values() for e in log.rounds() if e.committed), told
-    assert any(e.committed and e.round > bad[0].round for e in logs["c"].rounds()), f"c never committed again: {told}"
+    # It trains the round again from θ_global and commits it (or a later one) with the swarm's hash.
+    after = logs["c"].rounds()[logs["c"].rounds().index(bad[0]) + 1:]
+    assert any(e.committed and e.round >= bad[0].round for e in after), f"c never committed again: {told}"
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["classic", "overlapped"])
-def test_an_error_in_a_peers_own_all_reduce_aborts_its_round_and_it_goes_on(tmp_path: Path, overlap: bool) -> None:
-    logs = asyncio.run(_run_three(tmp_path, [*RUN, f"diloco.overlap={'true' if overlap else 'false'}"],
+def test_an_error_in_a_peers_own_all_reduce_aborts_its_round_and_it_goes_on(overlap: bool) -> None:
+    logs = asyncio.run(_run_three([*RUN, f"diloco.overlap={'true' if overlap else 'false'}"],
                                   _fail_average_once))
     told = story(logs)
     failed = [e for e in logs["c"].rounds() if "local error in the all-reduce: RuntimeError: codec exploded" in e.reason]
     assert len(failed) == 1 and failed[0].round == BAD_ROUND and not failed[0].committed, told
     by_round = hashes_by_round(logs)
     assert sorted(by_round) == list(range(ROUNDS)) and all(len(h) == 1 for h in by_round.values()), told
-    assert any(e.committed and e.round > BAD_ROUND for e in logs["c"].rounds()), told
+    after = logs["c"].rounds()[logs["c"].rounds().index(failed[0]) + 1:]
+    assert any(e.committed and e.round >= BAD_ROUND for e in after), f"c never committed again: {told}"
 
 
-def test_a_peer_that_sees_no_one_says_so_once_and_in_its_round_lines(tmp_path: Path,
-                                                                     caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.xfail(strict=True, reason=(
+    "the round line of a local abort (WorkerPart.resync) has loss NaN; Tally keeps it as the stats' loss, and "
+    "PeerRecord.encode writes it as the JSON constant NaN, which every reader's decode_record refuses: until its "
+    "next round line the peer is missing from the others' live peers (left out of early-closing groups)"))
+def test_a_peer_whose_own_round_aborted_stays_in_the_swarms_live_peers() -> None:
+    """c's Δ of round BAD_ROUND is NaN; it resynchronises and trains the round again, slowly (4 heartbeats):
+    meanwhile its heartbeats go on, and the others must still read its record."""
+    retry_s = 0.8
+
+    def poison_then_slow(peer: Peer) -> None:
+        _poison_once(peer)
+        assert peer.worker is not None
+        worker, train = peer.worker, peer.worker.train_inner
+        slowed = False
+
+        def slow_retry(*args: object, **kwargs: object) -> InnerStats:
+            nonlocal slowed
+            if worker.round == BAD_ROUND and any(not e.committed for e in logs["c"].rounds()) and not slowed:
+                slowed = True
+                time.sleep(retry_s)
+            return train(*args, **kwargs)  # type: ignore[arg-type]
+
+        worker.train_inner = slow_retry  # type: ignore[method-assign]
+
+    logs = {n: EventLog() for n in "ac"}
+
+    async def main() -> list[bool]:
+        services = LoopbackServices()
+        cfg = await publish_run(services.registry, [*RUN, f"diloco.rounds={ROUNDS}"])
+        peers = peers_of(services, logs)
+        stop = asyncio.Event()
+        tasks = [asyncio.create_task(run_peer(peers[n], stop, started=poison_then_slow if n == "c" else None))
+                 for n in "ac"]
+        seen: list[bool] = []  # whether c's record was among the live peers, at each read while it retried
+        try:
+            await until(lambda: any(not e.committed for e in logs["c"].rounds()), timeout_s=60,
+                        what="c's aborted round", tasks=tasks, logs=logs)
+            lines = len(logs["c"].rounds())
+            c_id = peers["c"]._peer_id
+            while len(logs["c"].rounds()) == lines:
+                seen.append(any(r.peer_id == c_id for r in await live_records(services.registry, cfg.train.run_id)))
+                await asyncio.sleep(0.05)
+        finally:
+            stop.set()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        return seen
+
+    seen = asyncio.run(main())
+    assert len(seen) >= 8 and all(seen), (seen, story(logs))
+
+
+def test_a_peer_that_sees_no_one_says_so_once_and_in_its_round_lines(caplog: pytest.LogCaptureFixture) -> None:
     """Alone past discovery.alone_warning_s: one warning and alone_s > 0 in round lines; a second peer
     arriving resets it."""
 
@@ -139,8 +210,8 @@ def test_a_peer_that_sees_no_one_says_so_once_and_in_its_round_lines(tmp_path: P
         await publish_run(services.registry, [*RUN, "diloco.rounds=3"])
         logs = {n: EventLog() for n in "ab"}
         stop = asyncio.Event()
-        peers = {n: Peer(peer_config(tmp_path / n, f"discovery.alone_warning_s={ALONE_S}"),
-                         writer=EventWriter(logs[n]), services=services) for n in "ab"}
+        peers = {n: Peer(peer_config(None, f"discovery.alone_warning_s={ALONE_S}"), writer=EventWriter(logs[n]),
+                         services=services) for n in "ab"}
         tasks = [asyncio.create_task(run_peer(peers["a"], stop))]
         try:
             await until(lambda: any(e.alone_s > 0 for e in logs["a"].rounds()), timeout_s=60,

@@ -66,9 +66,9 @@ def _slow_steps(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
     monkeypatch.setattr(DilocoWorker, "_inner_step", slow)
 
 
-def test_overlapped_peers_agree_and_a_late_joiner_heals(tmp_path: Path) -> None:
+def test_overlapped_peers_agree_and_a_late_joiner_heals() -> None:
     async def main() -> None:
-        logs, peers = await run_with_late_joiner(tmp_path, OVERLAP)
+        logs, peers = await run_with_late_joiner(OVERLAP)
         told = story(logs)
         by_round = hashes_by_round(logs)
         assert sorted(by_round) == [0, 1, 2, 3, 4] and all(len(h) == 1 for h in by_round.values()), told
@@ -88,11 +88,11 @@ def test_overlapped_peers_agree_and_a_late_joiner_heals(tmp_path: Path) -> None:
     asyncio.run(main())
 
 
-def test_an_aborted_overlapped_round_is_sent_again_with_the_newer_progress(tmp_path: Path) -> None:
+def test_an_aborted_overlapped_round_is_sent_again_with_the_newer_progress() -> None:
     """a averages round 0 alone (abort) while training round 1; its retry carries both rounds' steps."""
 
     async def main() -> None:
-        logs, peers = await run_started_apart(tmp_path, [*OVERLAP, "diloco.rounds=3"])
+        logs, peers = await run_started_apart([*OVERLAP, "diloco.rounds=3"])
         told = story(logs)
         committed = {n: [(e.round, e.hash) for e in log.rounds() if e.committed] for n, log in logs.items()}
         assert committed["a"] == committed["b"] and [r for r, _ in committed["a"]] == [0, 1, 2], told

@@ -154,6 +154,9 @@ class SimPart:
     async def resync(self, reason: str) -> None:
         return None
 
+    def joined(self, round_index: int, round_ends_at: float | None) -> None:
+        return None  # its rounds train a fixed time
+
     async def report(self, trained: Trained | None, result: AverageResult, *, comm_s: float) -> None:
         self.ledger.attempts.append((asyncio.get_running_loop().time(), self.peer_id,
                                      trained.round if trained else self._round, result.committed, result.reason[:120]))
