@@ -150,10 +150,6 @@ def test_an_error_in_a_peers_own_all_reduce_aborts_its_round_and_it_goes_on(over
     assert any(e.committed and e.round >= BAD_ROUND for e in after), f"c never committed again: {told}"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the round line of a local abort (WorkerPart.resync) has loss NaN; Tally keeps it as the stats' loss, and "
-    "PeerRecord.encode writes it as the JSON constant NaN, which every reader's decode_record refuses: until its "
-    "next round line the peer is missing from the others' live peers (left out of early-closing groups)"))
 def test_a_peer_whose_own_round_aborted_stays_in_the_swarms_live_peers() -> None:
     """c's Δ of round BAD_ROUND is NaN; it resynchronises and trains the round again, slowly (4 heartbeats):
     meanwhile its heartbeats go on, and the others must still read its record."""

@@ -150,10 +150,6 @@ def test_aligned_peers_announce_their_lag_and_shift_their_span_by_it(tmp_path: P
     assert a.shift_s == pytest.approx(-b.shift_s, abs=1e-9) and a.shift_s != 0.0
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "WorkerPart.join_by is never set since the round driver took over heals (driver/loop.py: neither _learn_next "
-    "nor _transfer passes on swarm_round_end of the peers' records): a peer healed into a round under way trains "
-    "a whole round and misses the round's group, or meets it only by the matchmaking window's slack"))
 @pytest.mark.parametrize("pace", ["steps", "time"])
 def test_a_peer_healing_into_a_round_under_way_ends_its_steps_with_the_swarm(tmp_path: Path, pace: str) -> None:
     """c starts while a and b are half-way through round 1. It heals into round 1 and trains only
