@@ -68,7 +68,6 @@ from swarmtrain.pipeline.service import StageHandler, serve_stage
 from swarmtrain.pipeline.stage_copies import StageCopies, fetch_stage_state
 from swarmtrain.pipeline.tensors import TensorCodec
 from swarmtrain.round.ballots import Voter
-from swarmtrain.rpc.faults import FaultHook
 from swarmtrain.rpc.node import RpcNode
 from swarmtrain.telemetry import LeaveEvent, StageMoveEvent, StageRebuildEvent, StageStepEvent
 
@@ -111,7 +110,6 @@ class StageServerRole(RoleBase):
         self.holding: Holding | None = None
         self.server: StageServer | None = None
         self.handler: StageHandler | None = None
-        self.fault_hook: FaultHook | None = None  # given to every stage handler it opens (rpc/faults.py; tests)
         self.moves = 0
         self._leaving: list[Holding] = []  # moved from, still answering backwards
         self._rebalancing: asyncio.Task[None] | None = None
@@ -172,9 +170,7 @@ class StageServerRole(RoleBase):
         handlers: list[StageHandler] = []
 
         def serve(node: RpcNode) -> None:
-            handler = serve_stage(node, server, codec=codec)
-            handler.fault_hook = self.fault_hook
-            handlers.append(handler)
+            handlers.append(serve_stage(node, server, codec=codec))
 
         scoped, plane, node = await self._open_plane(part, scope=f"stage{stage}", role="stage_server", serve=serve,
                                                      member=lambda p: p.role == "stage_server" and p.stage == stage)

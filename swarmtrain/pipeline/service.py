@@ -21,7 +21,6 @@ from swarmtrain.pipeline.errors import PipelineError, WrongStage
 from swarmtrain.pipeline.server import StageServer
 from swarmtrain.pipeline.tensors import TensorCodec
 from swarmtrain.rpc.errors import Rejected
-from swarmtrain.rpc.faults import FaultHook, FaultSite
 from swarmtrain.rpc.node import RpcNode
 from swarmtrain.rpc.pipeline_wire import serve_pipeline
 from swarmtrain.wire import pipeline_pb2 as pb
@@ -38,11 +37,7 @@ _MAX_SPANS = 4096  # compute spans kept for the busy fraction
 
 class StageHandler:
     """The Pipeline service's handler; `latency_s` (EWMA of a call's seconds here), `waiting` (calls in
-    the handler), `service_s` and `busy()` go into the server's record.
-
-    `fault_hook` (rpc/faults.py; tests only) is consulted before each computation at site (this peer,
-    round = the stage, "forward"/"backward", the caller): a "delay" holds the compute thread that long,
-    as a slower machine would."""
+    the handler), `service_s` and `busy()` go into the server's record."""
 
     def __init__(self, server: StageServer, codec: TensorCodec, *, peer_id: str = "",
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -50,7 +45,6 @@ class StageHandler:
         self.codec = codec
         self.peer_id = peer_id
         self.clock = clock
-        self.fault_hook: FaultHook | None = None
         self.left = ""  # why new forwards are refused (this server moved); "" = serving
         self.forward_s = self.backward_s = 0.0  # compute seconds per call (EWMAs); 0 = none yet
         self._spans: collections.deque[tuple[float, float]] = collections.deque(maxlen=_MAX_SPANS)  # (start, end)
@@ -82,16 +76,9 @@ class StageHandler:
         return min(max(total / window_s, 0.0), 1.0)
 
     def _timed(self, method: str, caller: str, work: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """`work` on the compute thread, its seconds measured (an injected delay counts as compute)."""
+        """`work` on the compute thread, its seconds measured."""
         begin = self.clock()
         try:
-            fault = None
-            if self.fault_hook is not None:
-                fault = self.fault_hook(FaultSite(self.peer_id, self.server.stage, method.lower(), caller))
-            if fault is not None:
-                if fault.action != "delay":
-                    raise ValueError(f"a stage server's compute takes only delay faults, not {fault.action!r}")
-                time.sleep(fault.delay_s)
             out = work()
         finally:
             end = self.clock()

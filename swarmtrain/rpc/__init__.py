@@ -7,7 +7,9 @@ BufferPool of payload-sized buffers reused across rounds. averaging_wire.py: the
 all-reduce service (gRPC streams and bulk tickets); averaging_client.py: its client calls.
 state_wire.py: the state-transfer service and client. frames.py: zero-copy chunk framing.
 payload_macs.py: payload MACs computed off the event loop.
-faults.py: the fault-injection seam (FaultSite, Fault, FaultHook) consulted by averaging/ and sync/.
+faults.py: the vocabulary of fault injection (FaultSite, Fault, FaultHook); swarmtrain/testing applies it
+from outside, wrapping the transports (no fault branch lives in the shipped code).
+consensus_wire.py: the round decision's service (Prepare, Accept, Learn, Certificates, Material) and client.
 """
 
 from swarmtrain.rpc.node import (

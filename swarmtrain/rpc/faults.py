@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-__all__ = ["CORRUPT_BYTES", "Fault", "FaultAction", "FaultHook", "FaultSite", "LinkHook", "corrupt", "truncate"]
+__all__ = ["CORRUPT_BYTES", "Fault", "FaultAction", "FaultHook", "FaultSite", "corrupt", "truncate"]
 
 FaultAction = Literal["drop", "delay", "corrupt", "truncate", "forge", "unreachable"]
 CORRUPT_BYTES = 16
@@ -48,13 +48,6 @@ class FaultHook(Protocol):
     """Consulted at every site; None means act normally. Must be cheap and thread-safe."""
 
     def __call__(self, site: FaultSite) -> Fault | None: ...
-
-
-class LinkHook(Protocol):
-    """Consulted before every outgoing data-plane call: False means the link from peer `source` to
-    `endpoint` is cut (a partition), and the call fails as if the peer were unreachable. Thread-safe."""
-
-    def __call__(self, source: str, endpoint: str) -> bool: ...
 
 
 def corrupt(payload: bytes) -> bytes:

@@ -22,7 +22,6 @@ from swarmtrain.rpc import bulk
 from swarmtrain.rpc.buffers import BufferPool
 from swarmtrain.rpc.bulk import BULK_HELLO_TIMEOUT_S, BulkServer
 from swarmtrain.rpc.errors import Rejected, RpcError, RpcRejected, RpcTimeout, RpcUnavailable, status_name
-from swarmtrain.rpc.faults import LinkHook
 from swarmtrain.rpc.tls import NodeTls
 from swarmtrain.trust import CallAuth, CallRefused, CallSigner, RunSecret, resolve_run_key
 from swarmtrain.trust.calls import AUTH_HEADER, PEER_HEADER
@@ -163,7 +162,6 @@ class RpcNode:
         self._channels: dict[str, aio.Channel] = {}
         self._server: aio.Server | None = None
         self.bulk: BulkServer | None = None  # the bulk port (rpc/bulk.py) when serving with bulk_transport "tcp"
-        self.links: LinkHook | None = None  # fault injection: which outgoing links are cut (rpc/faults.py)
         self._loop: _Loop | None = None
         self._endpoint = ""
         self.options = [("grpc.max_send_message_length", cfg.max_message_bytes),
@@ -304,15 +302,10 @@ class RpcNode:
 
     async def retrying(self, call: Callable[[], Awaitable[T]], *, endpoint: str, deadline: float, what: str) -> T:
         """Await `call()` (a call to `endpoint`); on RpcUnavailable retry up to `rpc.retries` times with
-        jittered exponential backoff, never past `deadline` (time.monotonic()). Only for idempotent calls.
-
-        With a `links` hook (fault injection) that says the link to `endpoint` is cut, each try fails as
-        an unreachable peer would."""
+        jittered exponential backoff, never past `deadline` (time.monotonic()). Only for idempotent calls."""
         attempt = 0
         while True:
             try:
-                if self.links is not None and not self.links(self.peer_id, endpoint):
-                    raise RpcUnavailable(f"the link from {self.peer_id} to {endpoint} is cut (fault injection)")
                 return await call()
             except RpcUnavailable as e:
                 delay_s = self.cfg.backoff_s * (2 ** attempt) * (0.5 + random.random())

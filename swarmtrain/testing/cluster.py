@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 import io
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import TypeVar
 
 from swarmtrain.compress import Codec
 from swarmtrain.config import DiscoveryConfig, RunConfig, load_config
@@ -14,12 +15,15 @@ from swarmtrain.discovery import Discovery, InMemoryDiscovery, InMemoryRegistry
 from swarmtrain.discovery.coordinator import RunPublisher
 from swarmtrain.peer import Peer
 from swarmtrain.peer.network import NetworkPlane, NetworkServices
+from swarmtrain.rpc.errors import RpcUnavailable
 from swarmtrain.rpc.node import RpcNode
 from swarmtrain.telemetry.events import HealEvent, Line, RoundEvent, parse_line
 from swarmtrain.testing.faults import FaultPlan, inject_faults
 
 __all__ = ["TINY_RUN", "EventLog", "LoopbackServices", "Partition", "hashes_by_round", "publish_run", "run_peer",
            "story"]
+
+T = TypeVar("T")
 
 # The workload of the cluster tests (a ~0.1M-parameter model, a few inner steps per round, int8 Δs); each
 # test adds its own timing and round count.
@@ -33,7 +37,7 @@ TINY_RUN = (
 class Partition:
     """A network partition of the in-process cluster: the DHT twin splits into one copy per side
     (`InMemoryRegistry.partition`), and every data-plane call across sides fails as an unreachable peer's
-    would (the `RpcNode.links` seam). Peers on no side reach everyone."""
+    would (`cut` wraps a node's calls from outside). Peers on no side reach everyone."""
 
     def __init__(self, registry: InMemoryRegistry) -> None:
         self.registry = registry
@@ -51,8 +55,22 @@ class Partition:
             self._side_of = {}
         self.registry.heal()
 
+    def cut(self, node: RpcNode) -> None:
+        """Make every call `node` makes (each try of `RpcNode.retrying`, through which all of its data-plane
+        calls go) fail as an unreachable peer's would while the partition separates it from the callee."""
+        inner = node.retrying
+
+        async def retrying(call: Callable[[], Awaitable[T]], *, endpoint: str, deadline: float, what: str) -> T:
+            async def once() -> T:
+                if not self(node.peer_id, endpoint):
+                    raise RpcUnavailable(f"the link from {node.peer_id} to {endpoint} is cut (a partition)")
+                return await call()
+            return await inner(once, endpoint=endpoint, deadline=deadline, what=what)
+
+        node.retrying = retrying  # type: ignore[method-assign]
+
     def __call__(self, source: str, endpoint: str) -> bool:
-        """The `LinkHook`: whether `source` reaches the peer serving `endpoint`."""
+        """Whether `source` reaches the peer serving `endpoint`."""
         with self._lock:
             a, b = self._side_of.get(source), self._side_of.get(self.peer_at.get(endpoint, ""))
         return a is None or b is None or a == b
@@ -80,7 +98,7 @@ class LoopbackServices(NetworkServices):
         plane = await super().open_data_plane(cfg, discovery=discovery, codec=codec, param_shapes=param_shapes,
                                               scope=scope, role=role, round_now=round_now, before_start=before_start)
         self.partition.peer_at[plane.endpoint] = discovery.peer_id
-        plane.node.links = self.partition
+        self.partition.cut(plane.node)
         if self.faults is not None:
             inject_faults(plane.averager, self.faults)
         return plane

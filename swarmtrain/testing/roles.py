@@ -9,9 +9,12 @@ from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
+import torch
+
 from swarmtrain.config import RunConfig
 from swarmtrain.pipeline.roles import StageServerRole, TrainerRole
-from swarmtrain.rpc.faults import FaultHook
+from swarmtrain.pipeline.server_role import Holding
+from swarmtrain.rpc.faults import FaultHook, FaultSite
 from swarmtrain.telemetry import EventWriter, StepEvent
 from swarmtrain.testing.cluster import EventLog, LoopbackServices, publish_run
 
@@ -25,7 +28,9 @@ class RoleSwarm:
     """`servers` (name -> stage) and `trainers` of the run `run` (sealed with `run_key`), each started with the
     local config `local()` and training until `finish()`; `async with` closes whatever is left.
 
-    `logs[name]` holds each role's lines; `fault_hook` is given to every stage handler (rpc/faults.py).
+    `logs[name]` holds each role's lines; `fault_hook` is consulted before each computation of every stage a
+    server holds, at site (its peer, round = the stage, "forward"/"backward", the caller): a "delay" holds the
+    compute thread that long (counted as compute), as a slower machine would.
     """
 
     def __init__(self, run: Sequence[str], *, run_key: str, local: Callable[[], RunConfig],
@@ -46,7 +51,8 @@ class RoleSwarm:
             for name, stage in self.placement.items():
                 role = StageServerRole(self.local(), stage=stage, writer=EventWriter(self.logs[name]),
                                        services=services)
-                role.fault_hook = self.fault_hook
+                if self.fault_hook is not None:
+                    _slow_stages(role, self.fault_hook)
                 self.servers[name] = role
                 await role.start()
             for name in self.trainer_names:
@@ -99,3 +105,25 @@ class RoleSwarm:
             await trainer.aclose("signal")
         for role in self.servers.values():
             await role.aclose("signal")
+
+
+def _slow_stages(role: StageServerRole, hook: FaultHook) -> None:
+    """Wrap every stage `role` will hold so that its computations go through `hook` (see RoleSwarm)."""
+    hold = role._hold
+
+    async def held(*args: Any, **kwargs: Any) -> Holding:
+        holding = await hold(*args, **kwargs)
+        handler, timed = holding.handler, holding.handler._timed
+
+        def slowed(method: str, caller: str, work: Callable[[], torch.Tensor]) -> torch.Tensor:
+            fault = hook(FaultSite(handler.peer_id, handler.server.stage, method.lower(), caller))
+            if fault is None:
+                return timed(method, caller, work)
+            if fault.action != "delay":
+                raise ValueError(f"a stage server's compute takes only delay faults, not {fault.action!r}")
+            return timed(method, caller, lambda: (time.sleep(fault.delay_s), work())[1])
+
+        handler._timed = slowed  # type: ignore[method-assign]
+        return holding
+
+    role._hold = held  # type: ignore[method-assign]
