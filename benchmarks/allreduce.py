@@ -73,6 +73,7 @@ def worker_ours(args: argparse.Namespace) -> None:
     from swarmtrain.compress import get_codec
     from swarmtrain.config import AveragingConfig, RpcConfig
     from swarmtrain.rpc.node import RpcNode
+    from swarmtrain.trust.identity import Ed25519Identity, registry_binding
 
     codec = {"ours-fp16": "fp16", "ours-int8": "int8"}.get(args.arm, "fp32")
     rpc = RpcConfig(run_key="bench", chunk_bytes=args.chunk_bytes, max_message_bytes=4 * args.chunk_bytes,
@@ -81,8 +82,12 @@ def worker_ours(args: argparse.Namespace) -> None:
     avg = AveragingConfig(min_peers=2, allreduce_timeout_s=300.0, contribution_window_s=240.0, max_retries=0)
     node = RpcNode(rpc, peer_id=f"p{args.rank}")
     group: list[Group] = []
+    # Each peer's identity key from a seed every process knows: the round's voters sign grants with them.
+    keys = {f"p{i}": Ed25519Identity.from_seed(f"p{i}", f"bench-{i}".encode()) for i in range(args.world)}
     averager = NetworkAverager(node, run_id="bench", group_provider=lambda r: Group("bench", r, group[0].members),
-                               codec=get_codec(codec), cfg=avg)
+                               codec=get_codec(codec), cfg=avg, identity=keys[f"p{args.rank}"],
+                               key_binding=registry_binding({k: v.public_key for k, v in keys.items()}),
+                               numel=args.numel, incarnation=0)
     node.start()
     _say("READY", endpoint=node.endpoint)
     endpoints = json.loads(sys.stdin.readline())

@@ -539,10 +539,12 @@ class CheckpointConfig:
     """Where and how often a peer saves its state (it resumes from the newest good checkpoint on restart)."""
 
     dir: str = ""
-    """Directory of this peer's checkpoints and its DHT identity key; one live peer per directory. Empty =
-    no checkpoints."""
+    """Directory of this peer's checkpoints, its DHT identity key, its vote books (`votes-<scope>.json`) and
+    the material its voter accepted (`material-<scope>/`); created when missing; one live peer per
+    directory. Empty = no checkpoints, and votes in memory only (each start is a new voter)."""
     every_rounds: int = 1
-    """Save after every this many committed rounds, and on leaving."""
+    """Save after every this many committed rounds, and on leaving. A restart from a checkpoint older than its
+    votes learns the rounds it replays from their certificates (docs/protocol.md#healing)."""
     keep: int = 2
     """Checkpoints kept: the newest this many; older ones are deleted."""
 

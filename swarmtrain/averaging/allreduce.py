@@ -30,6 +30,7 @@ import torch
 
 from swarmtrain.averaging.aggregate import mean_of_gathered, pack_bundle, unpack_bundle
 from swarmtrain.averaging.group import Group, Member
+from swarmtrain.averaging.material import blob_digest
 from swarmtrain.averaging.protocol import Delta, reader
 from swarmtrain.averaging.reducer import ReducerRegistry, max_encoded_bytes, shard_bounds
 from swarmtrain.averaging.transport import ReduceTransport
@@ -57,6 +58,7 @@ class Reduction:
     contributors: tuple[str, ...] = ()
     bounds: tuple[tuple[int, int], ...] = ()
     blobs: tuple[Blob, ...] = ()
+    digests: tuple[str, ...] = ()  # of each blob (material.blob_digest), taken as it arrived
     failed: tuple[str, ...] = ()  # reducers that could not be reached
     reason: str = ""
 
@@ -160,27 +162,34 @@ class AllReduce:
             return pulled
         log.debug("%s round %d attempt %d: push %.3fs agree %.3fs pull %.3fs", self.peer_id, group.round,
                   key.attempt, t_pushed - t0, t_agreed - t_pushed, loop.time() - t_agreed)
-        return _Attempt(reduction=Reduction(group, key, agreed, tuple(bounds), tuple(pulled)))
+        blobs, digests = pulled
+        return _Attempt(reduction=Reduction(group, key, agreed, tuple(bounds), tuple(blobs), tuple(digests)))
 
     async def _pull(self, key: SessionKey, shards: list[tuple[Member, tuple[int, int]]], agreed: tuple[str, ...],
-                    own: dict[int, bytes], deadline: float) -> list[Blob] | _Attempt:
+                    own: dict[int, bytes], deadline: float) -> tuple[list[Blob], list[str]] | _Attempt:
         """Every shard's material, checked: a mean the codec refuses (malformed, NaN or Inf) fails the attempt.
 
         Nothing model-sized is assembled: each shard is kept as its reducer sent it (a quarter of fp32 with
         int8). One encoded mean is checked by the codec from its payload (`Codec.validate`: block scales,
         wire values). A gathering round's mean is the members' contributions decoded and averaged: it is
         computed into one pooled scratch vector and looked at, the checks taking turns on the scratch, each
-        in a thread off the event loop."""
+        in a thread off the event loop. Each shard's digest (what the round's value names it by) is taken in
+        the same thread as it arrives, pipelined with the other fetches."""
         largest = max(hi - lo for _, (lo, hi) in shards)
         scratch_view: list[memoryview] = []
         scratch: list[torch.Tensor] = []
         turn = asyncio.Lock()
         blobs: dict[int, Blob] = {}
+        digests: dict[int, str] = {}
 
         def check(j: int, parts: list[Blob], out: torch.Tensor) -> None:
             mean_of_gathered(self.codec, parts, out=out)
             if not _all_finite(out):
                 raise CodecError(f"the mean of shard {j} holds NaN or Inf")
+
+        def validated(blob: Blob, numel: int) -> str:
+            self.codec.validate(blob, numel=numel)
+            return blob_digest(blob)
 
         async def fetch_and_check(j: int, reducer: Member, lo: int, hi: int) -> None:
             data = await self._fetch(key, j, reducer, agreed, hi - lo, deadline)
@@ -189,7 +198,7 @@ class AllReduce:
             finally:
                 self.transport.release(data)
             if not self.gather:
-                await asyncio.to_thread(self.codec.validate, owned, numel=hi - lo)
+                digests[j] = await asyncio.to_thread(validated, owned, hi - lo)
                 blobs[j] = owned
                 return
             parts: list[Blob] = list(unpack_bundle(owned, max_parts=len(agreed)))
@@ -204,6 +213,7 @@ class AllReduce:
                                    else torch.empty(0))
                 await asyncio.to_thread(check, j, parts, scratch[0][:hi - lo])
             blobs[j] = pack_bundle(parts)  # the whole bundle: identical on every member (the material)
+            digests[j] = await asyncio.to_thread(blob_digest, blobs[j])
 
         pulls = await asyncio.gather(*(fetch_and_check(j, m, lo, hi) for j, (m, (lo, hi)) in enumerate(shards)),
                                      return_exceptions=True)
@@ -218,7 +228,7 @@ class AllReduce:
         if failed:
             unreachable = _unreachable(reducers, pulls)
             return _Attempt(dead=unreachable, final=not unreachable, reason=f"mean unavailable from {failed}")
-        return [blobs[j] for j in range(len(shards))]
+        return [blobs[j] for j in range(len(shards))], [digests[j] for j in range(len(shards))]
 
     async def _push(self, key: SessionKey, shard: int, reducer: Member, payload: bytes, numel: int,
                     deadline: float) -> None:

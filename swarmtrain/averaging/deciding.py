@@ -41,6 +41,7 @@ from swarmtrain.round.certificate import (
     Verify,
     check_certificate,
     check_retirement,
+    counting,
 )
 from swarmtrain.round.messages import AcceptReply, ConsensusTransport, Contact, LearnReply, PrepareReply
 from swarmtrain.rpc.errors import RpcError
@@ -114,7 +115,7 @@ class Decider:
                       contacts: Mapping[str, Contact], retired: Mapping[Voter, Retirement],
                       timeout_s: float) -> Prepared:
         prepared = Prepared(ballot, retired=dict(retired))
-        targets = [v for v in voters if v not in prepared.retired]
+        targets = [v for v in voters if v not in counting(prepared.retired, round_index, ballot)]
 
         async def ask(v: Voter) -> PrepareReply:
             return await self.transport.prepare(contacts[v.peer_id], scope=self.scope, round_index=round_index,
@@ -122,7 +123,7 @@ class Decider:
 
         def enough(done: list[tuple[Voter, object]]) -> bool:
             promised = {v for v, r in done if isinstance(r, PrepareReply) and r.granted and r.voter == v}
-            return is_quorum(promised, voters, prepared.retired)
+            return is_quorum(promised, voters, counting(prepared.retired, round_index, ballot))
 
         for v, reply in await _each(targets, contacts, ask, timeout_s, enough=enough):
             if isinstance(reply, BaseException):
@@ -157,8 +158,9 @@ class Decider:
         r = value.round
         for _ in range(MAX_CARRIES + 1):
             promised = prepared.promised_by()
-            if not is_quorum(promised, voters, prepared.retired):
-                return NotChosen(_short(f"only {len(promised)} of {len(quorum_base(voters, prepared.retired))} "
+            counted = counting(prepared.retired, r, prepared.ballot)
+            if not is_quorum(promised, voters, counted):
+                return NotChosen(_short(f"only {len(promised)} of {len(quorum_base(voters, counted))} "
                                         f"voters promised ballot {tuple(prepared.ballot)[:3]}", prepared.unanswered))
             grants = [prepared.replies[v] for v in promised]
             chosen = value_to_propose([(g.accepted, g.value) for g in grants], own=value)
@@ -193,7 +195,7 @@ class Decider:
         if material is None or not material.complete:
             return NotChosen("the proposed value's material is not held here")
         ballot, retired = prepared.ballot, dict(prepared.retired)
-        targets = [v for v in voters if v not in retired]
+        targets = [v for v in voters if v not in counting(retired, value.round, ballot)]
         holders = [self.me]
 
         async def ask(v: Voter) -> AcceptReply:
@@ -205,7 +207,7 @@ class Decider:
 
         def enough(done: list[tuple[Voter, object]]) -> bool:  # a quorum in: the stragglers are not waited for
             ok = {v for v, r in done if isinstance(r, AcceptReply) and r.granted and r.voter == v}
-            return is_quorum(ok, voters, retired)
+            return is_quorum(ok, voters, counting(retired, value.round, ballot))
 
         for v, reply in await _each(targets, contacts, ask, timeout_s, enough=enough):
             if isinstance(reply, BaseException):
@@ -216,12 +218,13 @@ class Decider:
                 grants[v] = reply.grant
             elif not reply.granted:
                 refused.append(f"{v}: {reply.refusal} ({reply.reason[:80]})")
-        grants = {v: g for v, g in grants.items() if v not in retired}
-        if not is_quorum(grants, voters, retired):
-            return NotChosen(_short(f"only {len(grants)} of {len(quorum_base(voters, retired))} voters accepted",
+        counted = counting(retired, value.round, ballot)
+        grants = {v: g for v, g in grants.items() if v not in counted}
+        if not is_quorum(grants, voters, counted):
+            return NotChosen(_short(f"only {len(grants)} of {len(quorum_base(voters, counted))} voters accepted",
                                     refused))
         cert = Certificate(self.run, ballot, value, tuple(grants[v] for v in sorted(grants)),
-                           tuple(retired[v] for v in sorted(retired) if v in set(voters)))
+                           tuple(counted[v] for v in sorted(counted) if v in set(voters)))
         return Chosen(cert, material)
 
     def _grant_ok(self, grant: SignedGrant, voter: Voter, ballot: Ballot, value: Value) -> bool:
@@ -295,9 +298,10 @@ class Decider:
             entry = by_choice.setdefault((rep.accepted, rep.value.value_id), (rep.value, {}))
             entry[1][rep.voter] = rep.grant
         for (ballot, _), (value, grants) in by_choice.items():
-            if is_quorum(grants, voters, retired):
+            counted = counting(retired, round_index, ballot)
+            if is_quorum(grants, voters, counted):
                 return Certificate(self.run, ballot, value, tuple(grants[v] for v in sorted(grants)),
-                                   tuple(retired[v] for v in sorted(retired) if v in voter_set))
+                                   tuple(counted[v] for v in sorted(counted) if v in voter_set))
         return None
 
 

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import blake3
 import torch
 
 from swarmtrain.averaging.aggregate import mean_of_gathered, unpack_bundle
@@ -41,14 +42,19 @@ class MaterialError(ValueError):
 
 
 def blob_digest(blob: Blob) -> str:
-    return hashlib.sha256(blob).hexdigest()
+    """BLAKE3 of a shard's bytes (hex): every member digests the whole material, once per round (about 4x the
+    speed of SHA-256 on one core)."""
+    return blake3.blake3(blob).hexdigest()
 
 
 def layout_of(blobs: Sequence[Blob], bounds: Sequence[tuple[int, int]], *, numel: int, codec: str,
-              gather: bool) -> MaterialLayout:
-    """The layout (with a digest per shard) of freshly fetched material."""
-    return MaterialLayout(numel, codec, gather, tuple(ShardDigest(lo, hi, len(b), blob_digest(b))
-                                                      for b, (lo, hi) in zip(blobs, bounds, strict=True)))
+              gather: bool, digests: Sequence[str] = ()) -> MaterialLayout:
+    """The layout (with a digest per shard) of freshly fetched material; `digests`, where given, are the blobs'
+    (`blob_digest`), taken as they arrived."""
+    if not digests:
+        digests = [blob_digest(b) for b in blobs]
+    return MaterialLayout(numel, codec, gather, tuple(ShardDigest(lo, hi, len(b), d)
+                                                      for b, d, (lo, hi) in zip(blobs, digests, bounds, strict=True)))
 
 
 def layout_key(layout: MaterialLayout) -> str:

@@ -13,10 +13,12 @@ import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+import blake3
+
 from swarmtrain.averaging.allreduce import AllReduce, Reduction
 from swarmtrain.averaging.deciding import Chosen, Decider, Known, NotChosen, Outcome, Prepared
 from swarmtrain.averaging.group import Group
-from swarmtrain.averaging.material import Material, MaterialStore, layout_of, sharded_mean
+from swarmtrain.averaging.material import Material, MaterialStore, layout_key, layout_of, sharded_mean
 from swarmtrain.averaging.protocol import AverageResult, Delta, ShardedMean
 from swarmtrain.averaging.voting import VoterService
 from swarmtrain.compress import Codec
@@ -59,10 +61,11 @@ class RoundAverager:
         self.decision_timeout_s = decision_timeout_s
 
     async def average(self, group: Group, delta: Delta, *, base: str, electorate: Electorate, deadline: float,
-                      preview: Preview) -> AverageResult:
+                      preview: Preview | None) -> AverageResult:
         """Round `group.round`: the all-reduce with `group`, then the decision; `base` is the digest of the
         committed state this peer's Δ was taken from (its group's members all hold it), `preview` what the
-        outer step with a mean makes of it (the value's `result`)."""
+        outer step with a mean makes of it (the value's `result`). Without one (a caller holding no state of
+        its own, the facade) the result names the material itself."""
         members = {m.peer_id: Contact(m.peer_id, m.endpoint) for m in group.members if m.endpoint}
         electorate = electorate.with_contacts(members)
         prepares: dict[str, asyncio.Task[Prepared]] = {}
@@ -76,20 +79,29 @@ class RoundAverager:
                 round_index=group.round, ballot=ballot, voters=electorate.voters, contacts=electorate.contacts,
                 retired=electorate.retired, timeout_s=self.decision_timeout_s))
 
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
         try:
             reduction = await self.allreduce.run(group, delta, deadline=deadline, on_session=on_session)
+            t_reduced = loop.time()
             outcome: Outcome = NotChosen(reduction.reason)
             if reduction.ok and reduction.key is not None:
                 value, material = self._value(group, reduction, base=base)
-                result = await preview(sharded_mean(material, self.codec), value.next_voters)
+                result = (material_result(value) if preview is None
+                          else await preview(sharded_mean(material, self.codec), value.next_voters))
                 value = dataclasses.replace(value, result=result)
                 self.materials.put(group.round, material)
                 self.voter.pulled(reduction.key.session_id)
+                t_valued = loop.time()
                 prepared = await prepares[reduction.key.session_id]
+                t_prepared = loop.time()
                 # The decision has its own time: an all-reduce that took its whole deadline (a retry around a
                 # dead reducer) still gets its means decided.
                 outcome = await self.decider.propose(prepared, value=value, voters=electorate.voters,
                                                      contacts=electorate.contacts, timeout_s=self.decision_timeout_s)
+                log.debug("round %d: all-reduce %.3fs, value %.3fs, promises %.3fs more, decision %.3fs",
+                          group.round, t_reduced - t0, t_valued - t_reduced, t_prepared - t_valued,
+                          loop.time() - t_prepared)
         finally:
             for sid in sessions:
                 self.voter.pulled(sid)
@@ -113,7 +125,7 @@ class RoundAverager:
     def _value(self, group: Group, reduction: Reduction, *, base: str) -> tuple[Value, Material]:
         assert reduction.key is not None
         layout = layout_of(reduction.blobs, reduction.bounds, numel=reduction.bounds[-1][1], codec=self.codec.name,
-                           gather=self.allreduce.gather)
+                           gather=self.allreduce.gather, digests=reduction.digests)
         by_id = {m.peer_id: m for m in group.members}
         next_voters = tuple(Voter(p, by_id[p].incarnation) for p in reduction.contributors if not by_id[p].client_mode)
         value = Value(self.scope, group.round, reduction.key.session_id, base, reduction.contributors, next_voters,
@@ -148,3 +160,11 @@ def result_of(round_index: int, outcome: Outcome, codec: Codec, *, failed: tuple
         return AverageResult(round_index, False, None, reason=outcome.reason, failed=failed,
                              known=outcome.certificate)
     return AverageResult(round_index, False, None, reason=outcome.reason, failed=failed)
+
+
+def material_result(value: Value) -> str:
+    """A value's `result` for callers without a state of their own: a digest of its round, next voters and
+    material (its shards' digests), as long as a state digest."""
+    h = blake3.blake3(b"swarmtrain/material-result\0")
+    h.update(f"{value.round}|{[tuple(v) for v in value.next_voters]}|{layout_key(value.layout)}".encode())
+    return h.hexdigest()

@@ -41,6 +41,7 @@ CheckResult = Callable[[Value, Material], Awaitable[str]]
 """Why a value's `result` is not what this peer's own outer step on its material gives ("" when it is, or when
 this peer does not hold the value's base state and cannot tell)."""
 KEPT_ROUNDS = 2  # rounds behind its part a voter still answers (learners one round late)
+KEPT_MATERIAL_ROUNDS = 1  # rounds behind its part whose material a voter keeps (the round it just committed)
 MAX_CERTIFICATES = 16
 
 
@@ -146,7 +147,7 @@ class VoterService:
             return None
         x = mine[-1]
         return Retirement(Voter(self.identity.peer_id, x.incarnation), x.from_round, self.identity.public_key,
-                          x.signature)
+                          x.signature, x.promised)
 
     def _check_scope(self, scope: str) -> None:
         if scope != self.scope:
@@ -284,13 +285,20 @@ class VoterService:
         if event is not None:
             event.set()
 
-    async def advanced(self, round_index: int) -> None:
-        """The part reached `round_index` (a commit, a heal): votes and material of rounds far behind go."""
+    async def advanced(self, round_index: int, *, keep_from: int | None = None) -> None:
+        """The part reached `round_index` (a commit, a heal): votes of rounds far behind go, and material of all
+        but the round just committed (a learner one round late applies it; one further behind downloads the
+        state instead: a round's material is as large as the model's encoded mean). `keep_from`: the oldest
+        round the part could restart at (its oldest checkpoint): everything from it on is kept, so that a
+        restart, of this peer or of the whole swarm, learns the rounds it replays."""
         floor = max(0, round_index - KEPT_ROUNDS)
+        material_floor = max(0, round_index - KEPT_MATERIAL_ROUNDS)
+        if keep_from is not None:
+            floor, material_floor = min(floor, keep_from), min(material_floor, keep_from)
         async with self._lock:
             if self.state.forget_before(floor):
                 await self._save()
-        self.materials.forget_before(floor)
+        self.materials.forget_before(material_floor)
 
     async def retire(self, *, current_round: int) -> Retirement:
         """Leave for good: from the returned retirement's round on this incarnation grants nothing, and the next
@@ -300,17 +308,18 @@ class VoterService:
             if retired is not None:
                 return retired
             from_round = self.state.retire(current_round=current_round)
+            promised = self.state.retired_promise()
             voter = self.voter
             signature = self.identity.sign(retire_statement(run=self.run, scope=self.scope, voter=voter,
-                                                            from_round=from_round))
+                                                            from_round=from_round, promised=promised))
             self.state.sign_retirement(signature)
             await self._save()
-        return Retirement(voter, from_round, self.identity.public_key, signature)
+        return Retirement(voter, from_round, self.identity.public_key, signature, promised)
 
     def retirements(self) -> list[Retirement]:
         """Every retirement this voter stored (its departure record announces them)."""
         return [Retirement(Voter(self.identity.peer_id, x.incarnation), x.from_round, self.identity.public_key,
-                           x.signature) for x in self.state.retirements]
+                           x.signature, x.promised) for x in self.state.retirements]
 
 
 def _log_failed_save(fut: asyncio.Future[None]) -> None:

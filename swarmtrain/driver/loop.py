@@ -225,7 +225,7 @@ class RoundDriver:
         """After a commit was applied to the part: the voter moves on, the certificate is kept, it is announced."""
         if self.pending is not None and self.pending.round < self.part.round:
             self.pending = None
-        await self.plane.advanced(self.part.round)
+        await self.plane.advanced(self.part.round, keep_from=self.part.replay_from())
         if result.certificate is not None:
             await self.plane.keep_certificate(result.certificate)
         self.changed()
@@ -398,7 +398,7 @@ class RoundDriver:
                 Contact(group[0].peer_id, group[0].endpoint), from_round=max(0, state.round - KEPT_CERTIFICATES))
             await self.part.adopt(dataclasses.replace(state, certificates=tuple(certificates)), keep_progress=keep)
             self.pending = None
-            await self.plane.advanced(self.part.round)
+            await self.plane.advanced(self.part.round, keep_from=self.part.replay_from())
             for cert in certificates:
                 await self.plane.keep_certificate(cert)
             self.changed()

@@ -100,6 +100,11 @@ class Part(Protocol):
         """A fault of the part's own (a NaN Δ, a local error): θ_local restarts from θ_global."""
         ...
 
+    def replay_from(self) -> int:
+        """The oldest round this part could restart at (its oldest checkpoint kept; its round without any): the
+        voter keeps the votes and material of every round since, for a restart to learn them."""
+        ...
+
     def joined(self, round_index: int, round_ends_at: float | None) -> None:
         """A heal put the part at `round_index`, which the swarm may be training already: its peers expect their
         steps of it to end at `round_ends_at` (swarm clock; None: nobody said). A part that paces its own steps
@@ -149,8 +154,9 @@ class RoundPlane(Protocol):
         """A donor's committed state (from several at once where given), checked for shape and finiteness."""
         ...
 
-    async def advanced(self, round_index: int) -> None:
-        """The part's committed state reached `round_index`: the voter forgets what is far behind."""
+    async def advanced(self, round_index: int, *, keep_from: int | None = None) -> None:
+        """The part's committed state reached `round_index`: the voter forgets what is far behind, but nothing
+        from `keep_from` on (the part's `replay_from()`)."""
         ...
 
     async def keep_certificate(self, cert: Certificate) -> None:

@@ -191,8 +191,8 @@ class NetworkPlane:
         except (RpcError, TimeoutError, ValueError):
             return ()
 
-    async def advanced(self, round_index: int) -> None:
-        await self._on_node(self.averager.voter.advanced(round_index))
+    async def advanced(self, round_index: int, *, keep_from: int | None = None) -> None:
+        await self._on_node(self.averager.voter.advanced(round_index, keep_from=keep_from))
 
     async def keep_certificate(self, cert: Certificate) -> None:
         async def keep() -> None:

@@ -10,6 +10,7 @@ step or a heal of a 1B-parameter model takes seconds), then announced: heartbeat
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import logging
@@ -53,7 +54,8 @@ class WorkerPart:
                  val_batches: Sequence[tuple[torch.Tensor, torch.Tensor]], peer_id: Callable[[], str],
                  member: Callable[[int, float], Member], prematch: Callable[[int, Member], Any],
                  announce: Callable[[], None], now: Callable[[], float], alone_s: Callable[[], float],
-                 certificates: Sequence[Certificate] = ()) -> None:
+                 certificates: Sequence[Certificate] = (), resumed_at: int | None = None) -> None:
+        """`resumed_at`: the round of the checkpoint the worker was resumed from, if any."""
         self.cfg = cfg
         self.worker = worker
         self.writer = writer
@@ -66,6 +68,10 @@ class WorkerPart:
         self.now = now
         self.alone_s = alone_s
         self.certificates: list[Certificate] = list(certificates)[-KEPT_CERTIFICATES:]
+        # The rounds of the checkpoints kept on disk, oldest first (a resumed worker's round is the first).
+        self._saved: collections.deque[int] = collections.deque(maxlen=cfg.checkpoint.keep)
+        if resumed_at is not None:
+            self._saved.append(resumed_at)
         self.round_ends_at = 0.0  # swarm clock: when this round's inner steps should end (peer record)
         self.join_by: tuple[int, float] | None = None  # (round healed into, monotonic time its steps end)
         self.phase = "training"
@@ -318,3 +324,8 @@ class WorkerPart:
                      "certificates": [c.to_json() for c in self.certificates[-4:]]}
         await asyncio.to_thread(save_checkpoint, self.cfg.checkpoint.dir, tensors=tensors, meta=full_meta,
                                 keep=self.cfg.checkpoint.keep)
+        self._saved.append(self.worker.round)
+
+    def replay_from(self) -> int:
+        """The round of the oldest checkpoint kept (a restart may fall back to it), else the worker's."""
+        return self._saved[0] if self._saved else self.worker.round

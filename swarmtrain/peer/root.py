@@ -139,7 +139,8 @@ class Peer:
         self.part = part = WorkerPart(self.cfg, worker=worker, writer=self.writer, pace=self.pace,
                                       val_batches=self.val_batches, peer_id=lambda: discovery.peer_id,
                                       member=self._member, prematch=plane.prematch, announce=self._beat_soon,
-                                      now=discovery.now, alone_s=self.presence.alone_s, certificates=certificates)
+                                      now=discovery.now, alone_s=self.presence.alone_s, certificates=certificates,
+                                      resumed_at=worker.round if loaded is not None else None)
         plane.attach(part.outcome_of)
         plane.serve_state(part.committed)
         run = f"{self.cfg.train.run_id}/{self.cfg.train.run_nonce}"

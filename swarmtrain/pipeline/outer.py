@@ -287,6 +287,10 @@ class _Part:
                              f"{state.digest[:12]}")
         log.debug("part %s: adopted round %d (was %d)", self.name, state.round, before)
 
+    def replay_from(self) -> int:
+        """A part keeps no checkpoint: a restarted holder heals from its part's holders."""
+        return self._round
+
     def joined(self, round_index: int, round_ends_at: float | None) -> None:
         """A pipeline part's Δ is due when any holder's steps of the round are over (`_due`): nothing to do."""
 

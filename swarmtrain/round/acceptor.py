@@ -59,6 +59,7 @@ class VoterRetirement:
     incarnation: int
     from_round: int
     signature: bytes
+    promised: Ballot | None = None  # the ballot it had promised in `from_round` (it accepted nothing there)
 
 
 @dataclass(frozen=True)
@@ -173,16 +174,27 @@ class AcceptorState:
 
     def retire(self, *, current_round: int) -> int:
         """End the current incarnation: it grants nothing from the returned round on. Sign it
-        (`sign_retirement`) and store it; the next start (`reincarnate`) votes as the next incarnation."""
+        (`sign_retirement`) and store it; the next start (`reincarnate`) votes as the next incarnation.
+
+        The round is the one after the newest it accepted a value in, at least `current_round`, and at least
+        the newest it promised a ballot in: a round where it only promised is the one it retires from, with
+        that promise named (`retired_promise`), so that the ballots after it count their quorum without it."""
         if self.retired_from is not None:
             return self.retired_from
-        granted = self.granted_rounds()
-        self.retired_from = max(current_round, granted[-1] + 1 if granted else 0)
+        accepted = [r for r, v in self.rounds.items() if v.value is not None]
+        promised = [r for r, v in self.rounds.items() if v.promised != ZERO_BALLOT]
+        self.retired_from = max(current_round, max(accepted) + 1 if accepted else 0, max(promised, default=0))
         return self.retired_from
+
+    def retired_promise(self) -> Ballot | None:
+        """What the retired incarnation had promised in the round it retired from (None: nothing)."""
+        assert self.retired_from is not None, "retired_promise() before retire()"
+        vote = self.rounds.get(self.retired_from)
+        return vote.promised if vote is not None and vote.promised != ZERO_BALLOT else None
 
     def sign_retirement(self, signature: bytes) -> VoterRetirement:
         assert self.retired_from is not None, "sign_retirement() before retire()"
-        retirement = VoterRetirement(self.incarnation, self.retired_from, signature)
+        retirement = VoterRetirement(self.incarnation, self.retired_from, signature, self.retired_promise())
         self.retirements = [*self.retirements[-3:], retirement]
         return retirement
 
@@ -211,7 +223,8 @@ class AcceptorState:
                 "retired_from": self.retired_from,
                 "rounds": {str(r): v.to_json() for r, v in sorted(self.rounds.items())},
                 "past": {str(r): [inc, v.to_json()] for r, (inc, v) in sorted(self.past.items())},
-                "retirements": [[x.incarnation, x.from_round, x.signature.hex()] for x in self.retirements]}
+                "retirements": [[x.incarnation, x.from_round, x.signature.hex(),
+                                 None if x.promised is None else x.promised.to_json()] for x in self.retirements]}
 
     @classmethod
     def from_json(cls, raw: Any) -> AcceptorState:
@@ -237,7 +250,8 @@ class AcceptorState:
         try:
             parsed_rounds = {int(r): RoundVote.from_json(v) for r, v in rounds.items()}
             parsed_past = {int(r): (v[0], RoundVote.from_json(v[1])) for r, v in past.items()}
-            retirements = [VoterRetirement(int(i), int(f), bytes.fromhex(s)) for i, f, s in raw.get("retirements", [])]
+            retirements = [VoterRetirement(int(i), int(f), bytes.fromhex(s), None if p is None else Ballot.from_json(p))
+                           for i, f, s, p in raw.get("retirements", [])]
         except (TypeError, ValueError, IndexError, KeyError, AttributeError) as e:
             if isinstance(e, BallotError):
                 raise

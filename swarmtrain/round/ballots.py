@@ -277,9 +277,11 @@ def grant_statement(*, run: str, scope: str, round_index: int, ballot: Ballot, v
                                 voter.incarnation])
 
 
-def retire_statement(*, run: str, scope: str, voter: Voter, from_round: int) -> bytes:
-    """What a voter signs when it retires its incarnation: it grants nothing in rounds >= `from_round`."""
-    return _statement("retire", [run, scope, voter.peer_id, voter.incarnation, from_round])
+def retire_statement(*, run: str, scope: str, voter: Voter, from_round: int, promised: Ballot | None = None) -> bytes:
+    """What a voter signs when it retires its incarnation: it grants nothing in rounds >= `from_round`, and in
+    round `from_round` it had promised nothing above `promised` (None: nothing at all)."""
+    return _statement("retire", [run, scope, voter.peer_id, voter.incarnation, from_round,
+                                 None if promised is None else promised.to_json()])
 
 
 def value_to_propose(reports: Iterable[tuple[Ballot, Value | None]], own: Value) -> Value:

@@ -26,7 +26,8 @@ from swarmtrain.round.ballots import (
     retire_statement,
 )
 
-__all__ = ["Certificate", "CertificateError", "Retirement", "SignedGrant", "Verify", "check_certificate", "follow_chain"]
+__all__ = ["Certificate", "CertificateError", "Retirement", "SignedGrant", "Verify", "check_certificate",
+           "check_retirement", "counting", "follow_chain"]
 
 MAX_KEY_BYTES = 1024  # an RSA-2048 public key in DER is 294 bytes; ed25519 is 32
 MAX_SIGNATURE_BYTES = 1024
@@ -73,27 +74,46 @@ class SignedGrant:
 
 @dataclass(frozen=True)
 class Retirement:
-    """`voter` retired: it grants nothing in any round >= `from_round` (signature over `retire_statement`)."""
+    """`voter` retired: it grants nothing in any round >= `from_round`, and in round `from_round` it had promised
+    no ballot above `promised` (None: none at all); its signature over `retire_statement`.
+
+    A voter that promised a ballot of round r but accepted nothing there retires from r, naming that promise:
+    its retirement counts for the ballots above it (`counting`), not for those at or below, whose promise
+    quorums may hold its promise. A peer leaving after an aborted attempt is thus not counted in the round it
+    left in by the ballots that come after it."""
 
     voter: Voter
     from_round: int
     public_key: bytes
     signature: bytes
+    promised: Ballot | None = None
 
     def statement(self, *, run: str, scope: str) -> bytes:
-        return retire_statement(run=run, scope=scope, voter=self.voter, from_round=self.from_round)
+        return retire_statement(run=run, scope=scope, voter=self.voter, from_round=self.from_round,
+                                promised=self.promised)
+
+    def counts_for(self, round_index: int, ballot: Ballot) -> bool:
+        """Whether a quorum of `ballot` in round `round_index` is counted without this voter."""
+        return self.from_round < round_index or (self.from_round == round_index
+                                                 and (self.promised is None or self.promised < ballot))
 
     def to_json(self) -> list[Any]:
         return [self.voter.peer_id, self.voter.incarnation, self.from_round, self.public_key.hex(),
-                self.signature.hex()]
+                self.signature.hex(), None if self.promised is None else self.promised.to_json()]
 
     @classmethod
     def from_json(cls, raw: Any) -> Retirement:
-        if (not isinstance(raw, list) or len(raw) != 5 or not isinstance(raw[0], str) or not isinstance(raw[1], int)
-                or not isinstance(raw[2], int) or raw[2] < 0):
+        if (not isinstance(raw, list) or len(raw) != 6 or not isinstance(raw[0], str) or not isinstance(raw[1], int)
+                or isinstance(raw[1], bool) or not isinstance(raw[2], int) or isinstance(raw[2], bool) or raw[2] < 0):
             raise BallotError(f"retirement: malformed {raw!r:.80}")
         return cls(Voter(raw[0], raw[1]), raw[2], _bytes_field(raw[3], "retirement.public_key", MAX_KEY_BYTES),
-                   _bytes_field(raw[4], "retirement.signature", MAX_SIGNATURE_BYTES))
+                   _bytes_field(raw[4], "retirement.signature", MAX_SIGNATURE_BYTES),
+                   None if raw[5] is None else Ballot.from_json(raw[5]))
+
+
+def counting(retired: Mapping[Voter, Retirement], round_index: int, ballot: Ballot) -> dict[Voter, Retirement]:
+    """The retirements a quorum of `ballot` in round `round_index` is counted without (`Retirement.counts_for`)."""
+    return {v: r for v, r in retired.items() if r.counts_for(round_index, ballot)}
 
 
 def check_retirement(r: Retirement, *, run: str, scope: str, verify: Verify) -> None:
@@ -160,8 +180,9 @@ def check_certificate(cert: Certificate, *, run: str, voters: Sequence[Voter], v
     for r in cert.retirements:
         if r.voter not in eligible:
             raise CertificateError(f"retirement of {r.voter}, who is not a voter of round {v.round}")
-        if r.from_round > v.round:
-            raise CertificateError(f"{r.voter} retired from round {r.from_round}, after round {v.round}")
+        if not r.counts_for(v.round, cert.ballot):
+            raise CertificateError(f"the retirement of {r.voter} (from round {r.from_round}, promised "
+                                   f"{r.promised}) does not count for ballot {tuple(cert.ballot)} of round {v.round}")
         check_retirement(r, run=run, scope=v.scope, verify=verify)
         retired.add(r.voter)
     granted: set[Voter] = set()

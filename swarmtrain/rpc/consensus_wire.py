@@ -7,10 +7,11 @@ reaches a voter. Every call is authenticated like every other call of the data p
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -20,6 +21,7 @@ from grpc import aio
 from swarmtrain.round.ballots import ZERO_BALLOT, Ballot, BallotError, MaterialLayout, Value, Voter
 from swarmtrain.round.certificate import Certificate, Retirement, SignedGrant
 from swarmtrain.round.messages import AcceptReply, Contact, LearnReply, PrepareReply, VoterSink
+from swarmtrain.rpc.errors import RpcTimeout, status_name
 from swarmtrain.rpc.node import Rejected, RpcNode, RpcRejected, peer_of, remaining_s, status_of, translate
 from swarmtrain.wire import consensus_pb2 as pb
 
@@ -191,9 +193,26 @@ class GrpcConsensusTransport:
     """The caller's side over gRPC; run on the node's loop. Errors are RpcUnavailable / RpcTimeout /
     RpcRejected (a reply that does not parse is RpcRejected too)."""
 
-    def __init__(self, node: RpcNode) -> None:
+    def __init__(self, node: RpcNode, *, local: Callable[[], Mapping[str, VoterSink]] | None = None) -> None:
+        """`local()`: this node's own voters by scope; calls to this peer itself go to them directly (a member
+        asks its own voter too: no loopback round trip, no serialization)."""
         self.node = node
+        self.local = local
         self._stubs: dict[str, dict[str, Any]] = {}
+
+    def _own(self, to: Contact, scope: str) -> VoterSink | None:
+        if self.local is None or to.peer_id != self.node.peer_id:
+            return None
+        return self.local().get(scope)
+
+    async def _locally(self, work: Awaitable[T], timeout_s: float) -> T:
+        """A call to this peer's own voter, with the remote call's deadline and refusals."""
+        try:
+            return await asyncio.wait_for(work, timeout=max(timeout_s, 1e-3))
+        except TimeoutError:
+            raise RpcTimeout(f"DEADLINE_EXCEEDED: this peer's own voter did not answer in {timeout_s:.1f}s") from None
+        except Rejected as e:
+            raise RpcRejected(status_name(e), str(e)) from None
 
     def _stub(self, endpoint: str, method: str) -> Any:
         stubs = self._stubs.get(endpoint)
@@ -230,6 +249,10 @@ class GrpcConsensusTransport:
 
     async def prepare(self, to: Contact, *, scope: str, round_index: int, ballot: Ballot,
                       timeout_s: float) -> PrepareReply:
+        own = self._own(to, scope)
+        if own is not None:
+            return await self._locally(own.prepare(scope=scope, round_index=round_index, ballot=ballot,
+                                                   caller=self.node.peer_id), timeout_s)
         r = await self._unary(to, "Prepare", pb.PrepareRequest(scope=scope, round=round_index, ballot=_ballot(ballot)),
                               timeout_s)
         return _reply(to, lambda: PrepareReply(
@@ -239,6 +262,11 @@ class GrpcConsensusTransport:
 
     async def accept(self, to: Contact, *, scope: str, round_index: int, ballot: Ballot, value: Value,
                      holders: Sequence[Contact], timeout_s: float) -> AcceptReply:
+        own = self._own(to, scope)
+        if own is not None:
+            return await self._locally(own.accept(scope=scope, round_index=round_index, ballot=ballot, value=value,
+                                                  holders=list(holders)[:16], caller=self.node.peer_id,
+                                                  deadline_s=0.8 * timeout_s), timeout_s)
         req = pb.AcceptRequest(scope=scope, round=round_index, ballot=_ballot(ballot), value_json=_json(value),
                                holders=[pb.Contact(peer_id=h.peer_id, endpoint=h.endpoint) for h in holders])
         r = await self._unary(to, "Accept", req, timeout_s)

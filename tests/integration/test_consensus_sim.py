@@ -1,10 +1,11 @@
 """The round's decision under the deterministic simulation tester (swarmtrain/testing/sim): the production driver,
 matchmaking, all-reduce, voters, proposers, heals and checkpoints on virtual time, against fault schedules.
 
-Two scripted schedules reproduce wedges the decision had before it was consensus, and the tester is checked
+Three scripted schedules reproduce wedges the decision had before it was consensus, and the tester is checked
 to find them on those rules (`rules="legacy"`: the first asker gets a voter's one vote for good, nobody
-learns an outcome, a heal needs two peers ahead) and to find none on the rules shipped. Then 200 random
-schedules (5-9 peers, ±8 s skew, crashes and restarts, freezes, partitions, stale DHT reads, lost calls) must
+learns an outcome, a heal needs two peers ahead, a voter leaving after voting counts in its round) and to
+find none on the rules shipped. Then 200 random schedules (5-9 peers, ±8 s skew, crashes and restarts,
+freezes, partitions, stale DHT reads, lost calls, graceful leaves) must
 show no round with two states and every live peer committing soon after the faults stop; the 10,000-schedule
 run is `benchmarks/consensus_sim.py`.
 """
@@ -72,6 +73,28 @@ def test_a_whole_swarm_restarting_from_older_checkpoints_learns_the_rounds_it_re
     assert not legacy.safety and legacy.liveness, legacy.summary()  # every replayed round's votes were spent
 
 
+def _half_leave(rules: str) -> Schedule:
+    """4 peers; two leave gracefully for good right after promising a ballot of round 3 (an attempt they will not
+    finish): the other two must commit round 3 and go on."""
+    faults = tuple(Fault(at=0.0, kind="leave", peer=i, round=3) for i in (2, 3))
+    return Schedule(seed=0, peers=4, skews_s=(0.0,) * 4, faults=faults, faults_until_s=20.0, rules=rules)
+
+
+def test_half_the_voters_leaving_after_an_aborted_attempt_do_not_hold_the_round() -> None:
+    """Leavers used to count in the round they left in when they had voted in it, so half of them leaving that
+    way left the rest a half, never a majority. A retirement now names the ballot the leaver promised, and
+    counts for every ballot above it."""
+    legacy = run_schedule(_half_leave("legacy"))
+    assert len(legacy.notes) == 2 and all("left right after promising a ballot of round 3" in n
+                                          for n in legacy.notes)
+    assert not legacy.safety and legacy.liveness and legacy.rounds == 3, legacy.summary()
+
+    paxos = run_schedule(_half_leave("paxos"))
+    assert len(paxos.notes) == 2 and paxos.ok and paxos.rounds > 4, paxos.summary()
+    assert paxos.ledger is not None
+    assert {p for _, p, r, _, _ in paxos.ledger.commits if r == 3} == {"p00", "p01"}
+
+
 def test_random_schedules_wedge_the_legacy_rules() -> None:
     results = [run_schedule(dataclasses.replace(Schedule.draw(seed, faults_until_s=SUITE_FAULTS_UNTIL_S),
                                                 rules="legacy")) for seed in SUITE_SEEDS[:3]]
@@ -91,5 +114,5 @@ def test_200_random_fault_schedules_keep_one_state_per_round_and_recover() -> No
     failed = [r.summary() for r in results if not r.ok]
     assert not failed, failed
     kinds = {f.kind for r in results for f in r.schedule.faults}
-    assert kinds == {"crash", "freeze", "partition", "stale"}
+    assert kinds == {"crash", "freeze", "partition", "stale", "leave"}
     assert sum(r.rounds for r in results) > 200 * 5  # the swarms did train, round after round

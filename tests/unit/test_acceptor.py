@@ -183,20 +183,25 @@ def test_forget_before_raises_the_floor_and_drops_old_votes() -> None:
 
 # ---------------------------------------------------------------------------------------------- retirement
 
-@pytest.mark.parametrize(("granted", "current", "expected"), [
-    ((), 4, 4),            # nothing granted: from the current round
-    ((2,), 4, 4),          # granted in an older round only
-    ((4,), 4, 5),          # granted in the current round: the next one
-    ((4, 7), 4, 8),        # granted ahead of the current round: after the newest
-    ((7, 3), 0, 8),
+@pytest.mark.parametrize(("promised", "accepted", "current", "expected", "named"), [
+    ((), (), 4, 4, False),          # nothing granted: from the current round
+    ((2,), (), 4, 4, False),        # promised in an older round only
+    ((4,), (), 4, 4, True),         # promised in the current round: from it, naming the promise
+    ((), (4,), 4, 5, False),        # accepted in the current round: the next one
+    ((4, 7), (), 4, 7, True),       # promised ahead of the current round: from the newest, naming it
+    ((7,), (3,), 0, 7, True),
+    ((7,), (7,), 0, 8, False),      # accepted where it promised: after it
 ])
-def test_retire_from_the_round_after_the_newest_granted_and_at_least_the_current(
-        granted: tuple[int, ...], current: int, expected: int) -> None:
+def test_retire_from_the_round_after_the_newest_accept_or_at_the_newest_promise(
+        promised: tuple[int, ...], accepted: tuple[int, ...], current: int, expected: int, named: bool) -> None:
     st = _state()
-    for r in granted:
+    for r in promised:
         assert isinstance(st.prepare(r, B1, horizon=H), Promised)
+    for r in accepted:
+        assert isinstance(st.accept(r, B2, _value(r), horizon=H), Accepted)
     assert st.retire(current_round=current) == expected
     assert st.retired_from == expected
+    assert st.retired_promise() == (B1 if named else None)
 
 
 def test_an_accept_counts_as_granted_and_a_zero_promise_does_not() -> None:
@@ -209,7 +214,7 @@ def test_an_accept_counts_as_granted_and_a_zero_promise_does_not() -> None:
 
 def test_a_retired_voter_refuses_every_round_from_its_retirement_on() -> None:
     st = _state()
-    st.prepare(7, B1, horizon=H)
+    st.accept(7, B1, _value(7), horizon=H)
     assert st.retire(current_round=5) == 8
     for r in (8, 9, 10):
         for got in (st.prepare(r, B3, horizon=H), st.accept(r, B3, _value(r), horizon=H)):
@@ -220,6 +225,12 @@ def test_a_retired_voter_refuses_every_round_from_its_retirement_on() -> None:
     assert isinstance(st.accept(7, B2, _value(7), horizon=H), Accepted)
     # retiring twice keeps the first retirement
     assert st.retire(current_round=20) == 8
+    # a round where it only promised is retired from, the promise final: no later promise there
+    other = _state()
+    other.prepare(7, B1, horizon=H)
+    assert other.retire(current_round=5) == 7 and other.retired_promise() == B1
+    got = other.prepare(7, B3, horizon=H)
+    assert isinstance(got, Refused) and got.kind == "retired"
 
 
 def test_sign_retirement_keeps_the_last_four() -> None:
@@ -240,8 +251,8 @@ def test_reincarnate_starts_empty_and_keeps_the_retired_incarnations_votes_for_l
     st.accept(5, B3, v5, horizon=H)
     st.sign_accepted(5, b"sig5")
     st.accept(6, B2, v6, horizon=H)
-    st.prepare(7, B3, horizon=H)  # promised only
-    assert st.retire(current_round=6) == 8
+    st.prepare(7, B3, horizon=H)  # promised only: it retires from round 7, naming B3
+    assert st.retire(current_round=6) == 7 and st.retired_promise() == B3
     st.reincarnate()
     assert st.incarnation == 4
     assert st.rounds == {} and st.retired_from is None
@@ -271,7 +282,7 @@ def test_accepted_in_keeps_an_older_incarnations_value_when_a_later_one_only_pro
     assert st.retire(current_round=5) == 6
     st.reincarnate()  # incarnation 4, restarted at round 5: a prepare of round 5 still reaches it
     assert isinstance(st.prepare(5, B2, horizon=6), Promised)
-    assert st.retire(current_round=5) == 6
+    assert st.retire(current_round=5) == 5  # it only promised in round 5: from it, naming the promise
     st.reincarnate()  # incarnation 5
     got = st.accepted_in(5)
     # the newest incarnation that accepted a value in round 5 is incarnation 3
@@ -311,7 +322,7 @@ def test_json_round_trip() -> None:
     raw = json.loads(json.dumps(st.to_json()))
     assert raw["incarnation"] == 3 and raw["floor"] == 3 and raw["retired_from"] == 7
     assert sorted(raw["rounds"]) == ["5", "6"] and sorted(raw["past"]) == ["3"]  # round 4: only a promise
-    assert raw["retirements"] == [[2, 5, b"retired".hex()]]
+    assert raw["retirements"] == [[2, 4, b"retired".hex(), B2.to_json()]]  # from round 4, where it promised B2
     back = AcceptorState.from_json(raw)
     assert back == st
     assert back.accepted_in(3) == (2, RoundVote(B1, B1, _value(3, "a"), b"\x01\x02"))

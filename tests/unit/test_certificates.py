@@ -186,8 +186,26 @@ def test_signed_retirements_lower_the_quorum() -> None:
 
 
 def test_a_retirement_from_a_later_round_does_not_count() -> None:
-    with pytest.raises(CertificateError, match=r"p4#9 retired from round 6, after round 5"):
+    with pytest.raises(CertificateError, match=r"retirement of p4#9 \(from round 6, promised None\) does not count"):
         _check(_cert(V[:2], retirements=(_retirement(V[3], ROUND), _retirement(V[4], ROUND + 1))))
+
+
+def test_a_retirement_naming_a_promise_counts_only_for_the_ballots_above_it() -> None:
+    """A voter that promised a ballot of round r and then retired from r: a quorum of a ballot at or below that
+    promise may hold its promise, so only the ballots above it are counted without it."""
+    ballot = _cert(V[:2]).ballot
+    below = Ballot(ballot.attempt - 1, 0, 0, "older", "") if ballot.attempt else None
+    for promised, counts in ((Ballot(ballot.attempt + 1, 0, 0, "later", ""), False), (ballot, False),
+                             (below, True), (None, True)):
+        ident = IDS["p4"]
+        r = Retirement(V[4], ROUND, ident.public_key, ident.sign(retire_statement(
+            run=RUN, scope=SCOPE, voter=V[4], from_round=ROUND, promised=promised)), promised)
+        assert r.counts_for(ROUND, ballot) is counts and r.counts_for(ROUND + 1, ballot)
+        if counts:
+            _check(_cert(V[:2], retirements=(_retirement(V[3], ROUND), r)))
+        else:
+            with pytest.raises(CertificateError, match="does not count"):
+                _check(_cert(V[:2], retirements=(_retirement(V[3], ROUND), r)))
 
 
 def test_an_unsigned_or_foreign_retirement_does_not_count() -> None:

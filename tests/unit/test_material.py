@@ -27,8 +27,8 @@ from swarmtrain.round.ballots import BallotError, MaterialLayout, ShardDigest
 
 pytestmark = pytest.mark.unit
 
-SHA_ABC = "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"  # sha256(b"abc")
-SHA_EMPTY = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"  # sha256(b"")
+SHA_ABC = "6437b3ac38465133ffb63b75273a8db548c558465d79db03fd359c6cd5bd9d85"  # blake3(b"abc"), the reference vector
+SHA_EMPTY = "af1349b9f5f9a1a6a0404dea36dcc9499bcb25c9adc112b7cc9a93cae41f3262"  # blake3(b"")
 
 
 def _blobs(tag: int, n: int = 3) -> list[bytes]:
@@ -49,7 +49,7 @@ def _material(blobs: list[bytes]) -> Material:
 
 # ---------------------------------------------------------------------------------------------- layout
 
-def test_layout_of_names_each_shard_by_its_size_and_sha256() -> None:
+def test_layout_of_names_each_shard_by_its_size_and_blake3() -> None:
     layout = layout_of([b"abc", b"", memoryview(b"abc")], [(0, 3), (3, 3), (3, 10)], numel=10, codec="int8",
                        gather=True)
     assert layout == MaterialLayout(10, "int8", True, (ShardDigest(0, 3, 3, SHA_ABC), ShardDigest(3, 3, 0, SHA_EMPTY),

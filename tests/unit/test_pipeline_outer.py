@@ -82,7 +82,7 @@ class ScriptedPlane:
         assert self.donor is not None
         return self.donor, tuple(endpoints)
 
-    async def advanced(self, round_index: int) -> None:
+    async def advanced(self, round_index: int, *, keep_from: int | None = None) -> None:
         self.advanced_to.append(round_index)
 
     async def keep_certificate(self, cert: Certificate) -> None:

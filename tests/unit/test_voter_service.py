@@ -63,14 +63,19 @@ def test_a_retired_voter_grants_nothing_and_its_retirement_is_stored_before_it_i
         voter = _voter(store, now)
         assert (await voter.prepare(scope="", round_index=3, ballot=session_ballot(0, 0, "s"), caller="x")).granted
         retirement = await voter.retire(current_round=3)
-        # It promised in round 3: it retires from round 4, so round 3's quorums still count it.
-        assert retirement.from_round == 4 and json.loads(store.saved[""])["retired_from"] == 4
-        assert verify_signature(retirement.public_key, retire_statement(run=RUN, scope="", voter=retirement.voter,
-                                                                        from_round=4), retirement.signature)
+        # It promised in round 3 and accepted nothing there: it retires from round 3, naming the promise, so
+        # that only ballots above it are counted without it (a quorum of that ballot may hold its promise).
+        assert retirement.from_round == 3 and json.loads(store.saved[""])["retired_from"] == 3
+        assert retirement.promised == session_ballot(0, 0, "s")
+        assert verify_signature(retirement.public_key, retire_statement(
+            run=RUN, scope="", voter=retirement.voter, from_round=3, promised=retirement.promised),
+            retirement.signature)
         check_retirement(retirement, run=RUN, scope="", verify=lambda *_: True)
-        now[0] = 4
-        refused = await voter.prepare(scope="", round_index=4, ballot=session_ballot(1, 0, "t"), caller="x")
+        assert retirement.counts_for(3, session_ballot(1, 0, "t")) and not retirement.counts_for(
+            3, session_ballot(0, 0, "s"))
+        refused = await voter.prepare(scope="", round_index=3, ballot=session_ballot(1, 0, "t"), caller="x")
         assert not refused.granted and refused.refusal == "retired" and refused.retirement == retirement
+        now[0] = 4
         assert await voter.retire(current_round=9) == retirement  # again: the same, nothing new stored
         # The next start is a new incarnation that votes afresh; the retired one's promise is not its own.
         again = _voter(store, now)

@@ -4,8 +4,10 @@ one: a test of the tester (it must find the wedge those rules had).
 The rules: a voter gives its one vote of a round to the first session that asks (`prepare`), records it on
 disk and never releases it; it grants that session's value whatever it holds (no material needed); it tells
 nobody what it voted for or what was chosen (no learning, no certificates served), so a peer whose session
-lost can only heal from a state that two peers ahead announce. A schedule in which one member commits with
-the votes of peers whose own all-reduce then fails leaves those peers unable to commit or heal.
+lost can only heal from a state that two peers ahead announce; and a voter that leaves after voting in its
+round (an attempt that aborted) leaves from the next round, counted in this one. A schedule in which one
+member commits with the votes of peers whose own all-reduce then fails leaves those peers unable to commit
+or heal; one in which half the voters leave after an aborted attempt leaves the rest unable to commit.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pathlib import Path
 
 from swarmtrain.averaging.voting import VoterService
 from swarmtrain.round.ballots import Ballot, Value, grant_statement
-from swarmtrain.round.certificate import Certificate, SignedGrant
+from swarmtrain.round.certificate import Certificate, Retirement, SignedGrant
 from swarmtrain.round.messages import AcceptReply, Contact, LearnReply, PrepareReply
 
 __all__ = ["LegacyVoter"]
@@ -56,6 +58,11 @@ class LegacyVoter(VoterService):
                                   value_id=value.value_id, voter=self.voter)
         return AcceptReply(self.voter, True, grant=SignedGrant(self.voter, self.identity.public_key,
                                                                self.identity.sign(message)))
+
+    async def retire(self, *, current_round: int) -> Retirement:
+        if current_round in self.votes:  # it voted in its round: it leaves from the next one
+            current_round += 1
+        return await super().retire(current_round=current_round)
 
     async def learn(self, *, scope: str, round_index: int, caller: str) -> LearnReply:
         self._check_scope(scope)

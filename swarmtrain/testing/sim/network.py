@@ -78,7 +78,7 @@ class SimNetwork:
         self.calls = 0
         # Called as a call's answer reaches its caller, with (caller, callee node, the call's tag):
         # the seam for faults timed to one message (a reducer dying right after serving one member its mean).
-        self.answered: Callable[[str, SimNode, object], None] | None = None
+        self.answered: list[Callable[[str, SimNode, object], None]] = []
 
     def add(self, node: SimNode) -> None:
         self.nodes[node.endpoint] = node
@@ -136,8 +136,8 @@ class SimNetwork:
             await asyncio.sleep(self._latency())
             if not node.alive or not self.linked(src, node.peer_id):
                 raise RpcUnavailable(f"UNAVAILABLE: the answer from {endpoint} was lost")
-        if self.answered is not None:
-            self.answered(src, node, tag)
+        for hook in list(self.answered):
+            hook(src, node, tag)
         return result
 
     async def _handle(self, node: SimNode, fn: Callable[[SimNode], Awaitable[T]]) -> T:
@@ -213,7 +213,8 @@ class SimConsensusTransport:
     async def prepare(self, to: Contact, *, scope: str, round_index: int, ballot: Ballot,
                       timeout_s: float) -> PrepareReply:
         return await self.net.call(self.peer_id, to.endpoint, lambda n: self._voter(n).prepare(
-            scope=scope, round_index=round_index, ballot=ballot, caller=self.peer_id), timeout_s=timeout_s)
+            scope=scope, round_index=round_index, ballot=ballot, caller=self.peer_id), timeout_s=timeout_s,
+            tag=("prepare", round_index))
 
     async def accept(self, to: Contact, *, scope: str, round_index: int, ballot: Ballot, value: Value,
                      holders: Sequence[Contact], timeout_s: float) -> AcceptReply:

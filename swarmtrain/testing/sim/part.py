@@ -58,6 +58,7 @@ class SimPart:
         self._round = 0
         self._voters: tuple[Voter, ...] = ()
         self.certificates: list[Certificate] = []
+        self.saved: list[int] = []
         self.version = 0
         self.trained_rounds = 0
         self._digest = ""
@@ -86,6 +87,10 @@ class SimPart:
         meta = {"round": self._round, "voters": voters_to_json(self._voters),
                 "certificates": [c.to_json() for c in self.certificates[-4:]]}
         save_checkpoint(self.directory, tensors=tensors, meta=json.loads(json.dumps(meta)), keep=2)
+        self.saved = [*self.saved[-1:], self._round]  # the rounds of the 2 checkpoints kept, oldest first
+
+    def replay_from(self) -> int:
+        return self.saved[0] if self.saved else self._round
 
     @property
     def round(self) -> int:

@@ -28,7 +28,7 @@ from swarmtrain.compress import get_codec
 from swarmtrain.config import RunConfig
 from swarmtrain.diloco.flat import state_digest
 from swarmtrain.discovery import DiscoveryError, Heartbeat, PeerRecord
-from swarmtrain.driver.loop import RoundDriver
+from swarmtrain.driver.loop import RoundDriver, departure_record
 from swarmtrain.driver.part import CommittedState, Trained
 from swarmtrain.driver.presence import Presence
 from swarmtrain.round.ballots import Genesis, Value
@@ -102,8 +102,8 @@ class SimPlane:
     def incarnation(self) -> int:
         return self.voter.state.incarnation
 
-    async def advanced(self, round_index: int) -> None:
-        await self.voter.advanced(round_index)
+    async def advanced(self, round_index: int, *, keep_from: int | None = None) -> None:
+        await self.voter.advanced(round_index, keep_from=keep_from)
 
     async def keep_certificate(self, cert: Certificate) -> None:
         self.voter.certificates.add(cert)
@@ -141,6 +141,8 @@ class SimPeer:
         self.dht_latency_s = dht_latency_s
         self.rules = rules  # "paxos", or "legacy": the voting rules before the decision was consensus (legacy.py)
         self.alive = False
+        self.left = False  # left gracefully: never restarted
+        self.leaving: asyncio.Future[None] | None = None
         self.starts = 0
         self.tasks: list[asyncio.Task[object]] = []
         self.driver: RoundDriver | None = None
@@ -263,6 +265,22 @@ class SimPeer:
             e = task.exception()
             self.net.bugs.append(f"{self.peer_id}: {type(e).__name__}: {e}")
             log.error("%s: task failed", self.peer_id, exc_info=e)
+
+    async def leave(self) -> None:
+        """Leave gracefully, as a SIGTERM does: stop the rounds, retire the voter (stored, then announced in a
+        departure record, sealed like every record), stop; it does not come back."""
+        if not self.alive or self.driver is None or self.discovery is None:
+            return
+        self.stop.set()
+        driver, discovery = self.driver, self.discovery
+        with contextlib.suppress(Exception):  # best effort, as the daemon's leave is
+            retirements = await driver.retire()
+            record = departure_record(run_id=self.cfg.train.run_id, peer_id=self.peer_id,
+                                      retirements={"": retirements}, now=discovery.now())
+            await discovery.withdraw(timeout_s=self.cfg.rpc.call_timeout_s)
+            await discovery.announce_departure(record, timeout_s=self.cfg.rpc.call_timeout_s)
+        self.left = True
+        self.crash()
 
     def crash(self) -> None:
         """Die at once: every task cancelled, nothing but the directory kept."""

@@ -1,12 +1,12 @@
 """The deterministic simulation tester: a seed draws a swarm (5-9 peers, clocks skewed by up to ±8 s) and a
-schedule of faults (crashes and restarts at any moment, frozen peers, partitions, stale DHT reads, lost calls),
-runs the production round code against it on virtual time, and checks the outcome:
+schedule of faults (crashes and restarts at any moment, frozen peers, partitions, stale DHT reads, lost calls,
+graceful leaves for good), runs the production round code against it on virtual time, and checks the outcome:
 
 * **safety**: no round has two states anywhere: every commit of round r, on any peer and any incarnation,
   leads to one state digest, and every state held at a round (committed into, or adopted by a heal) is that
   one;
-* **liveness**: once the faults stop (every peer restarted, every link and clock back), every peer commits
-  a round past the newest committed before, within `liveness_spans` attempt spans;
+* **liveness**: once the faults stop (every crashed peer restarted, every link and clock back), every peer that
+  did not leave commits a round past the newest committed before, within `liveness_spans` attempt spans;
 * **no spinning**: no peer's driver attempts more than `MAX_ATTEMPTS_PER_SPAN` rounds per attempt span, and
   the loop never runs long without virtual time moving;
 * no handler or task failed with an error of the code's own (a bug, not a network fault).
@@ -59,7 +59,9 @@ class Fault:
     """At virtual time `at`: `kind` one of crash (restart `down_s` later), freeze (for `down_s`), partition
     (into `sides` until `down_s` later), stale (DHT reads stale with probability `rate` for `down_s`), or
     mean_crash: from `at` on, `peer` crashes as soon as its answer with a mean of round `round` reaches peer
-    `to` (restarting `down_s` later): a reducer dying between serving one member and the others."""
+    `to` (restarting `down_s` later): a reducer dying between serving one member and the others; leave: `peer`
+    leaves gracefully (its voter retires, its departure is announced) for good, at `at`, or (with `round` >= 0)
+    as soon as it has promised a ballot of round `round`, after `at`."""
 
     at: float
     kind: str
@@ -92,10 +94,13 @@ class Schedule:
         n = rng.randint(*peers)
         skews = tuple(round(rng.uniform(-max_skew_s, max_skew_s), 3) for _ in range(n))
         faults: list[Fault] = []
+        left: set[int] = set()
         t = rng.uniform(5.0, 15.0)
         while t < faults_until_s:
-            kind = rng.choice(("crash", "crash", "crash", "freeze", "partition", "stale"))
+            kind = rng.choice(("crash", "crash", "crash", "freeze", "partition", "stale", "leave"))
             down = rng.uniform(1.0, 25.0)
+            if kind == "leave" and len(left) + 3 >= n:  # at least 3 peers stay for good
+                kind = "crash"
             if kind == "partition":
                 members = list(range(n))
                 rng.shuffle(members)
@@ -103,6 +108,10 @@ class Schedule:
                 faults.append(Fault(t, kind, down_s=down, sides=(tuple(members[:cut]), tuple(members[cut:]))))
             elif kind == "stale":
                 faults.append(Fault(t, kind, down_s=down, rate=rng.uniform(0.1, 0.6)))
+            elif kind == "leave":
+                peer = rng.choice([i for i in range(n) if i not in left])
+                left.add(peer)
+                faults.append(Fault(t, kind, peer=peer))
             else:
                 faults.append(Fault(t, kind, peer=rng.randrange(n), down_s=down))
             t += rng.expovariate(1 / 8.0)
@@ -227,16 +236,21 @@ async def _faults(schedule: Schedule, peers: Sequence[SimPeer], net: SimNetwork,
 
 def _apply(f: Fault, on: bool, peers: Sequence[SimPeer], net: SimNetwork, registry: SimRegistry, now: float,
            notes: list[str]) -> None:
-    if f.kind == "mean_crash":
+    if f.kind == "leave":
+        if on and f.round < 0:
+            peers[f.peer].leaving = asyncio.ensure_future(peers[f.peer].leave())
+        elif on:
+            _leave_after_promise(f, peers, net, notes)
+    elif f.kind == "mean_crash":
         if on:
             _crash_after_mean(f, peers, net, notes)
-        elif not peers[f.peer].alive:
+        elif not peers[f.peer].alive and not peers[f.peer].left:
             peers[f.peer].start()
     elif f.kind == "crash":
         peer = peers[f.peer]
         if on:
             peer.crash()
-        elif not peer.alive:
+        elif not peer.alive and not peer.left:
             peer.start()
     elif f.kind == "freeze":
         if on:
@@ -259,12 +273,25 @@ def _crash_after_mean(f: Fault, peers: Sequence[SimPeer], net: SimNetwork, notes
 
     def answered(caller: str, node: SimNode, tag: object) -> None:
         if caller == to and node.peer_id == victim.peer_id and tag == ("mean", f.round) and victim.alive:
-            net.answered = None
+            net.answered.remove(answered)
             victim.crash()
             notes.append(f"{victim.peer_id} crashed right after serving {to} its mean of round {f.round} at "
                          f"t={asyncio.get_running_loop().time():.2f}")
 
-    net.answered = answered
+    net.answered.append(answered)
+
+
+def _leave_after_promise(f: Fault, peers: Sequence[SimPeer], net: SimNetwork, notes: list[str]) -> None:
+    leaver = peers[f.peer]
+
+    def answered(caller: str, node: SimNode, tag: object) -> None:
+        if node.peer_id == leaver.peer_id and tag == ("prepare", f.round) and leaver.alive:
+            net.answered.remove(answered)
+            notes.append(f"{leaver.peer_id} left right after promising a ballot of round {f.round} to {caller} at "
+                         f"t={asyncio.get_running_loop().time():.2f}")
+            leaver.leaving = asyncio.ensure_future(leaver.leave())
+
+    net.answered.append(answered)
 
 
 async def _end_faults(peers: Sequence[SimPeer], net: SimNetwork, registry: SimRegistry) -> None:
@@ -274,7 +301,7 @@ async def _end_faults(peers: Sequence[SimPeer], net: SimNetwork, registry: SimRe
     net.drop = 0.0
     registry.stale = 0.0
     for p in peers:
-        if not p.alive:
+        if not p.alive and not p.left:
             p.start()
 
 
@@ -282,7 +309,7 @@ async def _until_recovered(peers: Sequence[SimPeer], *, past: int, limit_s: floa
     loop = asyncio.get_running_loop()
     start = loop.time()
     while loop.time() - start < limit_s:
-        if all(p.part is not None and p.part.round > past for p in peers):
+        if all(p.part is not None and p.part.round > past for p in peers if not p.left):
             return round(loop.time() - start, 3)
         await asyncio.sleep(0.5)
     return None
