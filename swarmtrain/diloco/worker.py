@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -26,6 +27,7 @@ from swarmtrain.diloco.inner import (
 )
 from swarmtrain.diloco.outer import STEP_SLICE, OuterOptimizer, count_non_finite
 from swarmtrain.diloco.pace import RoundBudget
+from swarmtrain.diloco.precision import Precision
 from swarmtrain.diloco.steps import BatchStream, Carry, DeltaError, InnerStats, InnerStep, RoundReport
 
 __all__ = ["BatchStream", "Carry", "DeltaError", "DilocoWorker", "InnerStats", "InnerStep", "RoundReport", "resolve_device"]
@@ -76,6 +78,9 @@ class DilocoWorker:
         self.device = device if device is not None else resolve_device(cfg.train.device)
         self.model = model.to(self.device)
         self.forward_module = forward_module if forward_module is not None else self.model
+        if cfg.train.compile:
+            self.forward_module = torch.compile(self.forward_module)
+        self.precision = Precision(cfg.train.precision, device=self.device)
         self.params: list[nn.Parameter] = list(self.model.parameters())
         self.batches = batches
         self.after_round = after_round
@@ -177,20 +182,44 @@ class DilocoWorker:
     def _inner_step(self, loss_sum: torch.Tensor) -> int:
         x, y = next(self.batches)
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-        with torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
-            _, loss = self.forward_module(x, y)
-        loss.backward()
+        loss = self._forward_backward(x, y)
         if self.cfg.inner.grad_clip > 0:
+            self.precision.unscale_(self.inner)
             torch.nn.utils.clip_grad_norm_(self.params, self.cfg.inner.grad_clip)
         factor = lr_factor(self.schedule_step(), cfg=self.cfg.inner, total_steps=self.total_inner_steps)
         set_lr(self.inner, self.cfg.inner.lr * factor)
-        self.inner.step()
+        self.precision.step(self.inner)
         self.inner.zero_grad(set_to_none=True)
         self._local_version += 1
         self.inner_step += 1
         self.round_step += 1
         loss_sum += loss.detach().float()
         return y.numel()
+
+    def _forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The step's gradients, in passes of `data.micro_batch_size` sequences (one pass by default); returns
+        the batch's mean loss. Each pass's loss is weighted by its share of the batch, so the gradients add
+        up to the whole batch's."""
+        size = self.cfg.data.pass_size
+        if size >= x.shape[0]:
+            with self.precision.autocast():
+                _, loss = self.forward_module(x, y)
+            self.precision.backward(loss)
+            return loss.detach()
+        total = torch.zeros((), device=self.device)
+        starts = range(0, x.shape[0], size)
+        for i, lo in enumerate(starts):
+            last = i == len(starts) - 1
+            # A local island's DDP all-reduces once, after the last pass
+            sync = contextlib.nullcontext() if last or not hasattr(self.forward_module, "no_sync") \
+                else self.forward_module.no_sync()
+            with sync:
+                with self.precision.autocast():
+                    _, loss = self.forward_module(x[lo:lo + size], y[lo:lo + size])
+                part = loss * (min(size, x.shape[0] - lo) / x.shape[0])
+                self.precision.backward(part)
+            total += part.detach().float()
+        return total
 
     def schedule_step(self) -> int:
         """The inner schedule's position: the swarm's progress, not this peer's step count.
@@ -434,7 +463,7 @@ class DilocoWorker:
         self.model.eval()
         total = torch.zeros((), device=self.device)
         for x, y in batches:
-            with torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
+            with self.precision.autocast():
                 _, loss = self.model(x.to(self.device), y.to(self.device))
             total += loss.float()
         return float(total.item()) / len(batches)
@@ -540,7 +569,7 @@ class DilocoWorker:
             "format": STATE_FORMAT, "round": self.round, "inner_step": self.inner_step,
             "round_step": self.round_step, "numel": self.numel,
             "inner_optimizer": inner_meta, "data": data_state, "members": list(self.members),
-            "eager": self._eager.state(),
+            "eager": self._eager.state(), "grad_scaler": self.precision.state(),
         }
         return tensors, meta
 
@@ -576,6 +605,7 @@ class DilocoWorker:
                 raise ValueError("worker state has a data position but this batch stream cannot be resumed")
             self.batches.load_state_dict(meta["data"])
         self._rng_state = tensors["rng.cpu"].clone()
+        self.precision.load_state(meta.get("grad_scaler"))
         self.round = int(meta["round"])
         # Written before commits recorded their members: unknown, so the next round falls back to the group rule.
         self.members = tuple(str(m) for m in meta.get("members", ()))
