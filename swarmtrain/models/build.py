@@ -7,7 +7,7 @@ from torch import nn
 from swarmtrain.config import ModelConfig
 from swarmtrain.models.gpt import build_gpt, load_init_weights
 
-__all__ = ["build_model"]
+__all__ = ["build_model", "count_params"]
 
 
 def build_model(cfg: ModelConfig, *, seed: int | None = None, activation_checkpointing: bool = False) -> nn.Module:
@@ -55,3 +55,30 @@ def _enable_checkpointing(model: nn.Module) -> None:
         model.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     else:
         model.activation_checkpointing = True
+
+
+def count_params(cfg: ModelConfig) -> int:
+    """Parameters of `cfg`'s model (a tied head counted once), built on the meta device: nothing allocated."""
+    import torch
+
+    if cfg.arch == "hf":
+        from swarmtrain.extras import require
+        from swarmtrain.models.hf import read_hf_source
+
+        transformers = require("transformers", purpose="model.arch = 'hf'")
+        fields = dict(read_hf_source(cfg.hf_path).fields)
+        fields = {k: v for k, v in fields.items() if k not in ("transformers_version", "_name_or_path")}
+        config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+        with torch.device("meta"):
+            model: nn.Module = transformers.AutoModelForCausalLM.from_config(config)
+    elif cfg.arch == "llama":
+        from swarmtrain.models.llama import Llama, llama_shape
+
+        with torch.device("meta"):
+            model = Llama(llama_shape(cfg), vocab_size=cfg.vocab_size, tie_embeddings=cfg.tie_embeddings)
+    else:
+        from swarmtrain.models.gpt import GPT, resolve_shape
+
+        with torch.device("meta"):
+            model = GPT(resolve_shape(cfg), vocab_size=cfg.vocab_size)
+    return sum(p.numel() for p in model.parameters())

@@ -28,8 +28,10 @@ import torch
 from swarmtrain.averaging.group import Group
 from swarmtrain.averaging.protocol import AverageResult
 from swarmtrain.compress import Codec, codec_from_config
-from swarmtrain.config import RunConfig
+from swarmtrain.config import RunConfig, public_dict
 from swarmtrain.data import eval_batches, load_corpus
+from swarmtrain.data.evaluation import bits_per_byte, bytes_per_token, perplexity
+from swarmtrain.data.tokenizer import load_tokenizer
 from swarmtrain.diloco import DilocoWorker, resolve_device
 from swarmtrain.diloco.flat import param_shapes
 from swarmtrain.diloco.pace import Pace, RoundBudget
@@ -41,6 +43,7 @@ from swarmtrain.discovery import (
     PeerRecord,
 )
 from swarmtrain.models import build_model
+from swarmtrain.models.spec import check_run
 from swarmtrain.peer.config import merge_run_config
 from swarmtrain.peer.data import choose_shard, peer_batches, peer_seed, saved_slot
 from swarmtrain.peer.healing import Healing
@@ -108,6 +111,7 @@ class Peer(OverlappedRounds, Healing, Watching):
         self._prematching: asyncio.Future[None] | None = None  # the latest prematch a round's budget alarm started
         self.plane: DataPlane | None = None
         self.val_batches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._val_bytes_per_token = 1.0  # of the validation text: val_loss in bits per byte
         self.endpoint = ""
         self.phase = "starting"
         self.last_loss: float | None = None
@@ -136,7 +140,8 @@ class Peer(OverlappedRounds, Healing, Watching):
         discovery = await self.services.open_discovery(dcfg, run_id=self.local.train.run_id,
                                                        run_key=resolve_run_key(self.local.rpc.run_key))
         self.discovery = discovery
-        self.cfg = merge_run_config(await self._fetch_run(), self.local, local_overrides=self.local_overrides)
+        # Resolved against this peer's own files: a model or tokenizer that differs from the run's is refused
+        self.cfg = check_run(merge_run_config(await self._fetch_run(), self.local, local_overrides=self.local_overrides))
         check_worker_budget(self.cfg)
         if self.cfg.train.threads:
             torch.set_num_threads(self.cfg.train.threads)
@@ -185,7 +190,9 @@ class Peer(OverlappedRounds, Healing, Watching):
         batches = peer_batches(cfg, corpus.train, peer_id)
         self.val_batches = eval_batches(corpus.val, batch_size=cfg.data.batch_size, seq_len=cfg.data.seq_len,
                                         num_batches=cfg.diloco.eval_batches)
-        model = build_model(cfg.model, seed=cfg.train.seed)  # every peer starts from the same θ
+        self._val_bytes_per_token = bytes_per_token(self.val_batches, load_tokenizer(cfg.data.tokenizer))
+        # every peer starts from the same θ
+        model = build_model(cfg.model, seed=cfg.train.seed, activation_checkpointing=cfg.train.activation_checkpointing)
         return DilocoWorker(cfg, model=model, batches=batches, device=resolve_device(cfg.train.device),
                             codec=codec, rng_seed=peer_seed(cfg.train.seed + 1, peer_id), on_step=self.on_step)
 
@@ -473,7 +480,9 @@ class Peer(OverlappedRounds, Healing, Watching):
             val_loss=val_loss, hash=worker.global_hash(), bytes_sent=result.bytes_sent,
             bytes_received=result.bytes_received, compute_s=round(pending.compute_s, 4), comm_s=round(comm_s, 4),
             peer=self._peer_id, reason=result.reason, steps=pending.steps,
-            alone_s=0.0 if len(result.members) > 1 else self._presence().alone_s()))
+            alone_s=0.0 if len(result.members) > 1 else self._presence().alone_s(),
+            val_ppl=None if val_loss is None else perplexity(val_loss),
+            val_bpb=None if val_loss is None else bits_per_byte(val_loss, bytes_per_token=self._val_bytes_per_token)))
         pending.compute_s, pending.steps = 0.0, 0  # a retry of the round reports only its own communication
         if result.committed and self._due(worker.round)[1]:
             await self._checkpoint()
@@ -548,7 +557,8 @@ class Peer(OverlappedRounds, Healing, Watching):
         tensors, meta = self.worker.state_dict(copy=False)
         full_meta = {"run_id": self.cfg.train.run_id, "run_nonce": self.cfg.train.run_nonce,
                      "peer_id": self._peer_id, "worker": meta,
-                     "hash": self.worker.global_hash(), "saved_unix_s": time.time()}
+                     "hash": self.worker.global_hash(), "saved_unix_s": time.time(),
+                     "run_config": public_dict(self.cfg)}  # what `swarmtrain export` rebuilds the model from
         return await asyncio.to_thread(save_checkpoint, self.cfg.checkpoint.dir, tensors=tensors, meta=full_meta,
                                        keep=self.cfg.checkpoint.keep)
 

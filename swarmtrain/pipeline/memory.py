@@ -34,11 +34,10 @@ def stage_params(cfg: ModelConfig, stages: int) -> list[int]:
 
 
 def worker_bytes(cfg: ModelConfig) -> int:
-    """A DiLoCo worker: the whole model's training state and its outer state."""
-    shape = resolve_shape(cfg)
-    with torch.device("meta"):
-        ends = sum(p.numel() for p in TrainerEnds(shape, vocab_size=cfg.vocab_size).parameters())
-    return (ends + sum(stage_params(cfg, 1))) * (_TRAIN_BYTES + _OUTER_BYTES)
+    """A DiLoCo worker: the whole model's training state and its outer state (any `model.arch`)."""
+    from swarmtrain.models.build import count_params
+
+    return count_params(cfg) * (_TRAIN_BYTES + _OUTER_BYTES)
 
 
 def trainer_bytes(cfg: ModelConfig) -> int:

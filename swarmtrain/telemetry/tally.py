@@ -80,7 +80,8 @@ class Tally:
                 self._stats = _replace(s, tokens=s.tokens + tokens, compute_s=s.compute_s + event.compute_s,
                                        tokens_per_s=tokens / event.compute_s if event.compute_s > 0 else s.tokens_per_s,
                                        loss=event.loss if event.loss is not None else s.loss,
-                                       val_loss=event.val_loss if event.val_loss is not None else s.val_loss)
+                                       val_loss=event.val_loss if event.val_loss is not None else s.val_loss,
+                                       val_bpb=event.val_bpb if event.val_bpb is not None else s.val_bpb)
                 if event.steps:
                     self.steps += event.steps
                     for _ in range(event.steps):
