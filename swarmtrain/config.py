@@ -97,8 +97,8 @@ class RunConfig:
                   f"{self.pipeline.stages} stages for a model of {n_layer} blocks: a stage holds at least one")
             check(self.diloco.fragments <= n_layer, "diloco.fragments",
                   f"{self.diloco.fragments} fragments for a model of {n_layer} blocks: a fragment holds at least one")
-        check(m.arch == "gpt" or self.pipeline.stages == 0, "pipeline.stages",
-              f"a pipeline cuts the built-in gpt into stages; model.arch = {m.arch!r} trains data-parallel only")
+        check(m.arch != "hf" or self.pipeline.stages == 0, "pipeline.stages",
+              "a pipeline cuts the built-in gpt or llama into stages; model.arch = 'hf' trains data-parallel only")
         check(self.diloco.fragments == 1 or self.pipeline.stages == 0, "diloco.fragments",
               "must be 1 with pipeline.stages > 0 (a stage's holders average whole stages)")
         check(not (self.averaging.gathers(self.compress.codec) and self.averaging.aggregator != "mean"), "averaging.aggregator",
