@@ -58,7 +58,7 @@ def test_config_errors_name_the_field() -> None:
         (["model.arch=gpt", "model.n_kv_head=2"], "model.n_kv_head: is a llama field"),
         (["model.arch=hf"], "model.hf_path: must name"),
         (["model.hf_path=x.json"], "model.hf_path: is only used with model.arch = 'hf'"),
-        (["model.arch=llama", "pipeline.stages=2"], "pipeline.stages: a pipeline cuts the built-in gpt"),
+        (["model.arch=hf", "model.hf_path=c.json", "pipeline.stages=2"], "pipeline.stages: a pipeline cuts the built-in"),
         (["data.batch_size=8", "data.micro_batch_size=3"], "data.micro_batch_size: 3 does not divide"),
         (["data.shards=x", "data.paths=['y']"], "data.shards: excludes data.paths"),
         (["train.precision=fp8"], "train.precision: 'fp8' is not one of"),
