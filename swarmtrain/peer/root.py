@@ -210,6 +210,10 @@ class Peer(OverlappedRounds, Healing, Watching):
             raise PeerError(f"{loaded.path}: checkpoint is of another run of {self.cfg.train.run_id!r} (nonce "
                             f"{loaded.meta.get('run_nonce', '')!r}, this run's is {self.cfg.train.run_nonce!r}); "
                             "use another --checkpoint-dir")
+        saved = (loaded.meta.get("run_config") or {}).get("model", {}).get("fingerprint", "")
+        if saved and self.cfg.model.fingerprint and saved != self.cfg.model.fingerprint:
+            raise PeerError(f"{loaded.path}: checkpoint is of another model (fingerprint {saved[:12]}, this run's "
+                            f"{self.cfg.model.fingerprint[:12]}); use another --checkpoint-dir")
         return loaded
 
     def current_state(self, *, copy: bool = True) -> PeerState:
