@@ -23,6 +23,7 @@ import json
 import multiprocessing as mp
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -132,7 +133,8 @@ def run_job(job: Job) -> dict[str, Any]:
         result = simulate_diloco(cfg, train_tokens=corpus.train, val_tokens=corpus.val, num_workers=job.workers,
                                  average_all=group.average_all, codec=codec, **start)
     out = result.to_json(cfg)
-    out.update(arm=arm.name, corpus=corpus_label(job.corpus), seed=job.seed, tokenizer=cfg.data.tokenizer)
+    out.update(arm=arm.name, corpus=corpus_label(job.corpus), seed=job.seed, tokenizer=cfg.data.tokenizer,
+               tokenizer_sha256=load_tokenizer(cfg.data.tokenizer).info.hash)
     out["val_bytes_per_token"] = bytes_per_token(
         eval_batches(corpus.val, batch_size=cfg.data.batch_size, seq_len=cfg.data.seq_len,
                      num_batches=cfg.diloco.eval_batches), load_tokenizer(cfg.data.tokenizer))
@@ -333,7 +335,8 @@ def parse_args() -> argparse.Namespace:
 
 
 def bpe_overrides(args: argparse.Namespace) -> tuple[str, ...]:
-    """With --bpe-vocab: a BPE trained on the training part of tinyshakespeare (written beside the results)."""
+    """With --bpe-vocab: a BPE trained on the training part of tinyshakespeare (in a temp directory; the
+    training is deterministic, and the results record the file's sha256)."""
     if not args.bpe_vocab:
         return ()
     from swarmtrain.config import DataConfig
@@ -341,8 +344,7 @@ def bpe_overrides(args: argparse.Namespace) -> tuple[str, ...]:
 
     text = args.shakespeare.read_text(encoding="utf-8")
     train_part = text[: int(len(text) * (1 - DataConfig().val_fraction))]
-    path = args.out / f"{args.tag}-tokenizer.json"
-    args.out.mkdir(parents=True, exist_ok=True)
+    path = Path(tempfile.mkdtemp(prefix="swarmtrain-bpe-")) / "tokenizer.json"
     size = train_bpe(iter([train_part[i:i + 65536] for i in range(0, len(train_part), 65536)]),
                      vocab_size=args.bpe_vocab, out=path)
     return f"data.tokenizer={json.dumps(str(path))}", f"model.vocab_size={size}"

@@ -33,8 +33,17 @@ def _checkpoint(tmp_path: Path, *overrides: str, run_config: bool = True) -> tup
     return directory, model.eval()
 
 
-@pytest.mark.parametrize("arch", [["model.arch=gpt"], ["model.arch=llama"], ["model.arch=llama", "model.tie_embeddings=true"]])
+HF_CONFIG = {"model_type": "llama", "vocab_size": 256, "hidden_size": 32, "intermediate_size": 64,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+             "tie_word_embeddings": True}
+
+
+@pytest.mark.parametrize("arch", [["model.arch=gpt"], ["model.arch=llama"], ["model.arch=llama", "model.tie_embeddings=true"],
+                                  ["model.arch=hf"]])
 def test_exports_load_with_transformers_and_give_the_same_logits(tmp_path: Path, arch: list[str]) -> None:
+    if arch == ["model.arch=hf"]:
+        (tmp_path / "config.json").write_text(json.dumps(HF_CONFIG))
+        arch = [*arch, f"model.hf_path={json.dumps(str(tmp_path / 'config.json'))}"]
     directory, model = _checkpoint(tmp_path, *arch)
     out = export_checkpoint(directory, tmp_path / "home")
     theirs = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
