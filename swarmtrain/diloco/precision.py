@@ -1,4 +1,4 @@
-"""`train.precision`: the autocast dtype of a peer's forward and backward, and fp16's gradient scaler.
+"""How an inner step computes: `train.precision` (autocast dtype, fp16's gradient scaler) and micro-batches.
 
 Weights, gradients, optimizer states and θ_global stay fp32 whatever the setting: autocast only runs the
 matrix products (and what torch lists with them) in the lower precision. fp16's narrow range needs the
@@ -14,8 +14,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch import nn
 
-__all__ = ["Precision"]
+__all__ = ["Precision", "forward_backward"]
 
 log = logging.getLogger(__name__)
 
@@ -65,3 +66,28 @@ class Precision:
     def load_state(self, state: dict[str, Any] | None) -> None:
         if self.scaler is not None and state:
             self.scaler.load_state_dict(state)
+
+
+def forward_backward(module: nn.Module, x: torch.Tensor, y: torch.Tensor, *, pass_size: int,
+                     precision: Precision) -> torch.Tensor:
+    """A step's gradients, in passes of `pass_size` sequences (`data.micro_batch_size`; one pass when it
+    covers the batch); returns the batch's mean loss. Each pass's loss is weighted by its share of the batch,
+    so the gradients add up to the whole batch's, whatever the split."""
+    if pass_size >= x.shape[0]:
+        with precision.autocast():
+            _, loss = module(x, y)
+        precision.backward(loss)
+        return loss.detach()
+    total = torch.zeros((), device=x.device)
+    starts = range(0, x.shape[0], pass_size)
+    for i, lo in enumerate(starts):
+        last = i == len(starts) - 1
+        # A local island's DDP all-reduces once, after the last pass
+        sync = contextlib.nullcontext() if last or not hasattr(module, "no_sync") else module.no_sync()
+        with sync:
+            with precision.autocast():
+                _, loss = module(x[lo:lo + pass_size], y[lo:lo + pass_size])
+            part = loss * (min(pass_size, x.shape[0] - lo) / x.shape[0])
+            precision.backward(part)
+        total += part.detach().float()
+    return total

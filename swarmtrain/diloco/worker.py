@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -27,7 +26,7 @@ from swarmtrain.diloco.inner import (
 )
 from swarmtrain.diloco.outer import STEP_SLICE, OuterOptimizer, count_non_finite
 from swarmtrain.diloco.pace import RoundBudget
-from swarmtrain.diloco.precision import Precision
+from swarmtrain.diloco.precision import Precision, forward_backward
 from swarmtrain.diloco.steps import BatchStream, Carry, DeltaError, InnerStats, InnerStep, RoundReport
 
 __all__ = ["BatchStream", "Carry", "DeltaError", "DilocoWorker", "InnerStats", "InnerStep", "RoundReport", "resolve_device"]
@@ -182,7 +181,7 @@ class DilocoWorker:
     def _inner_step(self, loss_sum: torch.Tensor) -> int:
         x, y = next(self.batches)
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-        loss = self._forward_backward(x, y)
+        loss = forward_backward(self.forward_module, x, y, pass_size=self.cfg.data.pass_size, precision=self.precision)
         if self.cfg.inner.grad_clip > 0:
             self.precision.unscale_(self.inner)
             torch.nn.utils.clip_grad_norm_(self.params, self.cfg.inner.grad_clip)
@@ -195,31 +194,6 @@ class DilocoWorker:
         self.round_step += 1
         loss_sum += loss.detach().float()
         return y.numel()
-
-    def _forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """The step's gradients, in passes of `data.micro_batch_size` sequences (one pass by default); returns
-        the batch's mean loss. Each pass's loss is weighted by its share of the batch, so the gradients add
-        up to the whole batch's."""
-        size = self.cfg.data.pass_size
-        if size >= x.shape[0]:
-            with self.precision.autocast():
-                _, loss = self.forward_module(x, y)
-            self.precision.backward(loss)
-            return loss.detach()
-        total = torch.zeros((), device=self.device)
-        starts = range(0, x.shape[0], size)
-        for i, lo in enumerate(starts):
-            last = i == len(starts) - 1
-            # A local island's DDP all-reduces once, after the last pass
-            sync = contextlib.nullcontext() if last or not hasattr(self.forward_module, "no_sync") \
-                else self.forward_module.no_sync()
-            with sync:
-                with self.precision.autocast():
-                    _, loss = self.forward_module(x[lo:lo + size], y[lo:lo + size])
-                part = loss * (min(size, x.shape[0] - lo) / x.shape[0])
-                self.precision.backward(part)
-            total += part.detach().float()
-        return total
 
     def schedule_step(self) -> int:
         """The inner schedule's position: the swarm's progress, not this peer's step count.
