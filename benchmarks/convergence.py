@@ -9,6 +9,11 @@ saves JSON + a loss-vs-tokens PNG under benchmarks/results/.
     python benchmarks/convergence.py --codecs int8 int4+ef # extra DiLoCo arms at H=50
     python benchmarks/convergence.py --inner-steps --codecs int8 sparse+ef+d=0.01+beta=0.95+mom=0+nest=false  # sparse vs int8
     python benchmarks/convergence.py --diloco-variant outer.lr=1.0,outer.momentum=0.8  # a tuning arm at H=50
+    python benchmarks/convergence.py --corpora shakespeare --bpe-vocab 2048 --set model.arch=llama  # llama + a BPE
+
+Every run also reports the final val loss in bits per byte of the validation text (comparable across
+tokenizers); `--bpe-vocab N` trains a byte-level BPE of N tokens on the training part of tinyshakespeare
+(the validation part is its last `data.val_fraction`) and tokenizes the corpora with it.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import json
 import multiprocessing as mp
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -101,7 +107,9 @@ def run_job(job: Job) -> dict[str, Any]:
     from swarmtrain.averaging.inprocess import InProcessGroup
     from swarmtrain.compress import codec_from_config, get_codec
     from swarmtrain.config import load_config
-    from swarmtrain.data import load_corpus
+    from swarmtrain.data import eval_batches, load_corpus
+    from swarmtrain.data.evaluation import bits_per_byte, bytes_per_token
+    from swarmtrain.data.tokenizer import load_tokenizer
     from swarmtrain.diloco.simulation import simulate_ddp, simulate_diloco
 
     arm = job.arm
@@ -125,7 +133,12 @@ def run_job(job: Job) -> dict[str, Any]:
         result = simulate_diloco(cfg, train_tokens=corpus.train, val_tokens=corpus.val, num_workers=job.workers,
                                  average_all=group.average_all, codec=codec, **start)
     out = result.to_json(cfg)
-    out.update(arm=arm.name, corpus=corpus_label(job.corpus), seed=job.seed)
+    out.update(arm=arm.name, corpus=corpus_label(job.corpus), seed=job.seed, tokenizer=cfg.data.tokenizer,
+               tokenizer_sha256=load_tokenizer(cfg.data.tokenizer).info.hash)
+    out["val_bytes_per_token"] = bytes_per_token(
+        eval_batches(corpus.val, batch_size=cfg.data.batch_size, seq_len=cfg.data.seq_len,
+                     num_batches=cfg.diloco.eval_batches), load_tokenizer(cfg.data.tokenizer))
+    out["final_val_bpb"] = bits_per_byte(out["final_val_loss"], bytes_per_token=out["val_bytes_per_token"])
     if job.warm is not None:  # tokens count from the very start; the warm-start curve is shared by all arms
         out.update(warm_start_steps=job.warm.steps, warm_start_tokens=job.warm.tokens,
                    warm_start_val_loss=out["initial_val_loss"], initial_val_loss=job.warm.initial_val_loss)
@@ -183,6 +196,9 @@ def summarize(results: list[dict[str, Any]], arms: list[Arm]) -> list[dict[str, 
             bytes_ratio = statistics.mean(ddp[r["seed"]]["bytes_sent"] / r["bytes_sent"] for r in runs)
             rows.append({"corpus": corpus, "arm": arm.name, "seeds": len(runs),
                          "val_loss": statistics.mean(losses), "val_loss_min": min(losses), "val_loss_max": max(losses),
+                         "val_bpb": statistics.mean(r["final_val_bpb"] for r in runs),
+                         "bpb_ratio_to_ddp": statistics.mean(r["final_val_bpb"] / ddp[r["seed"]]["final_val_bpb"]
+                                                             for r in runs),
                          "loss_ratio_to_ddp": statistics.mean(ratios), "max_loss_ratio_to_ddp": max(ratios),
                          "bytes_sent": statistics.mean(r["bytes_sent"] for r in runs),
                          "ddp_bytes_over_arm": bytes_ratio, "tokens": runs[0]["tokens"]})
@@ -244,11 +260,13 @@ def codec_checks(results: list[dict[str, Any]], rows: list[dict[str, Any]], arms
 
 def print_table(rows: list[dict[str, Any]]) -> str:
     head = ("| corpus | arm | final val loss (mean, min–max over seeds) | loss / best DDP (mean; worst seed) "
-            "| bytes sent per worker | DDP bytes / arm bytes |\n|---|---|---|---|---|---|\n")
+            "| val bits/byte (/ best DDP) | bytes sent per worker | DDP bytes / arm bytes |\n"
+            "|---|---|---|---|---|---|---|\n")
     body = "".join(
         f"| {r['corpus']} | {r['arm']} | {r['val_loss']:.4f} ({r['val_loss_min']:.4f}–{r['val_loss_max']:.4f}) "
-        f"| {r['loss_ratio_to_ddp']:.4f}; {r['max_loss_ratio_to_ddp']:.4f} | {r['bytes_sent'] / 1e6:.1f} MB "
-        f"| {r['ddp_bytes_over_arm']:.1f}× |\n" for r in rows)
+        f"| {r['loss_ratio_to_ddp']:.4f}; {r['max_loss_ratio_to_ddp']:.4f} | {r['val_bpb']:.4f} "
+        f"({r['bpb_ratio_to_ddp']:.4f}) | {r['bytes_sent'] / 1e6:.1f} MB | {r['ddp_bytes_over_arm']:.1f}× |\n"
+        for r in rows)
     return head + body
 
 
@@ -272,7 +290,7 @@ def plot(results: list[dict[str, Any]], arms: list[Arm], path: Path) -> None:
             shown += mean[max(1, len(mean) // 8):]  # the y range skips the steep start, where arms agree
         ax.set_title(f"{corpus}: val loss vs tokens (mean of {len(runs)} seeds)")
         ax.set_xlabel("tokens (millions, all workers)")
-        ax.set_ylabel("validation loss (nats/byte)")
+        ax.set_ylabel("validation loss (nats/token)")
         if shown:
             ax.set_ylim(min(shown) - 0.02, max(shown) + 0.02)
         ax.grid(alpha=0.3)
@@ -310,7 +328,26 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--processes", type=int, default=2, help="worker processes (1 torch thread each)")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results", help="output directory")
     p.add_argument("--tag", default="convergence", help="file name stem of the JSON/PNG")
+    p.add_argument("--bpe-vocab", type=int, default=0,
+                   help="train a byte-level BPE of this many tokens on tinyshakespeare's training part and train "
+                        "every arm on its tokens (data.tokenizer, model.vocab_size); 0 = byte tokens")
     return p.parse_args()
+
+
+def bpe_overrides(args: argparse.Namespace) -> tuple[str, ...]:
+    """With --bpe-vocab: a BPE trained on the training part of tinyshakespeare (in a temp directory; the
+    training is deterministic, and the results record the file's sha256)."""
+    if not args.bpe_vocab:
+        return ()
+    from swarmtrain.config import DataConfig
+    from swarmtrain.data.tokenizer_train import train_bpe
+
+    text = args.shakespeare.read_text(encoding="utf-8")
+    train_part = text[: int(len(text) * (1 - DataConfig().val_fraction))]
+    path = Path(tempfile.mkdtemp(prefix="swarmtrain-bpe-")) / "tokenizer.json"
+    size = train_bpe(iter([train_part[i:i + 65536] for i in range(0, len(train_part), 65536)]),
+                     vocab_size=args.bpe_vocab, out=path)
+    return f"data.tokenizer={json.dumps(str(path))}", f"model.vocab_size={size}"
 
 
 # fp32 unless an arm names its codec: the H sweep and the variants are the baseline the codec arms are held to.
@@ -328,7 +365,7 @@ def main() -> int:
     if not args.shakespeare.is_file():
         raise SystemExit(f"{args.shakespeare}: not found (pass --shakespeare PATH)")
     arms = build_arms(args)
-    overrides = (*BASE_OVERRIDES, *args.overrides)
+    overrides = (*BASE_OVERRIDES, *bpe_overrides(args), *args.overrides)
     per_mode = {"ddp": tuple(args.ddp_overrides), "diloco": tuple(args.diloco_overrides)}
     corpora = [c if c == "stdlib" else str(args.shakespeare) for c in args.corpora]
     jobs = [Job(c, s, a, args.workers, args.steps, (*overrides, *per_mode[a.mode]))

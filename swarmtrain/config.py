@@ -1,6 +1,7 @@
 """Typed, validated run configuration: defaults < TOML file < `section.key=value` overrides.
 
-Each component owns one frozen dataclass (a *section*, in config_sections.py and config_pipeline.py, re-exported here).
+Each component owns one frozen dataclass (a *section*, in config_sections.py, config_model.py and config_pipeline.py,
+re-exported here).
 `RunConfig` composes them. Unknown sections or keys and values of the wrong type are `ConfigError`s
 (a `ValueError`) naming the offending `section.key`, so a typo never silently falls back to a
 default. `swarmtrain config reference` (config_reference.py) documents every field.
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from swarmtrain.config_model import BYTES_TOKENIZER, DataConfig, ModelConfig
 from swarmtrain.config_pipeline import PipelineConfig
 from swarmtrain.config_sections import (
     AveragingConfig,
@@ -27,11 +29,9 @@ from swarmtrain.config_sections import (
     CompressConfig,
     ConfigError,
     DashboardConfig,
-    DataConfig,
     DilocoConfig,
     DiscoveryConfig,
     InnerConfig,
-    ModelConfig,
     OuterConfig,
     RpcConfig,
     TrainConfig,
@@ -85,18 +85,21 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         # Cross-section checks: each would otherwise fail only after start-up, deep inside training.
-        from swarmtrain.models.presets import PRESETS
-
-        context_len = self.model.context_len or PRESETS[self.model.preset].context_len
-        check(self.data.seq_len <= context_len, "data.seq_len",
-               f"{self.data.seq_len} exceeds the model's context length {context_len} (model.preset/model.context_len)")
-        check(self.model.vocab_size >= BYTE_VOCAB_SIZE, "model.vocab_size",
-               f"{self.model.vocab_size} is smaller than the data's {BYTE_VOCAB_SIZE} byte-level tokens")
-        n_layer = self.model.n_layer or PRESETS[self.model.preset].n_layer
-        check(self.pipeline.stages <= n_layer, "pipeline.stages",
-              f"{self.pipeline.stages} stages for a model of {n_layer} blocks: a stage holds at least one")
-        check(self.diloco.fragments <= n_layer, "diloco.fragments",
-              f"{self.diloco.fragments} fragments for a model of {n_layer} blocks: a fragment holds at least one")
+        # (`hf` models are read from their config.json when the run is resolved: models/spec.py.)
+        m = self.model
+        if m.arch != "hf":
+            context_len = m.shape_value("context_len")
+            check(self.data.seq_len <= context_len, "data.seq_len",
+                  f"{self.data.seq_len} exceeds the model's context length {context_len} (model.preset/model.context_len)")
+            check(self.data.tokenizer != BYTES_TOKENIZER or m.vocab_size >= BYTE_VOCAB_SIZE, "model.vocab_size",
+                  f"{m.vocab_size} is smaller than the data's {BYTE_VOCAB_SIZE} byte-level tokens")
+            n_layer = m.shape_value("n_layer")
+            check(self.pipeline.stages <= n_layer, "pipeline.stages",
+                  f"{self.pipeline.stages} stages for a model of {n_layer} blocks: a stage holds at least one")
+            check(self.diloco.fragments <= n_layer, "diloco.fragments",
+                  f"{self.diloco.fragments} fragments for a model of {n_layer} blocks: a fragment holds at least one")
+        check(m.arch != "hf" or self.pipeline.stages == 0, "pipeline.stages",
+              "a pipeline cuts the built-in gpt or llama into stages; model.arch = 'hf' trains data-parallel only")
         check(self.diloco.fragments == 1 or self.pipeline.stages == 0, "diloco.fragments",
               "must be 1 with pipeline.stages > 0 (a stage's holders average whole stages)")
         check(not (self.averaging.gathers(self.compress.codec) and self.averaging.aggregator != "mean"), "averaging.aggregator",

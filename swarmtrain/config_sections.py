@@ -14,11 +14,9 @@ __all__ = [
     "CheckpointConfig",
     "CompressConfig",
     "ConfigError",
-    "DataConfig",
     "DilocoConfig",
     "DiscoveryConfig",
     "InnerConfig",
-    "ModelConfig",
     "OuterConfig",
     "RpcConfig",
     "TrainConfig",
@@ -37,6 +35,7 @@ def check(cond: bool, name: str, msg: str) -> None:
 
 
 COMBINES = ("auto", "reencode", "gather")  # averaging.combine
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")  # train.precision
 
 
 @dataclass(frozen=True)
@@ -57,6 +56,16 @@ class TrainConfig:
     """Memory this peer may give the model's training state, in MB (a peer's own; 0 = no limit). A worker
     whose whole model needs more refuses to start (join as a pipeline stage server instead); a stage server
     takes only a stage that fits (docs/pipeline.md#memory)."""
+    precision: str = "auto"
+    """Arithmetic of a peer's forward and backward passes (weights, optimizer states and θ_global stay fp32):
+    `auto` (bf16 autocast on CUDA, fp32 elsewhere), `fp32`, `bf16` (autocast) or `fp16` (autocast with a
+    dynamic gradient scaler: a step whose gradients overflow is skipped and the scale halved)."""
+    compile: bool = False
+    """Run the model's forward through `torch.compile` (the first steps pay for the compilation; needs a
+    C++ compiler on CPU)."""
+    activation_checkpointing: bool = False
+    """Recompute each transformer block's activations in the backward pass instead of keeping them: about
+    a third more compute for a fraction of the activation memory (the big presets)."""
     run_nonce: str = ""
     """This run among all runs of the same `run_id` (`[A-Za-z0-9._-]`, at most 64): peers refuse a
     checkpoint or a donor's state of another nonce, naming both. Empty: the coordinator draws a random
@@ -70,84 +79,7 @@ class TrainConfig:
         check(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"), "train.device", f"{self.device!r} is not auto, cpu or cuda[:N]")
         check(self.threads >= 0, "train.threads", "must be >= 0")
         check(self.memory_budget_mb >= 0, "train.memory_budget_mb", "must be >= 0 (0 = no limit)")
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """Which GPT to build: `preset` picks the shape, and each shape field > 0 overrides the preset's value."""
-
-    preset: str = "tiny"
-    """Named shape (swarmtrain/models/presets.py): `tiny` (~0.12M parameters), `small` (~0.85M), `base`
-    (~4.8M), `medium` (~25M) or `gpt2-124m` (~86M with the byte vocabulary)."""
-    n_layer: int = 0
-    """Transformer blocks; 0 = the preset's."""
-    n_head: int = 0
-    """Attention heads per block; 0 = the preset's. `n_embd` must be divisible by it."""
-    n_embd: int = 0
-    """Width of the embeddings and the residual stream; 0 = the preset's."""
-    context_len: int = 0
-    """Longest sequence in tokens (rows of the learned position embedding); 0 = the preset's. At least
-    `data.seq_len`."""
-    vocab_size: int = 256
-    """Rows of the token embedding (tied with the output head); at least 256, the byte-level tokens the
-    data produces."""
-    dropout: float = 0.0
-    """Dropout probability on the embeddings, the attention weights and each MLP's output while training; 0
-    = off."""
-    init_from: str = ""
-    """A safetensors file of the model's state_dict (e.g. a pretrained or warm-start checkpoint) to start
-    from instead of the seeded init; every peer must hold the same file. Empty = the seeded init."""
-
-    def __post_init__(self) -> None:
-        from swarmtrain.models.presets import PRESETS
-
-        check(self.preset in PRESETS, "model.preset", f"unknown preset {self.preset!r}; one of {sorted(PRESETS)}")
-        for k in ("n_layer", "n_head", "n_embd", "context_len"):
-            check(getattr(self, k) >= 0, f"model.{k}", "must be >= 0 (0 = the preset's value)")
-        check(self.vocab_size >= 2, "model.vocab_size", "must be >= 2")
-        check(0.0 <= self.dropout < 1.0, "model.dropout", "must be in [0, 1)")
-        n_embd, n_head = self.n_embd or PRESETS[self.preset].n_embd, self.n_head or PRESETS[self.preset].n_head
-        check(n_embd % n_head == 0, "model.n_embd", f"{n_embd} must be divisible by model.n_head ({n_head})")
-
-
-@dataclass(frozen=True)
-class DataConfig:
-    """Where tokens come from (bytes of text files, one token per byte) and how peers divide the stream."""
-
-    paths: tuple[str, ...] = ()
-    """Text files to train on; empty = the `.py` files of the Python standard library of the machine."""
-    val_fraction: float = 0.1
-    """Fraction held out for validation: each file is held out with this probability, by a hash of its name
-    (a single file: its last `val_fraction` of bytes)."""
-    batch_size: int = 8
-    """Sequences per inner step on each peer."""
-    seq_len: int = 128
-    """Tokens per training sequence; at most the model's context length."""
-    max_corpus_bytes: int = 0
-    """Read at most this many bytes of the corpus (files in order, the last one cut); 0 = all. Tests and
-    demos cap the standard-library corpus for speed."""
-    num_shards: int = 0
-    """How peers split the stream. 0: each peer reads its own seeded permutation (an open swarm, no
-    roster). K > 0: one permutation of the run's seed cut into K disjoint slots; each peer reads the slot
-    its `shard_index` names, so K peers together read what data-parallel training over K ranks reads, never
-    a window twice in an epoch."""
-    shard_index: int = -1
-    """With `num_shards` > 0: the slot this peer reads (`swarmtrain peer --shard-index`); -1 = the slot of
-    its checkpoint, else the lowest slot no live peer reads. A slot a live peer reads is refused."""
-    start_step: int = 0
-    """Steps of its stream a fresh peer skips: those a `model.init_from` checkpoint was trained on (a
-    resumed peer continues from its checkpoint's position)."""
-
-    def __post_init__(self) -> None:
-        check(0.0 < self.val_fraction < 1.0, "data.val_fraction", "must be in (0, 1)")
-        check(self.batch_size >= 1, "data.batch_size", "must be >= 1")
-        check(self.seq_len >= 1, "data.seq_len", "must be >= 1")
-        check(self.max_corpus_bytes >= 0, "data.max_corpus_bytes", "must be >= 0")
-        check(self.num_shards >= 0, "data.num_shards", "must be >= 0 (0 = each peer its own permutation)")
-        check(self.shard_index >= -1, "data.shard_index", "must be >= 0, or -1 for none")
-        check(self.num_shards == 0 or self.shard_index < self.num_shards, "data.shard_index",
-              f"{self.shard_index} is not below data.num_shards={self.num_shards}")
-        check(self.start_step >= 0, "data.start_step", "must be >= 0")
+        check(self.precision in PRECISIONS, "train.precision", f"{self.precision!r} is not one of {PRECISIONS}")
 
 
 @dataclass(frozen=True)

@@ -105,6 +105,16 @@ class Child:
                     raise TimeoutError(f"{self.name}: {what} not seen within {timeout_s:.1f}s; {self.diagnostics()}")
                 self._cond.wait(left)
 
+    def wait_eof(self, *, timeout_s: float) -> None:
+        """Until the child's stdout has closed and every line of it is read (TimeoutError after `timeout_s`)."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while not self._eof:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"{self.name}: stdout still open after {timeout_s:.1f}s")
+                self._cond.wait(left)
+
     def wait_ready(self, *, timeout_s: float) -> dict[str, object]:
         """The JSON payload of the child's READY line."""
         _, line = self.wait_for(lambda x: isinstance(x, ReadyLine), timeout_s=timeout_s, what="READY")

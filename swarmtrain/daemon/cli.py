@@ -23,10 +23,14 @@ LOG_LEVEL_ENV = "SWARMTRAIN_LOG_LEVEL"
 COMMANDS: dict[str, str] = {
     "config": "swarmtrain.daemon.cmd_config",
     "coordinator": "swarmtrain.daemon.cmd_coordinator",
+    "data": "swarmtrain.daemon.cmd_data",
     "demo": "swarmtrain.daemon.cmd_demo",
+    "export": "swarmtrain.daemon.cmd_export",
+    "generate": "swarmtrain.daemon.cmd_generate",
     "peer": "swarmtrain.daemon.cmd_peer",
     "simulate": "swarmtrain.daemon.cmd_simulate",
     "testbed": "swarmtrain.daemon.cmd_testbed",
+    "tokenizer": "swarmtrain.daemon.cmd_tokenizer",
 }
 
 

@@ -71,10 +71,13 @@ def local_overrides(args: argparse.Namespace) -> list[str]:
 async def _serve(args: argparse.Namespace) -> int:
     from swarmtrain.discovery.coordinator import RunPublisher, with_run_nonce
     from swarmtrain.discovery.hivemind_dht import HivemindDiscovery
+    from swarmtrain.models.spec import resolve_run
     from swarmtrain.telemetry.events import EventWriter
     from swarmtrain.trust import resolve_run_key
 
-    cfg = config_from_args(args, extra=local_overrides(args))
+    # The model, tokenizer and shards checked against each other once, here, and their resolved form
+    # published: peers compare theirs with it.
+    cfg = resolve_run(config_from_args(args, extra=local_overrides(args)))
     refused = exposure_error(cfg.rpc.run_key, [cfg.discovery.host], insecure=args.insecure, tls=cfg.rpc.tls)
     if refused:
         print(f"swarmtrain coordinator: error: {refused}", file=sys.stderr)

@@ -41,6 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the READY line's \"metrics\" says which); off by default")
     parser.add_argument("--metrics-host", default="127.0.0.1",
                         help="address the metrics endpoint listens on (default 127.0.0.1)")
+    parser.add_argument("--export-dir", metavar="OUT",
+                        help="when the peer leaves, write the swarm's θ_global there as a Hugging Face directory "
+                             "(config.json, model.safetensors, tokenizer; see `swarmtrain export`)")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                         help="human-readable progress on stderr: a status line per second, a line per round, "
                              "heal and leave (default: on when stderr is a terminal); stdout is unchanged")
@@ -125,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         with progress.active() if progress is not None else contextlib.nullcontext():
             return run_peer_process(local, local_overrides=args.overrides, coordinator_id=args.coordinator_id,
-                                    progress=progress, metrics=_metrics(args))
+                                    progress=progress, metrics=_metrics(args), export_dir=args.export_dir or "")
     except PeerError as e:
         print(f"swarmtrain peer: error: {e}", file=sys.stderr)
         return 1

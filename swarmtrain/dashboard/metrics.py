@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -47,6 +48,17 @@ class SwarmCollector(PromCollector):
         yield GaugeMetricFamily("swarmtrain_swarm_tokens_per_second", "Sum of the valid live peers' tokens/s.",
                                 value=sum((p["stats"] or {}).get("tokens_per_s", 0.0) for p in status["peers"]
                                           if p["state"] != "invalid"))
+        valid = [p for p in status["peers"] if p["state"] != "invalid" and (p["stats"] or {}).get("val_loss") is not None]
+        newest = max(valid, key=lambda p: p["round"], default=None)
+        if newest is not None:  # the most advanced peer's last evaluation of θ_global
+            stats = newest["stats"]
+            yield GaugeMetricFamily("swarmtrain_swarm_val_loss", "Validation loss of the newest evaluated θ_global.",
+                                    value=stats["val_loss"])
+            yield GaugeMetricFamily("swarmtrain_swarm_val_perplexity", "exp(swarmtrain_swarm_val_loss).",
+                                    value=math.exp(min(stats["val_loss"], 700.0)))
+            if stats.get("val_bpb") is not None:
+                yield GaugeMetricFamily("swarmtrain_swarm_val_bits_per_byte",
+                                        "That validation loss in bits per byte of text.", value=stats["val_bpb"])
         yield CounterMetricFamily("swarmtrain_dashboard_poll_errors", "Reads of the live peers that failed.",
                                   value=c.poll_errors)
         yield histogram_family("swarmtrain_allreduce_seconds", "Averaging seconds of each recorded peer round.",

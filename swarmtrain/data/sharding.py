@@ -4,9 +4,22 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
-__all__ = ["ShardedBatches", "eval_batches"]
+from swarmtrain.data.order import FeistelPermutation
+from swarmtrain.data.shards import ShardStream
+
+__all__ = ["ShardedBatches", "eval_batches", "take_windows"]
+
+Tokens = torch.Tensor | ShardStream
+
+
+def take_windows(tokens: Tokens, starts: torch.Tensor, length: int) -> torch.Tensor:
+    """(len(starts), length) int64 tokens of a stream, row i from token starts[i] on."""
+    if isinstance(tokens, ShardStream):
+        return torch.from_numpy(tokens.windows(starts.numpy(), length))
+    return tokens[starts[:, None] + torch.arange(length)[None, :]].long()
 
 
 class ShardedBatches:
@@ -16,12 +29,14 @@ class ShardedBatches:
     order is a seeded permutation; global batch slot `s` of step `t` takes window
     `perm[(t * num_workers * batch_size) + k * batch_size + s]` for worker `k`, so the K workers'
     batches at one step are disjoint and together equal one data-parallel batch of K×B.
-    `position` (steps taken) is the only state, so resuming is exact.
+    `position` (steps taken) is the only state, so resuming is exact. Shards on disk are ordered by a
+    Feistel permutation computed window by window (data/order.py), which needs no memory; in-memory tensors
+    by `torch.randperm`.
     """
 
     def __init__(
         self,
-        tokens: torch.Tensor,
+        tokens: Tokens,
         *,
         worker_index: int,
         num_workers: int,
@@ -48,6 +63,7 @@ class ShardedBatches:
         self.position = position
         self._perm_epoch = -1
         self._perm = torch.empty(0, dtype=torch.long)
+        self._lazy = isinstance(tokens, ShardStream)
 
     def _permutation(self, epoch: int) -> torch.Tensor:
         if epoch != self._perm_epoch:
@@ -60,12 +76,13 @@ class ShardedBatches:
         """Indices of the windows this worker reads at `step`, shape (batch_size,)."""
         epoch, in_epoch = divmod(step, self.steps_per_epoch)
         start = (in_epoch * self.num_workers + self.worker_index) * self.batch_size
+        if self._lazy:
+            perm = FeistelPermutation(self.num_windows, seed=self.seed * 1_000_003 + epoch)
+            return torch.from_numpy(perm(np.arange(start, start + self.batch_size)))
         return self._permutation(epoch)[start : start + self.batch_size]
 
     def batch_at(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        idx = self.windows_at(step) * (self.seq_len + 1)
-        offsets = torch.arange(self.seq_len + 1)
-        chunk = self.tokens[idx[:, None] + offsets[None, :]].long()  # (B, T+1)
+        chunk = take_windows(self.tokens, self.windows_at(step) * (self.seq_len + 1), self.seq_len + 1)  # (B, T+1)
         return chunk[:, :-1], chunk[:, 1:]
 
     def __iter__(self) -> ShardedBatches:
@@ -94,13 +111,12 @@ class ShardedBatches:
         self.position = state["position"]
 
 
-def eval_batches(tokens: torch.Tensor, *, batch_size: int, seq_len: int, num_batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def eval_batches(tokens: Tokens, *, batch_size: int, seq_len: int, num_batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """A fixed, evenly spread set of validation batches (the same on every worker)."""
     num_windows = (tokens.numel() - 1) // (seq_len + 1)
     total = min(num_windows, batch_size * num_batches)
     if total < 1:
         raise ValueError(f"validation stream of {tokens.numel()} tokens is shorter than one window of {seq_len + 1}")
     starts = torch.linspace(0, num_windows - 1, total).long() * (seq_len + 1)
-    offsets = torch.arange(seq_len + 1)
-    chunk = tokens[starts[:, None] + offsets[None, :]].long()
+    chunk = take_windows(tokens, starts, seq_len + 1)
     return [(c[:, :-1], c[:, 1:]) for c in chunk.split(batch_size)]

@@ -1,7 +1,9 @@
 """Streaming DiLoCo's fragments: θ cut into P parts by transformer block, synced one per round.
 
 Fragment p holds blocks p, p + P, p + 2P, … (strided, so every fragment spans the model's depth, as in
-Streaming DiLoCo); parameters outside the blocks (embeddings, the final norm) go with fragment 0. A
+Streaming DiLoCo); parameters outside the blocks (embeddings, the final norm) go with fragment 0. A block is
+a numbered module list: `blocks.N` (the GPT), `layers.N` (Llama and most transformers models), `h.N` (GPT-2
+and its relatives), `layer.N` or `block.N`. A
 fragment is a list of [lo, hi) ranges of the flat θ (model.parameters() order), adjacent ones merged.
 """
 
@@ -16,7 +18,7 @@ from torch import nn
 __all__ = ["Ranges", "fragment_params", "fragment_ranges", "gather", "scatter_"]
 
 Ranges = list[tuple[int, int]]
-_BLOCK = re.compile(r"(?:^|\.)blocks\.(\d+)\.")
+_BLOCK = re.compile(r"(?:^|\.)(?:blocks|layers|h|layer|block)\.(\d+)\.")
 
 
 def fragment_ranges(model: nn.Module, fragments: int) -> list[Ranges]:
@@ -35,6 +37,9 @@ def fragment_ranges(model: nn.Module, fragments: int) -> list[Ranges]:
         else:
             ranges.append((offset, offset + n))
         offset += n
+    if fragments > 1 and not any(_BLOCK.search(name) for name, _ in model.named_parameters()):
+        raise ValueError(f"diloco.fragments = {fragments}: no parameter of {type(model).__name__} lies in a numbered "
+                         "block (blocks.N, layers.N, h.N, layer.N, block.N), so it cannot be cut into fragments")
     empty = [f for f, r in enumerate(out) if not r]
     if empty:
         raise ValueError(f"diloco.fragments = {fragments}: fragment(s) {empty} would hold no parameter (the model "

@@ -36,6 +36,7 @@ from swarmtrain.diloco.inner import (
 )
 from swarmtrain.diloco.outer import STEP_SLICE, OuterOptimizer, count_non_finite
 from swarmtrain.diloco.pace import RoundBudget
+from swarmtrain.diloco.precision import Precision, forward_backward
 from swarmtrain.diloco.steps import BatchStream, Carry, DeltaError, InnerStats, InnerStep, RoundReport
 from swarmtrain.round.ballots import BallotError, Voter, voters_from_json, voters_to_json
 
@@ -87,6 +88,9 @@ class DilocoWorker:
         self.device = device if device is not None else resolve_device(cfg.train.device)
         self.model = model.to(self.device)
         self.forward_module = forward_module if forward_module is not None else self.model
+        if cfg.train.compile:
+            self.forward_module = torch.compile(self.forward_module)
+        self.precision = Precision(cfg.train.precision, device=self.device)
         self.params: list[nn.Parameter] = list(self.model.parameters())
         self.batches = batches
         self.after_round = after_round
@@ -189,14 +193,13 @@ class DilocoWorker:
     def _inner_step(self, loss_sum: torch.Tensor) -> int:
         x, y = next(self.batches)
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-        with torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
-            _, loss = self.forward_module(x, y)
-        loss.backward()
+        loss = forward_backward(self.forward_module, x, y, pass_size=self.cfg.data.pass_size, precision=self.precision)
         if self.cfg.inner.grad_clip > 0:
+            self.precision.unscale_(self.inner)
             torch.nn.utils.clip_grad_norm_(self.params, self.cfg.inner.grad_clip)
         factor = lr_factor(self.schedule_step(), cfg=self.cfg.inner, total_steps=self.total_inner_steps)
         set_lr(self.inner, self.cfg.inner.lr * factor)
-        self.inner.step()
+        self.precision.step(self.inner)
         self.inner.zero_grad(set_to_none=True)
         self._local_version += 1
         self.inner_step += 1
@@ -447,7 +450,7 @@ class DilocoWorker:
         self.model.eval()
         total = torch.zeros((), device=self.device)
         for x, y in batches:
-            with torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
+            with self.precision.autocast():
                 _, loss = self.model(x.to(self.device), y.to(self.device))
             total += loss.float()
         return float(total.item()) / len(batches)
@@ -589,7 +592,7 @@ class DilocoWorker:
             "format": STATE_FORMAT, "round": self.round, "inner_step": self.inner_step,
             "round_step": self.round_step, "numel": self.numel,
             "inner_optimizer": inner_meta, "data": data_state, "voters": voters_to_json(self.voters),
-            "eager": self._eager.state(),
+            "eager": self._eager.state(), "grad_scaler": self.precision.state(),
         }
         return tensors, meta
 
@@ -625,6 +628,7 @@ class DilocoWorker:
                 raise ValueError("worker state has a data position but this batch stream cannot be resumed")
             self.batches.load_state_dict(meta["data"])
         self._rng_state = tensors["rng.cpu"].clone()
+        self.precision.load_state(meta.get("grad_scaler"))
         self.round = int(meta["round"])
         # Written before commits named their voters: none, so the next round asks the scope's genesis.
         try:

@@ -23,10 +23,12 @@ class StatsError(ValueError):
 
 @dataclass(frozen=True)
 class PeerStats:
-    """Cumulative since the peer started, except `loss`, `val_loss` and `tokens_per_s` (its last round's)."""
+    """Cumulative since the peer started, except `loss`, `val_loss`, `val_bpb` and `tokens_per_s` (its last
+    round's)."""
 
     loss: float | None = None  # mean training loss of its last round's inner steps
     val_loss: float | None = None  # validation loss of θ_global after its last evaluated round
+    val_bpb: float | None = None  # that loss in bits per byte of the validation text
     tokens: int = 0  # training tokens of its inner steps
     tokens_per_s: float = 0.0  # of its last round's compute time
     bytes_sent: int = 0  # data-plane bytes
@@ -52,7 +54,7 @@ class PeerStats:
             if isinstance(default, str):
                 if not isinstance(v, str) or len(v) > MAX_TEXT_CHARS:
                     raise StatsError(f"stats.{name}: expected a string of at most {MAX_TEXT_CHARS} chars")
-            elif v is None and name in ("loss", "val_loss"):
+            elif v is None and name in ("loss", "val_loss", "val_bpb"):
                 pass
             elif not isinstance(v, (int, float)) or isinstance(v, bool):
                 raise StatsError(f"stats.{name}: expected a number, got {v!r}")

@@ -8,11 +8,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from swarmtrain.config import ConfigError, ModelConfig
 from swarmtrain.models.presets import PRESETS, GPTShape
 
-__all__ = ["GPT", "build_model", "load_init_weights", "resolve_shape", "save_init_weights"]
+__all__ = ["GPT", "build_gpt", "load_init_weights", "resolve_shape", "save_init_weights"]
 
 
 def resolve_shape(cfg: ModelConfig) -> GPTShape:
@@ -77,6 +78,7 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(shape.n_embd)
         self.head = nn.Linear(shape.n_embd, vocab_size, bias=False)
         self.head.weight = self.tok_emb.weight  # tied embeddings
+        self.activation_checkpointing = False  # train.activation_checkpointing, set by the builder
         self._init_weights(generator=None)
 
     @torch.no_grad()
@@ -123,7 +125,7 @@ class GPT(nn.Module):
         pos = torch.arange(t, device=idx.device)
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
         for block in self.blocks:
-            x = block(x)
+            x = checkpoint(block, x, use_reentrant=False) if self.activation_checkpointing and self.training else block(x)
         logits = self.head(self.ln_f(x))
         loss = None
         if targets is not None:
@@ -131,7 +133,7 @@ class GPT(nn.Module):
         return logits, loss
 
 
-def build_model(cfg: ModelConfig, *, seed: int | None = None) -> GPT:
+def build_gpt(cfg: ModelConfig, *, seed: int | None = None) -> GPT:
     """Build a GPT from config; with `seed` the initial weights are reproducible.
 
     With `cfg.init_from` the weights come from that safetensors state_dict instead (after the

@@ -11,9 +11,11 @@ __all__ = ["LOCAL_KEYS", "LOCAL_SECTIONS", "RUN_KEYS", "merge_run_config"]
 
 # Sections a peer owns itself; every other section is the run's and comes from the coordinator.
 LOCAL_SECTIONS = ("discovery", "rpc", "checkpoint")
-# Single keys a peer owns in the run's sections (data.shard_index: which slot of a sharded run it reads).
-LOCAL_KEYS: dict[str, tuple[str, ...]] = {"train": ("device", "threads", "memory_budget_mb"),
-                                          "data": ("shard_index",)}
+# Single keys a peer owns in the run's sections (data.shard_index: which slot of a sharded run it reads;
+# how it computes, which changes neither the data order nor what θ is).
+LOCAL_KEYS: dict[str, tuple[str, ...]] = {"train": ("device", "threads", "memory_budget_mb", "precision", "compile",
+                                                    "activation_checkpointing"),
+                                          "data": ("shard_index", "micro_batch_size")}
 # Single keys of a peer's own sections that the run decides (rpc.tls: a TLS peer and a plain one cannot talk).
 RUN_KEYS: dict[str, tuple[str, ...]] = {"rpc": ("tls",)}
 

@@ -11,23 +11,17 @@ from swarmtrain.discovery import Discovery, DiscoveryError, RunRecord
 from swarmtrain.peer.services import PeerError
 from swarmtrain.round.ballots import Genesis
 
-__all__ = ["RUN_FETCH_TIMEOUT_S", "GenesisReader", "fetch_run_config", "fetch_run_record"]
+__all__ = ["RUN_FETCH_TIMEOUT_S", "GenesisReader", "fetch_run_record"]
 
 log = logging.getLogger(__name__)
 
 RUN_FETCH_TIMEOUT_S = 60.0
 
 
-async def fetch_run_config(discovery: Discovery, local: RunConfig, *, coordinator_id: str | None,
-                           timeout_s: float = RUN_FETCH_TIMEOUT_S) -> RunConfig:
-    """The run config the coordinator published (the one `--coordinator-id`, else the `/p2p/` id of
-    `--join`, names when several key holders published one); PeerError when none shows up in time."""
-    return (await fetch_run_record(discovery, local, coordinator_id=coordinator_id, timeout_s=timeout_s)).run_config()
-
-
 async def fetch_run_record(discovery: Discovery, local: RunConfig, *, coordinator_id: str | None,
                            timeout_s: float = RUN_FETCH_TIMEOUT_S) -> RunRecord:
-    """The run record `fetch_run_config` reads (its coordinator signed it)."""
+    """The run record the coordinator published and signed (the one `--coordinator-id`, else the `/p2p/` id of
+    `--join`, names when several key holders published one); PeerError when none shows up in time."""
     deadline = time.monotonic() + timeout_s
     join_ids = [m.rsplit("/p2p/", 1)[1] for m in local.discovery.initial_peers if "/p2p/" in m]
     while True:

@@ -24,7 +24,8 @@ import torch
 
 from swarmtrain.averaging.group import Member
 from swarmtrain.averaging.protocol import AverageResult, ShardedMean
-from swarmtrain.config import RunConfig
+from swarmtrain.config import RunConfig, public_dict
+from swarmtrain.data.evaluation import bits_per_byte, perplexity
 from swarmtrain.diloco import DilocoWorker
 from swarmtrain.diloco.pace import Pace, RoundBudget
 from swarmtrain.diloco.worker import Carry, InnerStats
@@ -54,13 +55,16 @@ class WorkerPart:
                  val_batches: Sequence[tuple[torch.Tensor, torch.Tensor]], peer_id: Callable[[], str],
                  member: Callable[[int, float], Member], prematch: Callable[[int, Member], Any],
                  announce: Callable[[], None], now: Callable[[], float], alone_s: Callable[[], float],
-                 certificates: Sequence[Certificate] = (), resumed_at: int | None = None) -> None:
-        """`resumed_at`: the round of the checkpoint the worker was resumed from, if any."""
+                 certificates: Sequence[Certificate] = (), resumed_at: int | None = None,
+                 val_bytes_per_token: float = 1.0) -> None:
+        """`resumed_at`: the round of the checkpoint the worker was resumed from, if any; `val_bytes_per_token`:
+        of the validation text (val_loss in bits per byte)."""
         self.cfg = cfg
         self.worker = worker
         self.writer = writer
         self.pace = pace
         self.val_batches = val_batches
+        self.val_bytes_per_token = val_bytes_per_token
         self.peer_id = peer_id
         self.member = member
         self.prematch = prematch
@@ -295,7 +299,9 @@ class WorkerPart:
             hash=worker.digest(), bytes_sent=result.bytes_sent, bytes_received=result.bytes_received,
             compute_s=round(trained.compute_s if trained is not None else 0.0, 4), comm_s=round(comm_s, 4),
             peer=self.peer_id(), reason=result.reason, steps=trained.steps if trained is not None else 0,
-            alone_s=0.0 if len(result.members) > 1 else self.alone_s()))
+            alone_s=0.0 if len(result.members) > 1 else self.alone_s(),
+            val_ppl=None if val_loss is None else perplexity(val_loss),
+            val_bpb=None if val_loss is None else bits_per_byte(val_loss, bytes_per_token=self.val_bytes_per_token)))
         if trained is not None:
             trained.compute_s, trained.steps = 0.0, 0  # a retry of the round reports only its own communication
         if result.committed and self.due(worker.round)[1]:
@@ -321,7 +327,8 @@ class WorkerPart:
         tensors, meta = self.worker.state_dict(copy=False)
         full_meta = {"run_id": self.cfg.train.run_id, "run_nonce": self.cfg.train.run_nonce, "peer_id": self.peer_id(),
                      "worker": meta, "hash": self.worker.digest(), "saved_unix_s": time.time(),
-                     "certificates": [c.to_json() for c in self.certificates[-4:]]}
+                     "certificates": [c.to_json() for c in self.certificates[-4:]],
+                     "run_config": public_dict(self.cfg)}  # what `swarmtrain export` rebuilds the model from
         await asyncio.to_thread(save_checkpoint, self.cfg.checkpoint.dir, tensors=tensors, meta=full_meta,
                                 keep=self.cfg.checkpoint.keep)
         self._saved.append(self.worker.round)

@@ -8,6 +8,7 @@ if it does not answer). A second signal kills this process's children (DHT, p2pd
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -24,11 +25,13 @@ __all__ = ["Role", "run_peer_process", "run_role", "serve_role_metrics"]
 
 
 def run_peer_process(local: RunConfig, *, local_overrides: Sequence[str] = (), coordinator_id: str | None = None,
-                     progress: ConsoleProgress | None = None, metrics: tuple[str, int] | None = None) -> int:
+                     progress: ConsoleProgress | None = None, metrics: tuple[str, int] | None = None,
+                     export_dir: str = "") -> int:
     """`swarmtrain peer`: one peer on uvloop until its rounds are done or it is signalled; 0 on a clean leave.
 
     With `progress`, the peer's events and inner steps are also rendered there (stdout is unchanged); with
-    `metrics` (host, port), its Prometheus metrics are served there.
+    `metrics` (host, port), its Prometheus metrics are served there; with `export_dir`, the θ_global it left
+    with is written there as a Hugging Face directory (models/export.py).
     """
     import uvloop
 
@@ -39,7 +42,22 @@ def run_peer_process(local: RunConfig, *, local_overrides: Sequence[str] = (), c
                 coordinator_id=coordinator_id, on_step=None if progress is None else progress.on_step)
     serve_role_metrics(peer, metrics)
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(run_role(peer, leaving="leaving gracefully at the next round boundary"))
+        status = runner.run(run_role(peer, leaving="leaving gracefully at the next round boundary"))
+    if export_dir and peer.worker is not None:
+        _export(peer, export_dir)
+    return status
+
+
+def _export(peer: Peer, out: str) -> None:
+    from swarmtrain.diloco.flat import assign_flat
+    from swarmtrain.models.export import export_model
+
+    worker = peer.worker
+    assert worker is not None
+    assign_flat(worker.theta_global.detach().cpu(), worker.params)  # the swarm's weights, not this peer's θ_local
+    path = export_model(worker.model.cpu(), peer.cfg, out, provenance={"round": worker.round,
+                                                                       "hash": worker.global_hash()})
+    print(json.dumps({"event": "export", "path": str(path), "round": worker.round}), flush=True)
 
 
 class Measured(Protocol):

@@ -24,6 +24,8 @@ from swarmtrain.averaging.group import Member
 from swarmtrain.compress import Codec, codec_from_config
 from swarmtrain.config import RunConfig
 from swarmtrain.data import eval_batches, load_corpus
+from swarmtrain.data.evaluation import bytes_per_token
+from swarmtrain.data.tokenizer import load_tokenizer
 from swarmtrain.diloco import DilocoWorker, resolve_device
 from swarmtrain.diloco.flat import param_shapes
 from swarmtrain.diloco.pace import Pace
@@ -32,6 +34,7 @@ from swarmtrain.discovery import Discovery, Heartbeat, PeerRecord
 from swarmtrain.driver.loop import RoundDriver, departure_record
 from swarmtrain.driver.presence import Presence
 from swarmtrain.models import build_model
+from swarmtrain.models.spec import check_run
 from swarmtrain.peer.config import merge_run_config
 from swarmtrain.peer.data import choose_shard, peer_batches, peer_seed, saved_slot
 from swarmtrain.peer.joining import RUN_FETCH_TIMEOUT_S, GenesisReader, fetch_run_record
@@ -91,6 +94,7 @@ class Peer:
         self.presence: Presence | None = None
         self.pace = Pace(local.diloco)
         self.val_batches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._val_bytes_per_token = 1.0  # of the validation text: val_loss in bits per byte
         self.endpoint = ""
         self.phase = "starting"
         self._beat_task: asyncio.Task[None] | None = None
@@ -114,7 +118,8 @@ class Peer:
         self.discovery = discovery
         record = await fetch_run_record(discovery, self.local, coordinator_id=self.coordinator_id,
                                         timeout_s=RUN_FETCH_TIMEOUT_S)
-        self.cfg = merge_run_config(record.run_config(), self.local, local_overrides=self.local_overrides)
+        # Resolved against this peer's own files: a model or tokenizer that differs from the run's is refused
+        self.cfg = check_run(merge_run_config(record.run_config(), self.local, local_overrides=self.local_overrides))
         check_worker_budget(self.cfg)
         if self.cfg.train.threads:
             torch.set_num_threads(self.cfg.train.threads)
@@ -140,7 +145,8 @@ class Peer:
                                       val_batches=self.val_batches, peer_id=lambda: discovery.peer_id,
                                       member=self._member, prematch=plane.prematch, announce=self._beat_soon,
                                       now=discovery.now, alone_s=self.presence.alone_s, certificates=certificates,
-                                      resumed_at=worker.round if loaded is not None else None)
+                                      resumed_at=worker.round if loaded is not None else None,
+                                      val_bytes_per_token=self._val_bytes_per_token)
         plane.attach(part.outcome_of)
         plane.serve_state(part.committed)
         run = f"{self.cfg.train.run_id}/{self.cfg.train.run_nonce}"
@@ -166,7 +172,9 @@ class Peer:
         batches = peer_batches(cfg, corpus.train, peer_id)
         self.val_batches = eval_batches(corpus.val, batch_size=cfg.data.batch_size, seq_len=cfg.data.seq_len,
                                         num_batches=cfg.diloco.eval_batches)
-        model = build_model(cfg.model, seed=cfg.train.seed)  # every peer starts from the same θ
+        self._val_bytes_per_token = bytes_per_token(self.val_batches, load_tokenizer(cfg.data.tokenizer))
+        # every peer starts from the same θ
+        model = build_model(cfg.model, seed=cfg.train.seed, activation_checkpointing=cfg.train.activation_checkpointing)
         return DilocoWorker(cfg, model=model, batches=batches, device=resolve_device(cfg.train.device),
                             codec=codec, rng_seed=peer_seed(cfg.train.seed + 1, peer_id), on_step=self.on_step)
 
@@ -184,6 +192,10 @@ class Peer:
             raise PeerError(f"{loaded.path}: checkpoint is of another run of {self.cfg.train.run_id!r} (nonce "
                             f"{loaded.meta.get('run_nonce', '')!r}, this run's is {self.cfg.train.run_nonce!r}); "
                             "use another --checkpoint-dir")
+        saved = (loaded.meta.get("run_config") or {}).get("model", {}).get("fingerprint", "")
+        if saved and self.cfg.model.fingerprint and saved != self.cfg.model.fingerprint:
+            raise PeerError(f"{loaded.path}: checkpoint is of another model (fingerprint {saved[:12]}, this run's "
+                            f"{self.cfg.model.fingerprint[:12]}); use another --checkpoint-dir")
         return loaded
 
     def _member(self, round_index: int, steps_per_s: float) -> Member:

@@ -14,9 +14,8 @@ from __future__ import annotations
 import torch
 
 from swarmtrain.config import ModelConfig, PipelineConfig, RunConfig
-from swarmtrain.models.gpt import resolve_shape
 from swarmtrain.pipeline.cut import stage_blocks
-from swarmtrain.pipeline.parts import StageBlocks, TrainerEnds
+from swarmtrain.pipeline.parts import ends_module, stage_module
 
 __all__ = ["MB", "check_worker_budget", "server_bytes", "stage_params", "trainer_bytes", "worker_bytes"]
 
@@ -27,31 +26,28 @@ _OUTER_BYTES = 8  # θ_global and the outer momentum
 
 def stage_params(cfg: ModelConfig, stages: int) -> list[int]:
     """Parameters of each stage (built on the meta device: nothing allocated)."""
-    shape = resolve_shape(cfg)
     with torch.device("meta"):
-        return [sum(p.numel() for p in StageBlocks(shape, blocks).parameters())
-                for blocks in stage_blocks(shape.n_layer, stages)]
+        return [sum(p.numel() for p in stage_module(cfg, blocks).parameters())
+                for blocks in stage_blocks(cfg.shape_value("n_layer"), stages)]
 
 
 def worker_bytes(cfg: ModelConfig) -> int:
-    """A DiLoCo worker: the whole model's training state and its outer state."""
-    shape = resolve_shape(cfg)
-    with torch.device("meta"):
-        ends = sum(p.numel() for p in TrainerEnds(shape, vocab_size=cfg.vocab_size).parameters())
-    return (ends + sum(stage_params(cfg, 1))) * (_TRAIN_BYTES + _OUTER_BYTES)
+    """A DiLoCo worker: the whole model's training state and its outer state (any `model.arch`)."""
+    from swarmtrain.models.build import count_params
+
+    return count_params(cfg) * (_TRAIN_BYTES + _OUTER_BYTES)
 
 
 def trainer_bytes(cfg: ModelConfig) -> int:
     """A pipeline trainer: the embeddings' and head's training state and their outer state."""
-    shape = resolve_shape(cfg)
     with torch.device("meta"):
-        ends = sum(p.numel() for p in TrainerEnds(shape, vocab_size=cfg.vocab_size).parameters())
+        ends = sum(p.numel() for p in ends_module(cfg).parameters())
     return ends * (_TRAIN_BYTES + _OUTER_BYTES)
 
 
 def server_bytes(cfg: ModelConfig, pipe: PipelineConfig, *, seq_len: int) -> list[int]:
     """A stage server of each stage: its blocks' training and outer state and the inputs it keeps for backwards."""
-    width = resolve_shape(cfg).n_embd
+    width = cfg.shape_value("n_embd")
     contexts = pipe.max_contexts * pipe.microbatch_size * seq_len * width * 4
     return [n * (_TRAIN_BYTES + _OUTER_BYTES) + contexts for n in stage_params(cfg, pipe.stages)]
 

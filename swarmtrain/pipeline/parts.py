@@ -1,9 +1,10 @@
 """The model's parts in a pipeline: a stage's blocks (servers) and the two ends (trainers).
 
 A block's initial weights depend on the run's seed and the block's index only, not on how the model
-is cut: re-cutting a run keeps every block's weights. `assemble` puts parts back into one GPT (the
+is cut: re-cutting a run keeps every block's weights. `assemble` puts parts back into one model (the
 single-process reference of the tests, and an export of a pipeline's model). With `model.init_from`
-each part reads only its own tensors from the file.
+each part reads only its own tensors from the file. The GPT's parts are here, the llama's in
+llama_parts.py; `build_stage`, `build_ends`, `stage_module` and `assemble` take either.
 """
 
 from __future__ import annotations
@@ -21,8 +22,17 @@ from swarmtrain.config import ConfigError, ModelConfig
 from swarmtrain.models.gpt import GPT, Block, resolve_shape
 from swarmtrain.models.presets import GPTShape
 from swarmtrain.pipeline.cut import stage_blocks
+from swarmtrain.pipeline.llama_parts import (
+    LlamaEnds,
+    LlamaStage,
+    assemble_llama,
+    init_llama_part,
+    llama_ends,
+    llama_stage,
+)
 
-__all__ = ["StageBlocks", "TrainerEnds", "assemble", "build_ends", "build_stage"]
+__all__ = ["Ends", "Stage", "StageBlocks", "TrainerEnds", "assemble", "build_ends", "build_stage", "ends_module",
+           "stage_module"]
 
 _STD = 0.02
 
@@ -74,6 +84,24 @@ class TrainerEnds(nn.Module):
         return {name: name for name in self.state_dict()}
 
 
+Stage = StageBlocks | LlamaStage
+Ends = TrainerEnds | LlamaEnds
+
+
+def stage_module(cfg: ModelConfig, blocks: range) -> Stage:
+    """Blocks `blocks` of `cfg`'s model, torch's constructor init (build it on the meta device to count)."""
+    if cfg.arch == "llama":
+        return llama_stage(cfg, blocks)
+    return StageBlocks(resolve_shape(cfg), blocks, dropout=cfg.dropout)
+
+
+def ends_module(cfg: ModelConfig) -> Ends:
+    """The trainers' part of `cfg`'s model, torch's constructor init."""
+    if cfg.arch == "llama":
+        return llama_ends(cfg)
+    return TrainerEnds(resolve_shape(cfg), vocab_size=cfg.vocab_size, dropout=cfg.dropout)
+
+
 def _generator(seed: int, what: str) -> torch.Generator:
     digest = hashlib.sha256(f"{seed}/{what}".encode()).digest()
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
@@ -94,28 +122,35 @@ def _init(module: nn.Module, generator: torch.Generator, n_layer: int) -> None:
             nn.init.normal_(p, mean=0.0, std=_STD / math.sqrt(2 * n_layer), generator=generator)
 
 
-def build_stage(cfg: ModelConfig, stage: int, stages: int, *, seed: int) -> StageBlocks:
+def build_stage(cfg: ModelConfig, stage: int, stages: int, *, seed: int) -> Stage:
     """Stage `stage` of `stages`, each block initialized from (seed, its index), or read from `init_from`."""
-    shape = resolve_shape(cfg)
-    blocks = stage_blocks(shape.n_layer, stages)[stage]
+    n_layer = cfg.shape_value("n_layer")
+    blocks = stage_blocks(n_layer, stages)[stage]
     with torch.device("meta"):
-        part = StageBlocks(shape, blocks, dropout=cfg.dropout)
+        part = stage_module(cfg, blocks)
     part.to_empty(device="cpu")
     for block_id, block in zip(blocks, part.blocks, strict=True):
-        _init(block, _generator(seed, f"block/{block_id}"), shape.n_layer)
+        generator = _generator(seed, f"block/{block_id}")
+        if isinstance(part, LlamaStage):
+            init_llama_part(block, generator)
+        else:
+            _init(block, generator, n_layer)
     if cfg.init_from:
         _load(part, cfg.init_from, part.state_names())
     return part
 
 
-def build_ends(cfg: ModelConfig, *, seed: int) -> TrainerEnds:
+def build_ends(cfg: ModelConfig, *, seed: int) -> Ends:
     """The trainer's part, initialized from (seed, "ends"), or read from `init_from`."""
-    shape = resolve_shape(cfg)
     with torch.device("meta"):
-        part = TrainerEnds(shape, vocab_size=cfg.vocab_size, dropout=cfg.dropout)
+        part = ends_module(cfg)
     part.to_empty(device="cpu")
-    part.head.weight = part.tok_emb.weight
-    _init(part, _generator(seed, "ends"), shape.n_layer)
+    if isinstance(part, LlamaEnds):
+        part.retie()
+        init_llama_part(part, _generator(seed, "ends"))
+    else:
+        part.head.weight = part.tok_emb.weight
+        _init(part, _generator(seed, "ends"), cfg.shape_value("n_layer"))
     if cfg.init_from:
         _load(part, cfg.init_from, part.state_names())
     return part
@@ -143,14 +178,16 @@ def _load(part: nn.Module, path: str, names: dict[str, str]) -> None:
     part.load_state_dict({k: t.to(own[k].dtype) for k, t in tensors.items()})
 
 
-def assemble(ends: TrainerEnds, stages: Sequence[StageBlocks], *, vocab_size: int) -> GPT:
-    """One GPT holding copies of the parts' weights (stages in order, covering every block)."""
-    shape = ends.shape
-    model = GPT(shape, vocab_size=vocab_size)
-    state = {name: t.detach().clone() for name, t in ends.state_dict().items()}
+def assemble(ends: Ends, stages: Sequence[Stage], *, vocab_size: int) -> nn.Module:
+    """One model holding copies of the parts' weights (stages in order, covering every block)."""
+    state = {full: ends.state_dict()[mine].detach().clone() for mine, full in ends.state_names().items()}
     for part in stages:
         own = part.state_dict()
         state.update({full: own[mine].detach().clone() for mine, full in part.state_names().items()})
+    if isinstance(ends, LlamaEnds):
+        assert all(isinstance(p, LlamaStage) for p in stages)
+        return assemble_llama(ends, state, theta=stages[0].theta if stages else 10000.0)
+    model = GPT(ends.shape, vocab_size=vocab_size)
     missing = sorted(set(model.state_dict()) - set(state))
     if missing:
         raise ValueError(f"assemble: the parts do not cover {missing[:5]}")

@@ -17,6 +17,7 @@ from swarmtrain.config import RunConfig
 from swarmtrain.diloco.flat import param_shapes
 from swarmtrain.discovery import Discovery, Heartbeat, PeerRecord, ScopedDiscovery
 from swarmtrain.driver.loop import departure_record
+from swarmtrain.models.spec import check_run
 from swarmtrain.peer.config import merge_run_config
 from swarmtrain.peer.data import peer_seed
 from swarmtrain.peer.joining import GenesisReader, fetch_run_record
@@ -100,7 +101,8 @@ class RoleBase(abc.ABC):
         self.discovery = discovery
         record = await fetch_run_record(discovery, self.local, coordinator_id=self.coordinator_id)
         self.coordinator = record.coordinator_id
-        self.cfg = merge_run_config(record.run_config(), self.local, local_overrides=self.local_overrides)
+        # A part of another model (config.json, weights, tokenizer) must not join the stage's swarm
+        self.cfg = check_run(merge_run_config(record.run_config(), self.local, local_overrides=self.local_overrides))
         if self.cfg.pipeline.stages < 1:
             raise PeerError(f"run {self.cfg.train.run_id!r} has no pipeline (pipeline.stages = 0): join it without "
                             "--role, as a DiLoCo worker")

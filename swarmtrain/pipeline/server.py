@@ -28,7 +28,7 @@ import torch
 from swarmtrain.config import InnerConfig, PipelineConfig
 from swarmtrain.diloco.inner import build_inner_optimizer, lr_factor, set_lr
 from swarmtrain.pipeline.errors import BadActivation, StaleContext, UnknownMicrobatch, WrongStage
-from swarmtrain.pipeline.parts import StageBlocks
+from swarmtrain.pipeline.parts import Stage
 
 __all__ = ["StageServer", "StageStats"]
 
@@ -55,7 +55,7 @@ class StageStats:
 
 
 class StageServer:
-    def __init__(self, part: StageBlocks, *, stage: int, pipeline: PipelineConfig, inner: InnerConfig,
+    def __init__(self, part: Stage, *, stage: int, pipeline: PipelineConfig, inner: InnerConfig,
                  total_steps: int, seq_len: int, clock: Callable[[], float] = time.monotonic,
                  on_step: Callable[[StageStats], None] | None = None) -> None:
         self.part = part

@@ -46,7 +46,6 @@ from swarmtrain.config import RunConfig
 from swarmtrain.diloco.flat import param_shapes
 from swarmtrain.discovery import PeerRecord
 from swarmtrain.driver.part import CommittedState
-from swarmtrain.models.gpt import resolve_shape
 from swarmtrain.peer.network import NetworkPlane
 from swarmtrain.peer.services import PeerError
 from swarmtrain.pipeline.cut import stage_blocks
@@ -60,7 +59,7 @@ from swarmtrain.pipeline.lost import (
 )
 from swarmtrain.pipeline.memory import MB, server_bytes
 from swarmtrain.pipeline.outer import PartRounds
-from swarmtrain.pipeline.parts import StageBlocks, build_stage
+from swarmtrain.pipeline.parts import Stage, build_stage
 from swarmtrain.pipeline.rebalance import Decision, Rebalancer, RebalanceRule, ServerLoad
 from swarmtrain.pipeline.role_base import RoleBase, fitting_stages, least_served_stage
 from swarmtrain.pipeline.server import StageServer, StageStats
@@ -85,7 +84,7 @@ class Holding:
     """Everything a server holds of one stage."""
 
     stage: int
-    part: StageBlocks
+    part: Stage
     server: StageServer
     handler: StageHandler
     plane: NetworkPlane
@@ -121,11 +120,11 @@ class StageServerRole(RoleBase):
     async def start(self) -> dict[str, Any]:
         discovery = await self._join()
         cfg, pipe = self.cfg, self.cfg.pipeline
-        shape = resolve_shape(cfg.model)
+        n_layer = cfg.model.shape_value("n_layer")
         fitting = fitting_stages(cfg)
         if self.stage is None:
             peers = await discovery.live_peers(timeout_s=cfg.rpc.call_timeout_s)
-            self.stage = least_served_stage(peers, n_layer=shape.n_layer, stages=pipe.stages, allowed=fitting)
+            self.stage = least_served_stage(peers, n_layer=n_layer, stages=pipe.stages, allowed=fitting)
         if not 0 <= self.stage < pipe.stages:
             raise PeerError(f"--stage {self.stage}: this run has stages 0..{pipe.stages - 1}")
         if self.stage not in fitting:
@@ -143,18 +142,18 @@ class StageServerRole(RoleBase):
         if pipe.lost_stage == "checkpoint":
             self.copies = StageCopies(cfg.model, stages=pipe.stages, max_donors=cfg.rpc.state_donors)
             self._copying = asyncio.create_task(self._keep_copies(), name=f"stage-copies-{discovery.peer_id}")
-        blocks = stage_blocks(shape.n_layer, pipe.stages)[self.stage]
+        blocks = stage_blocks(n_layer, pipe.stages)[self.stage]
         info = {"role": "server", "peer_id": discovery.peer_id, "endpoint": holding.node.endpoint,
                 "run_id": cfg.train.run_id, "stage": self.stage, "blocks": [blocks.start, blocks.stop],
                 "num_params": sum(p.numel() for p in holding.part.parameters()), **self._metrics_info()}
         self.writer.ready(info)
         return info
 
-    async def _build(self, stage: int) -> StageBlocks:
+    async def _build(self, stage: int) -> Stage:
         cfg = self.cfg
         return await asyncio.to_thread(build_stage, cfg.model, stage, cfg.pipeline.stages, seed=cfg.train.seed)
 
-    async def _hold(self, stage: int, *, resume_step: int = 0, part: StageBlocks | None = None) -> Holding:
+    async def _hold(self, stage: int, *, resume_step: int = 0, part: Stage | None = None) -> Holding:
         """Stage `stage`'s blocks (`part`, else built) served on a new node, with their outer rounds (not started
         yet). A heal puts the schedule at the healed round's step, or at `resume_step` (the steps of a server
         that moved)."""
@@ -166,7 +165,7 @@ class StageServerRole(RoleBase):
                              total_steps=cfg.diloco.rounds * cfg.diloco.inner_steps, seq_len=cfg.data.seq_len,
                              on_step=lambda stats: self._on_step(cell[0], stats))
         codec = TensorCodec(pipe.activation_codec,
-                            max_shape=(pipe.microbatch_size, cfg.data.seq_len, resolve_shape(cfg.model).n_embd))
+                            max_shape=(pipe.microbatch_size, cfg.data.seq_len, cfg.model.shape_value("n_embd")))
         handlers: list[StageHandler] = []
 
         def serve(node: RpcNode) -> None:
@@ -211,7 +210,7 @@ class StageServerRole(RoleBase):
     async def _rebalance(self, fitting: Sequence[int]) -> None:
         assert self.discovery is not None
         cfg, pipe = self.cfg, self.cfg.pipeline
-        blocks = [len(b) for b in stage_blocks(resolve_shape(cfg.model).n_layer, pipe.stages)]
+        blocks = [len(b) for b in stage_blocks(cfg.model.shape_value("n_layer"), pipe.stages)]
         rule = RebalanceRule(margin=pipe.rebalance_margin, cooldown_s=pipe.rebalance_cooldown_s,
                              observe_s=pipe.rebalance_observe_s)
         me = self.discovery.peer_id
@@ -271,7 +270,7 @@ class StageServerRole(RoleBase):
                                         drain_s=drain_s, unfinished=unfinished, peer=self.discovery.peer_id,
                                         at=switched_at))
 
-    async def _switch(self, old: Holding, stage: int, part: StageBlocks, theta: torch.Tensor, *, round_: int,
+    async def _switch(self, old: Holding, stage: int, part: Stage, theta: torch.Tensor, *, round_: int,
                       outer_momentum: torch.Tensor | None, voters: Sequence[Voter] | None,
                       why: str) -> tuple[Holding, float, float, int]:
         """Leave `old` (refuse its new forwards, drain its backwards, close its node), then serve `stage` with
@@ -357,7 +356,7 @@ class StageServerRole(RoleBase):
         """Look for stages without a live server; take one when the rule names this server."""
         assert self.discovery is not None
         cfg, pipe = self.cfg, self.cfg.pipeline
-        blocks = [len(b) for b in stage_blocks(resolve_shape(cfg.model).n_layer, pipe.stages)]
+        blocks = [len(b) for b in stage_blocks(cfg.model.shape_value("n_layer"), pipe.stages)]
         watch = LostStageWatch(stages=pipe.stages, grace_s=pipe.lost_stage_grace_s)
         me = self.discovery.peer_id
         told: set[tuple[int, str]] = set()  # what was logged already, per stage

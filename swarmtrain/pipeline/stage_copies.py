@@ -24,11 +24,10 @@ from swarmtrain.config import ModelConfig
 from swarmtrain.diloco.flat import param_shapes
 from swarmtrain.discovery import PeerRecord
 from swarmtrain.driver.part import CommittedState
-from swarmtrain.models.gpt import resolve_shape
 from swarmtrain.peer.network import NetworkPlane
 from swarmtrain.pipeline.cut import stage_blocks
 from swarmtrain.pipeline.lost import copy_stages
-from swarmtrain.pipeline.parts import StageBlocks
+from swarmtrain.pipeline.parts import stage_module
 
 __all__ = ["StageCopies", "StageCopy", "fetch_stage_state", "stage_param_shapes"]
 
@@ -39,9 +38,8 @@ ParamShapes = list[tuple[str, tuple[int, ...]]]
 
 def stage_param_shapes(model: ModelConfig, stage: int, stages: int) -> ParamShapes:
     """Stage `stage`'s (name, shape) in θ's flat order, without allocating its weights."""
-    shape = resolve_shape(model)
     with torch.device("meta"):
-        part = StageBlocks(shape, stage_blocks(shape.n_layer, stages)[stage], dropout=model.dropout)
+        part = stage_module(model, stage_blocks(model.shape_value("n_layer"), stages)[stage])
     return param_shapes(part)
 
 

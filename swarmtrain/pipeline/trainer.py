@@ -29,9 +29,8 @@ import torch
 
 from swarmtrain.config import RunConfig
 from swarmtrain.diloco.inner import build_inner_optimizer, lr_factor, set_lr
-from swarmtrain.models.gpt import resolve_shape
 from swarmtrain.pipeline.errors import BadActivation, StageLost
-from swarmtrain.pipeline.parts import TrainerEnds
+from swarmtrain.pipeline.parts import Ends
 from swarmtrain.pipeline.routing import Router, Server
 from swarmtrain.pipeline.tensors import TensorCodec
 from swarmtrain.rpc.errors import RpcError, RpcRejected
@@ -73,7 +72,7 @@ class _Tally:
 class PipelineTrainer:
     """Drives micro-batches through the stages; `servers()` lists the live stage servers (their records)."""
 
-    def __init__(self, node: RpcNode, ends: TrainerEnds, cfg: RunConfig, *, servers: Callable[[], Sequence[Server]],
+    def __init__(self, node: RpcNode, ends: Ends, cfg: RunConfig, *, servers: Callable[[], Sequence[Server]],
                  hints: Callable[[], Mapping[Server, tuple[float, int]]] | None = None,
                  clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None,
                  max_inflight: int = 0) -> None:
@@ -88,9 +87,8 @@ class PipelineTrainer:
         self.rng = rng or random.Random()
         self.router = Router(self.pipe, clock=clock, rng=self.rng)
         self.clock = clock
-        shape = resolve_shape(cfg.model)
         self.codec = TensorCodec(self.pipe.activation_codec,
-                                 max_shape=(self.pipe.microbatch_size, cfg.data.seq_len, shape.n_embd))
+                                 max_shape=(self.pipe.microbatch_size, cfg.data.seq_len, cfg.model.shape_value("n_embd")))
         self.client = PipelineClient(node, bulk_min_bytes=self.pipe.bulk_min_bytes, max_bytes=self.codec.max_bytes)
         self.optimizer = build_inner_optimizer(ends, cfg.inner)
         self.total_steps = cfg.diloco.rounds * cfg.diloco.inner_steps

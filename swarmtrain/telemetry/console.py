@@ -214,6 +214,8 @@ def _format_round(e: RoundEvent) -> str:
         parts.append(f"loss {e.loss:.3f}")
     if e.val_loss is not None:
         parts.append(f"val {e.val_loss:.3f}")
+    if e.val_bpb is not None:
+        parts.append(f"{e.val_bpb:.3f} bpb")
     parts += [f"hash {e.hash[:12]}", f"sent {format_bytes(e.bytes_sent)} recv {format_bytes(e.bytes_received)}",
               f"compute {e.compute_s:.1f} s comm {e.comm_s:.1f} s"]
     return " | ".join(parts)

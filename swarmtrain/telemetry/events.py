@@ -60,6 +60,8 @@ class RoundEvent:
     reason: str = ""  # why the round aborted, or who failed and was worked around
     steps: int = 0  # inner steps in the Δ sent (reported on its first attempt only, like compute_s)
     alone_s: float = 0.0  # seconds this peer has seen no other live peer (0 until discovery.alone_warning_s)
+    val_ppl: float | None = None  # exp(val_loss)
+    val_bpb: float | None = None  # val_loss in bits per byte of the validation text (data/evaluation.py)
 
     event: str = field(default="round", init=False)
 

@@ -7,6 +7,7 @@ counters (prometheus_client adds it). `swarmtrain peer --metrics-port N` serves 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, start_http_server
@@ -64,6 +65,12 @@ class PeerCollector(Collector):
         if s.val_loss is not None:
             yield self._one(GaugeMetricFamily("swarmtrain_val_loss", "Validation loss after the last evaluated round.",
                                               labels=keys), s.val_loss)
+            yield self._one(GaugeMetricFamily("swarmtrain_val_perplexity", "exp(validation loss), last evaluated round.",
+                                              labels=keys), math.exp(min(s.val_loss, 700.0)))
+        if s.val_bpb is not None:
+            yield self._one(GaugeMetricFamily("swarmtrain_val_bits_per_byte",
+                                              "Validation loss in bits per byte of text, last evaluated round.",
+                                              labels=keys), s.val_bpb)
         yield histogram_family("swarmtrain_allreduce_seconds", "Seconds of each outer round's averaging.",
                                t.allreduce_s, self.labels)
         yield histogram_family("swarmtrain_inner_step_seconds", "Seconds of each inner step (a round's mean).",

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from torch import nn
+
 from swarmtrain.config import RunConfig
-from swarmtrain.models.gpt import GPT, resolve_shape
 from swarmtrain.pipeline.parts import assemble, build_ends, build_stage
 from swarmtrain.pipeline.routing import Server
 from swarmtrain.pipeline.server import StageServer
@@ -48,8 +49,8 @@ class PipelineSwarm:
 
     def __post_init__(self) -> None:
         cfg, pipe = self.cfg, self.cfg.pipeline
-        shape = resolve_shape(cfg.model)
-        codec = TensorCodec(pipe.activation_codec, max_shape=(pipe.microbatch_size, cfg.data.seq_len, shape.n_embd))
+        width = cfg.model.shape_value("n_embd")
+        codec = TensorCodec(pipe.activation_codec, max_shape=(pipe.microbatch_size, cfg.data.seq_len, width))
         for stage in range(pipe.stages):
             for i in range(self.servers_per_stage):
                 self.servers.append(self._server(f"s{stage}.{i}", stage, codec))
@@ -95,13 +96,13 @@ class PipelineSwarm:
             self.forgotten.add(name)
         return victim
 
-    def model(self, *, trainer: int = 0, replica: int = 0) -> GPT:
-        """One GPT of the trainer's ends and replica `replica` of each stage."""
+    def model(self, *, trainer: int = 0, replica: int = 0) -> nn.Module:
+        """One model of the trainer's ends and replica `replica` of each stage."""
         parts = [s.server.part for s in self.servers if s.name.endswith(f".{replica}")]
         return assemble(self.pipeline_trainers[trainer].ends, parts, vocab_size=self.cfg.model.vocab_size)
 
 
-def reference_model(cfg: RunConfig) -> GPT:
+def reference_model(cfg: RunConfig) -> nn.Module:
     """The single-process model a pipeline of `cfg` starts from."""
     parts = [build_stage(cfg.model, k, cfg.pipeline.stages, seed=cfg.train.seed)
                        for k in range(cfg.pipeline.stages)]

@@ -1,6 +1,7 @@
 """S stages × 1 server, 1 trainer, synchronous stepping, fp32 activations: after 20 steps the weights
 equal those of the same GPT trained in one process on the same micro-batches; the same with every tensor
-sent over the servers' bulk port instead of inside the gRPC calls."""
+sent over the servers' bulk port instead of inside the gRPC calls, and for the built-in llama (tied and
+untied) cut into stages."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 STEPS = 20
 
 
-def _config(stages: int, n_layer: int, bulk_min_bytes: int = 1 << 30, max_message_bytes: int = 8 << 20):
-    return load_config(overrides=[f"pipeline.bulk_min_bytes={bulk_min_bytes}", f"rpc.max_message_bytes={max_message_bytes}",
+def _config(stages: int, n_layer: int, bulk_min_bytes: int = 1 << 30, max_message_bytes: int = 8 << 20,
+            extra: tuple[str, ...] = ()):
+    return load_config(overrides=[*extra, f"pipeline.bulk_min_bytes={bulk_min_bytes}", f"rpc.max_message_bytes={max_message_bytes}",
                                   f"rpc.chunk_bytes={min(max_message_bytes, 1 << 20)}",
         "model.preset=tiny", f"model.n_layer={n_layer}", "data.seq_len=16", "inner.warmup_steps=3",
         "inner.grad_clip=0", "diloco.rounds=4", "diloco.inner_steps=5", f"pipeline.stages={stages}",
@@ -91,5 +93,21 @@ def test_pipeline_training_equals_one_process(stages: int, n_layer: int, bulk_mi
     ref_state, got_state = reference.state_dict(), got.state_dict()
     moved = max((ref_state[k] - reference_model(cfg).state_dict()[k]).abs().max().item() for k in ref_state)
     assert moved > 1e-3  # 20 steps changed the weights: the comparison below means something
+    for name, t in ref_state.items():
+        torch.testing.assert_close(got_state[name], t, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("tie", ["false", "true"])
+def test_llama_pipeline_training_equals_one_process(tie: str) -> None:
+    cfg = _config(2, 3, extra=("model.arch=llama", f"model.tie_embeddings={tie}"))
+    batches = _batches(cfg, 8)
+    reference, ref_losses = _train_in_one_process(cfg, batches)
+    assert type(reference).__name__ == "Llama" and len(reference.model.layers) == 3
+    with PipelineSwarm(cfg, max_inflight=1) as swarm:
+        reports = [swarm.pipeline_trainers[0].step(idx, targets, timeout_s=60) for idx, targets in batches]
+        got = swarm.model()
+    assert [r.loss for r in reports] == pytest.approx(ref_losses, rel=1e-5)
+    ref_state, got_state = reference.state_dict(), got.state_dict()
+    assert sorted(got_state) == sorted(ref_state)
     for name, t in ref_state.items():
         torch.testing.assert_close(got_state[name], t, rtol=1e-4, atol=1e-6, msg=name)

@@ -10,6 +10,7 @@ import pytest
 from swarmtrain.config import DiscoveryConfig, load_config
 from swarmtrain.discovery import PeerRecord
 from swarmtrain.discovery.hivemind_dht import HivemindDiscovery
+from swarmtrain.models.spec import resolve_run
 from swarmtrain.testing.procs import ProcessSet
 
 pytestmark = pytest.mark.system
@@ -23,7 +24,9 @@ def test_coordinator_publishes_the_run_tracks_the_round_and_exits_cleanly(procs:
     assert info["role"] == "coordinator" and info["run_id"] == "coordtest" and join.endswith(f"/p2p/{info['peer_id']}")
     nonce = info["run_nonce"]
     assert isinstance(nonce, str) and len(nonce) == 16  # drawn at start: a new run of "coordtest"
-    expected = load_config(overrides=[*SETS, f"train.run_nonce={nonce!r}"])
+    # Published resolved: the model's signature and fingerprint, the tokenizer's hash (models/spec.py)
+    expected = resolve_run(load_config(overrides=[*SETS, f"train.run_nonce={nonce!r}"]))
+    assert expected.model.fingerprint and expected.data.tokenizer_hash == "bytes"
 
     async def main() -> None:
         d = await HivemindDiscovery.create(DiscoveryConfig(initial_peers=(join,), record_ttl_s=5), run_id="coordtest")

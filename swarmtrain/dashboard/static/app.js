@@ -78,6 +78,9 @@ function renderStatus(s) {
     hash.title = p.state_hash;
     const st = p.stats || {};
     cell(tr, num(st.loss));
+    cell(tr, num(st.val_loss));
+    cell(tr, st.val_loss === null || st.val_loss === undefined ? "–" : num(Math.exp(Math.min(st.val_loss, 700)), 2));
+    cell(tr, num(st.val_bpb));
     cell(tr, human(st.tokens_per_s));
     cell(tr, p.bandwidth_bytes_per_s ? `${human(p.bandwidth_bytes_per_s)}B/s` : "–");
     const util = cell(tr, "");
