@@ -3,19 +3,37 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
+from pathlib import Path
 
 from swarmtrain.config import RunConfig
+from swarmtrain.config_sections import DiscoveryConfig
 from swarmtrain.discovery import Discovery, DiscoveryError, RunRecord
 from swarmtrain.peer.services import PeerError
 from swarmtrain.round.ballots import Genesis
+from swarmtrain.sync.checkpoint import DirectoryClaim, claim_directory
 
-__all__ = ["RUN_FETCH_TIMEOUT_S", "GenesisReader", "fetch_run_record"]
+__all__ = ["RUN_FETCH_TIMEOUT_S", "GenesisReader", "claim_peer_directory", "fetch_run_record"]
 
 log = logging.getLogger(__name__)
 
 RUN_FETCH_TIMEOUT_S = 60.0
+
+
+def claim_peer_directory(local: RunConfig) -> tuple[DirectoryClaim | None, DiscoveryConfig]:
+    """The process's claim on `checkpoint.dir` (one live peer per directory: it holds that peer's state, its
+    votes and its identity key) and the discovery settings that keep its identity there: a restarted peer,
+    worker or stage server, keeps its peer id and so resumes as the same voter, not a new one that leaves the
+    old one's vote missing from every round it was a voter of. (None, settings as given) without a directory."""
+    dcfg = local.discovery
+    if not local.checkpoint.dir:
+        return None, dcfg
+    claim = claim_directory(local.checkpoint.dir)
+    if not dcfg.identity_path:
+        dcfg = dataclasses.replace(dcfg, identity_path=str(Path(local.checkpoint.dir) / "identity.key"))
+    return claim, dcfg
 
 
 async def fetch_run_record(discovery: Discovery, local: RunConfig, *, coordinator_id: str | None,

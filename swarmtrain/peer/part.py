@@ -18,6 +18,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -320,18 +321,20 @@ class WorkerPart:
         else:
             self.rounds_aborted += 1
 
-    async def checkpoint(self) -> None:
-        """The worker's whole state in `checkpoint.dir` (no copies: nothing steps it until the save returns)."""
+    async def checkpoint(self) -> Path | None:
+        """The worker's whole state in `checkpoint.dir` (no copies: nothing steps it until the save returns);
+        the saved checkpoint's manifest, None without a directory."""
         if not self.cfg.checkpoint.dir:
-            return
+            return None
         tensors, meta = self.worker.state_dict(copy=False)
         full_meta = {"run_id": self.cfg.train.run_id, "run_nonce": self.cfg.train.run_nonce, "peer_id": self.peer_id(),
                      "worker": meta, "hash": self.worker.digest(), "saved_unix_s": time.time(),
                      "certificates": [c.to_json() for c in self.certificates[-4:]],
                      "run_config": public_dict(self.cfg)}  # what `swarmtrain export` rebuilds the model from
-        await asyncio.to_thread(save_checkpoint, self.cfg.checkpoint.dir, tensors=tensors, meta=full_meta,
-                                keep=self.cfg.checkpoint.keep)
+        path = await asyncio.to_thread(save_checkpoint, self.cfg.checkpoint.dir, tensors=tensors, meta=full_meta,
+                                       keep=self.cfg.checkpoint.keep)
         self._saved.append(self.worker.round)
+        return path
 
     def replay_from(self) -> int:
         """The round of the oldest checkpoint kept (a restart may fall back to it), else the worker's."""

@@ -12,7 +12,6 @@ withdrawn, a checkpoint written, the data plane drained and closed, the DHT stop
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -37,7 +36,7 @@ from swarmtrain.models import build_model
 from swarmtrain.models.spec import check_run
 from swarmtrain.peer.config import merge_run_config
 from swarmtrain.peer.data import choose_shard, peer_batches, peer_seed, saved_slot
-from swarmtrain.peer.joining import RUN_FETCH_TIMEOUT_S, GenesisReader, fetch_run_record
+from swarmtrain.peer.joining import RUN_FETCH_TIMEOUT_S, GenesisReader, claim_peer_directory, fetch_run_record
 from swarmtrain.peer.network import NetworkPlane
 from swarmtrain.peer.overlap import run_overlapped
 from swarmtrain.peer.part import WorkerPart
@@ -47,7 +46,6 @@ from swarmtrain.round.certificate import Certificate
 from swarmtrain.sync.checkpoint import (
     DirectoryClaim,
     LoadedCheckpoint,
-    claim_directory,
     load_latest_checkpoint,
 )
 from swarmtrain.telemetry import EventWriter, LeaveEvent, StatusSnapshot
@@ -106,13 +104,7 @@ class Peer:
 
     async def start(self) -> dict[str, Any]:
         """Bring every service up in order; returns the READY payload (also printed)."""
-        dcfg = self.local.discovery
-        if self.local.checkpoint.dir:
-            # One live peer per directory: it holds that peer's state, its votes and its identity key.
-            self._claim = claim_directory(self.local.checkpoint.dir)
-        if not dcfg.identity_path and self.local.checkpoint.dir:
-            # A restarted peer keeps its peer id, so the swarm sees one peer come back, not a new one.
-            dcfg = dataclasses.replace(dcfg, identity_path=str(Path(self.local.checkpoint.dir) / "identity.key"))
+        self._claim, dcfg = claim_peer_directory(self.local)
         discovery = await self.services.open_discovery(dcfg, run_id=self.local.train.run_id,
                                                        run_key=resolve_run_key(self.local.rpc.run_key))
         self.discovery = discovery
@@ -265,8 +257,7 @@ class Peer:
             await self._announce_departure()
         if self.part is not None:
             try:
-                await self.part.checkpoint()
-                path = Path(self.cfg.checkpoint.dir) if self.cfg.checkpoint.dir else None
+                path = await self.part.checkpoint()
             except Exception as e:
                 log.error("checkpoint on leave failed: %s", e)
         sent = received = 0

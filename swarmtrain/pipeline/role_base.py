@@ -20,7 +20,7 @@ from swarmtrain.driver.loop import departure_record
 from swarmtrain.models.spec import check_run
 from swarmtrain.peer.config import merge_run_config
 from swarmtrain.peer.data import peer_seed
-from swarmtrain.peer.joining import GenesisReader, fetch_run_record
+from swarmtrain.peer.joining import GenesisReader, claim_peer_directory, fetch_run_record
 from swarmtrain.peer.network import NetworkPlane
 from swarmtrain.peer.services import PeerError, PeerServices
 from swarmtrain.pipeline.cut import stage_blocks
@@ -29,6 +29,7 @@ from swarmtrain.pipeline.outer import PartRounds
 from swarmtrain.pipeline.routing import Server
 from swarmtrain.round.certificate import Retirement
 from swarmtrain.rpc.node import RpcNode
+from swarmtrain.sync.checkpoint import DirectoryClaim
 from swarmtrain.telemetry import EventWriter
 from swarmtrain.telemetry.tally import Tally
 from swarmtrain.trust import resolve_run_key
@@ -92,11 +93,13 @@ class RoleBase(abc.ABC):
         self.rounds: PartRounds | None = None
         self._retired: dict[str, list[Retirement]] = {}  # scope -> its voter's retirements (a departure record)
         self.heartbeat: Heartbeat | None = None
+        self._claim: DirectoryClaim | None = None
         self.tally, self.metrics = Tally(), ""  # its work so far (record stats, /metrics at `metrics`: host:port)
         writer.listeners.append(self.tally.observe)
 
     async def _join(self) -> Discovery:
-        discovery = await self.services.open_discovery(self.local.discovery, run_id=self.local.train.run_id,
+        self._claim, dcfg = claim_peer_directory(self.local)
+        discovery = await self.services.open_discovery(dcfg, run_id=self.local.train.run_id,
                                                        run_key=resolve_run_key(self.local.rpc.run_key))
         self.discovery = discovery
         record = await fetch_run_record(discovery, self.local, coordinator_id=self.coordinator_id)
@@ -201,4 +204,6 @@ class RoleBase(abc.ABC):
         finally:
             if self.discovery is not None:
                 await self.discovery.aclose()
+            if self._claim is not None:
+                self._claim.release()
         log.info("%s left: %s", self.role, reason)

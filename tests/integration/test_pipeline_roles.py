@@ -198,3 +198,41 @@ def test_a_server_takes_only_a_stage_that_fits_its_memory_budget() -> None:
     assert stage == 1
     assert len(errors) == 2 and f"stage 0 needs {big / MB:.0f} MB" in errors[0] and "stages that fit: [1]" in errors[0]
     assert f"the smallest needs {small / MB:.0f} MB" in errors[1]
+
+
+def test_a_stage_server_restarted_from_its_checkpoint_directory_is_the_same_peer(tmp_path) -> None:
+    """A server's identity key lives in its checkpoint directory, as a worker's does: started again there, it
+    is the same peer (so the same voter of its stage's rounds, never a new one leaving the old one's vote
+    missing), and a second live process on the directory is refused."""
+    from swarmtrain.peer.services import PeerError
+    from swarmtrain.sync.checkpoint import CheckpointError
+
+    def local():
+        return load_config(overrides=[f"rpc.run_key={KEY!r}", f"checkpoint.dir={str(tmp_path / 's')!r}"])
+
+    async def main() -> tuple[str, str, str]:
+        services = LoopbackServices()
+        await publish_run(services.registry, RUN, run_key=KEY)
+        first = StageServerRole(local(), stage=0, writer=EventWriter(EventLog()), services=services)
+        await first.start()
+        assert first.discovery is not None
+        before = first.discovery.peer_id
+        second = StageServerRole(local(), stage=0, writer=EventWriter(EventLog()), services=services)
+        try:
+            await second.start()
+            refused = ""
+        except (CheckpointError, PeerError) as e:
+            refused = str(e)
+        finally:
+            await second.aclose("refused")
+        await first.aclose("signal")
+        again = StageServerRole(local(), stage=0, writer=EventWriter(EventLog()), services=services)
+        await again.start()
+        assert again.discovery is not None
+        after = again.discovery.peer_id
+        await again.aclose("signal")
+        return before, after, refused
+
+    before, after, refused = asyncio.run(main())
+    assert before == after
+    assert "checkpoint" in refused.lower() or "directory" in refused.lower(), refused
