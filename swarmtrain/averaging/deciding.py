@@ -24,6 +24,7 @@ from typing import TypeVar
 from swarmtrain.averaging.fetching import MaterialFetcher
 from swarmtrain.averaging.material import Material, MaterialError, MaterialStore
 from swarmtrain.round.ballots import (
+    ZERO_BALLOT,
     Ballot,
     Value,
     Voter,
@@ -42,6 +43,8 @@ from swarmtrain.round.certificate import (
     check_certificate,
     check_retirement,
     counting,
+    nothing_chosen_below,
+    retired_reports,
 )
 from swarmtrain.round.messages import AcceptReply, ConsensusTransport, Contact, LearnReply, PrepareReply
 from swarmtrain.rpc.errors import RpcError
@@ -163,21 +166,32 @@ class Decider:
                 return NotChosen(_short(f"only {len(promised)} of {len(quorum_base(voters, counted))} "
                                         f"voters promised ballot {tuple(prepared.ballot)[:3]}", prepared.unanswered))
             grants = [prepared.replies[v] for v in promised]
-            chosen = value_to_propose([(g.accepted, g.value) for g in grants], own=value)
+            # The voters counted without report through their retirements what they had accepted (frozen).
+            frozen = retired_reports(prepared.retired, r, prepared.ballot)
+            chosen = value_to_propose([*((g.accepted, g.value) for g in grants), *frozen], own=value)
             if chosen.value_id != value.value_id:
                 # Another session's value may have been chosen: this proposer carries it (fetching its material
-                # from the voters that hold it), under a ballot of its own: the session's names only its value.
+                # from the voters that hold it, else its session's members), under a ballot of its own: the
+                # session's names only its value.
                 if not self.materials.holds(chosen.layout):
                     holders = [contacts[g.voter.peer_id] for g in grants if g.value is not None
                                and g.value.value_id == chosen.value_id and g.holds_material
                                and g.voter.peer_id in contacts]
+                    holders += [contacts[c] for c in chosen.contributors
+                                if c in contacts and c != self.me.peer_id and contacts[c] not in holders]
                     try:
                         await self.fetcher.complete(r, chosen.layout, holders,
                                                     timeout_s=max(0.0, deadline - loop.time()))
                     except MaterialError as e:
-                        return NotChosen(f"a value of session {chosen.session[:12]} may be chosen in round {r}, and "
-                                         f"its material is not to be had: {e}")
-                if prepared.ballot.proposer != self.me.peer_id:
+                        if not self._unchosen(prepared, voters, r):
+                            return NotChosen(f"a value of session {chosen.session[:12]} may be chosen in round {r}, "
+                                             f"and its material is not to be had: {e}")
+                        # What every voter accepted is known and no ballot had a quorum: the reported value was
+                        # never chosen, so this session's own may be.
+                        log.info("round %d: session %s's value was accepted by too few voters to be chosen; "
+                                 "proposing this session's", r, chosen.session[:12])
+                        chosen = value
+                if chosen is not value and prepared.ballot.proposer != self.me.peer_id:
                     ballot = carrying_ballot(prepared.highest_promise(), session=value.session,
                                              proposer=self.me.peer_id)
                     log.info("round %d: carrying session %s's value forward in ballot %s", r, chosen.session[:12],
@@ -188,6 +202,15 @@ class Decider:
             return await self._accept(prepared, chosen, voters=voters, contacts=contacts,
                                       timeout_s=max(0.0, deadline - loop.time()))
         return NotChosen(f"round {r}: ballots kept being outbid while carrying a value forward")
+
+    def _unchosen(self, prepared: Prepared, voters: Sequence[Voter], r: int) -> bool:
+        """Whether no value of round `r` can have been chosen below `prepared`'s ballot: the promises' reports and
+        the retirements' frozen votes (`nothing_chosen_below`)."""
+        known = {v: reply.accepted for v, reply in prepared.replies.items() if reply.granted}
+        for v, x in counting(prepared.retired, r, prepared.ballot).items():
+            if x.from_round == r:
+                known[v] = x.accepted if x.accepted is not None else ZERO_BALLOT
+        return nothing_chosen_below(prepared.ballot, r, voters, prepared.retired, known)
 
     async def _accept(self, prepared: Prepared, value: Value, *, voters: Sequence[Voter],
                       contacts: Mapping[str, Contact], timeout_s: float) -> Outcome:

@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from swarmtrain.averaging.fetching import MaterialFetcher
 from swarmtrain.averaging.material import Material, MaterialError, MaterialStore
-from swarmtrain.round.acceptor import Accepted, AcceptorState, Refused
+from swarmtrain.round.acceptor import Accepted, AcceptorState, Refused, VoterRetirement
 from swarmtrain.round.ballots import Ballot, MaterialLayout, Value, Voter, grant_statement, retire_statement
 from swarmtrain.round.certificate import Certificate, Retirement, SignedGrant
 from swarmtrain.round.messages import AcceptReply, Contact, LearnReply, PrepareReply
@@ -146,8 +146,11 @@ class VoterService:
         if not mine:
             return None
         x = mine[-1]
+        return self._announced(x)
+
+    def _announced(self, x: VoterRetirement) -> Retirement:
         return Retirement(Voter(self.identity.peer_id, x.incarnation), x.from_round, self.identity.public_key,
-                          x.signature, x.promised)
+                          x.signature, x.promised, x.accepted, x.value)
 
     def _check_scope(self, scope: str) -> None:
         if scope != self.scope:
@@ -308,18 +311,18 @@ class VoterService:
             if retired is not None:
                 return retired
             from_round = self.state.retire(current_round=current_round)
-            promised = self.state.retired_promise()
-            voter = self.voter
-            signature = self.identity.sign(retire_statement(run=self.run, scope=self.scope, voter=voter,
-                                                            from_round=from_round, promised=promised))
-            self.state.sign_retirement(signature)
+            promised, accepted = self.state.retired_promise(), self.state.retired_accepted()
+            signature = self.identity.sign(retire_statement(
+                run=self.run, scope=self.scope, voter=self.voter, from_round=from_round, promised=promised,
+                accepted=None if accepted is None else accepted[0],
+                value_id="" if accepted is None else accepted[1].value_id))
+            stored = self.state.sign_retirement(signature)
             await self._save()
-        return Retirement(voter, from_round, self.identity.public_key, signature, promised)
+        return self._announced(stored)
 
     def retirements(self) -> list[Retirement]:
         """Every retirement this voter stored (its departure record announces them)."""
-        return [Retirement(Voter(self.identity.peer_id, x.incarnation), x.from_round, self.identity.public_key,
-                           x.signature, x.promised) for x in self.state.retirements]
+        return [self._announced(x) for x in self.state.retirements]
 
 
 def _log_failed_save(fut: asyncio.Future[None]) -> None:

@@ -465,6 +465,45 @@ class RoundDriver:
 
     # ------------------------------------------------------------------ leaving
 
+    async def hand_over(self) -> bool:
+        """Before retiring: while this peer is a voter of a round the swarm has not decided, vote on there.
+
+        A leaver contributes to no round any more, so the round it is a voter of (its part's; the next one too
+        while it holds a Δ of its part's round, which an attempt may have committed without it learning so)
+        names voters without it: once a live peer of the scope is past that round, its vote is needed nowhere
+        and retiring drops nothing. Retiring at once instead leaves a round whose every voter left with no
+        quorum at all, and one whose leaver had accepted a value (so it stays counted there) a vote short for
+        good. The data plane and the record (the voter's endpoint) stay up meanwhile. Bounded: the swarm's
+        announced end of the round's steps, then two attempt spans. True when handed over (or not needed)."""
+        unsettled = self.pending is not None and self.pending.round == self.part.round
+        last = self.part.round + (1 if unsettled else 0)
+        if self.cfg.diloco.rounds:
+            last = min(last, self.cfg.diloco.rounds - 1)  # the run's rounds end there: none after to decide
+        if last < self.part.round or (Voter(self.peer_id, self.plane.incarnation) not in self.part.voters
+                                      and not unsettled):
+            return True
+        peers = [p for p in await self.read_peers(why=" before leaving") or () if p.peer_id != self.peer_id]
+        if not any(p.role == self.role for p in peers):
+            return True  # nobody left to decide the round: nothing to hand over
+        a = self.cfg.averaging
+        ends = [p.round_ends_at for p in peers if p.round == self.part.round and p.round_ends_at > 0]
+        steps_left_s = max(0.0, max(ends, default=0.0) - self.discovery.now())
+        deadline = self._loop_time() + steps_left_s + 4 * (a.matchmaking_timeout_s + a.allreduce_timeout_s) \
+            + 4 * self.cfg.discovery.heartbeat_s
+        log.info("%s: leaving; voting until the swarm is past round %d", self.peer_id, last)
+        passed = asyncio.Event()
+
+        def past(records: Sequence[PeerRecord]) -> bool:
+            if any(p.round > last and p.peer_id != self.peer_id and p.role == self.role for p in records):
+                passed.set()
+            return passed.is_set()
+
+        await self.watch(past, deadline=deadline, stop=asyncio.Event())
+        if not passed.is_set():
+            log.warning("%s: the swarm did not pass round %d before the leave's deadline: retiring anyway",
+                        self.peer_id, last)
+        return passed.is_set()
+
     async def retire(self) -> list[Retirement]:
         """Leave the scope for good: this peer's voter retires (stored before it is returned), and every
         retirement it ever stored, for the departure record."""
@@ -477,6 +516,23 @@ def departure_record(*, run_id: str, peer_id: str, retirements: dict[str, list[R
     newest = max((r.from_round for rs in retirements.values() for r in rs), default=0)
     return DepartureRecord(run_id=run_id, peer_id=peer_id, from_round=newest, left_at=now,
                            retirements={s: tuple(rs[-4:]) for s, rs in retirements.items()})
+
+
+async def announce_departure(discovery: Discovery, record: DepartureRecord, *, cfg: RunConfig) -> bool:
+    """Store `record` in the DHT, retrying every heartbeat for up to a record TTL: a retirement nobody reads
+    leaves its voter counted in the rounds it was a voter of, so a leaver stopped or cut off for a few seconds
+    at that moment tries again. False (logged) when every try failed."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + cfg.discovery.record_ttl_s
+    while True:
+        try:
+            await discovery.announce_departure(record, timeout_s=cfg.rpc.call_timeout_s)
+            return True
+        except (DiscoveryError, TimeoutError) as e:
+            if loop.time() + cfg.discovery.heartbeat_s > deadline:
+                log.warning("could not announce this peer's departure: %s", e)
+                return False
+            await asyncio.sleep(cfg.discovery.heartbeat_s)
 
 
 def committed_state(part: Part) -> CommittedState:

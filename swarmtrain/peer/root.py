@@ -12,6 +12,7 @@ withdrawn, a checkpoint written, the data plane drained and closed, the DHT stop
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -30,7 +31,7 @@ from swarmtrain.diloco.flat import param_shapes
 from swarmtrain.diloco.pace import Pace
 from swarmtrain.diloco.worker import InnerStep
 from swarmtrain.discovery import Discovery, Heartbeat, PeerRecord
-from swarmtrain.driver.loop import RoundDriver, departure_record
+from swarmtrain.driver.loop import RoundDriver, announce_departure, departure_record
 from swarmtrain.driver.presence import Presence
 from swarmtrain.models import build_model
 from swarmtrain.models.spec import check_run
@@ -249,6 +250,9 @@ class Peer:
 
     async def _leave(self, reason: str) -> None:
         path: Path | None = None
+        if self.driver is not None and self.heartbeat is not None:
+            with contextlib.suppress(Exception):  # best effort: retiring below is what must happen
+                await self.driver.hand_over()  # its record stays up meanwhile: proposers find its voter
         if self._beat_task is not None:
             await self._beat_task  # a record stored after the withdrawal would announce a departed peer
         if self.heartbeat is not None:
@@ -277,7 +281,7 @@ class Peer:
             retirements = await self.driver.retire()
             record = departure_record(run_id=self.cfg.train.run_id, peer_id=self._peer_id,
                                       retirements={"": retirements}, now=self.discovery.now())
-            await self.discovery.announce_departure(record, timeout_s=self.cfg.rpc.call_timeout_s)
+            await announce_departure(self.discovery, record, cfg=self.cfg)
         except Exception as e:  # best effort: without it the others count this voter until a commit drops it
             log.warning("could not announce this peer's departure: %s", e)
 

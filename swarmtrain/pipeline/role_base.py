@@ -16,7 +16,7 @@ from swarmtrain.compress import codec_from_config
 from swarmtrain.config import RunConfig
 from swarmtrain.diloco.flat import param_shapes
 from swarmtrain.discovery import Discovery, Heartbeat, PeerRecord, ScopedDiscovery
-from swarmtrain.driver.loop import departure_record
+from swarmtrain.driver.loop import announce_departure, departure_record
 from swarmtrain.models.spec import check_run
 from swarmtrain.peer.config import merge_run_config
 from swarmtrain.peer.data import peer_seed
@@ -166,7 +166,7 @@ class RoleBase(abc.ABC):
         record = departure_record(run_id=self.cfg.train.run_id, peer_id=self.discovery.peer_id,
                                   retirements=self._retired, now=self.discovery.now())
         try:
-            await self.discovery.announce_departure(record, timeout_s=self.cfg.rpc.call_timeout_s)
+            await announce_departure(self.discovery, record, cfg=self.cfg)
         except Exception as e:  # best effort: the others count this voter until a commit drops it
             log.warning("could not announce this peer's departure from %r: %s", scope, e)
 

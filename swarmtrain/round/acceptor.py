@@ -59,7 +59,9 @@ class VoterRetirement:
     incarnation: int
     from_round: int
     signature: bytes
-    promised: Ballot | None = None  # the ballot it had promised in `from_round` (it accepted nothing there)
+    promised: Ballot | None = None  # the ballot it had promised in `from_round`
+    accepted: Ballot | None = None  # what it had accepted in `from_round` (`value`), if anything
+    value: Value | None = None
 
 
 @dataclass(frozen=True)
@@ -176,14 +178,14 @@ class AcceptorState:
         """End the current incarnation: it grants nothing from the returned round on. Sign it
         (`sign_retirement`) and store it; the next start (`reincarnate`) votes as the next incarnation.
 
-        The round is the one after the newest it accepted a value in, at least `current_round`, and at least
-        the newest it promised a ballot in: a round where it only promised is the one it retires from, with
-        that promise named (`retired_promise`), so that the ballots after it count their quorum without it."""
+        The round is the newest it promised or accepted anything in, at least `current_round`. Its vote there
+        is final: the promise is named (`retired_promise`) and so is what it accepted (`retired_accepted`), so
+        that the ballots above the promise count their quorum without it and carry what it accepted as if it
+        had reported it in a promise (Paxos' phase 1 with its frozen answer)."""
         if self.retired_from is not None:
             return self.retired_from
-        accepted = [r for r, v in self.rounds.items() if v.value is not None]
-        promised = [r for r, v in self.rounds.items() if v.promised != ZERO_BALLOT]
-        self.retired_from = max(current_round, max(accepted) + 1 if accepted else 0, max(promised, default=0))
+        voted = [r for r, v in self.rounds.items() if v.value is not None or v.promised != ZERO_BALLOT]
+        self.retired_from = max(current_round, max(voted, default=0))
         return self.retired_from
 
     def retired_promise(self) -> Ballot | None:
@@ -192,9 +194,17 @@ class AcceptorState:
         vote = self.rounds.get(self.retired_from)
         return vote.promised if vote is not None and vote.promised != ZERO_BALLOT else None
 
+    def retired_accepted(self) -> tuple[Ballot, Value] | None:
+        """What the retired incarnation had accepted in the round it retired from (None: nothing)."""
+        assert self.retired_from is not None, "retired_accepted() before retire()"
+        vote = self.rounds.get(self.retired_from)
+        return None if vote is None or vote.value is None else (vote.accepted, vote.value)
+
     def sign_retirement(self, signature: bytes) -> VoterRetirement:
         assert self.retired_from is not None, "sign_retirement() before retire()"
-        retirement = VoterRetirement(self.incarnation, self.retired_from, signature, self.retired_promise())
+        accepted = self.retired_accepted()
+        retirement = VoterRetirement(self.incarnation, self.retired_from, signature, self.retired_promise(),
+                                     *(accepted or (None, None)))
         self.retirements = [*self.retirements[-3:], retirement]
         return retirement
 
@@ -224,7 +234,9 @@ class AcceptorState:
                 "rounds": {str(r): v.to_json() for r, v in sorted(self.rounds.items())},
                 "past": {str(r): [inc, v.to_json()] for r, (inc, v) in sorted(self.past.items())},
                 "retirements": [[x.incarnation, x.from_round, x.signature.hex(),
-                                 None if x.promised is None else x.promised.to_json()] for x in self.retirements]}
+                                 None if x.promised is None else x.promised.to_json(),
+                                 None if x.accepted is None else x.accepted.to_json(),
+                                 None if x.value is None else x.value.to_json()] for x in self.retirements]}
 
     @classmethod
     def from_json(cls, raw: Any) -> AcceptorState:
@@ -250,10 +262,22 @@ class AcceptorState:
         try:
             parsed_rounds = {int(r): RoundVote.from_json(v) for r, v in rounds.items()}
             parsed_past = {int(r): (v[0], RoundVote.from_json(v[1])) for r, v in past.items()}
-            retirements = [VoterRetirement(int(i), int(f), bytes.fromhex(s), None if p is None else Ballot.from_json(p))
-                           for i, f, s, p in raw.get("retirements", [])]
+            retirements = [_retirement_from_json(x) for x in raw.get("retirements", [])]
         except (TypeError, ValueError, IndexError, KeyError, AttributeError) as e:
             if isinstance(e, BallotError):
                 raise
             raise BallotError(f"voter state: {type(e).__name__}: {e}") from None
         return cls(scope, incarnation, floor, parsed_rounds, parsed_past, retirements, retired_from)
+
+
+def _retirement_from_json(raw: Any) -> VoterRetirement:
+    """[incarnation, from_round, signature, promised, accepted, value] (a book written before retirements named
+    what they accepted has the first four)."""
+    if not isinstance(raw, list) or len(raw) not in (4, 6):
+        raise BallotError(f"voter state.retirements: malformed {raw!r:.60}")
+    i, f, sig, p = raw[:4]
+    a, v = raw[4:] if len(raw) == 6 else (None, None)
+    if (a is None) != (v is None):
+        raise BallotError("voter state.retirements: an accepted ballot without its value, or the reverse")
+    return VoterRetirement(int(i), int(f), bytes.fromhex(sig), None if p is None else Ballot.from_json(p),
+                           None if a is None else Ballot.from_json(a), None if v is None else Value.from_json(v))

@@ -277,11 +277,14 @@ def grant_statement(*, run: str, scope: str, round_index: int, ballot: Ballot, v
                                 voter.incarnation])
 
 
-def retire_statement(*, run: str, scope: str, voter: Voter, from_round: int, promised: Ballot | None = None) -> bytes:
-    """What a voter signs when it retires its incarnation: it grants nothing in rounds >= `from_round`, and in
-    round `from_round` it had promised nothing above `promised` (None: nothing at all)."""
+def retire_statement(*, run: str, scope: str, voter: Voter, from_round: int, promised: Ballot | None = None,
+                     accepted: Ballot | None = None, value_id: str = "") -> bytes:
+    """What a voter signs when it retires its incarnation: it grants nothing more in rounds >= `from_round`; in
+    round `from_round` it had promised nothing above `promised` (None: nothing at all) and had accepted
+    `value_id` in ballot `accepted` last (None, "": nothing)."""
     return _statement("retire", [run, scope, voter.peer_id, voter.incarnation, from_round,
-                                 None if promised is None else promised.to_json()])
+                                 None if promised is None else promised.to_json(),
+                                 None if accepted is None else accepted.to_json(), value_id])
 
 
 def value_to_propose(reports: Iterable[tuple[Ballot, Value | None]], own: Value) -> Value:

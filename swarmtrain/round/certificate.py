@@ -16,6 +16,7 @@ from typing import Any
 
 from swarmtrain.round.ballots import (
     MAX_VOTERS,
+    ZERO_BALLOT,
     Ballot,
     BallotError,
     Value,
@@ -27,7 +28,7 @@ from swarmtrain.round.ballots import (
 )
 
 __all__ = ["Certificate", "CertificateError", "Retirement", "SignedGrant", "Verify", "check_certificate",
-           "check_retirement", "counting", "follow_chain"]
+           "check_retirement", "counting", "follow_chain", "nothing_chosen_below", "retired_reports"]
 
 MAX_KEY_BYTES = 1024  # an RSA-2048 public key in DER is 294 bytes; ed25519 is 32
 MAX_SIGNATURE_BYTES = 1024
@@ -74,23 +75,28 @@ class SignedGrant:
 
 @dataclass(frozen=True)
 class Retirement:
-    """`voter` retired: it grants nothing in any round >= `from_round`, and in round `from_round` it had promised
-    no ballot above `promised` (None: none at all); its signature over `retire_statement`.
+    """`voter` retired: it grants nothing more in any round >= `from_round`; in round `from_round` it had promised
+    no ballot above `promised` (None: none at all) and had accepted `value` in ballot `accepted` last (None: no
+    value); its signature over `retire_statement`.
 
-    A voter that promised a ballot of round r but accepted nothing there retires from r, naming that promise:
-    its retirement counts for the ballots above it (`counting`), not for those at or below, whose promise
-    quorums may hold its promise. A peer leaving after an aborted attempt is thus not counted in the round it
-    left in by the ballots that come after it."""
+    A voter retires from the newest round it voted in, naming its vote there: its retirement counts for the
+    ballots above its promise (`counting`), not for those at or below, whose promise quorums may hold its
+    promise; and the ballots it counts for carry what it accepted (`retired_reports`) as a promise of theirs
+    would. A peer leaving after an aborted attempt, or after accepting a value, is thus not needed by the
+    ballots that come after it."""
 
     voter: Voter
     from_round: int
     public_key: bytes
     signature: bytes
     promised: Ballot | None = None
+    accepted: Ballot | None = None
+    value: Value | None = None
 
     def statement(self, *, run: str, scope: str) -> bytes:
         return retire_statement(run=run, scope=scope, voter=self.voter, from_round=self.from_round,
-                                promised=self.promised)
+                                promised=self.promised, accepted=self.accepted,
+                                value_id="" if self.value is None else self.value.value_id)
 
     def counts_for(self, round_index: int, ballot: Ballot) -> bool:
         """Whether a quorum of `ballot` in round `round_index` is counted without this voter."""
@@ -99,16 +105,24 @@ class Retirement:
 
     def to_json(self) -> list[Any]:
         return [self.voter.peer_id, self.voter.incarnation, self.from_round, self.public_key.hex(),
-                self.signature.hex(), None if self.promised is None else self.promised.to_json()]
+                self.signature.hex(), None if self.promised is None else self.promised.to_json(),
+                None if self.accepted is None else self.accepted.to_json(),
+                None if self.value is None else self.value.to_json()]
 
     @classmethod
     def from_json(cls, raw: Any) -> Retirement:
-        if (not isinstance(raw, list) or len(raw) != 6 or not isinstance(raw[0], str) or not isinstance(raw[1], int)
+        if (not isinstance(raw, list) or len(raw) != 8 or not isinstance(raw[0], str) or not isinstance(raw[1], int)
                 or isinstance(raw[1], bool) or not isinstance(raw[2], int) or isinstance(raw[2], bool) or raw[2] < 0):
             raise BallotError(f"retirement: malformed {raw!r:.80}")
+        if (raw[6] is None) != (raw[7] is None):
+            raise BallotError("retirement: an accepted ballot without its value, or the reverse")
+        value = None if raw[7] is None else Value.from_json(raw[7])
+        if value is not None and value.round != raw[2]:
+            raise BallotError(f"retirement: its accepted value is of round {value.round}, not {raw[2]}")
         return cls(Voter(raw[0], raw[1]), raw[2], _bytes_field(raw[3], "retirement.public_key", MAX_KEY_BYTES),
                    _bytes_field(raw[4], "retirement.signature", MAX_SIGNATURE_BYTES),
-                   None if raw[5] is None else Ballot.from_json(raw[5]))
+                   None if raw[5] is None else Ballot.from_json(raw[5]),
+                   None if raw[6] is None else Ballot.from_json(raw[6]), value)
 
 
 def counting(retired: Mapping[Voter, Retirement], round_index: int, ballot: Ballot) -> dict[Voter, Retirement]:
@@ -116,7 +130,40 @@ def counting(retired: Mapping[Voter, Retirement], round_index: int, ballot: Ball
     return {v: r for v, r in retired.items() if r.counts_for(round_index, ballot)}
 
 
+def retired_reports(retired: Mapping[Voter, Retirement], round_index: int,
+                    ballot: Ballot) -> list[tuple[Ballot, Value]]:
+    """What the voters that `ballot` counts without had accepted in round `round_index`: a proposer of `ballot`
+    weighs these with its promises' reports (Paxos' rule), as if each had promised it with its frozen vote."""
+    return [(r.accepted, r.value) for r in counting(retired, round_index, ballot).values()
+            if r.from_round == round_index and r.accepted is not None and r.value is not None]
+
+
+def nothing_chosen_below(ballot: Ballot, round_index: int, voters: Sequence[Voter],
+                         retired: Mapping[Voter, Retirement], known: Mapping[Voter, Ballot]) -> bool:
+    """Whether no value of round `round_index` can have been chosen in any ballot below `ballot`.
+
+    `known` holds, for some voters, the highest ballot they will ever have accepted below `ballot` (ZERO_BALLOT:
+    none): a promise of `ballot` reports it, a retirement freezes it. A voter's accepted ballots only grow, so
+    one known at `a` accepted nothing above `a`; the rest may have accepted anything. A value chosen in ballot
+    b needs more than half of b's base to have accepted b, checked for every b below `ballot`. True lets a
+    proposer drop a reported value whose material nobody holds: it cannot have been chosen."""
+    # Who may have accepted b, and b's base, change only at the ballots reported and at the promises that
+    # retirements name: checking those, and `ballot` for the ballots above them all, checks every b.
+    points = {a for a in known.values() if a != ZERO_BALLOT and a < ballot}
+    points |= {r.promised for r in retired.values()
+               if r.from_round == round_index and r.promised is not None and r.promised < ballot}
+    for b in [*sorted(points), ballot]:
+        base = quorum_base(voters, counting(retired, round_index, b))
+        may_have = sum(u not in known or known[u] >= b for u in base)
+        if not base or 2 * may_have > len(base):
+            return False
+    return True
+
+
 def check_retirement(r: Retirement, *, run: str, scope: str, verify: Verify) -> None:
+    if r.value is not None and (r.value.scope != scope or r.value.round != r.from_round):
+        raise CertificateError(f"the retirement of {r.voter} names a value of scope {r.value.scope!r} round "
+                               f"{r.value.round}, not of {scope!r} round {r.from_round}")
     if not verify(r.voter.peer_id, r.public_key, r.statement(run=run, scope=scope), r.signature):
         raise CertificateError(f"the retirement of {r.voter} does not verify (not its key, or a forged signature)")
 

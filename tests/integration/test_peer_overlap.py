@@ -109,7 +109,7 @@ def test_stop_during_an_overlapped_round_finishes_its_average_first(tmp_path: Pa
         rounds = [e.round for e in log.rounds()]
         assert rounds == list(range(len(rounds))) and all(e.committed for e in log.rounds()), story({"p": log})
         (leave,) = [e for e in log.events() if isinstance(e, LeaveEvent)]
-        assert leave.round == rounds[-1] + 1 and leave.checkpoint and Path(leave.checkpoint).is_dir()
+        assert leave.round == rounds[-1] + 1 and leave.checkpoint and Path(leave.checkpoint).is_file()
 
     asyncio.run(main())
 

@@ -183,17 +183,18 @@ def test_forget_before_raises_the_floor_and_drops_old_votes() -> None:
 
 # ---------------------------------------------------------------------------------------------- retirement
 
-@pytest.mark.parametrize(("promised", "accepted", "current", "expected", "named"), [
-    ((), (), 4, 4, False),          # nothing granted: from the current round
-    ((2,), (), 4, 4, False),        # promised in an older round only
-    ((4,), (), 4, 4, True),         # promised in the current round: from it, naming the promise
-    ((), (4,), 4, 5, False),        # accepted in the current round: the next one
-    ((4, 7), (), 4, 7, True),       # promised ahead of the current round: from the newest, naming it
-    ((7,), (3,), 0, 7, True),
-    ((7,), (7,), 0, 8, False),      # accepted where it promised: after it
+@pytest.mark.parametrize(("promised", "accepted", "current", "expected", "named", "froze"), [
+    ((), (), 4, 4, False, False),        # nothing granted: from the current round
+    ((2,), (), 4, 4, False, False),      # promised in an older round only
+    ((4,), (), 4, 4, True, False),       # promised in the current round: from it, naming the promise
+    ((), (4,), 4, 4, False, True),       # accepted in the current round: from it, naming what it accepted
+    ((4, 7), (), 4, 7, True, False),     # promised ahead of the current round: from the newest, naming it
+    ((7,), (3,), 0, 7, True, False),     # accepted in an older round: counted there still
+    ((7,), (7,), 0, 7, True, True),      # promised and accepted in one round: both named
 ])
-def test_retire_from_the_round_after_the_newest_accept_or_at_the_newest_promise(
-        promised: tuple[int, ...], accepted: tuple[int, ...], current: int, expected: int, named: bool) -> None:
+def test_retire_from_the_newest_round_voted_in_naming_the_vote_there(
+        promised: tuple[int, ...], accepted: tuple[int, ...], current: int, expected: int, named: bool,
+        froze: bool) -> None:
     st = _state()
     for r in promised:
         assert isinstance(st.prepare(r, B1, horizon=H), Promised)
@@ -201,7 +202,12 @@ def test_retire_from_the_round_after_the_newest_accept_or_at_the_newest_promise(
         assert isinstance(st.accept(r, B2, _value(r), horizon=H), Accepted)
     assert st.retire(current_round=current) == expected
     assert st.retired_from == expected
-    assert st.retired_promise() == (B1 if named else None)
+    # an accept of B2 promises it too: where it accepted, the promise named is B2
+    assert st.retired_promise() == ((B2 if froze else B1) if named or froze else None)
+    assert st.retired_accepted() == ((B2, _value(expected)) if froze else None)
+    signed = st.sign_retirement(b"sig")
+    assert (signed.accepted, signed.value) == ((B2, _value(expected)) if froze else (None, None))
+    assert AcceptorState.from_json(st.to_json()).retirements == [signed]
 
 
 def test_an_accept_counts_as_granted_and_a_zero_promise_does_not() -> None:
@@ -209,22 +215,23 @@ def test_an_accept_counts_as_granted_and_a_zero_promise_does_not() -> None:
     st.accept(6, B1, _value(6), horizon=H)
     assert st.prepare(9, ZERO_BALLOT, horizon=H) == Promised(ZERO_BALLOT, ZERO_BALLOT, None, changed=False)
     assert st.granted_rounds() == [6]
-    assert st.retire(current_round=2) == 7
+    assert st.retire(current_round=2) == 6
 
 
 def test_a_retired_voter_refuses_every_round_from_its_retirement_on() -> None:
     st = _state()
+    st.accept(6, B1, _value(6), horizon=H)
     st.accept(7, B1, _value(7), horizon=H)
-    assert st.retire(current_round=5) == 8
-    for r in (8, 9, 10):
+    assert st.retire(current_round=5) == 7
+    for r in (7, 8, 9, 10):  # its vote in round 7 is final: what it accepted there is named in the retirement
         for got in (st.prepare(r, B3, horizon=H), st.accept(r, B3, _value(r), horizon=H)):
             assert isinstance(got, Refused) and got.kind == "retired", (r, got)
-    assert not any(r >= 8 for r in st.rounds)
+    assert not any(r >= 8 for r in st.rounds) and st.rounds[7].value == _value(7)
     # the rounds before it are still answered (it may still be needed there)
-    assert isinstance(st.prepare(7, B2, horizon=H), Promised)
-    assert isinstance(st.accept(7, B2, _value(7), horizon=H), Accepted)
+    assert isinstance(st.prepare(6, B2, horizon=H), Promised)
+    assert isinstance(st.accept(6, B2, _value(6), horizon=H), Accepted)
     # retiring twice keeps the first retirement
-    assert st.retire(current_round=20) == 8
+    assert st.retire(current_round=20) == 7
     # a round where it only promised is retired from, the promise final: no later promise there
     other = _state()
     other.prepare(7, B1, horizon=H)
@@ -279,7 +286,7 @@ def test_accepted_in_keeps_an_older_incarnations_value_when_a_later_one_only_pro
     v5 = _value(5, "s5")
     st.accept(5, B1, v5, horizon=H)
     st.sign_accepted(5, b"sig3")
-    assert st.retire(current_round=5) == 6
+    assert st.retire(current_round=5) == 5  # its accepted value named in the retirement
     st.reincarnate()  # incarnation 4, restarted at round 5: a prepare of round 5 still reaches it
     assert isinstance(st.prepare(5, B2, horizon=6), Promised)
     assert st.retire(current_round=5) == 5  # it only promised in round 5: from it, naming the promise
@@ -322,7 +329,14 @@ def test_json_round_trip() -> None:
     raw = json.loads(json.dumps(st.to_json()))
     assert raw["incarnation"] == 3 and raw["floor"] == 3 and raw["retired_from"] == 7
     assert sorted(raw["rounds"]) == ["5", "6"] and sorted(raw["past"]) == ["3"]  # round 4: only a promise
-    assert raw["retirements"] == [[2, 4, b"retired".hex(), B2.to_json()]]  # from round 4, where it promised B2
+    # from round 4, where it promised B2 and accepted nothing
+    assert raw["retirements"] == [[2, 4, b"retired".hex(), B2.to_json(), None, None]]
+    # a book written before retirements named what they accepted still reads
+    old = dict(raw, retirements=[[2, 4, b"retired".hex(), B2.to_json()]])
+    assert AcceptorState.from_json(old).retirements == st.retirements
+    for bad in ([2, 4, b"retired".hex(), None, B2.to_json(), None], [2, 4]):
+        with pytest.raises(BallotError):
+            AcceptorState.from_json(dict(raw, retirements=[bad]))
     back = AcceptorState.from_json(raw)
     assert back == st
     assert back.accepted_in(3) == (2, RoundVote(B1, B1, _value(3, "a"), b"\x01\x02"))

@@ -420,10 +420,14 @@ def test_grant_statement_bytes() -> None:
     assert grant_statement(**_GRANT) == (
         b'swarmtrain/grant\0["run/nonce","model",3,[1,2,0,"s",""],"' + b"ab" * 32 + b'","p",4]')
     assert retire_statement(run="run/nonce", scope="model", voter=Voter("p", 4), from_round=9) == (
-        b'swarmtrain/retire\0["run/nonce","model","p",4,9,null]')
+        b'swarmtrain/retire\0["run/nonce","model","p",4,9,null,null,""]')
     assert retire_statement(run="run/nonce", scope="model", voter=Voter("p", 4), from_round=9,
                             promised=Ballot(1, 0, 0, "s", "")) == (
-        b'swarmtrain/retire\0["run/nonce","model","p",4,9,[1,0,0,"s",""]]')
+        b'swarmtrain/retire\0["run/nonce","model","p",4,9,[1,0,0,"s",""],null,""]')
+    assert retire_statement(run="run/nonce", scope="model", voter=Voter("p", 4), from_round=9,
+                            promised=Ballot(1, 0, 0, "s", ""), accepted=Ballot(1, 0, 0, "s", ""),
+                            value_id="cd" * 32) == (
+        b'swarmtrain/retire\0["run/nonce","model","p",4,9,[1,0,0,"s",""],[1,0,0,"s",""],"' + b"cd" * 32 + b'"]')
 
 
 @pytest.mark.parametrize(("key", "other"), [

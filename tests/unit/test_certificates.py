@@ -30,6 +30,7 @@ from swarmtrain.round.certificate import (
     check_retirement,
     follow_chain,
     grants_by_voter,
+    retired_reports,
 )
 from swarmtrain.trust.identity import Ed25519Identity, registry_binding, verifier
 
@@ -230,6 +231,39 @@ def test_an_unsigned_or_foreign_retirement_does_not_count() -> None:
         check_retirement(good, run=RUN, scope="stage1", verify=VERIFY)
 
 
+def _frozen(voter: Voter, value: Value, accepted: Ballot, *, promised: Ballot | None = None) -> Retirement:
+    """`voter` retired from `value`'s round, where it had accepted `value` in `accepted` (and promised `promised`)."""
+    ident, promised = IDS[voter.peer_id], promised or accepted
+    return Retirement(voter, value.round, ident.public_key, ident.sign(retire_statement(
+        run=RUN, scope=SCOPE, voter=voter, from_round=value.round, promised=promised, accepted=accepted,
+        value_id=value.value_id)), promised, accepted, value)
+
+
+def test_a_retirement_names_what_it_accepted_signed_and_the_ballots_above_it_carry_that() -> None:
+    """A voter that accepted a value in round r and retired from r: the ballots above its promise count their
+    quorum without it and weigh its accepted (ballot, value) as a promise's report (`retired_reports`); what it
+    accepted is signed with the rest, so a changed value does not verify."""
+    v, other = _value(), _value(session="other")
+    low, high = Ballot(1, 0, 0, "a", ""), Ballot(5, 0, 0, "b", "")
+    r = _frozen(V[4], v, low)
+    check_retirement(r, run=RUN, scope=SCOPE, verify=VERIFY)
+    assert Retirement.from_json(json.loads(json.dumps(r.to_json()))) == r
+    assert retired_reports({V[4]: r}, ROUND, high) == [(low, v)]
+    assert retired_reports({V[4]: r}, ROUND, low) == []  # at its own promise it is counted (it may accept)
+    assert retired_reports({V[4]: r}, ROUND + 1, high) == []  # a later round: counted without, nothing to carry
+    swapped = Retirement(r.voter, r.from_round, r.public_key, r.signature, r.promised, r.accepted, other)
+    with pytest.raises(CertificateError, match="does not verify"):
+        check_retirement(swapped, run=RUN, scope=SCOPE, verify=VERIFY)
+    later = _value(ROUND + 1)
+    moved = Retirement(r.voter, r.from_round, r.public_key, r.signature, r.promised, r.accepted, later)
+    with pytest.raises(CertificateError, match="names a value of scope"):
+        check_retirement(moved, run=RUN, scope=SCOPE, verify=VERIFY)
+    raw = r.to_json()
+    for bad in (raw[:6], [*raw[:6], None, raw[7]], [*raw[:6], raw[6], None], [*raw[:7], later.to_json()]):
+        with pytest.raises(BallotError):
+            Retirement.from_json(bad)
+
+
 def test_a_retired_voter_cannot_also_grant() -> None:
     with pytest.raises(CertificateError, match=r"grant from p2#1, who retired"):
         _check(_cert(V[:3], retirements=(_retirement(V[2], ROUND), _retirement(V[4], ROUND))))
@@ -348,3 +382,36 @@ def test_follow_chain_is_none_when_the_first_link_does_not_start_at_the_given_st
     assert _follow(certs, run="run-2/nonce") is None
     assert _follow(certs, scope="stage1") is None
     assert _follow([]) is None
+
+
+def test_nothing_chosen_below_counts_who_may_have_accepted_each_ballot() -> None:
+    """A value of ballot b is chosen only if more than half of b's base accepted b; a voter whose final
+    highest accepted ballot is known accepted nothing above it. Only a value that provably had no quorum may
+    be dropped by a proposer."""
+    from swarmtrain.round.ballots import ZERO_BALLOT
+    from swarmtrain.round.certificate import nothing_chosen_below
+
+    a, b, c = V[:3]
+    b1, b2, b3, top = (Ballot(i, 0, 0, "s", "") for i in (1, 2, 3, 9))
+
+    def retired(voter: Voter, promised: Ballot, accepted: Ballot | None) -> Retirement:
+        return Retirement(voter, ROUND, b"k", b"s", promised, accepted, None if accepted is None else _value())
+
+    def check(voters: Sequence[Voter], known: dict[Voter, Ballot], gone: Sequence[Retirement] = ()) -> bool:
+        return nothing_chosen_below(top, ROUND, voters, {r.voter: r for r in gone}, known)
+
+    # two voters, one left having accepted b1, the other accepted nothing: b1 had 1 of 2
+    assert check((a, b), {a: b1, b: ZERO_BALLOT}, [retired(a, b1, b1)])
+    # the other's last accept is unknown: it may have accepted b1 too
+    assert not check((a, b), {a: b1}, [retired(a, b1, b1)])
+    # three voters, two accepted b1: chosen, perhaps
+    assert not check((a, b, c), {a: b1, b: b1, c: ZERO_BALLOT})
+    # one accepted b1, one later b2 (it may have accepted b1 on the way): 2 of 3 may have accepted b1
+    assert not check((a, b, c), {a: b1, b: b2, c: ZERO_BALLOT})
+    assert check((a, b, c), {a: b1, b: ZERO_BALLOT, c: ZERO_BALLOT})
+    # a voter retired with a promise of b3 is in the base of every ballot up to b3: with c unknown, b2 had
+    # 2 (b, c) of 3 that may have accepted it
+    assert not check((a, b, c), {a: ZERO_BALLOT, b: b2}, [retired(a, b3, None)])
+    # nobody left to count: never provable
+    assert not check((a,), {a: ZERO_BALLOT}, [retired(a, b1, None)])
+    assert check((a, b, c), {a: ZERO_BALLOT, b: ZERO_BALLOT, c: ZERO_BALLOT})

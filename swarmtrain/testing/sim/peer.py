@@ -28,7 +28,7 @@ from swarmtrain.compress import get_codec
 from swarmtrain.config import RunConfig
 from swarmtrain.diloco.flat import state_digest
 from swarmtrain.discovery import DiscoveryError, Heartbeat, PeerRecord
-from swarmtrain.driver.loop import RoundDriver, departure_record
+from swarmtrain.driver.loop import RoundDriver, announce_departure, departure_record
 from swarmtrain.driver.part import CommittedState, Trained
 from swarmtrain.driver.presence import Presence
 from swarmtrain.round.ballots import Genesis, Value
@@ -240,6 +240,7 @@ class SimPeer:
         self.driver, self.part, self.node, self.discovery = driver, part, node, discovery
         self.alive = True
         self.stop = asyncio.Event()
+        self.rounds_ended = asyncio.Event()  # its driver's loop returned (stopped, done or failed)
 
         async def life() -> None:
             while True:  # a peer comes up once the DHT takes its record (a frozen one waits)
@@ -249,7 +250,10 @@ class SimPeer:
                 except (DiscoveryError, TimeoutError):
                     await asyncio.sleep(cfg.discovery.heartbeat_s)
             self._spawn(heartbeat.loop())
-            await driver.run(self.stop)
+            try:
+                await driver.run(self.stop)
+            finally:
+                self.rounds_ended.set()
 
         self._spawn(life())
 
@@ -267,18 +271,25 @@ class SimPeer:
             log.error("%s: task failed", self.peer_id, exc_info=e)
 
     async def leave(self) -> None:
-        """Leave gracefully, as a SIGTERM does: stop the rounds, retire the voter (stored, then announced in a
-        departure record, sealed like every record), stop; it does not come back."""
+        """Leave gracefully, as a SIGTERM does: stop the rounds, vote on until the swarm is past the round this
+        peer is a voter of (`RoundDriver.hand_over`), retire the voter (stored, then announced in a departure
+        record, sealed like every record), stop; it does not come back."""
         if not self.alive or self.driver is None or self.discovery is None:
             return
         self.stop.set()
         driver, discovery = self.driver, self.discovery
         with contextlib.suppress(Exception):  # best effort, as the daemon's leave is
+            if self.rules != "legacy":  # a leave before the decision was consensus retired at once
+                a = self.cfg.averaging  # the daemon leaves once its loop returned: the attempt in flight is done
+                await asyncio.wait_for(self.rounds_ended.wait(), timeout=2 * (a.matchmaking_timeout_s
+                                                                              + a.allreduce_timeout_s))
+                await driver.hand_over()
             retirements = await driver.retire()
             record = departure_record(run_id=self.cfg.train.run_id, peer_id=self.peer_id,
                                       retirements={"": retirements}, now=discovery.now())
-            await discovery.withdraw(timeout_s=self.cfg.rpc.call_timeout_s)
-            await discovery.announce_departure(record, timeout_s=self.cfg.rpc.call_timeout_s)
+            with contextlib.suppress(DiscoveryError, TimeoutError):  # it expires anyway
+                await discovery.withdraw(timeout_s=self.cfg.rpc.call_timeout_s)
+            await announce_departure(discovery, record, cfg=self.cfg)
         self.left = True
         self.crash()
 
