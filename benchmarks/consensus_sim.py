@@ -1,7 +1,7 @@
 """Run the deterministic simulation tester (swarmtrain/testing/sim) over many random fault schedules and report
 safety violations, schedules without liveness after the faults stop, spinning peers and code errors.
 
-    python benchmarks/consensus_sim.py                                # 10,000 schedules, 40 s of faults each
+    python benchmarks/consensus_sim.py                 # 10,000 schedules, 40 s of faults each (~1.5 h, 2 cores)
     python benchmarks/consensus_sim.py --schedules 1000 --faults-until 90 --start 100000
     python benchmarks/consensus_sim.py --schedules 200 --jobs 1       # a quick look
 

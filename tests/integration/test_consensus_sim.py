@@ -6,8 +6,8 @@ to find them on those rules (`rules="legacy"`: the first asker gets a voter's on
 learns an outcome, a heal needs two peers ahead, a voter leaving after voting counts in its round) and to
 find none on the rules shipped. Then 200 random schedules (5-9 peers, ±8 s skew, crashes and restarts,
 freezes, partitions, stale DHT reads, lost calls, graceful leaves) must
-show no round with two states and every live peer committing soon after the faults stop; the 10,000-schedule
-run is `benchmarks/consensus_sim.py`.
+show no round with two states and every live peer committing soon after the faults stop; longer runs are
+`benchmarks/consensus_sim.py`'s.
 """
 
 from __future__ import annotations
