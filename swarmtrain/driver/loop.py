@@ -466,31 +466,38 @@ class RoundDriver:
     # ------------------------------------------------------------------ leaving
 
     async def hand_over(self) -> bool:
-        """Before retiring: while this peer is a voter of a round the swarm has not decided, vote on there.
+        """Before retiring: when this peer's retirement would leave the round it is a voter of without a live
+        quorum, vote on there until the swarm is past it.
 
-        A leaver contributes to no round any more, so the round it is a voter of (its part's; the next one too
-        while it holds a Δ of its part's round, which an attempt may have committed without it learning so)
-        names voters without it: once a live peer of the scope is past that round, its vote is needed nowhere
-        and retiring drops nothing. Retiring at once instead leaves a round whose every voter left with no
-        quorum at all, and one whose leaver had accepted a value (so it stays counted there) a vote short for
-        good. The data plane and the record (the voter's endpoint) stay up meanwhile. Bounded: the swarm's
-        announced end of the round's steps, then two attempt spans. True when handed over (or not needed)."""
-        unsettled = self.pending is not None and self.pending.round == self.part.round
-        last = self.part.round + (1 if unsettled else 0)
-        if self.cfg.diloco.rounds:
-            last = min(last, self.cfg.diloco.rounds - 1)  # the run's rounds end there: none after to decide
-        if last < self.part.round or (Voter(self.peer_id, self.plane.incarnation) not in self.part.voters
-                                      and not unsettled):
+        A retirement names the leaver's last vote, so the ballots after it count their quorum without the
+        leaver and carry what it accepted: leaving at once loses nothing while more than half of the other
+        voters of the round (V(r) less the retirements known, less this one) are live. When they are not (every
+        other voter left, or most are unseen), the round would have no quorum: the leaver contributes nothing
+        more, so the next round's voters leave it out, and keeps voting (data plane and record up) until a
+        live peer of the scope is past the round, bounded by the swarm's announced end of the round's steps
+        plus two attempt spans. Waiting only then keeps a leave short, and a process killed while it waits
+        (a supervisor's stop timeout) as rare as it can be. True when handed over or not needed."""
+        last = self.part.round
+        if self.cfg.diloco.rounds and last >= self.cfg.diloco.rounds:
+            return True  # the run's rounds are done: none left to decide
+        me = Voter(self.peer_id, self.plane.incarnation)
+        if me not in self.part.voters:
             return True
         peers = [p for p in await self.read_peers(why=" before leaving") or () if p.peer_id != self.peer_id]
         if not any(p.role == self.role for p in peers):
             return True  # nobody left to decide the round: nothing to hand over
+        retired = await self._retirements(self.part.voters, last)
+        others = quorum_base(self.part.voters, [*retired, me])
+        live = {p.peer_id for p in peers if p.role == self.role}
+        if others and 2 * sum(v.peer_id in live for v in others) > len(others):
+            return True
         a = self.cfg.averaging
-        ends = [p.round_ends_at for p in peers if p.round == self.part.round and p.round_ends_at > 0]
+        ends = [p.round_ends_at for p in peers if p.round == last and p.round_ends_at > 0]
         steps_left_s = max(0.0, max(ends, default=0.0) - self.discovery.now())
         deadline = self._loop_time() + steps_left_s + 4 * (a.matchmaking_timeout_s + a.allreduce_timeout_s) \
             + 4 * self.cfg.discovery.heartbeat_s
-        log.info("%s: leaving; voting until the swarm is past round %d", self.peer_id, last)
+        log.info("%s: leaving; %d other voter(s) of round %d live: voting until the swarm is past it",
+                 self.peer_id, sum(v.peer_id in live for v in others), last)
         passed = asyncio.Event()
 
         def past(records: Sequence[PeerRecord]) -> bool:
