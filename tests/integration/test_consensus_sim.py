@@ -110,9 +110,9 @@ def test_voters_leaving_a_round_undecided_do_not_hold_it(seed: int) -> None:
     * 1896: 5 peers; p00, a voter of round 0 beside p01, accepted a value and left while the swarm was cut in
       two and p01 down; the value's material left with it.
 
-    A leaver now votes on until the swarm is past the round it is a voter of (`RoundDriver.hand_over`), its
-    retirement names what it accepted (the ballots above its promise carry it), and a value that provably had
-    no quorum whose material nobody holds is dropped."""
+    A retirement now names what the leaver accepted (the ballots above its promise carry it), the last live
+    voters of a round vote on until the swarm is past it (`RoundDriver.hand_over`), a departure record is
+    retried, and a value that provably had no quorum whose material nobody holds is dropped."""
     result = run_schedule(Schedule.draw(seed, faults_until_s=SUITE_FAULTS_UNTIL_S))
     assert "leave" in {f.kind for f in result.schedule.faults}
     assert result.ok and result.rounds > result.rounds_at_faults_end, result.summary()

@@ -271,9 +271,9 @@ class SimPeer:
             log.error("%s: task failed", self.peer_id, exc_info=e)
 
     async def leave(self) -> None:
-        """Leave gracefully, as a SIGTERM does: stop the rounds, vote on until the swarm is past the round this
-        peer is a voter of (`RoundDriver.hand_over`), retire the voter (stored, then announced in a departure
-        record, sealed like every record), stop; it does not come back."""
+        """Leave gracefully, as a SIGTERM does: stop the rounds, hand over if the round it is a voter of needs it
+        (`RoundDriver.hand_over`), retire the voter (stored, then announced in a departure record, sealed like
+        every record), stop; it does not come back."""
         if not self.alive or self.driver is None or self.discovery is None:
             return
         self.stop.set()
