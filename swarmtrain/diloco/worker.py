@@ -29,21 +29,19 @@ from swarmtrain.diloco.flat import (
 from swarmtrain.diloco.fragments import Ranges, fragment_params, fragment_ranges, gather, scatter_
 from swarmtrain.diloco.inner import (
     build_inner_optimizer,
-    load_optimizer_state,
     lr_factor,
-    optimizer_state,
     set_lr,
 )
 from swarmtrain.diloco.outer import STEP_SLICE, OuterOptimizer, count_non_finite
 from swarmtrain.diloco.pace import RoundBudget
 from swarmtrain.diloco.precision import Precision, forward_backward
 from swarmtrain.diloco.steps import BatchStream, Carry, DeltaError, InnerStats, InnerStep, RoundReport
-from swarmtrain.round.ballots import BallotError, Voter, voters_from_json, voters_to_json
+from swarmtrain.diloco.worker_state import load_worker_state, save_worker_state
+from swarmtrain.round.ballots import Voter
 
 __all__ = ["BatchStream", "Carry", "DeltaError", "DilocoWorker", "InnerStats", "InnerStep", "RoundReport", "resolve_device"]
 
 log = logging.getLogger(__name__)
-STATE_FORMAT = 1
 
 
 def resolve_device(name: str) -> torch.device:
@@ -561,85 +559,13 @@ class DilocoWorker:
     # ------------------------------------------------------------------ resumable state
 
     def state_dict(self, *, copy: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """Everything needed to resume exactly: (tensors for safetensors, JSON-able metadata).
-
-        Without `copy` the tensors are the worker's own (θ_global, momenta, residual): for a caller
-        that writes them out before the worker steps again, saving up to five copies of the model.
-
-        The RNG carried is this worker's CPU generator state (dropout on CPU); dropout on CUDA draws
-        from the device generator, which is not captured, so a CUDA run with dropout > 0 resumes
-        statistically, not bit for bit.
-        """
-
-        def own(t: torch.Tensor) -> torch.Tensor:
-            return t.clone() if copy else t
-
-        tensors: dict[str, torch.Tensor] = {
-            "theta_global": own(self.theta_global.detach().cpu()),
-            "rng.cpu": self._rng_state.clone(),
-        }
-        if copy or any(p.device.type != "cpu" or p.dtype != torch.float32 for p in self.params):
-            tensors["theta_local"] = flatten(self.params)
-        else:  # each parameter as it is: no model-sized concatenation at every checkpoint
-            tensors.update({f"theta_local.{i}": p.detach().reshape(-1) for i, p in enumerate(self.params)})
-        tensors.update({f"outer.{k}": own(v) for k, v in self.outer.state_tensors().items()})
-        if self.residual is not None:
-            tensors["ef.residual"] = own(self.residual)
-        inner_tensors, inner_meta = optimizer_state(self.inner, prefix="inner.", copy=copy)
-        tensors.update(inner_tensors)
-        data_state = self.batches.state_dict() if hasattr(self.batches, "state_dict") else None
-        meta: dict[str, Any] = {
-            "format": STATE_FORMAT, "round": self.round, "inner_step": self.inner_step,
-            "round_step": self.round_step, "numel": self.numel,
-            "inner_optimizer": inner_meta, "data": data_state, "voters": voters_to_json(self.voters),
-            "eager": self._eager.state(), "grad_scaler": self.precision.state(),
-        }
-        return tensors, meta
+        """Everything needed to resume exactly: (tensors for safetensors, JSON-able metadata); see
+        `worker_state.save_worker_state`. Without `copy` the tensors are the worker's own."""
+        return save_worker_state(self, copy=copy)
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
         """Restore a `state_dict()`; raises ValueError naming what does not fit this worker."""
-        if meta.get("format") != STATE_FORMAT:
-            raise ValueError(f"worker state has format {meta.get('format')!r}, this code reads {STATE_FORMAT}")
-        if meta["numel"] != self.numel:
-            raise ValueError(f"worker state is for {meta['numel']} parameters, this model has {self.numel}")
-        for key in ("theta_global", "rng.cpu"):
-            if key not in tensors:
-                raise ValueError(f"worker state is missing tensor {key!r}")
-        eager = EagerScale()  # a checkpoint written before the eager estimate was fitted: fitted again from here
-        if "eager" in meta:
-            eager.load_state(meta["eager"])  # checked before anything of this worker changes
-        local = tensors.get("theta_local")
-        if local is None:  # one tensor per parameter (`state_dict(copy=False)`)
-            missing = [f"theta_local.{i}" for i in range(len(self.params)) if f"theta_local.{i}" not in tensors]
-            if missing:
-                raise ValueError(f"worker state is missing tensor 'theta_local' (or {missing[0]!r})")
-            local = torch.cat([tensors[f"theta_local.{i}"].reshape(-1) for i in range(len(self.params))])
-        self.theta_global.copy_(tensors["theta_global"])
-        self._theta_version += 1
-        self._set_local(local)
-        self.outer.load_state_tensors({k[len("outer."):]: v for k, v in tensors.items() if k.startswith("outer.")})
-        if self.residual is not None:
-            if "ef.residual" not in tensors:
-                raise ValueError("worker state has no error-feedback residual but compress.error_feedback is on")
-            self.residual = tensors["ef.residual"].clone()
-        load_optimizer_state(self.inner, tensors, meta["inner_optimizer"], prefix="inner.")
-        if meta["data"] is not None:
-            if not hasattr(self.batches, "load_state_dict"):
-                raise ValueError("worker state has a data position but this batch stream cannot be resumed")
-            self.batches.load_state_dict(meta["data"])
-        self._rng_state = tensors["rng.cpu"].clone()
-        self.precision.load_state(meta.get("grad_scaler"))
-        self.round = int(meta["round"])
-        # Written before commits named their voters: none, so the next round asks the scope's genesis.
-        try:
-            self.voters = voters_from_json(meta.get("voters", []), what="worker state voters")
-        except BallotError as e:
-            raise ValueError(str(e)) from None
-        self.inner_step = int(meta["inner_step"])
-        # A checkpoint written before the schedule followed the round resumes at the round's first position.
-        self.round_step = int(meta.get("round_step", 0))
-        self._pending_residual = None
-        self._eager = eager
+        load_worker_state(self, tensors, meta)
 
 
 def _digest_replaced(flat: torch.Tensor, frag: Ranges, values: torch.Tensor) -> bytes:

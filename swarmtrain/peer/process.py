@@ -8,7 +8,6 @@ if it does not answer). A second signal kills this process's children (DHT, p2pd
 from __future__ import annotations
 
 import asyncio
-import json
 import sys
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -44,20 +43,10 @@ def run_peer_process(local: RunConfig, *, local_overrides: Sequence[str] = (), c
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         status = runner.run(run_role(peer, leaving="leaving gracefully at the next round boundary"))
     if export_dir and peer.worker is not None:
-        _export(peer, export_dir)
+        from swarmtrain.daemon.cmd_export import export_on_leave
+
+        export_on_leave(peer, export_dir)
     return status
-
-
-def _export(peer: Peer, out: str) -> None:
-    from swarmtrain.diloco.flat import assign_flat
-    from swarmtrain.models.export import export_model
-
-    worker = peer.worker
-    assert worker is not None
-    assign_flat(worker.theta_global.detach().cpu(), worker.params)  # the swarm's weights, not this peer's θ_local
-    path = export_model(worker.model.cpu(), peer.cfg, out, provenance={"round": worker.round,
-                                                                       "hash": worker.global_hash()})
-    print(json.dumps({"event": "export", "path": str(path), "round": worker.round}), flush=True)
 
 
 class Measured(Protocol):
