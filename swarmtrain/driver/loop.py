@@ -475,7 +475,7 @@ class RoundDriver:
         other voter left, or most are unseen), the round would have no quorum: the leaver contributes nothing
         more, so the next round's voters leave it out, and keeps voting (data plane and record up) until a
         live peer of the scope is past the round, bounded by the swarm's announced end of the round's steps
-        plus two attempt spans. Waiting only then keeps a leave short, and a process killed while it waits
+        plus four attempt spans. Waiting only then keeps a leave short, and a process killed while it waits
         (a supervisor's stop timeout) as rare as it can be. True when handed over or not needed."""
         last = self.part.round
         if self.cfg.diloco.rounds and last >= self.cfg.diloco.rounds:
