@@ -8,9 +8,10 @@ it accepted), accepts a (ballot, value) unless it promised a higher ballot, and 
 one ballot. Rounds are bounded: below `floor` (forgotten once the voter's part is past them) and above
 `horizon` (its part's round + 1: a future round can pile up nothing) it refuses.
 
-Retiring (a graceful leave) ends the voter's current incarnation: it grants nothing in any round from
-`from_round` on, which is the round after the newest it granted anything in (at least its part's round),
-and the next incarnation starts with no votes. The voter announces the signed retirement only once it is
+Retiring (a graceful leave) ends the voter's current incarnation: it grants nothing more in any round from
+`from_round` on, which is the newest round it granted anything in (at least its part's round), its vote
+there final and named in the retirement (the ballot promised, the value accepted); the next incarnation
+starts with no votes. The voter announces the signed retirement only once it is
 stored, so a retirement someone counts is one the voter keeps.
 """
 
