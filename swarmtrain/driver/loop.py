@@ -471,11 +471,13 @@ class RoundDriver:
 
         A retirement names the leaver's last vote, so the ballots after it count their quorum without the
         leaver and carry what it accepted: leaving at once loses nothing while more than half of the other
-        voters of the round (V(r) less the retirements known, less this one) are live. When they are not (every
-        other voter left, or most are unseen), the round would have no quorum: the leaver contributes nothing
-        more, so the next round's voters leave it out, and keeps voting (data plane and record up) until a
-        live peer of the scope is past the round, bounded by the swarm's announced end of the round's steps
-        plus four attempt spans. Waiting only then keeps a leave short, and a process killed while it waits
+        voters of the round (V(r) less the retirements known, less this one) are live and some live peer is at
+        its round. When the voters are not (every other voter left, or most are unseen), the round would have
+        no quorum: the leaver contributes nothing more, so the next round's voters leave it out, and keeps
+        voting (data plane and record up) until a live peer of the scope is past the round. When it is ahead
+        of every live peer, it holds the only certificate of the round it committed last: it stays until one
+        of them has learned it. Bounded by the swarm's announced end of the round's steps plus four attempt
+        spans. Waiting only then keeps a leave short, and a process killed while it waits
         (a supervisor's stop timeout) as rare as it can be. True when handed over or not needed."""
         last = self.part.round
         if self.cfg.diloco.rounds and last >= self.cfg.diloco.rounds:
@@ -489,19 +491,24 @@ class RoundDriver:
         retired = await self._retirements(self.part.voters, last)
         others = quorum_base(self.part.voters, [*retired, me])
         live = {p.peer_id for p in peers if p.role == self.role}
-        if others and 2 * sum(v.peer_id in live for v in others) > len(others):
+        # Ahead of every live peer, it holds the only certificate of its last round: they learn it from it.
+        learn = not any(p.round >= last for p in peers if p.role == self.role)
+        vote = not (others and 2 * sum(v.peer_id in live for v in others) > len(others))
+        if not learn and not vote:
             return True
         a = self.cfg.averaging
         ends = [p.round_ends_at for p in peers if p.round == last and p.round_ends_at > 0]
         steps_left_s = max(0.0, max(ends, default=0.0) - self.discovery.now())
         deadline = self._loop_time() + steps_left_s + 4 * (a.matchmaking_timeout_s + a.allreduce_timeout_s) \
             + 4 * self.cfg.discovery.heartbeat_s
-        log.info("%s: leaving; %d other voter(s) of round %d live: voting until the swarm is past it",
-                 self.peer_id, sum(v.peer_id in live for v in others), last)
+        log.info("%s: leaving; %d other voter(s) of round %d live, %s: staying until the swarm %s it",
+                 self.peer_id, sum(v.peer_id in live for v in others), last,
+                 "ahead of every live peer" if learn else "some peer at its round", "is past" if vote else "is at")
         passed = asyncio.Event()
 
         def past(records: Sequence[PeerRecord]) -> bool:
-            if any(p.round > last and p.peer_id != self.peer_id and p.role == self.role for p in records):
+            rounds = [p.round for p in records if p.peer_id != self.peer_id and p.role == self.role]
+            if any(r > last for r in rounds) or (not vote and any(r >= last for r in rounds)):
                 passed.set()
             return passed.is_set()
 

@@ -99,7 +99,7 @@ def test_half_the_voters_leaving_after_an_aborted_attempt_do_not_hold_the_round(
     assert max(r for _, p, r, _, _ in paxos.ledger.commits if p == "p00") > 5
 
 
-@pytest.mark.parametrize("seed", [1190, 237, 1896])
+@pytest.mark.parametrize("seed", [1190, 237, 1896, 1793])
 def test_voters_leaving_a_round_undecided_do_not_hold_it(seed: int) -> None:
     """Schedules of the benchmark's range that wedged a round for good once leaves met other faults:
 
@@ -109,10 +109,13 @@ def test_voters_leaving_a_round_undecided_do_not_hold_it(seed: int) -> None:
       left: it stayed counted in the round it had accepted in, and the other voter alone is no quorum.
     * 1896: 5 peers; p00, a voter of round 0 beside p01, accepted a value and left while the swarm was cut in
       two and p01 down; the value's material left with it.
+    * 1793: 5 peers; p00 commits round 10 while the others are cut off from it, then leaves: the round's only
+      certificate left with it, and round 10's other voter alone is no quorum.
 
     A retirement now names what the leaver accepted (the ballots above its promise carry it), the last live
-    voters of a round vote on until the swarm is past it (`RoundDriver.hand_over`), a departure record is
-    retried, and a value that provably had no quorum whose material nobody holds is dropped."""
+    voters of a round vote on until the swarm is past it and a leaver ahead of everyone stays until a peer has
+    learned its round (`RoundDriver.hand_over`), a departure record is retried, and a value that provably had
+    no quorum whose material nobody holds is dropped."""
     result = run_schedule(Schedule.draw(seed, faults_until_s=SUITE_FAULTS_UNTIL_S))
     assert "leave" in {f.kind for f in result.schedule.faults}
     assert result.ok and result.rounds > result.rounds_at_faults_end, result.summary()
