@@ -7,6 +7,7 @@ import functools
 import hashlib
 import logging
 import sysconfig
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,16 +102,9 @@ def _load_tokenized(paths: tuple[str, ...], val_fraction: float, max_bytes: int,
     files, names, source = _inputs(paths)
     eos = np.array([tok.info.eos_id], dtype=np.int64)
     parts: dict[bool, list[np.ndarray]] = {False: [], True: []}
-    total = 0
-    for path, name in zip(files, names, strict=True):
-        data = _read(path)
-        if max_bytes and total + len(data) > max_bytes:
-            data = data[: max_bytes - total]
-        total += len(data)
+    for name, data in _capped(files, names, max_bytes):
         (ids,) = encode_arrays(tok, [data.decode("utf-8", errors="replace")])
         parts[_is_val(name, val_fraction)] += [ids, eos]
-        if max_bytes and total >= max_bytes:
-            break
     if len(files) == 1 or not parts[True] or not parts[False]:
         stream = np.concatenate(parts[False] + parts[True])
         cut = int(len(stream) * (1 - val_fraction))
@@ -123,6 +117,19 @@ def _load_tokenized(paths: tuple[str, ...], val_fraction: float, max_bytes: int,
     log.info("corpus %s: %d files, %d train / %d val tokens (%s)", source, len(files), len(train), len(val), tokenizer)
     return Corpus(train=torch.from_numpy(train.astype(np.int32)), val=torch.from_numpy(val.astype(np.int32)),
                   num_files=len(files), source=source)
+
+
+def _capped(files: list[Path], names: list[str], max_bytes: int) -> Iterator[tuple[str, bytes]]:
+    """Each file's (split name, bytes), in order, until `max_bytes` in all (0: no cap; the last one cut)."""
+    total = 0
+    for path, name in zip(files, names, strict=True):
+        data = _read(path)
+        if max_bytes and total + len(data) > max_bytes:
+            data = data[: max_bytes - total]
+        total += len(data)
+        yield name, data
+        if max_bytes and total >= max_bytes:
+            return
 
 
 def _inputs(paths: tuple[str, ...]) -> tuple[list[Path], list[str], str]:
@@ -140,15 +147,8 @@ def _load_cached(paths: tuple[str, ...], val_fraction: float, max_bytes: int) ->
     files, names, source = _inputs(paths)
     train_parts: list[bytes] = []
     val_parts: list[bytes] = []
-    total = 0
-    for path, name in zip(files, names, strict=True):
-        data = _read(path)
-        if max_bytes and total + len(data) > max_bytes:
-            data = data[: max_bytes - total]
-        total += len(data)
+    for name, data in _capped(files, names, max_bytes):
         (val_parts if _is_val(name, val_fraction) else train_parts).append(data)
-        if max_bytes and total >= max_bytes:
-            break
     if len(files) == 1 or not val_parts or not train_parts:
         blob = b"".join(train_parts + val_parts)
         cut = int(len(blob) * (1 - val_fraction))
