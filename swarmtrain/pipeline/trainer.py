@@ -1,18 +1,18 @@
 """A pipeline trainer: the embeddings and the head here, the blocks on stage servers, one step at a time.
 
-Each micro-batch of a step goes forward through one server per stage (routing.py picks it) and its
-gradient back through the same servers in reverse. The trainer keeps every stage boundary's input
-until the micro-batch completes, so a failure at stage k re-sends from stage k's input, never from
-the start: a forward that fails or passes its deadline goes to another server of the stage; a
-backward whose server died, restarted or dropped the micro-batch's input runs that stage's forward
-again on some server and the backward there. When every listed server of a stage failed a call, the
-trainer reads the server list again until it names another (a server restarting, a new one), for up to
-`pipeline.call_timeout_s` and at least until a dead server's record has expired and dropped out of the
-list (`discovery.record_ttl_s` + `heartbeat_s`); while it lists none (a lost stage, being taken), for up
-to `pipeline.stage_wait_s`. A micro-batch
-is lost only when a stage has no server that answers within that time; it is counted and its reason
-kept. (One lost in its backward has already added
-its gradients to the stages after the failing one and to the head.)
+Each micro-batch of a step goes forward through one server per stage (routing.py picks it) and its gradient
+back through the same servers in reverse. The trainer keeps every stage boundary's input until the
+micro-batch completes, so a failure at stage k re-sends from stage k's input, never from the start: a
+forward that fails or passes its deadline goes to another server of the stage; a backward whose server died,
+restarted or dropped the micro-batch's input runs that stage's forward again on some server and the backward
+there. When every listed server of a stage failed a call, one that only passed its adaptive deadline is
+called once more with the whole `pipeline.call_timeout_s`; else the trainer reads the server list again
+until it names another (a server restarting, a new one), for up to `pipeline.call_timeout_s` and at least
+until a dead server's record has expired and dropped out of the list (`discovery.record_ttl_s` +
+`heartbeat_s`); while it lists none (a lost stage, being taken), for up to `pipeline.stage_wait_s`. A
+micro-batch is lost only when a stage has no server that answers within that time; it is counted and its
+reason kept. (One lost in its backward has already added its gradients to the stages after the failing one
+and to the head.)
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from swarmtrain.pipeline.errors import BadActivation, StageLost
 from swarmtrain.pipeline.parts import Ends
 from swarmtrain.pipeline.routing import Router, Server
 from swarmtrain.pipeline.tensors import TensorCodec
-from swarmtrain.rpc.errors import RpcError, RpcRejected
+from swarmtrain.rpc.errors import RpcError, RpcRejected, RpcTimeout
 from swarmtrain.rpc.node import RpcNode
 from swarmtrain.rpc.pipeline_wire import PipelineClient
 from swarmtrain.wire import pipeline_pb2 as pb
@@ -179,13 +179,14 @@ class PipelineTrainer:
 
     # -- calls to the stages ---------------------------------------------------------------------------
     async def _call(self, server: Server, method: str, mb: str, x: torch.Tensor, *, seed: int = 0,
-                    samples: int = 0) -> torch.Tensor:
+                    samples: int = 0, patient: bool = False) -> torch.Tensor:
         shape, data = self.codec.encode(x)
         call = pb.StageCall(stage=server.stage, microbatch=mb, shape=shape, tensor=data, seed=seed, samples=samples)
         self.router.started(server)
         start = self.clock()
+        timeout_s = self.pipe.call_timeout_s if patient else self.router.deadline_s(server)
         try:
-            reply = await self.client.call(server.endpoint, method, call, timeout_s=self.router.deadline_s(server))
+            reply = await self.client.call(server.endpoint, method, call, timeout_s=timeout_s)
             out = self.codec.decode(reply.shape, reply.tensor, what=f"{method} reply of {server.peer_id}")
             if tuple(out.shape) != tuple(x.shape):
                 raise BadActivation(f"{method} reply of {server.peer_id} has shape {tuple(out.shape)}, "
@@ -205,11 +206,20 @@ class PipelineTrainer:
     def _attempts(self, stage: int) -> int:
         return 2 * max(1, len(self.router.servers(stage))) + 1
 
-    async def _next(self, stage: int, tried: set[Server]) -> Server:
-        """A server of `stage` not tried yet for this call. When every listed one was, the list is read again
-        until it names another (one restarted, or new) for up to `listed_wait_s`; while it lists none (a lost
-        stage, being taken), for up to `pipeline.stage_wait_s`."""
+    async def _next(self, stage: int, tried: set[Server], late: set[Server]) -> tuple[Server, bool]:
+        """A server of `stage` not tried yet for this call, and whether to give it the whole
+        `pipeline.call_timeout_s`. When every listed one was tried, one that only passed its adaptive deadline
+        (in `late`, still listed) is called once more with that whole time: a server slow for a moment is not
+        dead, and with no other server to send to, giving up on it would lose the micro-batch. Else the list
+        is read again until it names another (one restarted, or new) for up to `listed_wait_s`; while it lists
+        none (a lost stage, being taken), for up to `pipeline.stage_wait_s`."""
         server = self.router.choose(stage, exclude=tried)
+        if server is None:
+            listed = self.router.servers(stage)
+            slow = next((s for s in listed if s in late), None)
+            if slow is not None:
+                late.discard(slow)
+                return slow, True
         start = self.clock()
         while server is None:
             self.router.update(self.servers(), hints=self.hints())
@@ -222,23 +232,26 @@ class PipelineTrainer:
                     raise StageLost(f"stage {stage}: no server answered within {limit_s:g} s ({what}; {listed} "
                                     f"listed, {len(tried)} failed this call)")
                 await asyncio.sleep(_LIST_POLL_S)
-        return server
+        return server, False
 
     async def _forward(self, stage: int, mb: str, x: torch.Tensor, seed: int,
                        tally: _Tally) -> tuple[torch.Tensor, Server]:
         tried: set[Server] = set()
+        late: set[Server] = set()  # those of `tried` that only passed their adaptive deadline
         reasons = []
         for _attempt in range(self._attempts(stage)):
             try:
-                server = await self._next(stage, tried)
+                server, patient = await self._next(stage, tried, late)
             except StageLost as e:
                 reasons.append(str(e))
                 break
             start = self.clock()
             try:
-                y = await self._call(server, "Forward", mb, x, seed=seed)
+                y = await self._call(server, "Forward", mb, x, seed=seed, patient=patient)
             except (RpcError, BadActivation) as e:
                 tried.add(server)
+                if isinstance(e, RpcTimeout) and not patient:
+                    late.add(server)
                 reasons.append(f"{server.peer_id}: {e}")
                 tally.rerouted += 1  # sent again to another server, or lost
                 continue
@@ -249,6 +262,7 @@ class PipelineTrainer:
     async def _backward(self, stage: int, mb: str, x: torch.Tensor, grad: torch.Tensor, server: Server, seed: int,
                         samples: int, tally: _Tally) -> torch.Tensor:
         start = self.clock()
+        late: set[Server] = set()  # servers that only passed their adaptive deadline: see _next
         try:
             out = await self._call(server, "Backward", mb, grad, samples=samples)
             tally.seconds[stage].append(self.clock() - start)
@@ -259,20 +273,24 @@ class PipelineTrainer:
         except (RpcError, BadActivation) as e:
             alive = False
             reasons = [f"{server.peer_id}: {e}"]
+            if isinstance(e, RpcTimeout):
+                late.add(server)
         tally.rerouted += 1
         # The stage's forward again, then the backward, on one server (the same one if it is alive).
         tried: set[Server] = set() if alive else {server}
         for attempt in range(self._attempts(stage)):
             try:
-                other = await self._next(stage, tried)
+                other, patient = await self._next(stage, tried, late)
             except StageLost as e:
                 reasons.append(str(e))
                 break
             again = f"{mb}/{stage}.{attempt}"
             try:
-                await self._call(other, "Forward", again, x, seed=seed)
-                return await self._call(other, "Backward", again, grad, samples=samples)
+                await self._call(other, "Forward", again, x, seed=seed, patient=patient)
+                return await self._call(other, "Backward", again, grad, samples=samples, patient=patient)
             except (RpcError, BadActivation) as e:
                 tried.add(other)
+                if isinstance(e, RpcTimeout) and not patient:
+                    late.add(other)
                 reasons.append(f"{other.peer_id}: {e}")
         raise StageLost(f"micro-batch {mb} lost in the backward of stage {stage}: {'; '.join(reasons)}")

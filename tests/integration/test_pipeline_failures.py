@@ -108,3 +108,30 @@ def test_a_stage_without_servers_loses_microbatches_with_a_reason_and_the_run_go
     assert first.lost == 0
     assert second.lost == second.microbatches == 4 and second.samples == 0
     assert all("stage 1" in why for why in second.lost_reasons), second.lost_reasons
+
+
+def test_a_stage_s_only_server_answering_late_once_loses_no_microbatch() -> None:
+    """s1.0, its stage's only server, answers one forward after its adaptive deadline (a pause, as of a loaded
+    machine) but well within `pipeline.call_timeout_s`: the trainer has nobody else to send it to, so it calls
+    the same server again with the whole call_timeout_s, and nothing is lost."""
+    cfg = _config()
+    data = _data(cfg, 8)
+    with PipelineSwarm(cfg, servers_per_stage=1) as swarm:
+        trainer = swarm.pipeline_trainers[0]
+        late = next(s for s in swarm.servers if s.name == "s1.0")
+        real_forward = late.server.forward
+        pauses = [1.0]  # one call: past the 0.3 s min_deadline_s its few-ms p95 gives, under call_timeout_s=3
+
+        def slow_once(*args, **kwargs):
+            if pauses:
+                time.sleep(pauses.pop())
+            return real_forward(*args, **kwargs)
+
+        reports = []
+        for step, (idx, targets) in enumerate(data):
+            if step == 4:
+                late.server.forward = slow_once  # type: ignore[method-assign]
+            reports.append(trainer.step(idx, targets, timeout_s=120))
+    assert not pauses  # the pause happened
+    assert sum(r.lost for r in reports) == 0, [r.lost_reasons for r in reports]
+    assert sum(r.rerouted for r in reports[4:]) >= 1  # the late call was sent again
