@@ -102,6 +102,11 @@ class RunConfig:
               "a pipeline cuts the built-in gpt or llama into stages; model.arch = 'hf' trains data-parallel only")
         check(self.diloco.fragments == 1 or self.pipeline.stages == 0, "diloco.fragments",
               "must be 1 with pipeline.stages > 0 (a stage's holders average whole stages)")
+        if self.averaging.mode == "gossip":  # each peer its own φ: nothing here is built for that yet
+            for key, on in (("compress.error_feedback", self.compress.error_feedback),
+                            ("diloco.overlap", self.diloco.overlap), ("diloco.fragments", self.diloco.fragments > 1),
+                            ("pipeline.stages", self.pipeline.stages > 0)):
+                check(not on, key, "is not supported with averaging.mode = 'gossip' (docs/gossip.md)")
         check(not (self.averaging.gathers(self.compress.codec) and self.averaging.aggregator != "mean"), "averaging.aggregator",
               f"{self.averaging.aggregator!r} with gathered contributions (compress.codec = {self.compress.codec!r}, "
               f"averaging.combine = {self.averaging.combine!r}): members average them by their mean")

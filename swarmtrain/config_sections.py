@@ -35,6 +35,7 @@ def check(cond: bool, name: str, msg: str) -> None:
 
 
 COMBINES = ("auto", "reencode", "gather")  # averaging.combine
+AVERAGING_MODES = ("allreduce", "gossip")  # averaging.mode
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")  # train.precision
 
 
@@ -418,6 +419,28 @@ class AveragingConfig:
     contribution then crosses the network K − 1 times, and a sparse mean loses nothing to a second
     encoding); `auto` = `gather` for the sparse codec, `reencode` for the others."""
 
+    mode: str = "allreduce"
+    """How peers average: `allreduce` (DiLoCo: every round one group of the live peers, one θ_global by
+    the round's consensus) or `gossip` (NoLoCo: every round each peer averages with `gossip_group_size`
+    − 1 partners drawn by a seeded permutation of the live roster and applies the NoLoCo outer step; no
+    collective, no quorum, no shared θ_global: docs/gossip.md)."""
+    gossip_group_size: int = 2
+    """`gossip`: peers per group (a peer and its partners); a roster that does not divide evenly puts the
+    remaining peers into groups one larger."""
+    gossip_timeout_s: float = 10.0
+    """`gossip`: the longest a peer waits for its partners' contributions of a round; it then applies what
+    it has (its own alone at worst) and trains on."""
+    gossip_lr: float = 0.7
+    """`gossip`: α of the NoLoCo outer step (NoLoCo's 0.7)."""
+    gossip_momentum: float = 0.5
+    """`gossip`: β of the NoLoCo outer step (NoLoCo's 0.5)."""
+    gossip_weights_codec: str = "fp16"
+    """`gossip`: the codec of the slow weights φ a peer sends its partners with its Δ (Δ goes with
+    `compress.codec`): `fp16` halves fp32's bytes and keeps 11 significant bits of each weight."""
+    gossip_clip: float = 4.0
+    """`gossip`: a partner's Δ and its pull φ_partner − φ_own are each scaled down to at most this many
+    times the norm of this peer's own Δ, so one lying partner moves a peer by a bounded step (0 = off)."""
+
     def gathers(self, codec: str) -> bool:
         """Whether reducers gather contributions of `codec` (`combine`: "auto" gathers the sparse codec's)."""
         return self.combine == "gather" or (self.combine == "auto" and codec == "sparse")
@@ -431,6 +454,14 @@ class AveragingConfig:
         check(self.aggregator in ("mean", "trimmed_mean"), "averaging.aggregator",
               f"{self.aggregator!r} is not mean or trimmed_mean")
         check(self.trim >= 1, "averaging.trim", "must be >= 1")
+        check(self.mode in AVERAGING_MODES, "averaging.mode", f"{self.mode!r} is not allreduce or gossip")
+        check(self.gossip_group_size >= 2, "averaging.gossip_group_size", "must be >= 2 (a peer and a partner)")
+        check(self.gossip_timeout_s > 0, "averaging.gossip_timeout_s", "must be > 0")
+        check(self.gossip_lr > 0, "averaging.gossip_lr", "must be > 0")
+        check(0 <= self.gossip_momentum < 1, "averaging.gossip_momentum", "must be in [0, 1)")
+        check(self.gossip_weights_codec in ("fp32", "fp16", "bf16"), "averaging.gossip_weights_codec",
+              f"{self.gossip_weights_codec!r} is not fp32, fp16 or bf16 (weights are not quantized to integers)")
+        check(self.gossip_clip >= 0, "averaging.gossip_clip", "must be >= 0 (0 = off)")
         check(self.combine in COMBINES, "averaging.combine",
               f"{self.combine!r} is not auto, reencode or gather")
         check(not (self.combine == "gather" and self.aggregator != "mean"), "averaging.combine",

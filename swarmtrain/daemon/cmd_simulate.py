@@ -1,4 +1,4 @@
-"""`swarmtrain simulate`: K DiLoCo workers (or the data-parallel baseline) trained in this process."""
+"""`swarmtrain simulate`: K DiLoCo or NoLoCo workers (or the data-parallel baseline) trained in this process."""
 
 from __future__ import annotations
 
@@ -9,12 +9,15 @@ from pathlib import Path
 
 from swarmtrain.daemon.options import add_config_options, config_from_args
 
-HELP = "train K simulated workers in one process with DiLoCo or data-parallel (ddp) and write results JSON"
+HELP = "train K simulated workers in one process with DiLoCo, NoLoCo gossip or data-parallel (ddp); write results JSON"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--mode", choices=["diloco", "ddp"], default="diloco",
-                        help="diloco: H inner steps then an outer step; ddp: K×batch, one step per step")
+    parser.add_argument("--mode", choices=["diloco", "noloco", "ddp"], default="diloco",
+                        help="diloco: H inner steps then an all-reduce and an outer step; noloco: H inner steps then "
+                             "a gossip round in small groups (averaging.gossip_*); ddp: K×batch, one step per step")
+    parser.add_argument("--group-size", type=int, metavar="G",
+                        help="noloco: peers per gossip group (averaging.gossip_group_size)")
     parser.add_argument("--workers", type=int, default=4, metavar="K", help="simulated workers (default 4)")
     parser.add_argument("--inner-steps", type=int, metavar="H", help="inner steps per round (diloco.inner_steps)")
     parser.add_argument("--rounds", type=int, metavar="R", help="rounds (diloco.rounds); ddp runs R×H steps")
@@ -36,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _flag_overrides(args: argparse.Namespace) -> list[str]:
     pairs = [("diloco.inner_steps", args.inner_steps), ("diloco.rounds", args.rounds),
              ("model.preset", args.model), ("train.seed", args.seed), ("compress.codec", args.codec),
-             ("averaging.aggregator", args.aggregator)]
+             ("averaging.aggregator", args.aggregator), ("averaging.gossip_group_size", args.group_size)]
     out = [f"{key}={json.dumps(value)}" for key, value in pairs if value is not None]
     if args.data:
         out.append(f"data.paths={json.dumps(args.data)}")
@@ -61,13 +64,20 @@ def run(args: argparse.Namespace) -> int:
         print(f"swarmtrain simulate: error: --byzantine must be in [0, --workers={args.workers}), got {args.byzantine}",
               file=sys.stderr)
         return 2
-    if args.mode == "ddp" and (args.byzantine or args.aggregator):
+    if args.mode != "diloco" and (args.byzantine or args.aggregator):
         print("swarmtrain simulate: error: --byzantine and --aggregator apply to --mode diloco", file=sys.stderr)
+        return 2
+    if args.mode != "noloco" and args.group_size is not None:
+        print("swarmtrain simulate: error: --group-size applies to --mode noloco", file=sys.stderr)
+        return 2
+    if args.mode == "noloco" and args.workers < 2:
+        print(f"swarmtrain simulate: error: --mode noloco needs --workers >= 2, got {args.workers}", file=sys.stderr)
         return 2
     if args.mode == "ddp" and args.codec:
         print("swarmtrain simulate: error: --codec applies to --mode diloco (ddp sends fp32 gradients)", file=sys.stderr)
         return 2
-    cfg = config_from_args(args, _flag_overrides(args))
+    overrides = _flag_overrides(args) + (['averaging.mode="gossip"'] if args.mode == "noloco" else [])
+    cfg = config_from_args(args, overrides)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     try:
@@ -83,10 +93,16 @@ def run(args: argparse.Namespace) -> int:
         bar.update(1)
         bar.set_postfix(loss=f"{record.loss:.3f}", val=f"{record.val_loss:.3f}", MB=f"{record.bytes_sent / 1e6:.1f}")
 
+    gossip = None
     try:
         if args.mode == "ddp":
             result = simulate_ddp(cfg, train_tokens=corpus.train, val_tokens=corpus.val, num_workers=args.workers,
                                   wire_codec=get_codec("fp32"), on_round=on_round)
+        elif args.mode == "noloco":
+            from swarmtrain.diloco.gossip_simulation import simulate_noloco
+
+            result, gossip = simulate_noloco(cfg, train_tokens=corpus.train, val_tokens=corpus.val,
+                                             num_workers=args.workers, codec=codec, on_round=on_round)
         else:
             group = InProcessGroup(codec, num_workers=args.workers,
                                    aggregation=Aggregation(cfg.averaging.aggregator, cfg.averaging.trim,
@@ -103,6 +119,8 @@ def run(args: argparse.Namespace) -> int:
         bar.close()
     summary = result.to_json(cfg)
     summary["data"] = corpus.source
+    if gossip is not None:
+        summary["gossip"] = gossip.to_json()
     summary["byzantine"] = {"workers": args.byzantine, "attack": args.attack if args.byzantine else None,
                             "aggregator": cfg.averaging.aggregator}
     if args.out:

@@ -18,7 +18,7 @@ from swarmtrain.diloco.traffic import allreduce_bytes_per_peer
 from swarmtrain.diloco.worker import Carry, DilocoWorker, InnerStats, resolve_device
 from swarmtrain.models import build_model
 
-__all__ = ["AverageAll", "RoundRecord", "SimulationResult", "simulate_ddp", "simulate_diloco"]
+__all__ = ["AverageAll", "RoundRecord", "SimulationResult", "sim_val_batches", "sim_worker", "simulate_ddp", "simulate_diloco"]
 
 AverageAll = Callable[[int, Sequence[torch.Tensor]], Sequence[AverageResult]]
 OnRound = Callable[["RoundRecord"], None]
@@ -35,6 +35,7 @@ class RoundRecord:
     bytes_sent: int  # per worker, since the start
     compute_s: float  # this round, all workers
     eager_scale: float | None = None  # diloco.overlap: worker 0's λ for its next eager estimate (diloco.eager)
+    spread: float | None = None  # gossip: the replicas' mean relative L2 distance to their mean φ
 
 
 @dataclass
@@ -56,7 +57,7 @@ class SimulationResult:
         last = self.rounds[-1] if self.rounds else None
         return {
             "mode": self.mode, "workers": self.num_workers, "num_params": self.num_params,
-            "inner_steps": cfg.diloco.inner_steps, "codec": cfg.compress.codec if self.mode == "diloco" else "fp32",
+            "inner_steps": cfg.diloco.inner_steps, "codec": cfg.compress.codec if self.mode in ("diloco", "noloco") else "fp32",
             "initial_val_loss": self.initial_val_loss, "final_val_loss": self.final_val_loss,
             "tokens": last.tokens if last else 0, "bytes_sent": last.bytes_sent if last else 0,
             "hash": self.hash, "wall_s": self.wall_s,
@@ -64,12 +65,12 @@ class SimulationResult:
         }
 
 
-def _val_batches(cfg: RunConfig, val_tokens: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def sim_val_batches(cfg: RunConfig, val_tokens: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return eval_batches(val_tokens, batch_size=cfg.data.batch_size, seq_len=cfg.data.seq_len,
                         num_batches=cfg.diloco.eval_batches)
 
 
-def _worker(cfg: RunConfig, tokens: torch.Tensor, *, index: int, num_workers: int, batch_size: int,
+def sim_worker(cfg: RunConfig, tokens: torch.Tensor, *, index: int, num_workers: int, batch_size: int,
             codec: Codec | None, init_theta: torch.Tensor | None, start_step: int) -> DilocoWorker:
     if start_step < 0:
         raise ValueError(f"start_step must be >= 0, got {start_step}")
@@ -103,9 +104,9 @@ def simulate_diloco(
     so `diloco.pace` "time" trains H steps each, as "steps" does.
     """
     start = time.perf_counter()
-    workers = [_worker(cfg, train_tokens, index=k, num_workers=num_workers, batch_size=cfg.data.batch_size,
+    workers = [sim_worker(cfg, train_tokens, index=k, num_workers=num_workers, batch_size=cfg.data.batch_size,
                        codec=codec, init_theta=init_theta, start_step=start_step) for k in range(num_workers)]
-    val = _val_batches(cfg, val_tokens)
+    val = sim_val_batches(cfg, val_tokens)
     result = SimulationResult(mode="diloco", num_workers=num_workers, num_params=workers[0].numel,
                               initial_val_loss=workers[0].evaluate(val))
     tokens = bytes_sent = 0
@@ -180,9 +181,9 @@ def simulate_ddp(
     in `simulate_diloco`.
     """
     start = time.perf_counter()
-    worker = _worker(cfg, train_tokens, index=0, num_workers=1, batch_size=num_workers * cfg.data.batch_size,
+    worker = sim_worker(cfg, train_tokens, index=0, num_workers=1, batch_size=num_workers * cfg.data.batch_size,
                      codec=None, init_theta=init_theta, start_step=start_step)
-    val = _val_batches(cfg, val_tokens)
+    val = sim_val_batches(cfg, val_tokens)
     result = SimulationResult(mode="ddp", num_workers=num_workers, num_params=worker.numel,
                               initial_val_loss=worker.evaluate(val))
     grad_bytes = 4 * worker.numel if wire_codec is None else len(wire_codec.encode(torch.zeros(worker.numel)))

@@ -405,6 +405,18 @@ class DilocoWorker:
             self.after_round(self)
         return result.committed
 
+    def gossip_step(self, step: Callable[[torch.Tensor], None]) -> None:
+        """A gossip round's outer step (diloco/noloco.py): `step(θ_global)` moves θ_global (this peer's slow
+        weights φ) in place; the round moves on and θ_local restarts from φ."""
+        with self.global_lock:
+            step(self.theta_global)
+            self._theta_version += 1
+            self.round += 1
+        self.round_step = 0
+        self._set_local(self.theta_global)
+        if self.after_round is not None:
+            self.after_round(self)
+
     def _step_fragment(self, frag: Ranges, mean: torch.Tensor) -> None:
         """The outer step on one fragment of θ_global and of the momentum buffer."""
         outer = self._fragment_outer(frag)
