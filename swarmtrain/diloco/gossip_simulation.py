@@ -23,6 +23,7 @@ from swarmtrain.config import RunConfig
 from swarmtrain.diloco.flat import assign_flat, flat_hash
 from swarmtrain.diloco.noloco import NolocoOuter, group_mean
 from swarmtrain.diloco.simulation import OnRound, RoundRecord, SimulationResult, sim_val_batches, sim_worker
+from swarmtrain.diloco.worker import DilocoWorker
 
 __all__ = ["GossipSummary", "replica_spread", "simulate_noloco"]
 
@@ -48,6 +49,12 @@ def replica_spread(phis: list[torch.Tensor]) -> float:
     return sum(float((p - mean).norm()) for p in phis) / len(phis) / norm
 
 
+def _buffer(worker: DilocoWorker) -> torch.Tensor:
+    buf = worker.outer.momentum_buffer  # allocated for averaging.mode = "gossip": checkpoints carry it
+    assert buf is not None
+    return buf
+
+
 def simulate_noloco(
     cfg: RunConfig,
     *,
@@ -67,8 +74,7 @@ def simulate_noloco(
     workers = [sim_worker(cfg, train_tokens, index=k, num_workers=num_workers, batch_size=cfg.data.batch_size,
                           codec=None, init_theta=init_theta, start_step=start_step) for k in range(num_workers)]
     weights_codec = get_codec(avg.gossip_weights_codec)
-    outers = [NolocoOuter(lr=avg.gossip_lr, momentum=avg.gossip_momentum, buffer=torch.zeros(w.numel))
-              for w in workers]
+    outers = [NolocoOuter(lr=avg.gossip_lr, momentum=avg.gossip_momentum, buffer=_buffer(w)) for w in workers]
     names = [f"w{k}" for k in range(num_workers)]
     val = sim_val_batches(cfg, val_tokens)
     result = SimulationResult(mode="noloco", num_workers=num_workers, num_params=workers[0].numel,

@@ -101,6 +101,8 @@ class DilocoWorker:
         # Each fragment's parameters: a round reads and writes its fragment of θ_local there only
         self._fragment_params = [fragment_params(self.params, f) for f in self.fragments or []]
         self.outer = OuterOptimizer(cfg.outer, numel=self.numel)
+        if cfg.averaging.mode == "gossip" and self.outer.momentum_buffer is None:  # NoLoCo's b lives there
+            self.outer.momentum_buffer = torch.zeros(self.numel)
         self.inner = build_inner_optimizer(self.model, cfg.inner)
         self.round = 0
         # Who decides the next round (round/ballots.py): the voters the commit that produced θ_global named.

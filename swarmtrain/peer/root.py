@@ -31,6 +31,7 @@ from swarmtrain.diloco.flat import param_shapes
 from swarmtrain.diloco.pace import Pace
 from swarmtrain.diloco.worker import InnerStep
 from swarmtrain.discovery import Discovery, Heartbeat, PeerRecord
+from swarmtrain.driver.gossip import GossipDriver
 from swarmtrain.driver.loop import RoundDriver, announce_departure, departure_record
 from swarmtrain.driver.presence import Presence
 from swarmtrain.models import build_model
@@ -44,6 +45,8 @@ from swarmtrain.peer.part import WorkerPart
 from swarmtrain.peer.services import PeerError, PeerServices
 from swarmtrain.pipeline.memory import check_worker_budget
 from swarmtrain.round.certificate import Certificate
+from swarmtrain.rpc.gossip_wire import GossipMailbox, serve_gossip
+from swarmtrain.rpc.node import RpcNode
 from swarmtrain.sync.checkpoint import (
     DirectoryClaim,
     LoadedCheckpoint,
@@ -89,6 +92,8 @@ class Peer:
         self.plane: NetworkPlane | None = None
         self.part: WorkerPart | None = None
         self.driver: RoundDriver | None = None
+        self.gossip: GossipDriver | None = None  # averaging.mode = "gossip": the rounds are its, not the driver's
+        self._mailbox: GossipMailbox | None = None
         self.heartbeat: Heartbeat | None = None
         self.presence: Presence | None = None
         self.pace = Pace(local.diloco)
@@ -128,9 +133,11 @@ class Peer:
         # Only now: a peer leaves with a checkpoint of its worker, and one whose checkpoint did not
         # load must not write a fresh state over the run's newest.
         self.worker = worker
+        gossip = self.cfg.averaging.mode == "gossip"
         plane = await self.services.open_data_plane(self.cfg, discovery=discovery, codec=codec,
                                                     param_shapes=param_shapes(worker.model), scope="",
-                                                    role="worker", round_now=lambda: worker.round)
+                                                    role="worker", round_now=lambda: worker.round,
+                                                    before_start=self._serve_gossip if gossip else None)
         self.plane, self.endpoint = plane, plane.endpoint
         self.presence = Presence(self.cfg.discovery, run_id=self.cfg.train.run_id,
                                  clock=asyncio.get_running_loop().time)
@@ -149,6 +156,11 @@ class Peer:
                                   member=lambda trained: self._member(trained.round, trained.steps_per_s), run=run,
                                   verify=verifier(discovery.key_binding), presence=self.presence, genesis=genesis,
                                   emit=self.writer.emit, changed=self._beat_soon, overlap=self.cfg.diloco.overlap)
+        if gossip:
+            assert self._mailbox is not None
+            self.gossip = GossipDriver(part=part, cfg=self.cfg, codec=codec, node=plane.node, mailbox=self._mailbox,
+                                       discovery=discovery, fetch_state=plane.fetch_state, emit=self.writer.emit,
+                                       changed=self._beat_soon)
         self.heartbeat = Heartbeat(discovery, current=self._record, heartbeat_s=self.cfg.discovery.heartbeat_s,
                                    now=discovery.now, timeout_s=self.cfg.rpc.call_timeout_s)
         await self.heartbeat.start()
@@ -158,6 +170,10 @@ class Peer:
         self.writer.ready(info)
         self.phase = "training"
         return info
+
+    def _serve_gossip(self, node: RpcNode) -> None:
+        self._mailbox = GossipMailbox(node, run_id=self.cfg.train.run_id)
+        serve_gossip(node, self._mailbox)
 
     def _build_worker(self, peer_id: str, codec: Codec) -> DilocoWorker:
         cfg = self.cfg
@@ -228,6 +244,8 @@ class Peer:
     async def run(self, stop: asyncio.Event) -> str:
         """Train until `diloco.rounds` rounds are committed or `stop` is set; returns why it ended."""
         assert self.driver is not None and self.part is not None
+        if self.gossip is not None:
+            return await self.gossip.run(stop)
         if self.cfg.diloco.overlap:
             return await run_overlapped(self.driver, self.part, stop)
         return await self.driver.run(stop)
@@ -250,15 +268,15 @@ class Peer:
 
     async def _leave(self, reason: str) -> None:
         path: Path | None = None
-        if self.driver is not None and self.heartbeat is not None:
+        if self.driver is not None and self.heartbeat is not None and self.gossip is None:
             with contextlib.suppress(Exception):  # best effort: retiring below is what must happen
                 await self.driver.hand_over()  # its record stays up meanwhile: proposers find its voter
         if self._beat_task is not None:
             await self._beat_task  # a record stored after the withdrawal would announce a departed peer
         if self.heartbeat is not None:
             await self.heartbeat.aclose(withdraw=True)
-        if self.driver is not None and self.discovery is not None:
-            await self._announce_departure()
+        if self.driver is not None and self.discovery is not None and self.gossip is None:
+            await self._announce_departure()  # gossip has no voters to retire
         if self.part is not None:
             try:
                 path = await self.part.checkpoint()

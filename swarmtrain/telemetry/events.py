@@ -62,6 +62,7 @@ class RoundEvent:
     alone_s: float = 0.0  # seconds this peer has seen no other live peer (0 until discovery.alone_warning_s)
     val_ppl: float | None = None  # exp(val_loss)
     val_bpb: float | None = None  # val_loss in bits per byte of the validation text (data/evaluation.py)
+    spread: float | None = None  # gossip: mean ‖φ_partner − φ‖ / ‖φ‖ over the round's partners (diloco/noloco.py)
 
     event: str = field(default="round", init=False)
 
