@@ -9,7 +9,7 @@ NoLoCo / DiLoCo and to DDP, and the bytes each worker sent per round; writes JSO
 
     python benchmarks/gossip_convergence.py                        # K = 8, H = 50, 128 outer steps, int8
     python benchmarks/gossip_convergence.py --workers 8 16 --jobs 2
-    python benchmarks/gossip_convergence.py --workers 4 --rounds 4 --inner-steps 5   # a rehearsal
+    python benchmarks/gossip_convergence.py --workers 4 --rounds 4 --inner-steps 5   # a quick check
 """
 
 from __future__ import annotations

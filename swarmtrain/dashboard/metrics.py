@@ -59,6 +59,11 @@ class SwarmCollector(PromCollector):
             if stats.get("val_bpb") is not None:
                 yield GaugeMetricFamily("swarmtrain_swarm_val_bits_per_byte",
                                         "That validation loss in bits per byte of text.", value=stats["val_bpb"])
+        spreads = [p["stats"]["spread"] for p in status["peers"] if p["state"] != "invalid"
+                   and (p["stats"] or {}).get("spread") is not None]
+        if spreads:  # gossip: how far apart the live replicas are, as they report it
+            yield GaugeMetricFamily("swarmtrain_swarm_gossip_spread", "Mean over live peers of their last gossip "
+                                    "round's relative L2 distance to their partners.", value=sum(spreads) / len(spreads))
         yield CounterMetricFamily("swarmtrain_dashboard_poll_errors", "Reads of the live peers that failed.",
                                   value=c.poll_errors)
         yield histogram_family("swarmtrain_allreduce_seconds", "Averaging seconds of each recorded peer round.",

@@ -3,7 +3,7 @@
 Every round each worker trains its H inner steps, encodes its Δ with the run's codec and its slow weights
 φ with `averaging.gossip_weights_codec` (what it would send each partner), and forms its group's means
 from its own exact values and its partners' decoded ones (diloco/noloco.py); then every worker takes its
-NoLoCo step. Groups come from averaging/gossip_groups.py over the whole roster (no worker is missing
+NoLoCo step. Groups come from round/gossip_groups.py over the whole roster (no worker is missing
 here). The records' `val_loss` is worker 0's φ; `spread` is the replicas' mean relative L2 distance to
 their mean φ; at the end every replica and the replicas' mean are evaluated.
 """
@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 
-from swarmtrain.averaging.gossip_groups import gossip_groups
 from swarmtrain.compress import get_codec
 from swarmtrain.compress.codec import Codec
 from swarmtrain.config import RunConfig
@@ -24,6 +23,7 @@ from swarmtrain.diloco.flat import assign_flat, flat_hash
 from swarmtrain.diloco.noloco import NolocoOuter, group_mean
 from swarmtrain.diloco.simulation import OnRound, RoundRecord, SimulationResult, sim_val_batches, sim_worker
 from swarmtrain.diloco.worker import DilocoWorker
+from swarmtrain.round.gossip_groups import gossip_groups
 
 __all__ = ["GossipSummary", "replica_spread", "simulate_noloco"]
 

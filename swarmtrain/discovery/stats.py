@@ -23,8 +23,8 @@ class StatsError(ValueError):
 
 @dataclass(frozen=True)
 class PeerStats:
-    """Cumulative since the peer started, except `loss`, `val_loss`, `val_bpb` and `tokens_per_s` (its last
-    round's)."""
+    """Cumulative since the peer started, except `loss`, `val_loss`, `val_bpb`, `tokens_per_s` and `spread`
+    (its last round's)."""
 
     loss: float | None = None  # mean training loss of its last round's inner steps
     val_loss: float | None = None  # validation loss of θ_global after its last evaluated round
@@ -40,6 +40,7 @@ class PeerStats:
     heals: int = 0
     abort_reason: str = ""  # why its last aborted round aborted (cut to MAX_TEXT_CHARS)
     version: str = ""  # swarmtrain's version
+    spread: float | None = None  # gossip: ‖φ_partner − φ‖ / ‖φ‖ of its last round with a partner
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -54,7 +55,7 @@ class PeerStats:
             if isinstance(default, str):
                 if not isinstance(v, str) or len(v) > MAX_TEXT_CHARS:
                     raise StatsError(f"stats.{name}: expected a string of at most {MAX_TEXT_CHARS} chars")
-            elif v is None and name in ("loss", "val_loss", "val_bpb"):
+            elif v is None and name in ("loss", "val_loss", "val_bpb", "spread"):
                 pass
             elif not isinstance(v, (int, float)) or isinstance(v, bool):
                 raise StatsError(f"stats.{name}: expected a number, got {v!r}")

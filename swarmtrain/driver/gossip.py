@@ -3,7 +3,7 @@ its own clock. No collective, no quorum, no shared θ_global: nobody waits for t
 
 A round: the worker's inner steps; its part (Δ with the run's codec, φ with `averaging.gossip_weights_codec`)
 published in this peer's mailbox (rpc/gossip_wire.py); its partners drawn from the live roster by the round's
-seeded permutation (averaging/gossip_groups.py); each partner's part fetched, all at once, for at most
+seeded permutation (round/gossip_groups.py); each partner's part fetched, all at once, for at most
 `averaging.gossip_timeout_s` (a partner that has not reached the round yet is waited for within that time);
 the group's means formed from what arrived (diloco/noloco.py: a part that does not decode, is not finite or
 does not fit is left out, one too large is clipped); the NoLoCo step applied; a round line with the
@@ -23,7 +23,6 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from swarmtrain.averaging.gossip_groups import gossip_partners
 from swarmtrain.averaging.protocol import AverageResult
 from swarmtrain.compress import Codec, get_codec
 from swarmtrain.config import RunConfig
@@ -31,6 +30,7 @@ from swarmtrain.diloco.noloco import GroupMean, NolocoOuter, group_mean
 from swarmtrain.diloco.worker import DilocoWorker
 from swarmtrain.discovery import Discovery, PeerRecord
 from swarmtrain.driver.part import CommittedState, Trained
+from swarmtrain.round.gossip_groups import gossip_partners
 from swarmtrain.rpc.errors import RpcError
 from swarmtrain.rpc.gossip_wire import GossipClient, GossipMailbox, GossipPart
 from swarmtrain.rpc.node import RpcNode

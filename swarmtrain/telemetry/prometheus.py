@@ -71,6 +71,10 @@ class PeerCollector(Collector):
             yield self._one(GaugeMetricFamily("swarmtrain_val_bits_per_byte",
                                               "Validation loss in bits per byte of text, last evaluated round.",
                                               labels=keys), s.val_bpb)
+        if s.spread is not None:
+            yield self._one(GaugeMetricFamily("swarmtrain_gossip_spread",
+                                              "Gossip: relative L2 distance of φ to its partners', last round with one.",
+                                              labels=keys), s.spread)
         yield histogram_family("swarmtrain_allreduce_seconds", "Seconds of each outer round's averaging.",
                                t.allreduce_s, self.labels)
         yield histogram_family("swarmtrain_inner_step_seconds", "Seconds of each inner step (a round's mean).",

@@ -81,7 +81,7 @@ class Tally:
                 self._stats = _replace(s, tokens=s.tokens + tokens, compute_s=s.compute_s + event.compute_s,
                                        tokens_per_s=tokens / event.compute_s if event.compute_s > 0 else s.tokens_per_s,
                                        loss=_known(event.loss, s.loss), val_loss=_known(event.val_loss, s.val_loss),
-                                       val_bpb=_known(event.val_bpb, s.val_bpb))
+                                       val_bpb=_known(event.val_bpb, s.val_bpb), spread=_known(event.spread, s.spread))
                 if event.steps:
                     self.steps += event.steps
                     for _ in range(event.steps):

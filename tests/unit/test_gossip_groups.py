@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from swarmtrain.averaging.gossip_groups import gossip_groups, gossip_partners
+from swarmtrain.round.gossip_groups import gossip_groups, gossip_partners
 
 pytestmark = pytest.mark.unit
 
