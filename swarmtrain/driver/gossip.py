@@ -9,8 +9,10 @@ the group's means formed from what arrived (diloco/noloco.py: a part that does n
 does not fit is left out, one too large is clipped); the NoLoCo step applied; a round line with the
 replicas' spread. A dead, frozen or lying partner costs this peer that partner's part of one round.
 
-A peer that starts at round 0 while live peers are past it copies one of them first (its state, checked
-against the digest its record announces): a joiner starts where the swarm is.
+A peer behind its roster's median round copies a live peer at that round (its state, checked against the
+digest its record announces): a joiner at round 0 before its first round, any other once it is more than
+LAG_ROUNDS behind (stopped for a while, or much slower than the others), since its partners no longer keep
+the parts of its rounds. A partner whose record is that far from this peer's round is not waited for.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ __all__ = ["GossipDriver"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+KEEP_ROUNDS = 4  # rounds of parts a peer's mailbox keeps
+LAG_ROUNDS = KEEP_ROUNDS - 1  # rounds a peer may be behind its roster's median before it copies a peer
 
 
 class GossipWorker(Protocol):
@@ -76,6 +80,7 @@ class GossipDriver:
         assert buf is not None, "a gossip worker allocates NoLoCo's momentum buffer (diloco/worker.py)"
         self.outer = NolocoOuter(lr=avg.gossip_lr, momentum=avg.gossip_momentum, buffer=buf)
         self.last_spread: float | None = None
+        self._last_roster: tuple[PeerRecord, ...] = ()
         self.partners_missed = 0  # partner parts of all rounds that did not arrive or were left out
 
     @property
@@ -92,7 +97,7 @@ class GossipDriver:
 
     async def run(self, stop: asyncio.Event) -> str:
         """Train and gossip until the run's rounds are done ("done") or `stop` is set ("signal")."""
-        await self._join()
+        await self._catch_up(await self._roster())
         while self.worker.round < self.cfg.diloco.rounds:
             if stop.is_set():
                 return "signal"
@@ -100,6 +105,7 @@ class GossipDriver:
             if trained is None:
                 return "signal"
             await self.round(trained)
+            await self._catch_up(self._last_roster)
         return "done"
 
     async def _roster(self) -> tuple[PeerRecord, ...]:
@@ -110,12 +116,20 @@ class GossipDriver:
             return ()
         return tuple(p for p in peers if p.role == "worker" and p.endpoint and p.peer_id != self.peer_id)
 
-    async def _join(self) -> None:
-        """A fresh peer (round 0) copies a live peer past round 0 before its first round."""
-        if self.worker.round > 0:
+    async def _catch_up(self, roster: Sequence[PeerRecord]) -> None:
+        """Copy a live peer's state when this peer is behind the roster's median round: a fresh peer (round 0)
+        when the median is past 0, any other once it is more than LAG_ROUNDS behind (stopped for a while, or
+        slow): its partners no longer hold the parts of its rounds, and it would train alone. The donors
+        are the peers at the median round or past, nearest to it first (a record that claims a far round
+        does not pull everyone to it); the state must have the digest the donor's record announces."""
+        rounds = sorted(p.round for p in roster)
+        if not rounds:
             return
-        ahead = sorted((p for p in await self._roster() if p.round > 0), key=lambda p: (-p.round, p.peer_id))
-        for donor in ahead:
+        median, own = rounds[len(rounds) // 2], self.worker.round
+        if median <= own + (0 if own == 0 else LAG_ROUNDS):
+            return
+        donors = sorted((p for p in roster if p.round >= median), key=lambda p: (p.round - median, p.peer_id))
+        for donor in donors:
             started = time.monotonic()
             try:
                 state, _ = await self.fetch_state([donor.endpoint])
@@ -127,7 +141,7 @@ class GossipDriver:
                             state.digest[:12], donor.state_hash[:12])
                 continue
             await self.part.adopt(state)
-            self.emit(HealEvent(from_round=0, to_round=state.round, source=donor.peer_id, hash=state.digest,
+            self.emit(HealEvent(from_round=own, to_round=state.round, source=donor.peer_id, hash=state.digest,
                                 peer=self.peer_id, transfer_s=round(time.monotonic() - started, 4)))
             return
 
@@ -142,16 +156,20 @@ class GossipDriver:
             return None
         own = await asyncio.to_thread(self._encode, round_index, delta)
         await self._on_node(self.mailbox.publish(own))
-        roster = await self._roster()
-        endpoints = {p.peer_id: p.endpoint for p in roster}
-        partners = gossip_partners(endpoints, self.peer_id, round_index=round_index,
-                                   size=self.cfg.averaging.gossip_group_size, seed=self.cfg.train.seed)
+        roster = self._last_roster = await self._roster()
+        records = {p.peer_id: p for p in roster}
+        drawn = gossip_partners(records, self.peer_id, round_index=round_index,
+                                size=self.cfg.averaging.gossip_group_size, seed=self.cfg.train.seed)
+        # A partner whose record is more than LAG_ROUNDS behind will copy a peer before it reaches this round;
+        # one more than that ahead no longer keeps this round's part: neither is waited for.
+        failed = {p: f"at round {records[p].round}, too far from round {round_index}" for p in drawn
+                  if abs(records[p].round - round_index) > LAG_ROUNDS}
+        partners = [p for p in drawn if p not in failed]
         deadline = time.monotonic() + self.cfg.averaging.gossip_timeout_s
         max_bytes = 2 * (len(own.delta) + len(own.weights)) + (1 << 20)
         fetched = await asyncio.gather(*(self._on_node(self.client.get_part(
-            endpoints[p], round_index=round_index, numel=worker.numel, max_bytes=max_bytes, deadline=deadline))
-            for p in partners), return_exceptions=True)
-        failed: dict[str, str] = {}
+            records[p].endpoint, round_index=round_index, numel=worker.numel, max_bytes=max_bytes,
+            deadline=deadline)) for p in partners), return_exceptions=True)
         parts: list[tuple[str, torch.Tensor, torch.Tensor]] = []
         for peer, got in zip(partners, fetched, strict=True):
             if isinstance(got, BaseException):

@@ -31,7 +31,7 @@ from swarmtrain.diloco.flat import param_shapes
 from swarmtrain.diloco.pace import Pace
 from swarmtrain.diloco.worker import InnerStep
 from swarmtrain.discovery import Discovery, Heartbeat, PeerRecord
-from swarmtrain.driver.gossip import GossipDriver
+from swarmtrain.driver.gossip import KEEP_ROUNDS, GossipDriver
 from swarmtrain.driver.loop import RoundDriver, announce_departure, departure_record
 from swarmtrain.driver.presence import Presence
 from swarmtrain.models import build_model
@@ -172,7 +172,7 @@ class Peer:
         return info
 
     def _serve_gossip(self, node: RpcNode) -> None:
-        self._mailbox = GossipMailbox(node, run_id=self.cfg.train.run_id)
+        self._mailbox = GossipMailbox(node, run_id=self.cfg.train.run_id, keep=KEEP_ROUNDS)
         serve_gossip(node, self._mailbox)
 
     def _build_worker(self, peer_id: str, codec: Codec) -> DilocoWorker:
