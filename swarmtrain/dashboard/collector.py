@@ -107,7 +107,7 @@ class Collector:
                 comm = max(0.0, stats.comm_s - before.comm_s)
                 samples.append(Sample(rec.peer_id, key[1], rec.round, now, rec.state_hash, stats.loss, stats.val_loss,
                                       max(0, stats.tokens - before.tokens), stats.tokens_per_s, max(0, moved),
-                                      max(0.0, stats.compute_s - before.compute_s), comm))
+                                      max(0.0, stats.compute_s - before.compute_s), comm, stats.spread))
                 if comm > 0:  # a peer's first sample carries no round of its own
                     self.allreduce_s.observe(comm)
                 bandwidth = moved / comm if comm > 0 and moved > 0 else (last.bandwidth_bytes_per_s if last else 0.0)

@@ -38,8 +38,11 @@ CREATE TABLE IF NOT EXISTS rounds (
     round INTEGER NOT NULL, part INTEGER NOT NULL, members INTEGER NOT NULL, hashes TEXT NOT NULL,
     loss_sum REAL NOT NULL, loss_n INTEGER NOT NULL, val_sum REAL NOT NULL, val_n INTEGER NOT NULL,
     tokens INTEGER NOT NULL, bytes INTEGER NOT NULL, comm_sum REAL NOT NULL, compute_s REAL NOT NULL,
-    first_at REAL NOT NULL, PRIMARY KEY (round, part));
+    first_at REAL NOT NULL, spread_sum REAL NOT NULL DEFAULT 0, spread_n INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (round, part));
 """
+# Columns added since the first schema: (table, column, definition), added to a history file that lacks them.
+_ADDED = (("rounds", "spread_sum", "REAL NOT NULL DEFAULT 0"), ("rounds", "spread_n", "INTEGER NOT NULL DEFAULT 0"))
 TOTALS = ("samples", "aborts", "tokens", "bytes")  # monotonic sums over every sample ever added (metrics)
 
 
@@ -59,6 +62,7 @@ class Sample:
     bytes: int  # sent + received since its previous sample
     compute_s: float  # since its previous sample
     comm_s: float
+    spread: float | None = None  # gossip: its last round's distance to its partners (discovery/stats.py)
 
 
 class History:
@@ -72,6 +76,9 @@ class History:
         self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.executescript(_SCHEMA)
+        for table, column, definition in _ADDED:
+            if column not in {row[1] for row in self.db.execute(f"PRAGMA table_info({table})")}:
+                self.db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {definition}")
 
     def close(self) -> None:
         self.db.close()
@@ -115,18 +122,21 @@ class History:
         hashes = sorted(set(json.loads(row[0]) if row else []) | {s.state_hash})
         loss, val = (s.loss, 1) if s.loss is not None else (0.0, 0), (s.val_loss, 1) if s.val_loss is not None \
             else (0.0, 0)
+        spread = (s.spread, 1) if s.spread is not None else (0.0, 0)
         if row is None:
-            self.db.execute("INSERT INTO rounds VALUES (?, ?, 1, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            self.db.execute("INSERT INTO rounds (round, part, members, hashes, loss_sum, loss_n, val_sum, val_n, "
+                            "tokens, bytes, comm_sum, compute_s, first_at, spread_sum, spread_n) "
+                            "VALUES (?, ?, 1, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                             (s.round, s.part, json.dumps(hashes), loss[0], loss[1], val[0], val[1], s.tokens,
-                             s.bytes, s.comm_s, s.compute_s, s.at))
+                             s.bytes, s.comm_s, s.compute_s, s.at, spread[0], spread[1]))
         else:
             self.db.execute(
                 "UPDATE rounds SET members = members + 1, hashes = ?, loss_sum = loss_sum + ?, loss_n = loss_n + ?, "
                 "val_sum = val_sum + ?, val_n = val_n + ?, tokens = tokens + ?, bytes = bytes + ?, "
-                "comm_sum = comm_sum + ?, compute_s = compute_s + ?, first_at = MIN(first_at, ?) "
-                "WHERE round = ? AND part = ?",
+                "comm_sum = comm_sum + ?, compute_s = compute_s + ?, first_at = MIN(first_at, ?), "
+                "spread_sum = spread_sum + ?, spread_n = spread_n + ? WHERE round = ? AND part = ?",
                 (json.dumps(hashes), loss[0], loss[1], val[0], val[1], s.tokens, s.bytes, s.comm_s, s.compute_s,
-                 s.at, s.round, s.part))
+                 s.at, spread[0], spread[1], s.round, s.part))
 
     # -- reads ----------------------------------------------------------------------------------------
     def peers(self) -> list[dict[str, Any]]:
@@ -147,6 +157,7 @@ class History:
             "'round', r.round, 'part', r.part, 'members', r.members, 'hashes', json(r.hashes),"
             "'loss', CASE WHEN r.loss_n > 0 THEN r.loss_sum / r.loss_n END,"
             "'val_loss', CASE WHEN r.val_n > 0 THEN r.val_sum / r.val_n END,"
+            "'spread', CASE WHEN r.spread_n > 0 THEN r.spread_sum / r.spread_n END,"
             "'tokens', r.tokens, 'bytes', r.bytes, 'comm_s', r.comm_sum / r.members, 'compute_s', r.compute_s,"
             "'at', r.first_at, 'aborts', (SELECT json_group_array(json_object('peer', a.peer_id, 'at', a.at,"
             "'reason', a.reason)) FROM (SELECT * FROM aborts WHERE round = r.round AND part = r.part ORDER BY at) a)))"

@@ -107,3 +107,34 @@ def test_the_stored_allreduce_histogram_matches_the_live_one() -> None:
         if c > 0:
             live.observe(c)
     assert h.comm_histogram(live.bounds) == (live.counts, pytest.approx(live.total))
+
+
+def test_gossip_spread_is_averaged_per_round_and_an_older_history_file_gains_its_columns(tmp_path: Path) -> None:
+    import sqlite3
+
+    db = tmp_path / "old.sqlite"
+    old = sqlite3.connect(db)  # a history written before the spread columns existed
+    old.executescript("CREATE TABLE rounds (round INTEGER NOT NULL, part INTEGER NOT NULL, members INTEGER NOT NULL, "
+                      "hashes TEXT NOT NULL, loss_sum REAL NOT NULL, loss_n INTEGER NOT NULL, val_sum REAL NOT NULL, "
+                      "val_n INTEGER NOT NULL, tokens INTEGER NOT NULL, bytes INTEGER NOT NULL, comm_sum REAL NOT NULL, "
+                      "compute_s REAL NOT NULL, first_at REAL NOT NULL, PRIMARY KEY (round, part));"
+                      "INSERT INTO rounds VALUES (0, -2, 1, '[\"aa\"]', 3.0, 1, 0, 0, 10, 100, 0.5, 1.0, 0.0);")
+    old.close()
+    h = History(db, retention_rounds=10)
+    spread = [Sample("a", -2, 1, 1.0, "aa", 3.0, None, 10, 1.0, 100, 1.0, 0.5, 0.02),
+              Sample("b", -2, 1, 1.0, "bb", 3.0, None, 10, 1.0, 100, 1.0, 0.5, 0.04), _sample("c", 1, h="cc")]
+    h.add(spread)
+    rows = h.rounds(since=0, limit=10)
+    assert rows[0]["round"] == 0 and rows[0]["spread"] is None  # the old row, read through the new columns
+    assert rows[1]["spread"] == pytest.approx(0.03) and rows[1]["members"] == 3  # c reported none: not counted
+    h.close()
+
+
+def test_the_tally_keeps_the_last_known_spread() -> None:
+    t = Tally(tokens_per_step=1)
+    for spread in (0.5, None):
+        t.observe(RoundEvent(round=0, committed=True, members=("a", "b"), loss=1.0, val_loss=None, hash="",
+                             bytes_sent=0, bytes_received=0, compute_s=1.0, comm_s=0.1, spread=spread))
+    assert t.stats().spread == 0.5
+    rec = _record(spread=0.25)
+    assert PeerRecord.from_json(rec.to_json()).stats.spread == 0.25  # type: ignore[union-attr]

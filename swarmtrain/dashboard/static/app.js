@@ -118,11 +118,12 @@ function renderRounds() {
   // Charts: one point per round, summed over parts; loss against cumulative tokens.
   const byRound = new Map();
   for (const r of rounds) {
-    const a = byRound.get(r.round) || { round: r.round, tokens: 0, bytes: 0, loss: [], val: [], comm: [] };
+    const a = byRound.get(r.round) || { round: r.round, tokens: 0, bytes: 0, loss: [], val: [], comm: [], spread: [] };
     a.tokens += r.tokens; a.bytes += r.bytes;
     if (r.loss !== null) a.loss.push(r.loss);
     if (r.val_loss !== null) a.val.push(r.val_loss);
     if (r.comm_s !== null) a.comm.push(r.comm_s);
+    if (r.spread !== null && r.spread !== undefined) a.spread.push(r.spread);
     byRound.set(r.round, a);
   }
   const mean = (xs) => (xs.length ? xs.reduce((a, b) => a + b, 0) / xs.length : null);
@@ -135,6 +136,11 @@ function renderRounds() {
   chart("chart-bytes", "bytes per round", ["round", "bytes"], [xs.map((a) => a.round), xs.map((a) => a.bytes)]);
   chart("chart-allreduce", "all-reduce seconds per round (mean of its members)", ["round", "seconds"],
     [xs.map((a) => a.round), xs.map((a) => mean(a.comm))]);
+  if (xs.some((a) => a.spread.length)) {  // gossip rounds: how far apart the replicas are
+    $("chart-spread").hidden = false;
+    chart("chart-spread", "gossip spread per round (‖φ_partner − φ‖ / ‖φ‖, mean of its peers)", ["round", "spread"],
+      [xs.map((a) => a.round), xs.map((a) => mean(a.spread))]);
+  }
   document.body.dataset.charts = String(Object.keys(charts).length);
   const body = $("rounds").tBodies[0];
   body.replaceChildren();
