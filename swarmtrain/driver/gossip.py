@@ -7,7 +7,8 @@ seeded permutation (round/gossip_groups.py); each partner's part fetched, all at
 `averaging.gossip_timeout_s` (a partner that has not reached the round yet is waited for within that time);
 the group's means formed from what arrived (diloco/noloco.py: a part that does not decode, is not finite or
 does not fit is left out, one too large is clipped); the NoLoCo step applied; a round line with the
-replicas' spread. A dead, frozen or lying partner costs this peer that partner's part of one round.
+replicas' spread. A dead, frozen or lying partner costs this peer that partner's part of one round; one
+whose part did not arrive is not waited for again until its record beats again.
 
 A peer behind its roster's median round copies a live peer at that round (its state, checked against the
 digest its record announces): a joiner at round 0 before its first round, any other once it is more than
@@ -20,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
 import torch
@@ -38,12 +39,29 @@ from swarmtrain.rpc.gossip_wire import GossipClient, GossipMailbox, GossipPart
 from swarmtrain.rpc.node import RpcNode
 from swarmtrain.telemetry import HealEvent
 
-__all__ = ["GossipDriver"]
+__all__ = ["KEEP_ROUNDS", "LAG_ROUNDS", "GossipDriver", "not_waited_for"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 KEEP_ROUNDS = 4  # rounds of parts a peer's mailbox keeps
 LAG_ROUNDS = KEEP_ROUNDS - 1  # rounds a peer may be behind its roster's median before it copies a peer
+
+
+def not_waited_for(drawn: Sequence[str], records: Mapping[str, PeerRecord], *, round_index: int,
+                   silent: Mapping[str, float]) -> dict[str, str]:
+    """The drawn partners not worth a wait this round, with why: one whose record is more than LAG_ROUNDS
+    behind (it copies a peer before it reaches this round) or ahead (it no longer keeps this round's part),
+    and one whose part did not arrive last time it was drawn and whose record has not beaten since (frozen
+    or dead: a SIGSTOPped peer stays listed until its record expires, and would cost a whole
+    `gossip_timeout_s` each round it is drawn)."""
+    out = {}
+    for p in drawn:
+        rec = records[p]
+        if abs(rec.round - round_index) > LAG_ROUNDS:
+            out[p] = f"at round {rec.round}, too far from round {round_index}"
+        elif p in silent and rec.heartbeat_at <= silent[p]:
+            out[p] = "its part did not arrive last time, and its record has not beaten since"
+    return out
 
 
 class GossipWorker(Protocol):
@@ -81,6 +99,7 @@ class GossipDriver:
         self.outer = NolocoOuter(lr=avg.gossip_lr, momentum=avg.gossip_momentum, buffer=buf)
         self.last_spread: float | None = None
         self._last_roster: tuple[PeerRecord, ...] = ()
+        self._silent: dict[str, float] = {}  # partner -> its record's heartbeat when its part did not arrive
         self.partners_missed = 0  # partner parts of all rounds that did not arrive or were left out
 
     @property
@@ -160,10 +179,7 @@ class GossipDriver:
         records = {p.peer_id: p for p in roster}
         drawn = gossip_partners(records, self.peer_id, round_index=round_index,
                                 size=self.cfg.averaging.gossip_group_size, seed=self.cfg.train.seed)
-        # A partner whose record is more than LAG_ROUNDS behind will copy a peer before it reaches this round;
-        # one more than that ahead no longer keeps this round's part: neither is waited for.
-        failed = {p: f"at round {records[p].round}, too far from round {round_index}" for p in drawn
-                  if abs(records[p].round - round_index) > LAG_ROUNDS}
+        failed = not_waited_for(drawn, records, round_index=round_index, silent=self._silent)
         partners = [p for p in drawn if p not in failed]
         deadline = time.monotonic() + self.cfg.averaging.gossip_timeout_s
         max_bytes = 2 * (len(own.delta) + len(own.weights)) + (1 << 20)
@@ -174,7 +190,9 @@ class GossipDriver:
         for peer, got in zip(partners, fetched, strict=True):
             if isinstance(got, BaseException):
                 failed[peer] = str(got) if isinstance(got, RpcError | TimeoutError) else f"{type(got).__name__}: {got}"
+                self._silent[peer] = records[peer].heartbeat_at  # not waited for again until it beats again
                 continue
+            self._silent.pop(peer, None)
             decoded = await asyncio.to_thread(self._decode, got)
             if isinstance(decoded, str):
                 failed[peer] = decoded

@@ -14,7 +14,7 @@ import torch
 
 from swarmtrain.config import RunConfig
 from swarmtrain.discovery import PeerRecord
-from swarmtrain.driver.gossip import LAG_ROUNDS, GossipDriver
+from swarmtrain.driver.gossip import LAG_ROUNDS, GossipDriver, not_waited_for
 from swarmtrain.driver.part import CommittedState
 from swarmtrain.telemetry import HealEvent
 
@@ -87,3 +87,16 @@ def test_a_state_without_its_announced_digest_is_refused_and_the_next_donor_trie
 def test_one_record_claiming_a_far_round_pulls_nobody() -> None:
     part, asked, _ = _catch_up(5, [_record("a", 5), _record("b", 6), _record("liar", 10_000)])
     assert asked == [] and part.worker.round == 5
+
+
+def test_partners_too_far_in_rounds_or_silent_since_they_failed_are_not_waited_for() -> None:
+    def rec(name: str, round_index: int, beat: float) -> PeerRecord:
+        return PeerRecord(run_id="r", peer_id=name, endpoint=f"{name}:1", round=round_index, heartbeat_at=beat)
+
+    records = {"near": rec("near", 9, 5.0), "behind": rec("behind", 10 - LAG_ROUNDS - 1, 5.0),
+               "ahead": rec("ahead", 10 + LAG_ROUNDS + 1, 5.0), "frozen": rec("frozen", 10, 5.0),
+               "back": rec("back", 10, 7.0)}
+    silent = {"frozen": 5.0, "back": 6.0}  # both failed once; only "back" has beaten since
+    got = not_waited_for(list(records), records, round_index=10, silent=silent)
+    assert set(got) == {"behind", "ahead", "frozen"}
+    assert "too far" in got["behind"] and "not beaten" in got["frozen"]
