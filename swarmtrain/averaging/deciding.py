@@ -269,6 +269,10 @@ class Decider:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         asked: dict[str, Contact] = {v.peer_id: contacts[v.peer_id] for v in voters if v.peer_id in contacts}
+        if any(v.peer_id == self.me.peer_id for v in voters):
+            # Its own vote counts towards a quorum of grants like any voter's: a restarted voter whose round
+            # was decided by a quorum it belonged to learns it with the others' grants and its own.
+            asked.setdefault(self.me.peer_id, self.me)
         asked.update({c.peer_id: c for c in others if c.peer_id != self.me.peer_id})
         replies: list[tuple[Contact, LearnReply]] = []
 

@@ -150,7 +150,7 @@ class VoterService:
 
     def _announced(self, x: VoterRetirement) -> Retirement:
         return Retirement(Voter(self.identity.peer_id, x.incarnation), x.from_round, self.identity.public_key,
-                          x.signature, x.promised, x.accepted, x.value)
+                          x.signature, x.promised, x.accepted, x.value, x.successors)
 
     def _check_scope(self, scope: str) -> None:
         if scope != self.scope:
@@ -303,9 +303,10 @@ class VoterService:
                 await self._save()
         self.materials.forget_before(material_floor)
 
-    async def retire(self, *, current_round: int) -> Retirement:
+    async def retire(self, *, current_round: int, successors: Sequence[Voter] = ()) -> Retirement:
         """Leave for good: from the returned retirement's round on this incarnation grants nothing, and the next
-        start votes as a new incarnation. Stored before it is returned (and announced)."""
+        start votes as a new incarnation. Stored before it is returned (and announced). `successors`: the
+        voters it names for that round, as its last voter (round/certificate.py `successors_of`)."""
         async with self._lock:
             retired = self._retirement()
             if retired is not None:
@@ -315,8 +316,8 @@ class VoterService:
             signature = self.identity.sign(retire_statement(
                 run=self.run, scope=self.scope, voter=self.voter, from_round=from_round, promised=promised,
                 accepted=None if accepted is None else accepted[0],
-                value_id="" if accepted is None else accepted[1].value_id))
-            stored = self.state.sign_retirement(signature)
+                value_id="" if accepted is None else accepted[1].value_id, successors=tuple(successors)))
+            stored = self.state.sign_retirement(signature, tuple(successors))
             await self._save()
         return self._announced(stored)
 

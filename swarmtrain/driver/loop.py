@@ -34,16 +34,25 @@ from swarmtrain.driver.part import CommittedState, Part, RoundPlane, Trained, co
 from swarmtrain.driver.presence import Presence
 from swarmtrain.round import Average, Finish, Heal, RoundMachine, Train, Wait, keeps_progress, plan_heal
 from swarmtrain.round.ballots import Genesis, Voter, quorum_base
-from swarmtrain.round.certificate import CertificateError, Retirement, Verify, check_retirement, follow_chain
+from swarmtrain.round.certificate import (
+    CertificateError,
+    Retirement,
+    Verify,
+    check_retirement,
+    follow_chain,
+    successors_of,
+)
 from swarmtrain.round.heal import donor_order, swarm_round_end
 from swarmtrain.round.messages import Contact
 from swarmtrain.telemetry import HealEvent
 
-__all__ = ["Behind", "RoundDriver", "departure_record"]
+__all__ = ["Behind", "RoundDriver", "announce_departure", "announce_stored_retirements", "departure_record"]
 
 log = logging.getLogger(__name__)
 
 MAX_CHAIN_DONORS = 3  # peers ahead asked for their certificates in one heal check
+MAX_SUCCESSIONS = 8  # voter sets of one round followed through their successors (each named by a retirement)
+MAX_SUCCESSORS = 64  # voters a retirement names for its round (a quorum of them decides it)
 KEPT_CERTIFICATES = 16  # a healed peer asks its donor for this many rounds' certificates
 
 
@@ -244,6 +253,13 @@ class RoundDriver:
             if genesis is not None and genesis.round == round_index:
                 voters = genesis.voters
                 retired = await self._retirements(voters, round_index)
+        for _ in range(MAX_SUCCESSIONS):  # every voter retired having accepted nothing: the successors they named
+            successors = successors_of(voters, retired, round_index) if not quorum_base(voters, retired) else ()
+            if not successors:
+                break
+            log.info("round %d: every voter retired and none accepted a value; its last voter named %d successors",
+                     round_index, len(successors))
+            voters, retired = successors, await self._retirements(successors, round_index)
         contacts = contacts_of([*self.peers, *extra])
         return Electorate(tuple(voters), retired, contacts)
 
@@ -483,13 +499,14 @@ class RoundDriver:
         if self.cfg.diloco.rounds and last >= self.cfg.diloco.rounds:
             return True  # the run's rounds are done: none left to decide
         me = Voter(self.peer_id, self.plane.incarnation)
-        if me not in self.part.voters:
-            return True
         peers = [p for p in await self.read_peers(why=" before leaving") or () if p.peer_id != self.peer_id]
+        electorate = await self.electorate(last)
+        if me not in electorate.voters:
+            return True
         if not any(p.role == self.role for p in peers):
             return True  # nobody left to decide the round: nothing to hand over
-        retired = await self._retirements(self.part.voters, last)
-        others = quorum_base(self.part.voters, [*retired, me])
+        retired = electorate.retired
+        others = quorum_base(electorate.voters, [*retired, me])
         live = {p.peer_id for p in peers if p.role == self.role}
         # Ahead of every live peer, it holds the only certificate of its last round: they learn it from it.
         learn = not any(p.round >= last for p in peers if p.role == self.role)
@@ -513,15 +530,30 @@ class RoundDriver:
             return passed.is_set()
 
         await self.watch(past, deadline=deadline, stop=asyncio.Event())
-        if not passed.is_set():
-            log.warning("%s: the swarm did not pass round %d before the leave's deadline: retiring anyway",
-                        self.peer_id, last)
-        return passed.is_set()
+        if passed.is_set():
+            return True
+        log.warning("%s: the swarm did not pass round %d before the leave's deadline: retiring anyway%s",
+                    self.peer_id, last)
+        return False
+
+    def _successors_at(self, round_index: int) -> tuple[Voter, ...]:
+        """The voters a round's last voter names for it as it retires: the live serving peers of its role at the
+        round, holding its state (as last read)."""
+        digest = self.part.digest
+        return tuple(Voter(p.peer_id, p.incarnation) for p in sorted(self.peers, key=lambda p: p.peer_id)
+                     if p.role == self.role and p.round == round_index and p.state_hash == digest and p.endpoint
+                     and not p.client_mode and p.peer_id != self.peer_id)[:MAX_SUCCESSORS]
 
     async def retire(self) -> list[Retirement]:
         """Leave the scope for good: this peer's voter retires (stored before it is returned), and every
-        retirement it ever stored, for the departure record."""
-        return await self.plane.retire(self.part.round)
+        retirement it ever stored, for the departure record.
+
+        The retirement names successors for its round: the live peers at the round holding this peer's state,
+        as last read. The others take them only once every voter of the round retired having accepted nothing
+        there (round/certificate.py `successors_of`), so naming them is safe whatever this peer's view of the
+        other voters: a view that is stale (a record read after its peer left) would otherwise let the last
+        voters of a round leave it with nobody to decide it."""
+        return await self.plane.retire(self.part.round, successors=self._successors_at(self.part.round))
 
 
 def departure_record(*, run_id: str, peer_id: str, retirements: dict[str, list[Retirement]],
@@ -530,6 +562,23 @@ def departure_record(*, run_id: str, peer_id: str, retirements: dict[str, list[R
     newest = max((r.from_round for rs in retirements.values() for r in rs), default=0)
     return DepartureRecord(run_id=run_id, peer_id=peer_id, from_round=newest, left_at=now,
                            retirements={s: tuple(rs[-4:]) for s, rs in retirements.items()})
+
+
+async def announce_stored_retirements(discovery: Discovery, retirements: dict[str, list[Retirement]], *,
+                                      cfg: RunConfig) -> bool:
+    """At start: announce the retirements this peer's vote books hold from an earlier run (per scope), if any.
+
+    A leave retires the voter (stored) before it announces the departure; a process killed between the two
+    comes back as its next incarnation while the others still count the retired one, which grants nothing
+    more: a round it was needed for would wait for it for good. False when there was nothing to announce or
+    every try failed."""
+    if not any(retirements.values()):
+        return False
+    record = departure_record(run_id=cfg.train.run_id, peer_id=discovery.peer_id, retirements=retirements,
+                              now=discovery.now())
+    log.info("announcing %d retirement(s) an earlier run of this peer stored",
+             sum(len(rs) for rs in retirements.values()))
+    return await announce_departure(discovery, record, cfg=cfg)
 
 
 async def announce_departure(discovery: Discovery, record: DepartureRecord, *, cfg: RunConfig) -> bool:

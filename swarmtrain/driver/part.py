@@ -163,8 +163,13 @@ class RoundPlane(Protocol):
         """A certificate of a round this part committed, kept to show learners and peers behind."""
         ...
 
-    async def retire(self, current_round: int) -> list[Retirement]:
-        """This peer's voter leaves the scope for good; every retirement it stored (for its departure record)."""
+    async def retire(self, current_round: int, *, successors: Sequence[Voter] = ()) -> list[Retirement]:
+        """This peer's voter leaves the scope for good, naming `successors` for its round when it is the round's
+        last voter (round/certificate.py `successors_of`); every retirement it stored (its departure record)."""
+        ...
+
+    def retirements(self) -> list[Retirement]:
+        """Every retirement this peer's voter in the scope has stored (this run's or an earlier one's)."""
         ...
 
     def serve_state(self, live: Callable[[], AbstractContextManager[CommittedState]]) -> None: ...

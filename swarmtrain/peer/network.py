@@ -32,7 +32,7 @@ from swarmtrain.discovery import Discovery
 from swarmtrain.driver.part import CommittedState
 from swarmtrain.peer.heap import round_heap
 from swarmtrain.peer.services import PeerError
-from swarmtrain.round.ballots import Value
+from swarmtrain.round.ballots import Value, Voter
 from swarmtrain.round.certificate import Certificate, Retirement
 from swarmtrain.round.messages import Contact
 from swarmtrain.rpc.errors import RpcError
@@ -199,11 +199,11 @@ class NetworkPlane:
             self.averager.voter.certificates.add(cert)
         await self._on_node(keep())
 
-    async def retire(self, current_round: int) -> list[Retirement]:
+    async def retire(self, current_round: int, *, successors: Sequence[Voter] = ()) -> list[Retirement]:
         voter = self.averager.voter
 
         async def retire() -> list[Retirement]:
-            await voter.retire(current_round=current_round)
+            await voter.retire(current_round=current_round, successors=successors)
             return voter.retirements()
         return await self._on_node(retire())
 

@@ -32,7 +32,12 @@ from swarmtrain.diloco.pace import Pace
 from swarmtrain.diloco.worker import InnerStep
 from swarmtrain.discovery import Discovery, Heartbeat, PeerRecord
 from swarmtrain.driver.gossip import KEEP_ROUNDS, GossipDriver
-from swarmtrain.driver.loop import RoundDriver, announce_departure, departure_record
+from swarmtrain.driver.loop import (
+    RoundDriver,
+    announce_departure,
+    announce_stored_retirements,
+    departure_record,
+)
 from swarmtrain.driver.presence import Presence
 from swarmtrain.models import build_model
 from swarmtrain.models.spec import check_run
@@ -102,6 +107,7 @@ class Peer:
         self.endpoint = ""
         self.phase = "starting"
         self._beat_task: asyncio.Task[None] | None = None
+        self._departure: asyncio.Future[bool] | None = None  # retirements of an earlier run, being announced
         self._claim: DirectoryClaim | None = None
         self.tally, self.metrics = Tally(), ""  # its work so far (record stats, /metrics at `metrics`: host:port)
         writer.listeners.append(self.tally.observe)
@@ -149,6 +155,8 @@ class Peer:
                                       val_bytes_per_token=self._val_bytes_per_token)
         plane.attach(part.outcome_of)
         plane.serve_state(part.committed)
+        for cert in certificates:  # resumed with the checkpoint: learners and peers behind are shown them again
+            await plane.keep_certificate(cert)
         run = f"{self.cfg.train.run_id}/{self.cfg.train.run_nonce}"
         genesis = GenesisReader(discovery, coordinator_id=record.coordinator_id, scope="",
                                 timeout_s=self.cfg.rpc.call_timeout_s)
@@ -164,6 +172,9 @@ class Peer:
         self.heartbeat = Heartbeat(discovery, current=self._record, heartbeat_s=self.cfg.discovery.heartbeat_s,
                                    now=discovery.now, timeout_s=self.cfg.rpc.call_timeout_s)
         await self.heartbeat.start()
+        if self.gossip is None:  # a leave killed between storing its retirement and announcing it: announced now
+            self._departure = asyncio.ensure_future(announce_stored_retirements(
+                discovery, {"": plane.retirements()}, cfg=self.cfg))
         info = {"peer_id": discovery.peer_id, "endpoint": self.endpoint, "run_id": self.cfg.train.run_id,
                 "maddrs": await self.services.visible_maddrs(discovery), "round": worker.round,
                 "hash": worker.digest(), "num_params": worker.numel, **({"metrics": self.metrics} if self.metrics else {})}
@@ -275,6 +286,8 @@ class Peer:
             await self._beat_task  # a record stored after the withdrawal would announce a departed peer
         if self.heartbeat is not None:
             await self.heartbeat.aclose(withdraw=True)
+        if self._departure is not None:
+            self._departure.cancel()  # the record below names those retirements too, and it must be the last
         if self.driver is not None and self.discovery is not None and self.gossip is None:
             await self._announce_departure()  # gossip has no voters to retire
         if self.part is not None:

@@ -20,7 +20,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from swarmtrain.round.ballots import ZERO_BALLOT, Ballot, BallotError, Value
+from swarmtrain.round.ballots import (
+    ZERO_BALLOT,
+    Ballot,
+    BallotError,
+    Value,
+    Voter,
+    voters_from_json,
+    voters_to_json,
+)
 
 __all__ = ["Accepted", "AcceptorState", "Promised", "Refused", "RoundVote", "VoterRetirement"]
 
@@ -63,6 +71,7 @@ class VoterRetirement:
     promised: Ballot | None = None  # the ballot it had promised in `from_round`
     accepted: Ballot | None = None  # what it had accepted in `from_round` (`value`), if anything
     value: Value | None = None
+    successors: tuple[Voter, ...] = ()  # named for `from_round`, as the round's last voter (certificate.py)
 
 
 @dataclass(frozen=True)
@@ -201,11 +210,11 @@ class AcceptorState:
         vote = self.rounds.get(self.retired_from)
         return None if vote is None or vote.value is None else (vote.accepted, vote.value)
 
-    def sign_retirement(self, signature: bytes) -> VoterRetirement:
+    def sign_retirement(self, signature: bytes, successors: tuple[Voter, ...] = ()) -> VoterRetirement:
         assert self.retired_from is not None, "sign_retirement() before retire()"
         accepted = self.retired_accepted()
         retirement = VoterRetirement(self.incarnation, self.retired_from, signature, self.retired_promise(),
-                                     *(accepted or (None, None)))
+                                     *(accepted or (None, None)), successors)
         self.retirements = [*self.retirements[-3:], retirement]
         return retirement
 
@@ -237,7 +246,9 @@ class AcceptorState:
                 "retirements": [[x.incarnation, x.from_round, x.signature.hex(),
                                  None if x.promised is None else x.promised.to_json(),
                                  None if x.accepted is None else x.accepted.to_json(),
-                                 None if x.value is None else x.value.to_json()] for x in self.retirements]}
+                                 None if x.value is None else x.value.to_json(),
+                                 *([voters_to_json(x.successors)] if x.successors else [])]
+                                for x in self.retirements]}
 
     @classmethod
     def from_json(cls, raw: Any) -> AcceptorState:
@@ -272,13 +283,15 @@ class AcceptorState:
 
 
 def _retirement_from_json(raw: Any) -> VoterRetirement:
-    """[incarnation, from_round, signature, promised, accepted, value] (a book written before retirements named
-    what they accepted has the first four)."""
-    if not isinstance(raw, list) or len(raw) not in (4, 6):
+    """[incarnation, from_round, signature, promised, accepted, value, successors] (a book written before
+    retirements named what they accepted has the first four; successors are there only when named)."""
+    if not isinstance(raw, list) or len(raw) not in (4, 6, 7):
         raise BallotError(f"voter state.retirements: malformed {raw!r:.60}")
     i, f, sig, p = raw[:4]
-    a, v = raw[4:] if len(raw) == 6 else (None, None)
+    a, v = raw[4:6] if len(raw) >= 6 else (None, None)
     if (a is None) != (v is None):
         raise BallotError("voter state.retirements: an accepted ballot without its value, or the reverse")
+    successors = voters_from_json(raw[6], what="voter state.retirements.successors") if len(raw) == 7 else ()
     return VoterRetirement(int(i), int(f), bytes.fromhex(sig), None if p is None else Ballot.from_json(p),
-                           None if a is None else Ballot.from_json(a), None if v is None else Value.from_json(v))
+                           None if a is None else Ballot.from_json(a), None if v is None else Value.from_json(v),
+                           successors)

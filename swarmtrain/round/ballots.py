@@ -278,13 +278,16 @@ def grant_statement(*, run: str, scope: str, round_index: int, ballot: Ballot, v
 
 
 def retire_statement(*, run: str, scope: str, voter: Voter, from_round: int, promised: Ballot | None = None,
-                     accepted: Ballot | None = None, value_id: str = "") -> bytes:
+                     accepted: Ballot | None = None, value_id: str = "", successors: Sequence[Voter] = ()) -> bytes:
     """What a voter signs when it retires its incarnation: it grants nothing more in rounds >= `from_round`; in
     round `from_round` it had promised nothing above `promised` (None: nothing at all) and had accepted
-    `value_id` in ballot `accepted` last (None, "": nothing)."""
-    return _statement("retire", [run, scope, voter.peer_id, voter.incarnation, from_round,
-                                 None if promised is None else promised.to_json(),
-                                 None if accepted is None else accepted.to_json(), value_id])
+    `value_id` in ballot `accepted` last (None, "": nothing); `successors`: the voters it names for round
+    `from_round` should every voter of the round have retired having accepted nothing there
+    (certificate.py `successors_of`)."""
+    fields = [run, scope, voter.peer_id, voter.incarnation, from_round,
+              None if promised is None else promised.to_json(), None if accepted is None else accepted.to_json(),
+              value_id]
+    return _statement("retire", [*fields, voters_to_json(successors)] if successors else fields)
 
 
 def value_to_propose(reports: Iterable[tuple[Ballot, Value | None]], own: Value) -> Value:

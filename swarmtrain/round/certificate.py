@@ -25,10 +25,13 @@ from swarmtrain.round.ballots import (
     is_quorum,
     quorum_base,
     retire_statement,
+    voters_from_json,
+    voters_to_json,
 )
 
 __all__ = ["Certificate", "CertificateError", "Retirement", "SignedGrant", "Verify", "check_certificate",
-           "check_retirement", "counting", "follow_chain", "nothing_chosen_below", "retired_reports"]
+           "check_retirement", "counting", "follow_chain", "nothing_chosen_below", "retired_reports",
+           "successors_of"]
 
 MAX_KEY_BYTES = 1024  # an RSA-2048 public key in DER is 294 bytes; ed25519 is 32
 MAX_SIGNATURE_BYTES = 1024
@@ -92,11 +95,13 @@ class Retirement:
     promised: Ballot | None = None
     accepted: Ballot | None = None
     value: Value | None = None
+    successors: tuple[Voter, ...] = ()  # named by a round's last voter (`successors_of`)
 
     def statement(self, *, run: str, scope: str) -> bytes:
         return retire_statement(run=run, scope=scope, voter=self.voter, from_round=self.from_round,
                                 promised=self.promised, accepted=self.accepted,
-                                value_id="" if self.value is None else self.value.value_id)
+                                value_id="" if self.value is None else self.value.value_id,
+                                successors=self.successors)
 
     def counts_for(self, round_index: int, ballot: Ballot) -> bool:
         """Whether a quorum of `ballot` in round `round_index` is counted without this voter."""
@@ -104,14 +109,17 @@ class Retirement:
                                                  and (self.promised is None or self.promised < ballot))
 
     def to_json(self) -> list[Any]:
-        return [self.voter.peer_id, self.voter.incarnation, self.from_round, self.public_key.hex(),
-                self.signature.hex(), None if self.promised is None else self.promised.to_json(),
-                None if self.accepted is None else self.accepted.to_json(),
-                None if self.value is None else self.value.to_json()]
+        fields = [self.voter.peer_id, self.voter.incarnation, self.from_round, self.public_key.hex(),
+                  self.signature.hex(), None if self.promised is None else self.promised.to_json(),
+                  None if self.accepted is None else self.accepted.to_json(),
+                  None if self.value is None else self.value.to_json()]
+        return [*fields, voters_to_json(self.successors)] if self.successors else fields
 
     @classmethod
     def from_json(cls, raw: Any) -> Retirement:
-        if (not isinstance(raw, list) or len(raw) != 8 or not isinstance(raw[0], str) or not isinstance(raw[1], int)
+        """8 fields, or 9 with the successors it names."""
+        if (not isinstance(raw, list) or len(raw) not in (8, 9) or not isinstance(raw[0], str)
+                or not isinstance(raw[1], int)
                 or isinstance(raw[1], bool) or not isinstance(raw[2], int) or isinstance(raw[2], bool) or raw[2] < 0):
             raise BallotError(f"retirement: malformed {raw!r:.80}")
         if (raw[6] is None) != (raw[7] is None):
@@ -122,7 +130,33 @@ class Retirement:
         return cls(Voter(raw[0], raw[1]), raw[2], _bytes_field(raw[3], "retirement.public_key", MAX_KEY_BYTES),
                    _bytes_field(raw[4], "retirement.signature", MAX_SIGNATURE_BYTES),
                    None if raw[5] is None else Ballot.from_json(raw[5]),
-                   None if raw[6] is None else Ballot.from_json(raw[6]), value)
+                   None if raw[6] is None else Ballot.from_json(raw[6]), value,
+                   voters_from_json(raw[8], what="retirement.successors") if len(raw) == 9 else ())
+
+
+def successors_of(voters: Sequence[Voter], retired: Mapping[Voter, Retirement], round_index: int) -> tuple[Voter, ...]:
+    """The voters of round `round_index` in place of `voters`, when every one of them retired from it or before
+    and none had accepted anything there: the successors the retirements name (of several, the one of the
+    highest (from_round, voter)); () otherwise.
+
+    Safe because under `voters` the round chose nothing (a value is chosen by a quorum's accepts, and every
+    voter's last accept there is frozen in its retirement: none) and never will (a retired voter grants nothing
+    there). Every peer that takes the successors holds a retirement of each of `voters`, the same ones, and so
+    picks the same successors: one voter set decides the round from then on."""
+    if not voters:
+        return ()
+    named: list[Retirement] = []
+    for v in voters:
+        r = retired.get(v)
+        if r is None or r.voter != v or r.from_round > round_index:
+            return ()
+        if r.from_round == round_index and r.accepted is not None:
+            return ()
+        if r.successors:
+            named.append(r)
+    if not named:
+        return ()
+    return max(named, key=lambda r: (r.from_round, r.voter)).successors
 
 
 def counting(retired: Mapping[Voter, Retirement], round_index: int, ballot: Ballot) -> dict[Voter, Retirement]:

@@ -121,6 +121,34 @@ def test_voters_leaving_a_round_undecided_do_not_hold_it(seed: int) -> None:
     assert result.ok and result.rounds > result.rounds_at_faults_end, result.summary()
 
 
+@pytest.mark.parametrize("seed", [4197, 7098])
+def test_restarted_voters_learn_with_their_own_votes_and_a_leave_cut_short_is_announced(seed: int) -> None:
+    """Two schedules of the benchmark's range that wedged before:
+
+    * 4197: 7 peers; three voters of round 2 committed it, crashed and restarted from checkpoints of round 2,
+      while the one peer ahead held round 3 by a download. Learning round 2 from its voters' grants, each left
+      out its own: two grants of a base of four. A learner now counts its own vote like any voter's.
+    * 7098: 5 peers; p00, one of round 1's two voters, was killed during its leave, after storing its
+      retirement and before announcing it. Back as its next incarnation, the others still counted the retired
+      one, which grants nothing: round 1 waited for it for good. A start now announces the retirements the
+      vote book holds (and the tester restarts a peer killed in its leave, as any crashed peer)."""
+    result = run_schedule(Schedule.draw(seed, faults_until_s=SUITE_FAULTS_UNTIL_S))
+    assert result.ok and result.rounds > result.rounds_at_faults_end, result.summary()
+
+
+@pytest.mark.parametrize("seed", [4164, 6242, 9709])
+def test_a_round_whose_every_voter_retired_undecided_goes_on_with_the_successors_they_named(seed: int) -> None:
+    """Schedules of the benchmark's range in which every voter of a round left before it was decided, the last
+    one after its hand-over's bound ran out (4164: round 0's two genesis voters of 8 peers, lost calls and stale
+    reads failing every attempt meanwhile; 6242: round 0's, with a partition and a crash; 9709: round 1's two
+    voters, the second leaving at once on a stale record that showed the first still live). Nobody was left to
+    form a quorum. A retirement now names the live peers at its round as successors, and once every voter
+    retired having accepted nothing there, they decide it."""
+    result = run_schedule(Schedule.draw(seed, faults_until_s=SUITE_FAULTS_UNTIL_S))
+    assert "leave" in {f.kind for f in result.schedule.faults}
+    assert result.ok and result.rounds > result.rounds_at_faults_end, result.summary()
+
+
 def test_random_schedules_wedge_the_legacy_rules() -> None:
     results = [run_schedule(dataclasses.replace(Schedule.draw(seed, faults_until_s=SUITE_FAULTS_UNTIL_S),
                                                 rules="legacy")) for seed in SUITE_SEEDS[:3]]

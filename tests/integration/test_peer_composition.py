@@ -103,6 +103,41 @@ def test_stop_checkpoints_and_a_restarted_peer_resumes_with_its_id(tmp_path: Pat
     asyncio.run(main())
 
 
+def test_a_restarted_peer_shows_its_certificates_and_announces_the_retirements_its_votes_hold(
+        tmp_path: Path) -> None:
+    """A leave stores the voter's retirement before it announces the departure: a process killed between the
+    two left the others counting a voter that grants nothing more (here the departure record is deleted, as
+    if never stored). The restarted peer announces it; and it shows learners the certificates it resumed with,
+    not only those of rounds it commits after the restart."""
+    async def main() -> None:
+        log, peer, services = await run_alone_then_stop(tmp_path, RUN)
+        (leave,) = [e for e in log.events() if isinstance(e, LeaveEvent)]
+        run_id = peer.cfg.train.run_id
+        reader = InMemoryDiscovery(services.registry, run_id=run_id, record_ttl_s=60.0, peer_id="reader")
+        (departure,) = await reader.departures(timeout_s=5.0)
+        (retired,) = departure.retirements[""]
+        services.registry.delete(reader._key("departures"), peer._peer_id)
+        assert await reader.departures(timeout_s=5.0) == ()
+
+        again = Peer(peer_config(tmp_path / "p"), writer=EventWriter(EventLog()), services=services)
+        await again.start()
+        try:
+            async def announced() -> bool:
+                return any(retired in d.retirements.get("", ()) for d in await reader.departures(timeout_s=5.0))
+
+            deadline = asyncio.get_running_loop().time() + 30.0
+            while not await announced():
+                assert asyncio.get_running_loop().time() < deadline, "the stored retirement was not announced"
+                await asyncio.sleep(0.05)
+            assert again.plane is not None
+            cert = again.plane.averager.voter.certificates.get(leave.round - 1)
+            assert cert is not None and cert.value.result == leave.hash  # the round that led to its state
+        finally:
+            await again.aclose("signal")
+
+    asyncio.run(main())
+
+
 def test_a_checkpoint_of_another_run_with_the_same_run_id_is_refused_naming_both_nonces(tmp_path: Path) -> None:
     """A checkpoint directory left by an older run of the same run_id (and model) at a later round: the
     new run's nonce differs, so the peer refuses it instead of resuming the old run's weights."""

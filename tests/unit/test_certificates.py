@@ -31,6 +31,7 @@ from swarmtrain.round.certificate import (
     follow_chain,
     grants_by_voter,
     retired_reports,
+    successors_of,
 )
 from swarmtrain.trust.identity import Ed25519Identity, registry_binding, verifier
 
@@ -415,3 +416,36 @@ def test_nothing_chosen_below_counts_who_may_have_accepted_each_ballot() -> None
     # nobody left to count: never provable
     assert not check((a,), {a: ZERO_BALLOT}, [retired(a, b1, None)])
     assert check((a, b, c), {a: ZERO_BALLOT, b: ZERO_BALLOT, c: ZERO_BALLOT})
+
+
+def _succeeding(voter: Voter, from_round: int, successors: Sequence[Voter]) -> Retirement:
+    ident = IDS[voter.peer_id]
+    return Retirement(voter, from_round, ident.public_key, ident.sign(retire_statement(
+        run=RUN, scope=SCOPE, voter=voter, from_round=from_round, successors=successors)),
+        successors=tuple(successors))
+
+
+def test_a_round_whose_every_voter_retired_having_accepted_nothing_goes_to_the_successors_they_named() -> None:
+    """Every voter of a round retired from it (or before) and none accepted anything there: nothing was chosen
+    and nothing can be, so the successors a retirement names decide the round; of several, those of the highest
+    (from_round, voter), so every peer holding the same retirements takes the same ones. Signed with the rest."""
+    voters, a, b = V[:2], (Voter("p5", 0), Voter("p6", 2), Voter("p7", 1)), (Voter("p6", 2),)
+    early, last = _succeeding(V[0], ROUND - 1, b), _succeeding(V[1], ROUND, a)
+    for r in (early, last):
+        check_retirement(r, run=RUN, scope=SCOPE, verify=VERIFY)
+        assert Retirement.from_json(json.loads(json.dumps(r.to_json()))) == r
+    assert successors_of(voters, {V[0]: early, V[1]: last}, ROUND) == a  # the later round's
+    tie = _succeeding(V[0], ROUND, b)
+    assert successors_of(voters, {V[0]: tie, V[1]: last}, ROUND) == a  # (ROUND, p1) > (ROUND, p0)
+    plain = _retirement(V[0], ROUND)
+    assert successors_of(voters, {V[0]: plain, V[1]: last}, ROUND) == a  # one naming them is enough
+    assert successors_of(voters, {V[0]: plain, V[1]: _retirement(V[1], ROUND)}, ROUND) == ()  # none named
+    assert successors_of(voters, {V[1]: last}, ROUND) == ()  # a voter not known retired may still vote
+    assert successors_of(voters, {V[0]: _succeeding(V[0], ROUND + 1, b), V[1]: last}, ROUND) == ()  # it voted
+    accepted = _frozen(V[0], _value(), Ballot(1, 0, 0, "s", ""))
+    assert successors_of(voters, {V[0]: accepted, V[1]: last}, ROUND) == ()  # something may have been chosen
+    forged = Retirement(last.voter, last.from_round, last.public_key, last.signature, successors=b)
+    with pytest.raises(CertificateError, match="does not verify"):
+        check_retirement(forged, run=RUN, scope=SCOPE, verify=VERIFY)
+    with pytest.raises(BallotError):
+        Retirement.from_json([*last.to_json()[:8], [["p5", 0], ["p5", 1]]])  # a peer listed twice

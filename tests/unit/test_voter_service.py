@@ -16,7 +16,7 @@ import pytest
 from swarmtrain.averaging.fetching import MaterialFetcher
 from swarmtrain.averaging.material import MaterialStore
 from swarmtrain.averaging.voting import KEPT_ROUNDS, VoterService
-from swarmtrain.round.ballots import retire_statement, session_ballot
+from swarmtrain.round.ballots import Voter, retire_statement, session_ballot
 from swarmtrain.round.certificate import check_retirement
 from swarmtrain.sync.votes import FileVoteStore, MemoryVoteStore
 from swarmtrain.trust.identity import Ed25519Identity, verify_signature
@@ -81,6 +81,21 @@ def test_a_retired_voter_grants_nothing_and_its_retirement_is_stored_before_it_i
         again = _voter(store, now)
         assert again.state.incarnation == 1 and again.voter.incarnation == 1
         assert (await again.prepare(scope="", round_index=4, ballot=session_ballot(1, 0, "t"), caller="x")).granted
+
+    asyncio.run(main())
+
+
+def test_the_successors_a_retirement_names_are_signed_stored_and_announced_again_after_a_restart() -> None:
+    async def main() -> None:
+        store = MemoryVoteStore(incarnation=0)
+        voter = _voter(store, [3])
+        successors = (Voter("a", 4), Voter("b", 0))
+        retirement = await voter.retire(current_round=3, successors=successors)
+        assert retirement.successors == successors
+        assert verify_signature(retirement.public_key, retire_statement(
+            run=RUN, scope="", voter=retirement.voter, from_round=3, successors=successors), retirement.signature)
+        again = _voter(store, [3])  # the next start reads them back from its store
+        assert again.retirements() == [retirement]
 
     asyncio.run(main())
 

@@ -13,10 +13,11 @@ or heal; one in which half the voters leave after an aborted attempt leaves the 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 from swarmtrain.averaging.voting import VoterService
-from swarmtrain.round.ballots import Ballot, Value, grant_statement
+from swarmtrain.round.ballots import Ballot, Value, Voter, grant_statement
 from swarmtrain.round.certificate import Certificate, Retirement, SignedGrant
 from swarmtrain.round.messages import AcceptReply, Contact, LearnReply, PrepareReply
 
@@ -59,10 +60,10 @@ class LegacyVoter(VoterService):
         return AcceptReply(self.voter, True, grant=SignedGrant(self.voter, self.identity.public_key,
                                                                self.identity.sign(message)))
 
-    async def retire(self, *, current_round: int) -> Retirement:
+    async def retire(self, *, current_round: int, successors: Sequence[Voter] = ()) -> Retirement:
         if current_round in self.votes:  # it voted in its round: it leaves from the next one
             current_round += 1
-        return await super().retire(current_round=current_round)
+        return await super().retire(current_round=current_round)  # the legacy rules named no successors
 
     async def learn(self, *, scope: str, round_index: int, caller: str) -> LearnReply:
         self._check_scope(scope)

@@ -28,10 +28,15 @@ from swarmtrain.compress import get_codec
 from swarmtrain.config import RunConfig
 from swarmtrain.diloco.flat import state_digest
 from swarmtrain.discovery import DiscoveryError, Heartbeat, PeerRecord
-from swarmtrain.driver.loop import RoundDriver, announce_departure, departure_record
+from swarmtrain.driver.loop import (
+    RoundDriver,
+    announce_departure,
+    announce_stored_retirements,
+    departure_record,
+)
 from swarmtrain.driver.part import CommittedState, Trained
 from swarmtrain.driver.presence import Presence
-from swarmtrain.round.ballots import Genesis, Value
+from swarmtrain.round.ballots import Genesis, Value, Voter
 from swarmtrain.round.certificate import Certificate, Retirement
 from swarmtrain.round.messages import Contact
 from swarmtrain.rpc.buffers import BufferPool
@@ -108,8 +113,11 @@ class SimPlane:
     async def keep_certificate(self, cert: Certificate) -> None:
         self.voter.certificates.add(cert)
 
-    async def retire(self, current_round: int) -> list[Retirement]:
-        await self.voter.retire(current_round=current_round)
+    async def retire(self, current_round: int, *, successors: Sequence[Voter] = ()) -> list[Retirement]:
+        await self.voter.retire(current_round=current_round, successors=successors)
+        return self.voter.retirements()
+
+    def retirements(self) -> list[Retirement]:
         return self.voter.retirements()
 
     def serve_state(self, live: Callable[[], AbstractContextManager[CommittedState]]) -> None:
@@ -143,6 +151,7 @@ class SimPeer:
         self.alive = False
         self.left = False  # left gracefully: never restarted
         self.leaving: asyncio.Future[None] | None = None
+        self.announcing: asyncio.Future[bool] | None = None  # an earlier run's retirements, announced at start
         self.starts = 0
         self.tasks: list[asyncio.Task[object]] = []
         self.driver: RoundDriver | None = None
@@ -189,6 +198,8 @@ class SimPeer:
                         codec=codec.name, offload=False)
         voter = (LegacyVoter(path=self.directory / "legacy-votes.json", **voter_kw) if self.rules == "legacy"
                  else VoterService(**voter_kw))  # type: ignore[arg-type]
+        for cert in part.certificates:  # resumed with the checkpoint: shown to learners as before the crash
+            voter.certificates.add(cert)
         verify = verifier(discovery.key_binding)
         decider = Decider(transport=consensus, run=run, scope="", me=Contact(self.peer_id, self.endpoint),
                           verify=verify, materials=materials, fetcher=fetcher)
@@ -250,6 +261,9 @@ class SimPeer:
                 except (DiscoveryError, TimeoutError):
                     await asyncio.sleep(cfg.discovery.heartbeat_s)
             self._spawn(heartbeat.loop())
+            self.announcing = asyncio.ensure_future(announce_stored_retirements(discovery, {"": plane.retirements()},
+                                                                                 cfg=cfg))
+            self.tasks.append(self.announcing)
             try:
                 await driver.run(self.stop)
             finally:
@@ -277,6 +291,8 @@ class SimPeer:
         if not self.alive or self.driver is None or self.discovery is None:
             return
         self.stop.set()
+        if self.announcing is not None:
+            self.announcing.cancel()  # its departure record below names those retirements too, and must be the last
         driver, discovery = self.driver, self.discovery
         with contextlib.suppress(Exception):  # best effort, as the daemon's leave is
             if self.rules != "legacy":  # a leave before the decision was consensus retired at once
@@ -290,7 +306,9 @@ class SimPeer:
             with contextlib.suppress(DiscoveryError, TimeoutError):  # it expires anyway
                 await discovery.withdraw(timeout_s=self.cfg.rpc.call_timeout_s)
             await announce_departure(discovery, record, cfg=self.cfg)
-        self.left = True
+        # A peer killed before its leave was done did not leave: it is a crashed peer, restarted from its
+        # directory like any other (its voter resumes; a supervisor restarts a process that died).
+        self.left = self.alive
         self.crash()
 
     def crash(self) -> None:
