@@ -469,7 +469,7 @@ class PartRounds:
                 await task
         if retire:
             with contextlib.suppress(Exception):
-                return await self.plane.retire(self.part.round)
+                return await self.driver.retire()  # naming the live holders at its round as successors
         return []
 
     def snapshot(self, *, momentum: bool = False) -> CommittedState:
