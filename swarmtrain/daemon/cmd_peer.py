@@ -47,6 +47,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                         help="human-readable progress on stderr: a status line per second, a line per round, "
                              "heal and leave (default: on when stderr is a terminal); stdout is unchanged")
+    parser.add_argument("--nproc-per-node", type=int, metavar="N",
+                        help="train on N local ranks as one peer (an island: DDP over N GPUs, or N CPU "
+                             "processes with gloo); rank 0 talks to the swarm. Under torchrun, leave it out: "
+                             "each process is one rank already")
     add_insecure_option(parser)
     add_config_options(parser)
 
@@ -87,6 +91,19 @@ def _metrics(args: argparse.Namespace) -> tuple[str, int] | None:
     return None if args.metrics_port is None else (args.metrics_host, args.metrics_port)
 
 
+def _without_nproc(argv: list[str]) -> list[str]:
+    """`argv` less its --nproc-per-node option (the ranks it starts must not start more)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc-per-node":
+            skip = True
+        elif not a.startswith("--nproc-per-node="):
+            out.append(a)
+    return out
+
+
 def _toml_str(s: str) -> str:
     return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
@@ -100,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
     import sys
 
     from swarmtrain.daemon.options import config_from_args, exposure_error
+    from swarmtrain.diloco.island import IslandLost, island_env
     from swarmtrain.peer import PeerError
     from swarmtrain.peer.process import run_peer_process
     from swarmtrain.telemetry.console import ConsoleProgress
@@ -113,6 +131,18 @@ def run(args: argparse.Namespace) -> int:
     if args.stage is not None and args.role != "server":
         print("swarmtrain peer: error: --stage goes with --role server", file=sys.stderr)
         return 2
+    nproc = args.nproc_per_node
+    if nproc is not None and nproc < 1:
+        print(f"swarmtrain peer: error: --nproc-per-node must be >= 1, got {nproc}", file=sys.stderr)
+        return 2
+    if ((nproc or 1) > 1 or island_env() is not None) and args.role != "worker":
+        print("swarmtrain peer: error: an island (--nproc-per-node, torchrun) trains a DiLoCo worker; "
+              f"--role {args.role} runs on one process", file=sys.stderr)
+        return 2
+    if (nproc or 1) > 1:
+        from swarmtrain.peer.island import launch_island
+
+        return launch_island(_without_nproc(args._argv), nproc=nproc)
     if args.role != "worker":
         from swarmtrain.pipeline.process import run_pipeline_process
 
@@ -129,6 +159,6 @@ def run(args: argparse.Namespace) -> int:
         with progress.active() if progress is not None else contextlib.nullcontext():
             return run_peer_process(local, local_overrides=args.overrides, coordinator_id=args.coordinator_id,
                                     progress=progress, metrics=_metrics(args), export_dir=args.export_dir or "")
-    except PeerError as e:
+    except (PeerError, IslandLost) as e:  # IslandLost: a rank of this peer's island died or hung
         print(f"swarmtrain peer: error: {e}", file=sys.stderr)
         return 1

@@ -8,7 +8,8 @@ worker.py      DilocoWorker: inner steps, Δ, outer step, eval, hash, state_dict
 steps.py       what the worker's calls take and return (InnerStats, InnerStep, Carry, RoundReport, DeltaError)
 traffic.py     bytes per peer of one all-reduce (what simulations report)
 simulation.py  K workers in one process: DiLoCo rounds or the data-parallel baseline
-island.py      several local ranks with DDP behind one peer
+island.py      several local ranks (one process group) behind one peer: join, broadcast, failures
+island_steps.py  rank 0's IslandWorker leads the inner steps, IslandFollowers mirror them; RankSlice data
 """
 
 from swarmtrain.diloco.outer import OuterOptimizer

@@ -1,17 +1,22 @@
-"""A local island: one peer trains on several local ranks with DDP; only local rank 0 talks to the swarm.
+"""A local island: one peer trains on several ranks (local GPUs or CPU processes, or the nodes of one
+datacenter under torchrun's rendezvous) with DDP; only rank 0 talks to the swarm.
 
-Every local rank runs a `DilocoWorker` whose inner steps go through `DistributedDataParallel`
-(gloo on CPU, NCCL on GPU), so the ranks' θ_local stay identical while each reads its own slice of
-the data (worker index = peer_index × local_world + local_rank). At a round boundary:
+Rank 0 runs the whole peer: an `IslandWorker` (island_steps.py) holds θ_global, the outer momentum, the
+codec, the round, its votes and checkpoints, like any peer's worker. The other ranks run an
+`IslandFollower`: the same model under `DistributedDataParallel`, the same inner optimizer, and their own
+slice of the peer's batches; they do what rank 0 tells them, one command at a time over the island's
+process group (gloo on CPU, NCCL on GPU):
 
-1. `IslandAverager.average` — rank 0 asks the swarm's `Averager` for the mean Δ, then broadcasts
-   the outcome (round, committed, mean, byte counts) so every rank's `apply` takes the same branch;
-2. `Island.sync_global` (the worker's `after_round` hook) — rank 0 broadcasts θ_global, the outer
-   momentum and the round; the other ranks install them, so the island is bit-identical by
-   construction rather than by floating-point luck (a rank that had drifted is logged).
+* `step` (with the step's learning rate): one inner step, whose gradients DDP averages over the ranks;
+* `sync`: rank 0's θ_local (after an outer step, a heal, a resync, an overlapped landing), its data position
+  and, when it changed outside a step (a resume, a reset), the inner optimizer's state;
+* `ping`: rank 0 is alive but not training (matchmaking, an all-reduce, a heal);
+* `stop`: the peer left; the followers exit.
 
-Checkpoints are written by rank 0 only: `island_state_dict` gathers each rank's data position and
-RNG state into one (tensors, meta); `load_island_state` gives every rank its own part back.
+So θ_local is identical on every rank at every step, by construction, and the island is one peer to the
+swarm: one record, one vote, one data slot, one checkpoint. A rank that dies breaks the next collective
+on every other rank at once (its sockets close): rank 0 leaves as a peer does on an error, the followers
+exit. A rank that hangs is given up on after the island's timeout.
 """
 
 from __future__ import annotations
@@ -31,20 +36,33 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from swarmtrain.averaging.protocol import Averager, AverageResult
-from swarmtrain.config import RunConfig
-from swarmtrain.data.sharding import ShardedBatches
-from swarmtrain.diloco.worker import DilocoWorker
-
-__all__ = ["Island", "IslandAverager", "IslandError", "build_island_worker", "island_state_dict",
-           "load_island_state", "open_store"]
+__all__ = ["Island", "IslandError", "IslandLost", "island_env", "open_store"]
 
 log = logging.getLogger(__name__)
 RELEASE_TIMEOUT_S = 30.0  # gloo lets go of a finished collective's tensors within microseconds to milliseconds
 
 
 class IslandError(ValueError):
-    """The island is misconfigured or its ranks disagree (round, world size, roles)."""
+    """The island is misconfigured (its rank, size or backend)."""
+
+
+class IslandLost(RuntimeError):
+    """A collective of the island failed: another rank died, or hung past the island's timeout."""
+
+
+def island_env() -> tuple[int, int] | None:
+    """(rank, world size) when this process is one rank of an island of several (torchrun's RANK and
+    WORLD_SIZE, or what `swarmtrain peer --nproc-per-node` sets), else None."""
+    try:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        rank = int(os.environ.get("RANK", "0"))
+    except ValueError as e:
+        raise IslandError(f"RANK and WORLD_SIZE must be integers: {e}") from None
+    if world <= 1:
+        return None
+    if not 0 <= rank < world:
+        raise IslandError(f"RANK={rank} is not in [0, WORLD_SIZE={world})")
+    return rank, world
 
 
 def open_store(*, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> dist.TCPStore:
@@ -55,23 +73,25 @@ def open_store(*, host: str, port: int, rank: int, world_size: int, timeout_s: f
 
 @dataclass
 class Island:
-    """This process's place in the island: its local rank, the island's size, backend and device."""
+    """This process's place in the island: its rank, the island's size, backend and device."""
 
     rank: int
     world_size: int
     backend: str
     device: torch.device
+    timeout_s: float = 300.0
 
     @classmethod
     def start(cls, *, rank: int, world_size: int, store: dist.Store | None = None, backend: str = "auto",
               timeout_s: float = 300.0) -> Island:
-        """Join the island's process group (blocks until all ranks joined or `timeout_s` passed).
+        """Join the island's process group (blocks until all ranks joined or `timeout_s` passed); every
+        collective after it fails after `timeout_s` without an answer.
 
-        Without `store` the rendezvous comes from torchrun's env (MASTER_ADDR, MASTER_PORT).
-        `backend="auto"` is NCCL when CUDA is available, else gloo; on GPU rank r uses `cuda:LOCAL_RANK`.
+        Without `store` the rendezvous comes from the environment (MASTER_ADDR, MASTER_PORT: torchrun's).
+        `backend="auto"` is NCCL when CUDA is available, else gloo; on GPU a rank uses `cuda:LOCAL_RANK`.
         """
         if world_size < 1 or not 0 <= rank < world_size:
-            raise IslandError(f"local rank {rank} is not in [0, world_size={world_size})")
+            raise IslandError(f"island rank {rank} is not in [0, world_size={world_size})")
         if dist.is_initialized():
             raise IslandError("a torch.distributed process group is already initialised in this process")
         if backend == "auto":
@@ -86,22 +106,29 @@ class Island:
         else:
             device = torch.device("cpu")
         timeout = datetime.timedelta(seconds=timeout_s)
-        if store is None:
-            dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size, timeout=timeout)
-        else:
-            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        try:
+            if store is None:
+                dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
+                                        timeout=timeout)
+            else:
+                dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        except (RuntimeError, ValueError) as e:
+            raise IslandLost(f"island rank {rank} of {world_size} could not join the island's process group "
+                             f"within {timeout_s:.0f}s: {e}") from e
         log.info("island rank %d/%d up (%s on %s)", rank, world_size, backend, device)
-        return cls(rank=rank, world_size=world_size, backend=backend, device=device)
+        return cls(rank=rank, world_size=world_size, backend=backend, device=device, timeout_s=timeout_s)
 
     @classmethod
     def from_env(cls, *, backend: str = "auto", timeout_s: float = 300.0) -> Island:
-        """Join as torchrun describes this process (LOCAL_RANK, LOCAL_WORLD_SIZE; MASTER_ADDR/PORT)."""
-        try:
-            rank, world = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
-        except KeyError as e:
-            raise IslandError(f"environment variable {e.args[0]} is not set (start the island with torchrun)") from e
-        os.environ.setdefault("RANK", str(rank))
-        os.environ.setdefault("WORLD_SIZE", str(world))
+        """Join as torchrun (or `swarmtrain peer --nproc-per-node`) describes this process."""
+        found = island_env()
+        if found is None:
+            raise IslandError("WORLD_SIZE is not set above 1 (start the island with torchrun or --nproc-per-node)")
+        rank, world = found
+        for name in ("MASTER_ADDR", "MASTER_PORT"):
+            if name not in os.environ:
+                raise IslandError(f"environment variable {name} is not set (start the island with torchrun or "
+                                  "--nproc-per-node)")
         return cls.start(rank=rank, world_size=world, backend=backend, timeout_s=timeout_s)
 
     def close(self) -> None:
@@ -116,26 +143,33 @@ class Island:
 
     @property
     def is_leader(self) -> bool:
-        """Local rank 0: the only rank that talks to the swarm and writes checkpoints."""
+        """Rank 0: the only rank that talks to the swarm and writes checkpoints."""
         return self.rank == 0
 
-    def worker_slot(self, *, peer_index: int, num_peers: int) -> tuple[int, int]:
-        """(worker_index, num_workers) for `ShardedBatches`: every local rank of every peer gets its own slice."""
-        if not 0 <= peer_index < num_peers:
-            raise IslandError(f"peer_index {peer_index} is not in [0, num_peers={num_peers})")
-        return peer_index * self.world_size + self.rank, num_peers * self.world_size
-
     def wrap(self, model: nn.Module) -> DistributedDataParallel:
-        """DDP around `model` (already on `self.device`); its constructor copies rank 0's weights to all ranks."""
+        """DDP around `model` (already on `self.device`): a collective, its constructor copies rank 0's weights
+        to every rank."""
         device_ids = [self.device.index] if self.device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=device_ids)
+        with self.collective("wrapping the model in DDP"):
+            return DistributedDataParallel(model, device_ids=device_ids)
+
+    @contextlib.contextmanager
+    def collective(self, what: str) -> Iterator[None]:
+        """Around any collective: a failure (a rank gone, a timeout) becomes `IslandLost`, naming `what`."""
+        try:
+            yield
+        except RuntimeError as e:  # dist.DistBackendError is one
+            if isinstance(e, IslandLost):
+                raise
+            raise IslandLost(f"island rank {self.rank} of {self.world_size}: {what} failed (another rank died, "
+                             f"or did not answer within {self.timeout_s:.0f}s): {e}") from e
 
     # ------------------------------------------------------------------ collectives from rank 0
 
     def broadcast_(self, tensor: torch.Tensor) -> None:
         """Overwrite `tensor` (any device) with rank 0's values, staging through the backend's device."""
         staged = tensor if tensor.device == self._comm_device() else tensor.to(self._comm_device())
-        with self._released(staged):
+        with self.collective("a broadcast"), self._released(staged):
             dist.broadcast(staged, src=0)
         if staged is not tensor:
             tensor.copy_(staged)
@@ -148,22 +182,6 @@ class Island:
         data = _byte_tensor(payload) if self.is_leader else torch.empty(int(size.item()), dtype=torch.uint8)
         self.broadcast_(data)
         return obj if self.is_leader else pickle.loads(data.numpy().tobytes())
-
-    def gather_objects(self, obj: Any) -> list[Any]:
-        """Every rank's `obj` on every rank, in rank order (pickled, like `broadcast_object`)."""
-        payload = pickle.dumps(obj)
-        sizes = [int(s.item()) for s in self._all_gather(torch.tensor([len(payload)], dtype=torch.int64))]
-        padded = torch.zeros(max(sizes), dtype=torch.uint8)
-        padded[: len(payload)] = _byte_tensor(payload)
-        parts = self._all_gather(padded)
-        return [pickle.loads(part[:size].numpy().tobytes()) for part, size in zip(parts, sizes, strict=True)]
-
-    def _all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        local = tensor.to(self._comm_device())
-        out = [torch.empty_like(local) for _ in range(self.world_size)]
-        with self._released(local, *out):
-            dist.all_gather(out, local)
-        return [t.cpu() for t in out]
 
     @contextlib.contextmanager
     def _released(self, *tensors: torch.Tensor) -> Iterator[None]:
@@ -182,103 +200,12 @@ class Island:
         deadline = time.monotonic() + RELEASE_TIMEOUT_S
         while any(t._use_count() > n for t, n in zip(tensors, counts, strict=True)):
             if time.monotonic() > deadline:
-                raise IslandError(f"gloo still holds an island collective's tensors after {RELEASE_TIMEOUT_S:.0f}s")
+                raise IslandLost(f"gloo still holds an island collective's tensors after {RELEASE_TIMEOUT_S:.0f}s")
             time.sleep(0.0002)
 
     def _comm_device(self) -> torch.device:
         return self.device if self.backend == "nccl" else torch.device("cpu")
 
-    def sync_global(self, worker: DilocoWorker) -> None:
-        """The worker's `after_round` hook: every rank takes rank 0's θ_global, outer momentum and round."""
-        header = self.broadcast_object({"round": worker.round, "has_momentum": worker.outer.momentum_buffer is not None})
-        theta = worker.theta_global.detach().clone()
-        self.broadcast_(theta)
-        momentum = None
-        if header["has_momentum"]:
-            assert worker.outer.momentum_buffer is not None, "local ranks disagree on outer.momentum"
-            momentum = worker.outer.momentum_buffer.clone()
-            self.broadcast_(momentum)
-        if self.is_leader:
-            return
-        if header["round"] != worker.round or not torch.equal(theta, worker.theta_global):
-            log.warning("island rank %d had drifted from rank 0 (round %d vs %d); adopting rank 0's θ_global",
-                        self.rank, worker.round, header["round"])
-        worker.adopt_global(round_index=header["round"], theta_global=theta, outer_momentum=momentum)
-
-
-class IslandAverager:
-    """The `Averager` every local rank calls: rank 0 averages with the swarm, the others receive its result."""
-
-    def __init__(self, island: Island, averager: Averager | None) -> None:
-        if island.is_leader and averager is None:
-            raise IslandError("local rank 0 needs the swarm's Averager")
-        if not island.is_leader and averager is not None:
-            raise IslandError(f"local rank {island.rank} must not talk to the swarm (pass averager=None)")
-        self.island = island
-        self.averager = averager
-
-    def average(self, round_index: int, delta: torch.Tensor) -> AverageResult:
-        result = self.averager.average(round_index, delta) if self.averager is not None else None
-        header = self.island.broadcast_object(None if result is None else {
-            "round": result.round, "committed": result.committed, "has_mean": result.mean is not None,
-            "members": result.members, "bytes_sent": result.bytes_sent, "bytes_received": result.bytes_received,
-            "reason": result.reason, "failed": result.failed, "asked_round": round_index,
-        })
-        if header["asked_round"] != round_index:
-            raise IslandError(f"local rank {self.island.rank} is at round {round_index}, rank 0 at {header['asked_round']}")
-        mean = result.mean_tensor() if result is not None else None
-        if header["has_mean"]:
-            buf = mean.reshape(-1).to(torch.float32).clone() if mean is not None else torch.empty(delta.numel())
-            self.island.broadcast_(buf)
-            mean = buf
-        if result is not None:
-            return result
-        return AverageResult(round=header["round"], committed=header["committed"], mean=mean,
-                             members=tuple(header["members"]), bytes_sent=0, bytes_received=0,
-                             reason=header["reason"], failed=tuple(header["failed"]))
-
 
 def _byte_tensor(payload: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(payload), dtype=torch.uint8).clone()  # owns its memory, not the bytearray's
-
-
-def build_island_worker(cfg: RunConfig, island: Island, *, model: nn.Module, train_tokens: torch.Tensor,
-                        peer_index: int = 0, num_peers: int = 1) -> DilocoWorker:
-    """A DilocoWorker for this local rank: its data slice, DDP inner steps, θ_global synced after rounds."""
-    if cfg.diloco.overlap:
-        # sync_global re-installs θ_global on every rank after a round: it would drop the progress an
-        # overlapped round keeps. Overlap on an island needs that progress broadcast too; not built.
-        raise IslandError("diloco.overlap is not supported on a multi-GPU island yet; set diloco.overlap=false")
-    if cfg.diloco.pace != "steps":
-        # Every rank's DDP step is one collective: a rank that stopped on its own clock would hang the others.
-        raise IslandError(f"diloco.pace={cfg.diloco.pace!r} is not supported on a multi-GPU island yet; "
-                          "set diloco.pace=steps")
-    worker_index, num_workers = island.worker_slot(peer_index=peer_index, num_peers=num_peers)
-    batches = ShardedBatches(train_tokens, worker_index=worker_index, num_workers=num_workers,
-                             batch_size=cfg.data.batch_size, seq_len=cfg.data.seq_len, seed=cfg.train.seed)
-    model = model.to(island.device)
-    ddp = island.wrap(model)  # before the worker snapshots θ_global: rank 0's init reaches every rank
-    return DilocoWorker(cfg, model=model, batches=batches, device=island.device, forward_module=ddp,
-                        after_round=island.sync_global, rng_seed=cfg.train.seed * 1000 + worker_index)
-
-
-def island_state_dict(island: Island, worker: DilocoWorker) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Collective: rank 0's worker state plus every rank's data position and RNG state (save on rank 0)."""
-    tensors, meta = worker.state_dict()
-    parts = island.gather_objects({"data": meta["data"], "rng": tensors["rng.cpu"]})
-    for r, part in enumerate(parts):
-        tensors[f"island.rng.{r}"] = part["rng"]
-    meta["island"] = {"world_size": island.world_size, "data": [p["data"] for p in parts]}
-    return tensors, meta
-
-
-def load_island_state(island: Island, worker: DilocoWorker, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
-    """Restore an `island_state_dict` on every rank, each taking its own data position and RNG state."""
-    saved = meta.get("island")
-    if saved is None:
-        raise IslandError("checkpoint was not written by an island (no 'island' metadata)")
-    if saved["world_size"] != island.world_size:
-        raise IslandError(f"checkpoint is for an island of {saved['world_size']} local ranks, this one has "
-                          f"{island.world_size} (the data slices would not line up)")
-    own = {**tensors, "rng.cpu": tensors[f"island.rng.{island.rank}"]}
-    worker.load_state_dict(own, {**meta, "data": saved["data"][island.rank]})

@@ -34,14 +34,23 @@ def run_peer_process(local: RunConfig, *, local_overrides: Sequence[str] = (), c
     """
     import uvloop
 
+    from swarmtrain.peer.island import join_island, run_follower
     from swarmtrain.peer.network import NetworkServices
 
+    island = join_island(local)  # one rank of a local island (torchrun, --nproc-per-node), or None
+    if island is not None and not island.is_leader:
+        with island:
+            return run_follower(island)
     writer = EventWriter(sys.stdout) if progress is None else ConsoleEventWriter(sys.stdout, progress)
     peer = Peer(local, writer=writer, services=NetworkServices(), local_overrides=local_overrides,
-                coordinator_id=coordinator_id, on_step=None if progress is None else progress.on_step)
+                coordinator_id=coordinator_id, on_step=None if progress is None else progress.on_step, island=island)
     serve_role_metrics(peer, metrics)
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        status = runner.run(run_role(peer, leaving="leaving gracefully at the next round boundary"))
+    try:
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            status = runner.run(run_role(peer, leaving="leaving gracefully at the next round boundary"))
+    finally:
+        if island is not None:
+            island.close()
     if export_dir and peer.worker is not None:
         from swarmtrain.daemon.cmd_export import export_on_leave
 

@@ -28,6 +28,8 @@ from swarmtrain.data.evaluation import bytes_per_token
 from swarmtrain.data.tokenizer import load_tokenizer
 from swarmtrain.diloco import DilocoWorker, resolve_device
 from swarmtrain.diloco.flat import param_shapes
+from swarmtrain.diloco.island import Island, IslandLost
+from swarmtrain.diloco.island_steps import PING_S, IslandWorker
 from swarmtrain.diloco.pace import Pace
 from swarmtrain.diloco.worker import InnerStep
 from swarmtrain.discovery import Discovery, Heartbeat, PeerRecord
@@ -43,6 +45,7 @@ from swarmtrain.models import build_model
 from swarmtrain.models.spec import check_run
 from swarmtrain.peer.config import merge_run_config
 from swarmtrain.peer.data import choose_shard, peer_batches, peer_seed, saved_slot
+from swarmtrain.peer.island import island_batches, setup_of
 from swarmtrain.peer.joining import RUN_FETCH_TIMEOUT_S, GenesisReader, claim_peer_directory, fetch_run_record
 from swarmtrain.peer.network import NetworkPlane
 from swarmtrain.peer.overlap import run_overlapped
@@ -84,8 +87,13 @@ class Peer:
 
     def __init__(self, local: RunConfig, *, writer: EventWriter, services: PeerServices,
                  local_overrides: Sequence[str] = (), coordinator_id: str | None = None,
-                 on_step: Callable[[InnerStep], None] | None = None) -> None:
+                 on_step: Callable[[InnerStep], None] | None = None, island: Island | None = None) -> None:
+        """`island`: this process is rank 0 of a local island (peer/island.py); its worker leads the others."""
         self.local = local
+        self.island = island
+        self._island_lost = asyncio.Event()  # a rank of the island died or hung while this one was not training
+        self._island_error = ""
+        self._keepalive: asyncio.Task[None] | None = None
         self.services = services
         self.writer = writer
         self.on_step = on_step
@@ -131,14 +139,17 @@ class Peer:
         self.cfg = await choose_shard(self.cfg, discovery, saved=saved_slot(
             loaded.meta.get("worker") if loaded else None, num_shards=self.cfg.data.num_shards))
         self.pace = Pace(self.cfg.diloco)
-        t = self.tally
-        t.tokens_per_step, t.peer, t.role = self.cfg.data.batch_size * self.cfg.data.seq_len, discovery.peer_id, "worker"
+        t, ranks = self.tally, self.island.world_size if self.island is not None else 1
+        t.tokens_per_step = self.cfg.data.batch_size * self.cfg.data.seq_len * ranks
+        t.peer, t.role = discovery.peer_id, "worker"
         codec = codec_from_config(self.cfg.compress, seed=peer_seed(self.cfg.train.seed + 2, discovery.peer_id))
         worker = await asyncio.to_thread(self._build_worker, discovery.peer_id, codec)
         certificates = _resume(worker, loaded) if loaded is not None else []
         # Only now: a peer leaves with a checkpoint of its worker, and one whose checkpoint did not
         # load must not write a fresh state over the run's newest.
         self.worker = worker
+        if isinstance(worker, IslandWorker):
+            self._keepalive = asyncio.ensure_future(self._keep_island(worker))
         gossip = self.cfg.averaging.mode == "gossip"
         plane = await self.services.open_data_plane(self.cfg, discovery=discovery, codec=codec,
                                                     param_shapes=param_shapes(worker.model), scope="",
@@ -188,15 +199,31 @@ class Peer:
 
     def _build_worker(self, peer_id: str, codec: Codec) -> DilocoWorker:
         cfg = self.cfg
+        if self.island is not None:  # the other ranks build their model and data slice meanwhile
+            self.island.broadcast_object(("setup", setup_of(cfg, peer_id)))
         corpus = load_corpus(cfg.data)
-        batches = peer_batches(cfg, corpus.train, peer_id)
         self.val_batches = eval_batches(corpus.val, batch_size=cfg.data.batch_size, seq_len=cfg.data.seq_len,
                                         num_batches=cfg.diloco.eval_batches)
         self._val_bytes_per_token = bytes_per_token(self.val_batches, load_tokenizer(cfg.data.tokenizer))
         # every peer starts from the same θ
         model = build_model(cfg.model, seed=cfg.train.seed, activation_checkpointing=cfg.train.activation_checkpointing)
-        return DilocoWorker(cfg, model=model, batches=batches, device=resolve_device(cfg.train.device),
-                            codec=codec, rng_seed=peer_seed(cfg.train.seed + 1, peer_id), on_step=self.on_step)
+        common = {"codec": codec, "rng_seed": peer_seed(cfg.train.seed + 1, peer_id), "on_step": self.on_step}
+        if self.island is not None:
+            return IslandWorker(cfg, island=self.island, model=model,
+                                batches=island_batches(cfg, corpus.train, peer_id, self.island), **common)
+        return DilocoWorker(cfg, model=model, batches=peer_batches(cfg, corpus.train, peer_id),
+                            device=resolve_device(cfg.train.device), **common)
+
+    async def _keep_island(self, worker: IslandWorker) -> None:
+        """Between rounds, ping the island's other ranks; a rank found gone ends this peer's run (`run`)."""
+        while True:
+            await asyncio.sleep(PING_S / 2)
+            try:
+                await asyncio.to_thread(worker.keepalive)
+            except IslandLost as e:
+                self._island_error = str(e)
+                self._island_lost.set()
+                return
 
     def _load_checkpoint(self) -> LoadedCheckpoint | None:
         """The newest good checkpoint in checkpoint.dir, if any; one of another run is an error."""
@@ -253,7 +280,23 @@ class Peer:
     # ------------------------------------------------------------------ rounds
 
     async def run(self, stop: asyncio.Event) -> str:
-        """Train until `diloco.rounds` rounds are committed or `stop` is set; returns why it ended."""
+        """Train until `diloco.rounds` rounds are committed or `stop` is set; returns why it ended. On an island,
+        a rank found gone while this one was not training ends the rounds at their next boundary and raises
+        IslandLost (one found gone during an inner step raises it from there)."""
+        if self.island is None:
+            return await self._rounds(stop)
+        rounds = asyncio.ensure_future(self._rounds(stop))
+        lost = asyncio.ensure_future(self._island_lost.wait())
+        done, _ = await asyncio.wait({rounds, lost}, return_when=asyncio.FIRST_COMPLETED)
+        if rounds in done:
+            lost.cancel()
+            return rounds.result()
+        stop.set()
+        with contextlib.suppress(Exception):
+            await rounds
+        raise IslandLost(self._island_error)
+
+    async def _rounds(self, stop: asyncio.Event) -> str:
         assert self.driver is not None and self.part is not None
         if self.gossip is not None:
             return await self.gossip.run(stop)
@@ -271,6 +314,7 @@ class Peer:
         try:
             await self._leave(reason)
         finally:
+            await self._stop_island(reason)
             if self.discovery is not None:
                 await self.discovery.aclose()
             if self._claim is not None:
@@ -303,6 +347,21 @@ class Peer:
             self.writer.emit(LeaveEvent(round=self.worker.round, reason=reason, hash=self.worker.digest(),
                                         peer=self._peer_id, checkpoint=str(path or ""), bytes_sent=sent,
                                         bytes_received=received))
+
+    async def _stop_island(self, reason: str) -> None:
+        """The island's other ranks exit: told so after the leave (or before their setup, when none came)."""
+        if self._keepalive is not None:
+            self._keepalive.cancel()
+        if self.island is None:
+            return
+        worker = self.worker if isinstance(self.worker, IslandWorker) else None
+        try:
+            if worker is not None:
+                await asyncio.to_thread(worker.stop_island, reason)
+            elif not self._island_lost.is_set():
+                await asyncio.to_thread(self.island.broadcast_object, ("stop", reason))
+        except IslandLost as e:
+            log.warning("could not stop the island's other ranks: %s", e)
 
     async def _announce_departure(self) -> None:
         """This peer's voter retires for good (stored before anything is announced), then the departure record
