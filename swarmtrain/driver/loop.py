@@ -537,12 +537,17 @@ class RoundDriver:
         return False
 
     def _successors_at(self, round_index: int) -> tuple[Voter, ...]:
-        """The voters a round's last voter names for it as it retires: the live serving peers of its role at the
-        round, holding its state (as last read)."""
+        """The voters a retiring voter names for its round: the live serving peers of its role at the round,
+        holding its state (as last read); when there are none and its votes are kept on disk, its own next
+        incarnation (what a restart from the same directory votes as): a peer alone in its swarm that leaves
+        and comes back goes on from the round it left."""
         digest = self.part.digest
-        return tuple(Voter(p.peer_id, p.incarnation) for p in sorted(self.peers, key=lambda p: p.peer_id)
-                     if p.role == self.role and p.round == round_index and p.state_hash == digest and p.endpoint
-                     and not p.client_mode and p.peer_id != self.peer_id)[:MAX_SUCCESSORS]
+        found = tuple(Voter(p.peer_id, p.incarnation) for p in sorted(self.peers, key=lambda p: p.peer_id)
+                      if p.role == self.role and p.round == round_index and p.state_hash == digest and p.endpoint
+                      and not p.client_mode and p.peer_id != self.peer_id)[:MAX_SUCCESSORS]
+        if not found and self.cfg.checkpoint.dir:
+            return (Voter(self.peer_id, self.plane.incarnation + 1),)
+        return found
 
     async def retire(self) -> list[Retirement]:
         """Leave the scope for good: this peer's voter retires (stored before it is returned), and every

@@ -138,6 +138,26 @@ def test_a_restarted_peer_shows_its_certificates_and_announces_the_retirements_i
     asyncio.run(main())
 
 
+def test_a_peer_alone_that_left_and_came_back_commits_the_round_it_left(tmp_path: Path) -> None:
+    """The only voter of its round left gracefully (retiring its incarnation) with nobody else at the round:
+    restarted from its directory it votes as its next incarnation, which its retirement names as the round's
+    successor. Before, the round had no voter left and the peer waited for good."""
+    async def main() -> None:
+        log, _, services = await run_alone_then_stop(tmp_path, RUN)
+        (leave,) = [e for e in log.events() if isinstance(e, LeaveEvent)]
+        log2, stop = EventLog(), asyncio.Event()
+        again = Peer(peer_config(tmp_path / "p"), writer=EventWriter(log2), services=services)
+        task = asyncio.create_task(run_peer(again, stop))
+        try:
+            await until(lambda: any(e.committed and e.round == leave.round for e in log2.rounds()), timeout_s=60,
+                        what="the round it left committed", tasks=[task], logs={"p": log2})
+        finally:
+            stop.set()
+            await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(main())
+
+
 def test_a_checkpoint_of_another_run_with_the_same_run_id_is_refused_naming_both_nonces(tmp_path: Path) -> None:
     """A checkpoint directory left by an older run of the same run_id (and model) at a later round: the
     new run's nonce differs, so the peer refuses it instead of resuming the old run's weights."""

@@ -87,6 +87,27 @@ def test_an_island_runs_time_paced_overlapped_rounds_in_fragments(procs: Process
     assert [e.round for e in round_events(a) if e.committed] == [0, 1, 2, 3]
 
 
+def test_an_island_stopped_by_a_signal_leaves_gracefully_and_resumes_from_its_checkpoint(
+        procs: ProcessSet, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """SIGTERM to the launcher reaches rank 0 only: it leaves at the round's end (checkpoint, leave line, exit 0)
+    and stops the other rank; restarted with the same directory, the island resumes at the round it left."""
+    _, join = procs.coordinator(RUN, timeout_s=START_S)
+    a = procs.peer("a", join, "--nproc-per-node", "2", checkpoint_dir=tmp_path / "a")
+    a.wait_ready(timeout_s=START_S)
+    wait_round(a, lambda e: e.committed and e.round >= 1, timeout_s=ROUND_S, what="two rounds")
+    ranks = _ranks(a.proc.pid)
+    a.proc.send_signal(signal.SIGTERM)
+    _, leave = a.wait_for(lambda x: isinstance(x, LeaveEvent), timeout_s=LEAVE_S, what="a's leave")
+    assert isinstance(leave, LeaveEvent) and leave.reason == "signal" and leave.checkpoint, leave
+    a.proc.wait(timeout=60)
+    assert a.proc.returncode == 0, a.diagnostics()
+    assert not any(_running(r) for r in ranks.values())
+    again = procs.peer("a", join, "--nproc-per-node", "2", checkpoint_dir=tmp_path / "a")
+    info = again.wait_ready(timeout_s=START_S)
+    assert (info["round"], info["hash"]) == (leave.round, leave.hash), (info, leave)
+    wait_round(again, lambda e: e.committed and e.round == leave.round, timeout_s=ROUND_S, what="the next round")
+
+
 def _running(p: psutil.Process) -> bool:
     try:
         return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
