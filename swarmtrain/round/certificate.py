@@ -136,8 +136,9 @@ class Retirement:
 
 def successors_of(voters: Sequence[Voter], retired: Mapping[Voter, Retirement], round_index: int) -> tuple[Voter, ...]:
     """The voters of round `round_index` in place of `voters`, when every one of them retired from it or before
-    and none had accepted anything there: the successors the retirements name (of several, the one of the
-    highest (from_round, voter)); () otherwise.
+    and none had accepted anything there: the successors the retirements name (of several, those of the
+    highest (from_round, voter), where a retirement naming other peers goes before one naming only its own next
+    incarnation, which may never come back); () otherwise.
 
     Safe because under `voters` the round chose nothing (a value is chosen by a quorum's accepts, and every
     voter's last accept there is frozen in its retirement: none) and never will (a retired voter grants nothing
@@ -156,7 +157,8 @@ def successors_of(voters: Sequence[Voter], retired: Mapping[Voter, Retirement], 
             named.append(r)
     if not named:
         return ()
-    return max(named, key=lambda r: (r.from_round, r.voter)).successors
+    return max(named, key=lambda r: (any(s.peer_id != r.voter.peer_id for s in r.successors), r.from_round,
+                                     r.voter)).successors
 
 
 def counting(retired: Mapping[Voter, Retirement], round_index: int, ballot: Ballot) -> dict[Voter, Retirement]:

@@ -437,6 +437,9 @@ def test_a_round_whose_every_voter_retired_having_accepted_nothing_goes_to_the_s
     assert successors_of(voters, {V[0]: early, V[1]: last}, ROUND) == a  # the later round's
     tie = _succeeding(V[0], ROUND, b)
     assert successors_of(voters, {V[0]: tie, V[1]: last}, ROUND) == a  # (ROUND, p1) > (ROUND, p0)
+    alone = _succeeding(V[1], ROUND, (Voter("p1", 4),))  # p1 saw nobody else at the round: its next incarnation
+    assert successors_of(voters, {V[0]: early, V[1]: alone}, ROUND) == b  # others named go first
+    assert successors_of(voters, {V[0]: _retirement(V[0], ROUND), V[1]: alone}, ROUND) == (Voter("p1", 4),)
     plain = _retirement(V[0], ROUND)
     assert successors_of(voters, {V[0]: plain, V[1]: last}, ROUND) == a  # one naming them is enough
     assert successors_of(voters, {V[0]: plain, V[1]: _retirement(V[1], ROUND)}, ROUND) == ()  # none named
