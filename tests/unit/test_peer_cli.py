@@ -117,3 +117,27 @@ def test_stage_without_the_server_role_exits_with_one_line(capsys: pytest.Captur
                                       "--set", "rpc.run_key='k'"])
     assert args._module.run(args) == 2
     assert capsys.readouterr().err.strip() == "swarmtrain peer: error: --stage goes with --role server"
+
+
+def test_an_island_launch_passes_every_flag_but_its_own_to_its_ranks() -> None:
+    from swarmtrain.daemon.cmd_peer import _without_nproc
+
+    argv = ["peer", "--join", "/ip4/1.2.3.4/tcp/1/p2p/QmX", "--nproc-per-node", "2", "--set", "train.threads=1",
+            "--nproc-per-node=4"]
+    assert _without_nproc(argv) == ["peer", "--join", "/ip4/1.2.3.4/tcp/1/p2p/QmX", "--set", "train.threads=1"]
+
+
+@pytest.mark.parametrize(("extra", "env", "needle"), [
+    (["--nproc-per-node", "0"], {}, "--nproc-per-node must be >= 1, got 0"),
+    (["--nproc-per-node", "2", "--role", "server"], {}, "--role server runs on one process"),
+    (["--role", "trainer"], {"WORLD_SIZE": "2", "RANK": "0"}, "--role trainer runs on one process"),
+])
+def test_an_island_refuses_what_it_cannot_run(extra: list[str], env: dict[str, str], needle: str,
+                                              capsys: pytest.CaptureFixture[str],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    from swarmtrain.daemon.cli import main
+
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert main(["peer", "--join", "/ip4/127.0.0.1/tcp/1/p2p/QmX", *extra]) == 2
+    assert needle in capsys.readouterr().err
