@@ -37,6 +37,7 @@ def check(cond: bool, name: str, msg: str) -> None:
 COMBINES = ("auto", "reencode", "gather")  # averaging.combine
 AVERAGING_MODES = ("allreduce", "gossip")  # averaging.mode
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")  # train.precision
+PARALLELS = ("ddp", "fsdp")  # train.parallel
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,11 @@ class TrainConfig:
     activation_checkpointing: bool = False
     """Recompute each transformer block's activations in the backward pass instead of keeping them: about
     a third more compute for a fraction of the activation memory (the big presets)."""
+    parallel: str = "ddp"
+    """How the ranks of a peer that is an island (`swarmtrain peer --nproc-per-node N`, torchrun) share its
+    model: `ddp` (each rank holds all of it; gradients averaged) or `fsdp` (FSDP2: each rank holds 1/N of the
+    weights, gradients and inner optimizer moments; rank 0 also keeps θ_local, θ_global and the outer
+    momentum whole). One process has nothing to share: it trains alone either way."""
     run_nonce: str = ""
     """This run among all runs of the same `run_id` (`[A-Za-z0-9._-]`, at most 64): peers refuse a
     checkpoint or a donor's state of another nonce, naming both. Empty: the coordinator draws a random
@@ -81,6 +87,7 @@ class TrainConfig:
         check(self.threads >= 0, "train.threads", "must be >= 0")
         check(self.memory_budget_mb >= 0, "train.memory_budget_mb", "must be >= 0 (0 = no limit)")
         check(self.precision in PRECISIONS, "train.precision", f"{self.precision!r} is not one of {PRECISIONS}")
+        check(self.parallel in PARALLELS, "train.parallel", f"{self.parallel!r} is not one of {PARALLELS}")
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ follower that waits for its next command waits at most the island's timeout for 
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 import time
@@ -29,6 +30,13 @@ from swarmtrain.data.sharding import ShardedBatches, take_windows
 from swarmtrain.diloco.flat import assign_flat, flatten
 from swarmtrain.diloco.inner import build_inner_optimizer, lr_factor, set_lr
 from swarmtrain.diloco.island import Island, IslandError, IslandLost
+from swarmtrain.diloco.island_shards import (
+    full_optimizer_state,
+    gather_full,
+    load_sharded_optimizer_state,
+    scatter_full,
+    shard_model,
+)
 from swarmtrain.diloco.precision import Precision, forward_backward
 from swarmtrain.diloco.worker import DilocoWorker
 
@@ -74,20 +82,33 @@ class RankSlice:
 
 
 class IslandWorker(DilocoWorker):
-    """Rank 0's worker: a DilocoWorker whose inner steps go through DDP and lead the followers' (module
-    docstring). `model` must be on the island's device; DDP is built here (a collective)."""
+    """Rank 0's worker: a DilocoWorker whose inner steps go through DDP or FSDP (`train.parallel`) and lead the
+    followers' (module docstring). DDP is built here (a collective).
+
+    With FSDP the inner steps run on a sharded copy of `model` (its weights, gradients and the inner
+    optimizer's moments 1/N per rank, island_shards.py), and `model` stays whole on this rank: what θ_local,
+    Δ, evaluations and checkpoints read, gathered after every step; a checkpoint holds the inner optimizer's
+    state whole, so it resumes on an island of any size or on one process."""
 
     def __init__(self, cfg: RunConfig, *, island: Island, model: nn.Module, batches: RankSlice,
                  **kwargs: Any) -> None:
         if not island.is_leader:
             raise IslandError(f"island rank {island.rank} runs an IslandFollower; only rank 0 leads")
         model = model.to(island.device)
-        super().__init__(cfg, model=model, batches=batches, device=island.device, forward_module=island.wrap(model),
-                         **kwargs)
+        self.fsdp = cfg.train.parallel == "fsdp"
+        sharded = shard_model(copy.deepcopy(model)) if self.fsdp else None
+        super().__init__(cfg, model=model, batches=batches, device=island.device,
+                         forward_module=sharded if sharded is not None else island.wrap(model), **kwargs)
         self.island = island
         self._lock = threading.Lock()  # one collective at a time: a step, a ping, the stop
-        self._synced = self._local_version  # DDP's constructor gave every rank this θ_local
+        # DDP's constructor gave every rank this θ_local; sharded copies take it at the first step
+        self._synced = -1 if self.fsdp else self._local_version
         self._inner_changed = False  # the inner optimizer's state changed outside a step
+        self._full_inner: dict[str, Any] | None = None  # FSDP: a whole optimizer state to shard at the next sync
+        self.sharded: list[torch.Tensor] = []
+        if sharded is not None:
+            self.sharded = list(sharded.parameters())
+            self.inner = build_inner_optimizer(sharded, cfg.inner)
         self._last_s = time.monotonic()
         self.stopped = False
 
@@ -101,28 +122,86 @@ class IslandWorker(DilocoWorker):
                                                total_steps=self.total_inner_steps)
             self._send(("step", lr))
             with self.island.collective("an inner step"):
-                tokens = super()._inner_step(loss_sum)
+                tokens = self._sharded_step(loss_sum, lr) if self.fsdp else super()._inner_step(loss_sum)
             self._synced, self._last_s = self._local_version, time.monotonic()
             return tokens
+
+    def _sharded_step(self, loss_sum: torch.Tensor, lr: float) -> int:
+        """One inner step on the shards (what the followers' `_step` does too), then θ_local gathered whole."""
+        x, y = next(self.batches)
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        loss = forward_backward(self.forward_module, x, y, pass_size=self.cfg.data.pass_size, precision=self.precision)
+        _optimizer_step(self.cfg, self.inner, self.precision, self.sharded, lr)
+        gather_full(self.sharded, self.params)
+        self._local_version += 1
+        self.inner_step += 1
+        self.round_step += 1
+        loss_sum += loss.detach().float()
+        return y.numel()
 
     def _send(self, command: tuple[Any, ...]) -> None:
         self.island.broadcast_object(command)
 
     def _send_sync(self) -> None:
-        with_inner = self._inner_changed
-        self._send(("sync", {"position": self.batches.position, "inner": with_inner}))  # type: ignore[attr-defined]
-        self.island.broadcast_(flatten(self.params))
-        if with_inner:
-            self.island.broadcast_object({"inner": self.inner.state_dict(), "scaler": self.precision.state()})
-        self._inner_changed = False
+        inner = "load" if self._inner_changed else ""
+        if self.fsdp and self._inner_changed and self._full_inner is None:
+            inner = "clear"
+        self._send(("sync", {"position": self.batches.position, "inner": inner}))  # type: ignore[attr-defined]
+        flat = flatten(self.params)
+        self.island.broadcast_(flat)
+        if self.fsdp:
+            scatter_full(flat, self.sharded, rank=0, world_size=self.island.world_size)
+        if inner == "load":
+            state = self._full_inner if self.fsdp else self.inner.state_dict()
+            self.island.broadcast_object({"inner": state, "scaler": self.precision.state()})
+            if self.fsdp:
+                assert state is not None
+                load_sharded_optimizer_state(self.inner, state, rank=0, world_size=self.island.world_size)
+        elif inner == "clear":
+            self.inner.state.clear()
+        self._inner_changed, self._full_inner = False, None
 
     def resync(self) -> None:
-        super().resync()
+        if not self.fsdp:
+            super().resync()
+        else:  # the moments are sharded: the whole island starts them afresh (checked here, they would be
+            # read on this rank alone, a collective the others do not join)
+            self._set_local(self.theta_global)
+            self._pending_residual = None
+            self._sent_early = False
+            if self.residual is not None and not bool(torch.isfinite(self.residual).all()):
+                self.residual.zero_()
         self._inner_changed = True  # moments that held NaN or Inf may have been reset
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
-        super().load_state_dict(tensors, meta)
+        if not self.fsdp:
+            super().load_state_dict(tensors, meta)
+        else:  # the checkpoint's optimizer state is whole: loaded into a whole one, sharded at the next step
+            whole, sharded = build_inner_optimizer(self.model, self.cfg.inner), self.inner
+            self.inner = whole
+            try:
+                super().load_state_dict(tensors, meta)
+            finally:
+                self.inner = sharded
+            self._full_inner = whole.state_dict()
         self._inner_changed = True
+
+    def state_dict(self, *, copy: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """As a DilocoWorker's; with FSDP the inner optimizer's state gathered whole first (a collective)."""
+        if not self.fsdp:
+            return super().state_dict(copy=copy)
+        with self._lock:
+            self._send(("gather_inner",))
+            with self.island.collective("gathering the inner optimizer's state"):
+                full = full_optimizer_state(self.inner)
+            self._last_s = time.monotonic()
+        whole, sharded = build_inner_optimizer(self.model, self.cfg.inner), self.inner
+        whole.load_state_dict(full)
+        self.inner = whole
+        try:
+            return super().state_dict(copy=True)
+        finally:
+            self.inner = sharded
 
     def keepalive(self) -> None:
         """Ping the followers when rank 0 has not trained for `PING_S` (called between rounds, off the loop)."""
@@ -154,9 +233,10 @@ class IslandFollower:
         if island.is_leader:
             raise IslandError("island rank 0 leads (IslandWorker); it does not follow")
         self.cfg, self.island, self.batches = cfg, island, batches
+        self.fsdp = cfg.train.parallel == "fsdp"
         self.model = model.to(island.device)
-        self.params = list(self.model.parameters())
-        self.module = island.wrap(self.model)
+        self.module = shard_model(self.model) if self.fsdp else island.wrap(self.model)
+        self.params = list(self.model.parameters())  # with FSDP: this rank's shards
         if cfg.train.compile:
             self.module = torch.compile(self.module)
         self.inner = build_inner_optimizer(self.model, cfg.inner)
@@ -173,6 +253,9 @@ class IslandFollower:
                 self._step(float(command[1]))
             elif kind == "sync":
                 self._sync(command[1])
+            elif kind == "gather_inner":
+                with self.island.collective("gathering the inner optimizer's state"):
+                    full_optimizer_state(self.inner)
             elif kind == "stop":
                 log.info("island rank %d: rank 0 stopped the island (%s) after %d steps", self.island.rank,
                          command[1], self.steps)
@@ -186,20 +269,37 @@ class IslandFollower:
         with self.island.collective("an inner step"):
             forward_backward(self.module, x.to(device), y.to(device), pass_size=self.cfg.data.pass_size,
                              precision=self.precision)
-        if self.cfg.inner.grad_clip > 0:
-            self.precision.unscale_(self.inner)
-            torch.nn.utils.clip_grad_norm_(self.params, self.cfg.inner.grad_clip)
-        set_lr(self.inner, lr)
-        self.precision.step(self.inner)
-        self.inner.zero_grad(set_to_none=True)
+            _optimizer_step(self.cfg, self.inner, self.precision, self.params, lr)
+            if self.fsdp:
+                gather_full(self.params, None)  # rank 0 gathers θ_local whole: every rank takes part
         self.steps += 1
 
     def _sync(self, info: dict[str, Any]) -> None:
         flat = torch.empty(sum(p.numel() for p in self.params), dtype=torch.float32)
         self.island.broadcast_(flat)
-        assign_flat(flat, self.params)
+        if self.fsdp:
+            scatter_full(flat, self.params, rank=self.island.rank, world_size=self.island.world_size)
+        else:
+            assign_flat(flat, self.params)
         self.batches.position = int(info["position"])
-        if info["inner"]:
+        if info["inner"] == "load":
             state = self.island.broadcast_object(None)
-            self.inner.load_state_dict(state["inner"])
+            if self.fsdp:
+                load_sharded_optimizer_state(self.inner, state["inner"], rank=self.island.rank,
+                                             world_size=self.island.world_size)
+            else:
+                self.inner.load_state_dict(state["inner"])
             self.precision.load_state(state["scaler"])
+        elif info["inner"] == "clear":
+            self.inner.state.clear()
+
+
+def _optimizer_step(cfg: RunConfig, optimizer: torch.optim.Optimizer, precision: Precision,
+                    params: list[torch.Tensor], lr: float) -> None:
+    """Clip (over the sharded parameters: a collective with FSDP), set the step's rate, step, zero."""
+    if cfg.inner.grad_clip > 0:
+        precision.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(params, cfg.inner.grad_clip)
+    set_lr(optimizer, lr)
+    precision.step(optimizer)
+    optimizer.zero_grad(set_to_none=True)

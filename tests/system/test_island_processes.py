@@ -1,5 +1,5 @@
-"""A coordinator and two peers, each an island of 2 gloo ranks started by `swarmtrain peer --nproc-per-node 2`:
-the islands commit rounds together with one θ_global hash per round; then one rank of an island is SIGKILLed
+"""A coordinator and two peers, each an island of 2 gloo ranks started by `swarmtrain peer --nproc-per-node 2`,
+one with `train.parallel=ddp`, one with `fsdp`: the islands commit rounds together with one θ_global hash per round; then one rank of an island is SIGKILLed
 and that island leaves as a whole (rank 0 notices at its next collective, at most a ping interval later,
 leaves as a peer does on an error, and the launcher exits), while the other peer goes on committing.
 """
@@ -41,7 +41,7 @@ def _ranks(launcher_pid: int) -> dict[int, psutil.Process]:
 def test_two_islands_commit_together_and_one_that_loses_a_rank_leaves_as_a_whole(procs: ProcessSet) -> None:
     _, join = procs.coordinator(RUN, timeout_s=START_S)
     a = procs.peer("a", join, "--nproc-per-node", "2")
-    b = procs.peer("b", join, "--nproc-per-node", "2")
+    b = procs.peer("b", join, "--nproc-per-node", "2", "--set", "train.parallel=fsdp")
     for p in (a, b):
         p.wait_ready(timeout_s=START_S)
     # Both islands in one committed round (the run's min_peers is 1: a lone island may commit alone first).
