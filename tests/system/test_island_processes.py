@@ -7,12 +7,17 @@ leaves as a peer does on an error, and the launcher exits), while the other peer
 from __future__ import annotations
 
 import signal
+import socket
+import sys
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import psutil
 import pytest
 
+from swarmtrain.daemon.children import Child
+from swarmtrain.daemon.cli import LOG_LEVEL_ENV
 from swarmtrain.telemetry.events import LeaveEvent
 from swarmtrain.testing.procs import ProcessSet, round_events, wait_round
 
@@ -106,6 +111,31 @@ def test_an_island_stopped_by_a_signal_leaves_gracefully_and_resumes_from_its_ch
     info = again.wait_ready(timeout_s=START_S)
     assert (info["round"], info["hash"]) == (leave.round, leave.hash), (info, leave)
     wait_round(again, lambda e: e.committed and e.round == leave.round, timeout_s=ROUND_S, what="the next round")
+
+
+def test_an_island_under_torchrun_trains_and_leaves_on_torchruns_sigterm(procs: ProcessSet, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """`torchrun --nproc-per-node 2 -m swarmtrain peer …`: each of torchrun's processes is one rank (its RANK,
+    WORLD_SIZE, MASTER_ADDR/PORT). torchrun's SIGTERM reaches every rank: rank 0 leaves gracefully and the
+    other waits to be stopped by it (torchrun itself then exits non-zero, as it does whenever signalled)."""
+    _, join = procs.coordinator(RUN, timeout_s=START_S)
+    torchrun = Path(sys.executable).with_name("torchrun")
+    argv = [str(torchrun), "--nproc-per-node", "2", "--master-port", str(_free_port()), "-m", "swarmtrain",
+            "peer", "--join", join]
+    a = Child("a", argv, log_path=tmp_path / "logs" / "a.log", env={LOG_LEVEL_ENV: "INFO"})
+    procs.children.append(a)
+    a.wait_ready(timeout_s=START_S)
+    wait_round(a, lambda e: e.committed and e.round >= 1, timeout_s=ROUND_S, what="two rounds")
+    a.proc.send_signal(signal.SIGTERM)
+    _, leave = a.wait_for(lambda x: isinstance(x, LeaveEvent), timeout_s=LEAVE_S, what="a's leave")
+    assert isinstance(leave, LeaveEvent) and leave.reason == "signal", leave
+    a.proc.wait(timeout=60)
+    assert "island rank 1: rank 0 stopped the island (signal)" in (tmp_path / "logs" / "a.log").read_text()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def _running(p: psutil.Process) -> bool:
