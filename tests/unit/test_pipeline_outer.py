@@ -88,7 +88,7 @@ class ScriptedPlane:
     async def keep_certificate(self, cert: Certificate) -> None:
         self.kept.append(cert)
 
-    async def retire(self, current_round: int) -> list[object]:
+    async def retire(self, current_round: int, *, successors: object = ()) -> list[object]:
         self.retired_at = current_round
         return []
 
