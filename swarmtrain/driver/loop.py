@@ -29,7 +29,8 @@ from swarmtrain.averaging.group import Member
 from swarmtrain.averaging.protocol import AverageResult
 from swarmtrain.averaging.rounds import Electorate
 from swarmtrain.config import RunConfig
-from swarmtrain.discovery import DepartureRecord, Discovery, DiscoveryError, PeerRecord
+from swarmtrain.discovery import Discovery, DiscoveryError, PeerRecord
+from swarmtrain.driver.departures import announce_departure, announce_stored_retirements, departure_record
 from swarmtrain.driver.part import CommittedState, Part, RoundPlane, Trained, contacts_of
 from swarmtrain.driver.presence import Presence
 from swarmtrain.round import Average, Finish, Heal, RoundMachine, Train, Wait, keeps_progress, plan_heal
@@ -559,48 +560,6 @@ class RoundDriver:
         other voters: a view that is stale (a record read after its peer left) would otherwise let the last
         voters of a round leave it with nobody to decide it."""
         return await self.plane.retire(self.part.round, successors=self._successors_at(self.part.round))
-
-
-def departure_record(*, run_id: str, peer_id: str, retirements: dict[str, list[Retirement]],
-                     now: float) -> DepartureRecord:
-    """The departure record announcing `retirements` (per scope) of this peer's voters."""
-    newest = max((r.from_round for rs in retirements.values() for r in rs), default=0)
-    return DepartureRecord(run_id=run_id, peer_id=peer_id, from_round=newest, left_at=now,
-                           retirements={s: tuple(rs[-4:]) for s, rs in retirements.items()})
-
-
-async def announce_stored_retirements(discovery: Discovery, retirements: dict[str, list[Retirement]], *,
-                                      cfg: RunConfig) -> bool:
-    """At start: announce the retirements this peer's vote books hold from an earlier run (per scope), if any.
-
-    A leave retires the voter (stored) before it announces the departure; a process killed between the two
-    comes back as its next incarnation while the others still count the retired one, which grants nothing
-    more: a round it was needed for would wait for it for good. False when there was nothing to announce or
-    every try failed."""
-    if not any(retirements.values()):
-        return False
-    record = departure_record(run_id=cfg.train.run_id, peer_id=discovery.peer_id, retirements=retirements,
-                              now=discovery.now())
-    log.info("announcing %d retirement(s) an earlier run of this peer stored",
-             sum(len(rs) for rs in retirements.values()))
-    return await announce_departure(discovery, record, cfg=cfg)
-
-
-async def announce_departure(discovery: Discovery, record: DepartureRecord, *, cfg: RunConfig) -> bool:
-    """Store `record` in the DHT, retrying every heartbeat for up to a record TTL: a retirement nobody reads
-    leaves its voter counted in the rounds it was a voter of, so a leaver stopped or cut off for a few seconds
-    at that moment tries again. False (logged) when every try failed."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + cfg.discovery.record_ttl_s
-    while True:
-        try:
-            await discovery.announce_departure(record, timeout_s=cfg.rpc.call_timeout_s)
-            return True
-        except (DiscoveryError, TimeoutError) as e:
-            if loop.time() + cfg.discovery.heartbeat_s > deadline:
-                log.warning("could not announce this peer's departure: %s", e)
-                return False
-            await asyncio.sleep(cfg.discovery.heartbeat_s)
 
 
 def committed_state(part: Part) -> CommittedState:

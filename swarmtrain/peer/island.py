@@ -121,8 +121,8 @@ def _supervise(procs: list[subprocess.Popen[bytes]]) -> int:
         failed = [(i, p.returncode) for i, p in enumerate(procs[1:], 1) if p.poll() is not None]
         if failed:
             rank, code = failed[0]
-            print(f"swarmtrain peer: island rank {rank} exited with status {code}; rank 0 leaves (at most "
-                  f"{LEADER_GRACE_S:.0f}s)", file=sys.stderr, flush=True)
+            log.warning("island rank %d exited with status %s; rank 0 leaves (at most %.0fs)", rank, code,
+                        LEADER_GRACE_S)
             _wait(leader, LEADER_GRACE_S)
             break
         time.sleep(0.2)
