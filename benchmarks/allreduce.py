@@ -68,10 +68,10 @@ def _rounds(args: argparse.Namespace, one_round: Any, prepare: Any = None) -> No
 
 
 def worker_ours(args: argparse.Namespace) -> None:
-    from swarmtrain.averaging.group import Group, Member
     from swarmtrain.averaging.network import NetworkAverager
     from swarmtrain.compress import get_codec
     from swarmtrain.config import AveragingConfig, RpcConfig
+    from swarmtrain.round.group import Group, Member
     from swarmtrain.rpc.node import RpcNode
     from swarmtrain.trust.identity import Ed25519Identity, registry_binding
 

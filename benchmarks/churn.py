@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from wan_common import DilocoRun, Workload, finish_diloco, start_diloco
 
-from swarmtrain.daemon.children import Child
+from swarmtrain.process.children import Child
 from swarmtrain.telemetry.events import Line, RoundEvent
 from swarmtrain.testbed import LinkSpec, Testbed, parse_rate, read_counters, require_root
 

@@ -437,7 +437,7 @@ class GroupRss:
 
 def run_swarm(args: argparse.Namespace, work: Path) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
     """Coordinator + 2 probed peers until both leave; their raw reports and round lines, and group peaks."""
-    from swarmtrain.daemon.children import Child
+    from swarmtrain.process.children import Child
     from swarmtrain.telemetry.events import LeaveEvent, RoundEvent
     from swarmtrain.testing.procs import ProcessSet
 

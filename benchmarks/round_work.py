@@ -20,11 +20,11 @@ import time
 
 import torch
 
-from swarmtrain.averaging.protocol import AverageResult
 from swarmtrain.compress import codec_from_config
 from swarmtrain.config import load_config
 from swarmtrain.data import ShardedBatches, load_corpus
 from swarmtrain.diloco import DilocoWorker
+from swarmtrain.diloco.averager import AverageResult
 from swarmtrain.models import build_model
 
 ARM = ["model.preset=small", "data.seq_len=128", "data.batch_size=4", "data.max_corpus_bytes=20000000",

@@ -24,10 +24,10 @@ from typing import Any
 import torch
 
 from swarmtrain.config import RunConfig, load_config
-from swarmtrain.daemon.children import Child
 from swarmtrain.data import eval_batches, load_corpus
 from swarmtrain.diloco.flat import assign_flat, flat_hash
 from swarmtrain.models import build_model
+from swarmtrain.process.children import Child
 from swarmtrain.sync.checkpoint import load_latest_checkpoint
 from swarmtrain.telemetry.events import LeaveEvent, Line, ReadyLine, RoundEvent
 from swarmtrain.testbed import Testbed, read_counters

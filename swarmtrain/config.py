@@ -4,7 +4,7 @@ Each component owns one frozen dataclass (a *section*, in config_sections.py, co
 re-exported here).
 `RunConfig` composes them. Unknown sections or keys and values of the wrong type are `ConfigError`s
 (a `ValueError`) naming the offending `section.key`, so a typo never silently falls back to a
-default. `swarmtrain config reference` (config_reference.py) documents every field.
+default. `swarmtrain config reference` (daemon/config_reference.py) documents every field.
 """
 
 from __future__ import annotations

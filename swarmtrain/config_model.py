@@ -25,7 +25,7 @@ class ModelConfig:
     `transformers.LlamaForCausalLM`) or `hf` (`transformers.AutoModelForCausalLM` built from `hf_path`; needs
     the `hf` extra)."""
     preset: str = "tiny"
-    """Named shape of `gpt` or `llama` (swarmtrain/models/presets.py). gpt: `tiny` (~0.12M parameters),
+    """Named shape of `gpt` or `llama` (swarmtrain/config_presets.py). gpt: `tiny` (~0.12M parameters),
     `small` (~0.85M), `base` (~4.8M), `medium` (~25M), `gpt2-124m` (~86M with the byte vocabulary). llama
     (counts without embeddings): `tiny` (~0.1M), `small` (~0.7M), `base` (~4.3M), `150m` (OpenDiLoCo's 150M
     shape) or `1b` (TinyLlama-1.1B's shape). Not used by `hf`."""
@@ -73,7 +73,7 @@ class ModelConfig:
     refused. Empty in a config file."""
 
     def __post_init__(self) -> None:
-        from swarmtrain.models.presets import presets_of
+        from swarmtrain.config_presets import presets_of
 
         check(self.arch in ARCHS, "model.arch", f"{self.arch!r} is not one of {ARCHS}")
         for k in ("n_layer", "n_head", "n_kv_head", "n_embd", "intermediate_size", "context_len"):
@@ -110,7 +110,7 @@ class ModelConfig:
 
     def shape_value(self, key: str) -> int:
         """A dimension of a built-in architecture: the field when > 0, else the preset's."""
-        from swarmtrain.models.presets import presets_of
+        from swarmtrain.config_presets import presets_of
 
         own = getattr(self, key)
         return int(own) if own else int(getattr(presets_of(self.arch)[self.preset], key))

@@ -1,6 +1,6 @@
 """The run config's sections: one frozen, validated dataclass per component, each field documented.
 
-The string literal under each field is its meaning; `swarmtrain config reference` (config_reference.py)
+The string literal under each field is its meaning; `swarmtrain config reference` (daemon/config_reference.py)
 reads these attribute docstrings from this source and turns them into docs/configuration.md, and a
 unit test fails on a field without one. `swarmtrain.config` composes the sections into `RunConfig`.
 """

@@ -1,8 +1,7 @@
 """Averaging a round among peers: matchmaking, the fault-tolerant butterfly all-reduce, and the round's
 decision among its voters.
 
-protocol.py    AverageResult, ShardedMean, the Averager protocol
-group.py       a round's group and its members
+(The Averager protocol the worker averages through is diloco/averager.py; a round's group, round/group.py.)
 matchmaking.py who averages a round together (sequential attempts, the state digest most entries announce)
 transport.py   the all-reduce's calls (ReduceTransport) and their gRPC implementation
 allreduce.py   the member side of the all-reduce: pushes, contributor sets, pulls, the material it ends with

@@ -29,13 +29,13 @@ from dataclasses import dataclass, field
 import torch
 
 from swarmtrain.averaging.aggregate import mean_of_gathered, pack_bundle, unpack_bundle
-from swarmtrain.averaging.group import Group, Member
 from swarmtrain.averaging.material import blob_digest
-from swarmtrain.averaging.protocol import Delta, reader
 from swarmtrain.averaging.reducer import ReducerRegistry, max_encoded_bytes, shard_bounds
 from swarmtrain.averaging.transport import ReduceTransport
 from swarmtrain.compress import Codec, CodecError
 from swarmtrain.config import AveragingConfig
+from swarmtrain.diloco.averager import Delta, reader
+from swarmtrain.round.group import Group, Member
 from swarmtrain.round.rules import has_quorum
 from swarmtrain.rpc.averaging_wire import PushHeader, SessionKey
 from swarmtrain.rpc.buffers import BufferPool

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from swarmtrain.averaging.protocol import AverageResult
+from swarmtrain.diloco.averager import AverageResult
 
 __all__ = ["ATTACKS", "attack", "with_byzantine"]
 

@@ -8,8 +8,8 @@ from collections.abc import Sequence
 import torch
 
 from swarmtrain.averaging.aggregate import Aggregation, aggregate_encoded, mean_of_gathered
-from swarmtrain.averaging.protocol import AverageResult
 from swarmtrain.compress.codec import Codec, CodecError
+from swarmtrain.diloco.averager import AverageResult
 from swarmtrain.diloco.traffic import allreduce_bytes_per_peer
 
 __all__ = ["InProcessGroup", "InProcessMember"]

@@ -55,9 +55,9 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from swarmtrain.averaging.group import Group, Member
 from swarmtrain.config import AveragingConfig
 from swarmtrain.discovery import Discovery, DiscoveryError, GroupRecord, MatchEntry
+from swarmtrain.round.group import Group, Member
 
 __all__ = ["MatchOutcome", "Matchmaker"]
 

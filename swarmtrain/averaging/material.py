@@ -25,8 +25,8 @@ import blake3
 import torch
 
 from swarmtrain.averaging.aggregate import mean_of_gathered, unpack_bundle
-from swarmtrain.averaging.protocol import MeanShard, ShardedMean
 from swarmtrain.compress import Codec, CodecError
+from swarmtrain.diloco.averager import MeanShard, ShardedMean
 from swarmtrain.round.ballots import MaterialLayout, ShardDigest
 
 __all__ = ["Material", "MaterialError", "MaterialStore", "blob_digest", "check_shard", "layout_key", "layout_of",

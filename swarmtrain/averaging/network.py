@@ -21,16 +21,16 @@ from swarmtrain.averaging.aggregate import Aggregation
 from swarmtrain.averaging.allreduce import AllReduce
 from swarmtrain.averaging.deciding import Decider
 from swarmtrain.averaging.fetching import MaterialFetcher
-from swarmtrain.averaging.group import Group
 from swarmtrain.averaging.material import MaterialStore, check_shard
-from swarmtrain.averaging.protocol import AverageResult, Delta
 from swarmtrain.averaging.reducer import ReducerRegistry, max_encoded_bytes
 from swarmtrain.averaging.rounds import Electorate, Preview, RoundAverager
 from swarmtrain.averaging.transport import GrpcReduceTransport
 from swarmtrain.averaging.voting import CheckResult, VoterService
 from swarmtrain.compress import Codec
 from swarmtrain.config import AveragingConfig
+from swarmtrain.diloco.averager import AverageResult, Delta
 from swarmtrain.round.ballots import Voter
+from swarmtrain.round.group import Group
 from swarmtrain.round.messages import Contact
 from swarmtrain.rpc.averaging_client import AveragingClient
 from swarmtrain.rpc.averaging_wire import serve_averaging

@@ -25,8 +25,8 @@ import numpy as np
 import torch
 
 from swarmtrain.averaging.aggregate import Aggregation, aggregate_encoded, pack_bundle
-from swarmtrain.averaging.group import Group
 from swarmtrain.compress import Codec, CodecError
+from swarmtrain.round.group import Group
 from swarmtrain.rpc.averaging_wire import PushHeader, SessionKey
 from swarmtrain.rpc.buffers import BufferPool
 from swarmtrain.rpc.node import Rejected

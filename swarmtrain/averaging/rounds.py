@@ -17,13 +17,13 @@ import blake3
 
 from swarmtrain.averaging.allreduce import AllReduce, Reduction
 from swarmtrain.averaging.deciding import Chosen, Decider, Known, NotChosen, Outcome, Prepared
-from swarmtrain.averaging.group import Group
 from swarmtrain.averaging.material import Material, MaterialStore, layout_key, layout_of, sharded_mean
-from swarmtrain.averaging.protocol import AverageResult, Delta, ShardedMean
 from swarmtrain.averaging.voting import VoterService
 from swarmtrain.compress import Codec
+from swarmtrain.diloco.averager import AverageResult, Delta, ShardedMean
 from swarmtrain.round.ballots import Value, Voter, session_ballot
 from swarmtrain.round.certificate import Retirement
+from swarmtrain.round.group import Group
 from swarmtrain.round.messages import Contact
 from swarmtrain.rpc.averaging_wire import SessionKey
 

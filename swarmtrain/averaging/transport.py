@@ -12,7 +12,7 @@ import asyncio
 import time
 from typing import Protocol
 
-from swarmtrain.averaging.group import Member
+from swarmtrain.round.group import Member
 from swarmtrain.rpc.averaging_wire import PushHeader, ReducerSink, SessionKey
 from swarmtrain.rpc.errors import Rejected, RpcRejected
 

@@ -1,5 +1,6 @@
 """the thin CLI: cli.py dispatches to one cmd_*.py module per subcommand.
 
-signals.py   StopSignals: a daemon's first SIGTERM/SIGINT stops it, a second exits at once
-children.py  `swarmtrain` child processes for the demo and the tests
+config_reference.py  `swarmtrain config reference`: docs/configuration.md from the config's field docs
+
+Signals and child processes are in swarmtrain/process.
 """

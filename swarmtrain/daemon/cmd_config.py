@@ -22,7 +22,7 @@ def run(args: argparse.Namespace) -> int:
     if args.action == "reference":
         if args.config or args.overrides:
             raise ConfigError("reference documents the defaults; it takes no --config or --set")
-        from swarmtrain.config_reference import render_reference
+        from swarmtrain.daemon.config_reference import render_reference
 
         sys.stdout.write(render_reference())
         return 0

@@ -21,7 +21,7 @@ from swarmtrain.daemon.options import (
     config_from_args,
     exposure_error,
 )
-from swarmtrain.daemon.signals import OVERRUN_STATUS, StopSignals
+from swarmtrain.process.signals import OVERRUN_STATUS, StopSignals
 
 if TYPE_CHECKING:
     from swarmtrain.dashboard import Dashboard

@@ -13,8 +13,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from swarmtrain.daemon.children import Child, ChildExitedError, start_coordinator, stop_all, swarmtrain_argv
 from swarmtrain.daemon.options import add_config_options, config_from_args
+from swarmtrain.process.children import Child, ChildExitedError, start_coordinator, stop_all, swarmtrain_argv
 from swarmtrain.telemetry.events import Line
 from swarmtrain.telemetry.progress import RoundSummary, SwarmProgress, format_bytes, format_round
 

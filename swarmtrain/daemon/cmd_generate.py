@@ -19,8 +19,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from swarmtrain.data.tokenizer import load_tokenizer
-    from swarmtrain.models.export import model_from_checkpoint
     from swarmtrain.models.generate import generate
+    from swarmtrain.sync.export import model_from_checkpoint
 
     model, cfg, _ = model_from_checkpoint(args.checkpoint_dir)
     text = generate(model, load_tokenizer(cfg.data.tokenizer), args.prompt, max_new_tokens=args.max_new_tokens,

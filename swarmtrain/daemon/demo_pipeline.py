@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from swarmtrain.config import RunConfig
-from swarmtrain.daemon.children import Child, ChildExitedError, start_coordinator, stop_all, swarmtrain_argv
+from swarmtrain.process.children import Child, ChildExitedError, start_coordinator, stop_all, swarmtrain_argv
 from swarmtrain.telemetry.events import LeaveEvent, Line, StageRoundEvent, StepEvent
 
 __all__ = ["PIPELINE_OVERRIDES", "run_pipeline_demo"]

@@ -5,6 +5,7 @@ outer.py       OuterOptimizer: SGD / Nesterov on θ_global with the averaged Δ
 inner.py       inner AdamW/SGD, warmup + cosine schedule, checkpointable optimizer state
 pace.py        diloco.pace: a round's inner-step budget, fixed H or a span shared by the round's group
 worker.py      DilocoWorker: inner steps, Δ, outer step, eval, hash, state_dict (talks to an Averager)
+averager.py    what the worker averages through: the Averager protocol, AverageResult, ShardedMean
 steps.py       what the worker's calls take and return (InnerStats, InnerStep, Carry, RoundReport, DeltaError)
 traffic.py     bytes per peer of one all-reduce (what simulations report)
 simulation.py  K workers in one process: DiLoCo rounds or the data-parallel baseline

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from swarmtrain.averaging.protocol import ShardedMean
+from swarmtrain.diloco.averager import ShardedMean
 
 __all__ = ["DECAY", "EagerScale", "dot", "dot_with_mean"]
 

@@ -29,8 +29,8 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from swarmtrain.averaging.protocol import AverageResult
 from swarmtrain.config import DilocoConfig
+from swarmtrain.diloco.averager import AverageResult
 
 __all__ = ["PACE_ALIGN_MAX_SHARE", "PACE_MAX_STEPS_FACTOR", "PREMATCH_LEAD_S", "Pace", "RoundBudget", "align_shift",
            "span_from_rates"]

@@ -9,10 +9,10 @@ from typing import Any
 
 import torch
 
-from swarmtrain.averaging.protocol import AverageResult
 from swarmtrain.compress.codec import Codec
 from swarmtrain.config import RunConfig, to_dict
 from swarmtrain.data.sharding import ShardedBatches, eval_batches
+from swarmtrain.diloco.averager import AverageResult
 from swarmtrain.diloco.flat import assign_flat, flat_hash, flatten
 from swarmtrain.diloco.traffic import allreduce_bytes_per_peer
 from swarmtrain.diloco.worker import Carry, DilocoWorker, InnerStats, resolve_device

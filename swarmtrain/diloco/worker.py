@@ -12,9 +12,9 @@ import blake3
 import torch
 from torch import nn
 
-from swarmtrain.averaging.protocol import Averager, AverageResult, ShardedMean, mean_tensor
 from swarmtrain.compress.codec import Codec
 from swarmtrain.config import RunConfig
+from swarmtrain.diloco.averager import Averager, AverageResult, ShardedMean, mean_tensor
 from swarmtrain.diloco.eager import EagerScale, dot_with_mean
 from swarmtrain.diloco.flat import (
     PseudoGradient,

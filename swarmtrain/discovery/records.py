@@ -10,11 +10,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
-from swarmtrain.averaging.group import Member
 from swarmtrain.config import ConfigError, RunConfig, from_dict
 from swarmtrain.discovery.stats import PeerStats, StatsError
 from swarmtrain.round.ballots import BallotError, Genesis
 from swarmtrain.round.certificate import Retirement
+from swarmtrain.round.group import Member
 
 __all__ = [
     "ROLES",

@@ -26,9 +26,9 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from swarmtrain.averaging.protocol import AverageResult
 from swarmtrain.compress import Codec, get_codec
 from swarmtrain.config import RunConfig
+from swarmtrain.diloco.averager import AverageResult
 from swarmtrain.diloco.noloco import GroupMean, NolocoOuter, group_mean
 from swarmtrain.diloco.worker import DilocoWorker
 from swarmtrain.discovery import Discovery, PeerRecord

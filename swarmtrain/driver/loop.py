@@ -25,10 +25,9 @@ import dataclasses
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 
-from swarmtrain.averaging.group import Member
-from swarmtrain.averaging.protocol import AverageResult
 from swarmtrain.averaging.rounds import Electorate
 from swarmtrain.config import RunConfig
+from swarmtrain.diloco.averager import AverageResult
 from swarmtrain.discovery import Discovery, DiscoveryError, PeerRecord
 from swarmtrain.driver.departures import announce_departure, announce_stored_retirements, departure_record
 from swarmtrain.driver.part import CommittedState, Part, RoundPlane, Trained, contacts_of
@@ -43,6 +42,7 @@ from swarmtrain.round.certificate import (
     follow_chain,
     successors_of,
 )
+from swarmtrain.round.group import Member
 from swarmtrain.round.heal import donor_order, swarm_round_end
 from swarmtrain.round.messages import Contact
 from swarmtrain.telemetry import HealEvent

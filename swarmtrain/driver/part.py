@@ -17,12 +17,12 @@ from typing import Protocol
 
 import torch
 
-from swarmtrain.averaging.group import Member
 from swarmtrain.averaging.matchmaking import MatchOutcome
-from swarmtrain.averaging.protocol import AverageResult, Delta, ShardedMean
 from swarmtrain.averaging.rounds import Electorate, Preview
+from swarmtrain.diloco.averager import AverageResult, Delta, ShardedMean
 from swarmtrain.round.ballots import Voter
 from swarmtrain.round.certificate import Certificate, Retirement
+from swarmtrain.round.group import Member
 from swarmtrain.round.messages import Contact
 
 __all__ = ["CommittedState", "Part", "RoundPlane", "Trained"]

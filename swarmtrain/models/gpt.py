@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from swarmtrain.config import ConfigError, ModelConfig
-from swarmtrain.models.presets import PRESETS, GPTShape
+from swarmtrain.config_presets import PRESETS, GPTShape
 
 __all__ = ["GPT", "build_gpt", "load_init_weights", "resolve_shape", "save_init_weights"]
 

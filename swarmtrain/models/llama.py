@@ -2,7 +2,7 @@
 
 Parameter names, shapes and the arithmetic follow `transformers.LlamaForCausalLM` (`model.embed_tokens`,
 `model.layers.N.self_attn.q_proj`, ..., `model.norm`, `lm_head`; rotary halves, not interleaved pairs), so
-its state_dict is a Hugging Face checkpoint as it stands and an export is a plain save (models/export.py).
+its state_dict is a Hugging Face checkpoint as it stands and an export is a plain save (sync/export.py).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from swarmtrain.config import ModelConfig
-from swarmtrain.models.presets import LlamaShape
+from swarmtrain.config_presets import LlamaShape
 
 __all__ = ["Llama", "LlamaLayer", "RMSNorm", "llama_shape", "rope_tables"]
 

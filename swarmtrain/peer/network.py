@@ -19,14 +19,13 @@ from typing import Any, TypeVar
 
 import torch
 
-from swarmtrain.averaging.group import Member
 from swarmtrain.averaging.matchmaking import Matchmaker, MatchOutcome
 from swarmtrain.averaging.material import Material, sharded_mean
 from swarmtrain.averaging.network import NetworkAverager
-from swarmtrain.averaging.protocol import AverageResult, Delta, ShardedMean
 from swarmtrain.averaging.rounds import Electorate, Preview, result_of
 from swarmtrain.compress import Codec
 from swarmtrain.config import DiscoveryConfig, RunConfig, to_dict
+from swarmtrain.diloco.averager import AverageResult, Delta, ShardedMean
 from swarmtrain.diloco.flat import state_digest
 from swarmtrain.discovery import Discovery
 from swarmtrain.driver.part import CommittedState
@@ -34,6 +33,7 @@ from swarmtrain.peer.heap import round_heap
 from swarmtrain.peer.services import PeerError
 from swarmtrain.round.ballots import Value, Voter
 from swarmtrain.round.certificate import Certificate, Retirement
+from swarmtrain.round.group import Member
 from swarmtrain.round.messages import Contact
 from swarmtrain.rpc.errors import RpcError
 from swarmtrain.rpc.node import RpcNode

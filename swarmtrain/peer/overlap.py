@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from swarmtrain.averaging.protocol import AverageResult, ShardedMean
+from swarmtrain.diloco.averager import AverageResult, ShardedMean
 from swarmtrain.diloco.pace import RoundBudget
 from swarmtrain.diloco.worker import Carry, DeltaError
 from swarmtrain.driver.loop import RoundDriver

@@ -23,11 +23,10 @@ from typing import Any
 
 import torch
 
-from swarmtrain.averaging.group import Member
-from swarmtrain.averaging.protocol import AverageResult, ShardedMean
 from swarmtrain.config import RunConfig, public_dict
 from swarmtrain.data.evaluation import bits_per_byte, perplexity
 from swarmtrain.diloco import DilocoWorker
+from swarmtrain.diloco.averager import AverageResult, ShardedMean
 from swarmtrain.diloco.pace import Pace, RoundBudget
 from swarmtrain.diloco.worker import Carry, InnerStats
 from swarmtrain.driver.part import CommittedState, Trained
@@ -35,6 +34,7 @@ from swarmtrain.peer.heap import steps_heap
 from swarmtrain.peer.rounds import interruptible
 from swarmtrain.round.ballots import Value, Voter
 from swarmtrain.round.certificate import Certificate
+from swarmtrain.round.group import Member
 from swarmtrain.sync.checkpoint import save_checkpoint
 from swarmtrain.telemetry import EventWriter, RoundEvent
 

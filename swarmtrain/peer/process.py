@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from swarmtrain.config import RunConfig
-from swarmtrain.daemon.signals import StopSignals
 from swarmtrain.peer.root import Peer
+from swarmtrain.process.signals import StopSignals
 from swarmtrain.telemetry import EventWriter
 from swarmtrain.telemetry.console import ConsoleEventWriter, ConsoleProgress
 from swarmtrain.telemetry.prometheus import serve_metrics
@@ -30,7 +30,7 @@ def run_peer_process(local: RunConfig, *, local_overrides: Sequence[str] = (), c
 
     With `progress`, the peer's events and inner steps are also rendered there (stdout is unchanged); with
     `metrics` (host, port), its Prometheus metrics are served there; with `export_dir`, the θ_global it left
-    with is written there as a Hugging Face directory (models/export.py).
+    with is written there as a Hugging Face directory (sync/export.py).
     """
     import uvloop
 
@@ -52,7 +52,7 @@ def run_peer_process(local: RunConfig, *, local_overrides: Sequence[str] = (), c
         if island is not None:
             island.close()
     if export_dir and peer.worker is not None:
-        from swarmtrain.daemon.cmd_export import export_on_leave
+        from swarmtrain.peer.export import export_on_leave
 
         export_on_leave(peer, export_dir)
     return status

@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 
-from swarmtrain.averaging.group import Member
 from swarmtrain.compress import Codec, codec_from_config
 from swarmtrain.config import RunConfig
 from swarmtrain.data import eval_batches, load_corpus
@@ -47,12 +46,13 @@ from swarmtrain.peer.config import merge_run_config
 from swarmtrain.peer.data import choose_shard, peer_batches, peer_seed, saved_slot
 from swarmtrain.peer.island import island_batches, setup_of
 from swarmtrain.peer.joining import RUN_FETCH_TIMEOUT_S, GenesisReader, claim_peer_directory, fetch_run_record
+from swarmtrain.peer.memory import check_worker_budget
 from swarmtrain.peer.network import NetworkPlane
 from swarmtrain.peer.overlap import run_overlapped
 from swarmtrain.peer.part import WorkerPart
 from swarmtrain.peer.services import PeerError, PeerServices
-from swarmtrain.pipeline.memory import check_worker_budget
 from swarmtrain.round.certificate import Certificate
+from swarmtrain.round.group import Member
 from swarmtrain.rpc.gossip_wire import GossipMailbox, serve_gossip
 from swarmtrain.rpc.node import RpcNode
 from swarmtrain.sync.checkpoint import (

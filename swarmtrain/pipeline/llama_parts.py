@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from swarmtrain.config import ModelConfig
+from swarmtrain.config_presets import LlamaShape
 from swarmtrain.models.llama import INIT_STD, Llama, LlamaLayer, RMSNorm, llama_shape, rope_tables
-from swarmtrain.models.presets import LlamaShape
 
 __all__ = ["LlamaEnds", "LlamaStage", "assemble_llama", "init_llama_part", "llama_ends", "llama_stage"]
 

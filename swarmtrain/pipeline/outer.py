@@ -36,9 +36,8 @@ from contextlib import AbstractContextManager
 
 import torch
 
-from swarmtrain.averaging.group import Member
-from swarmtrain.averaging.protocol import AverageResult, ShardedMean
 from swarmtrain.config import RunConfig
+from swarmtrain.diloco.averager import AverageResult, ShardedMean
 from swarmtrain.diloco.flat import assign_flat, combine_digest, flatten, pseudo_gradient, state_digest
 from swarmtrain.diloco.outer import OuterOptimizer, count_non_finite
 from swarmtrain.discovery import Discovery, PeerRecord
@@ -48,6 +47,7 @@ from swarmtrain.driver.presence import Presence
 from swarmtrain.round import Heal
 from swarmtrain.round.ballots import Genesis, Value, Voter
 from swarmtrain.round.certificate import Certificate, Retirement, Verify
+from swarmtrain.round.group import Member
 from swarmtrain.telemetry import HealEvent, StageRoundEvent
 
 __all__ = ["PartRounds"]

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from swarmtrain.config import ConfigError, ModelConfig
+from swarmtrain.config_presets import GPTShape
 from swarmtrain.models.gpt import GPT, Block, resolve_shape
-from swarmtrain.models.presets import GPTShape
 from swarmtrain.pipeline.cut import stage_blocks
 from swarmtrain.pipeline.llama_parts import (
     LlamaEnds,

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from swarmtrain.daemon.children import Child
+from swarmtrain.process.children import Child
 from swarmtrain.telemetry.events import Line, StepEvent
 from swarmtrain.testbed.netns import MAX_HOSTS, Testbed
 from swarmtrain.testbed.shaping import TestbedError

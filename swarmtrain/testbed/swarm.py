@@ -11,7 +11,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from swarmtrain.daemon.children import Child
+from swarmtrain.process.children import Child
 from swarmtrain.telemetry.events import Line, RoundEvent
 from swarmtrain.testbed.netns import Testbed
 from swarmtrain.testbed.shaping import TestbedError, bulk_port_of

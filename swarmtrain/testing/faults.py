@@ -10,11 +10,11 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from swarmtrain.averaging.group import Member
 from swarmtrain.averaging.network import NetworkAverager
 from swarmtrain.averaging.transport import ReduceTransport
 from swarmtrain.round.ballots import Ballot, MaterialLayout, Value
 from swarmtrain.round.certificate import Certificate
+from swarmtrain.round.group import Member
 from swarmtrain.round.messages import AcceptReply, ConsensusTransport, Contact, LearnReply, PrepareReply
 from swarmtrain.rpc.averaging_wire import PushHeader, SessionKey
 from swarmtrain.rpc.errors import RpcRejected, RpcTimeout, RpcUnavailable

@@ -18,7 +18,6 @@ import torch
 import xxhash
 
 from swarmtrain.averaging.aggregate import mean_of_gathered, pack_bundle, unpack_bundle
-from swarmtrain.averaging.group import Member
 from swarmtrain.compress import CodecError, get_codec
 from swarmtrain.config import RunConfig, to_dict
 from swarmtrain.discovery.records import (
@@ -32,6 +31,7 @@ from swarmtrain.discovery.records import (
     decode_record,
 )
 from swarmtrain.round.ballots import Voter
+from swarmtrain.round.group import Member
 from swarmtrain.rpc import bulk
 from swarmtrain.rpc.averaging_client import _fetch_fields
 from swarmtrain.rpc.averaging_wire import _push_fields

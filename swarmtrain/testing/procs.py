@@ -11,8 +11,8 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from swarmtrain.daemon.children import Child, group_alive, swarmtrain_argv
 from swarmtrain.daemon.cli import LOG_LEVEL_ENV
+from swarmtrain.process.children import Child, group_alive, swarmtrain_argv
 from swarmtrain.telemetry.events import Line, RoundEvent
 from swarmtrain.testing.wait import wait_until
 

@@ -8,12 +8,12 @@ from collections.abc import Sequence
 import torch
 
 from swarmtrain.averaging.aggregate import mean_of
-from swarmtrain.averaging.group import Group, Member
 from swarmtrain.averaging.network import NetworkAverager
-from swarmtrain.averaging.protocol import AverageResult
 from swarmtrain.compress import get_codec
 from swarmtrain.config import AveragingConfig, RpcConfig
+from swarmtrain.diloco.averager import AverageResult
 from swarmtrain.discovery import InMemoryRegistry
+from swarmtrain.round.group import Group, Member
 from swarmtrain.rpc.faults import FaultHook
 from swarmtrain.rpc.node import RpcNode
 from swarmtrain.testing.faults import inject_faults

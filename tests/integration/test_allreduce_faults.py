@@ -9,8 +9,8 @@ import pytest
 import torch
 from allreduce_swarm import Swarm, deltas_for, reference_mean
 
-from swarmtrain.averaging.protocol import AverageResult
 from swarmtrain.averaging.reducer import shard_bounds
+from swarmtrain.diloco.averager import AverageResult
 from swarmtrain.testing import CrashPlan, FaultPlan
 
 pytestmark = pytest.mark.integration

@@ -9,7 +9,6 @@ from collections.abc import Iterator
 
 import pytest
 
-from swarmtrain.averaging.group import Member
 from swarmtrain.averaging.matchmaking import Matchmaker
 from swarmtrain.config import ConfigError, DiscoveryConfig, RunConfig, to_dict
 from swarmtrain.discovery import (
@@ -22,6 +21,7 @@ from swarmtrain.discovery import (
     RunRecord,
 )
 from swarmtrain.discovery.hivemind_dht import HivemindDiscovery, signer_id_of
+from swarmtrain.round.group import Member
 from swarmtrain.trust import RunSecret, seal
 
 pytestmark = pytest.mark.integration

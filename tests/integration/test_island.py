@@ -22,10 +22,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from swarmtrain.averaging.protocol import AverageResult
 from swarmtrain.config import RunConfig, load_config
 from swarmtrain.data import ShardedBatches, load_corpus
 from swarmtrain.diloco import DilocoWorker
+from swarmtrain.diloco.averager import AverageResult
 from swarmtrain.diloco.flat import flatten
 from swarmtrain.diloco.island import Island, IslandError, IslandLost, island_env, open_store
 from swarmtrain.diloco.island_steps import IslandFollower, IslandWorker, RankSlice

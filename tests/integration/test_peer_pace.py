@@ -14,10 +14,10 @@ import pytest
 import torch
 from peer_harness import RUN, peer_config, until
 
-from swarmtrain.averaging.group import Member
 from swarmtrain.diloco.pace import PACE_MAX_STEPS_FACTOR
 from swarmtrain.discovery import InMemoryDiscovery, InMemoryRegistry
 from swarmtrain.peer import Peer
+from swarmtrain.round.group import Member
 from swarmtrain.telemetry import EventWriter, HealEvent, RoundEvent
 from swarmtrain.testing.cluster import (
     EventLog,

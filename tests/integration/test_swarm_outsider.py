@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from swarmtrain.averaging.group import Member
 from swarmtrain.config import load_config, to_dict
 from swarmtrain.discovery import GroupRecord, InMemoryDiscovery, MatchEntry, PeerRecord, RunRecord
 from swarmtrain.peer import Peer
+from swarmtrain.round.group import Member
 from swarmtrain.sync.transfer import StateSnapshot
 from swarmtrain.telemetry import EventWriter, HealEvent
 from swarmtrain.testing.cluster import (

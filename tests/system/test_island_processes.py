@@ -16,8 +16,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from swarmtrain.daemon.children import Child
 from swarmtrain.daemon.cli import LOG_LEVEL_ENV
+from swarmtrain.process.children import Child
 from swarmtrain.telemetry.events import LeaveEvent
 from swarmtrain.testing.procs import ProcessSet, round_events, wait_round
 

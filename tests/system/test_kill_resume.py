@@ -26,10 +26,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from swarmtrain.averaging.protocol import AverageResult
 from swarmtrain.config import load_config
 from swarmtrain.data import ShardedBatches, load_corpus
 from swarmtrain.diloco import DilocoWorker
+from swarmtrain.diloco.averager import AverageResult
 from swarmtrain.diloco.flat import flat_hash, flatten
 from swarmtrain.models import build_model
 from swarmtrain.sync import checkpoint as ckpt

@@ -9,7 +9,7 @@ import statistics
 
 import pytest
 
-from swarmtrain.daemon.children import Child
+from swarmtrain.process.children import Child
 from swarmtrain.telemetry import StageRebuildEvent, StepEvent
 from swarmtrain.testing.procs import ProcessSet, sigkill
 from swarmtrain.testing.wait import wait_until

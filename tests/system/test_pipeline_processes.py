@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from swarmtrain.daemon.children import Child
+from swarmtrain.process.children import Child
 from swarmtrain.telemetry import HealEvent, LeaveEvent, StageRoundEvent, StageStepEvent, StepEvent
 from swarmtrain.telemetry.events import Line
 from swarmtrain.testing.procs import ProcessSet, sigcont, sigkill, sigstop

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from swarmtrain.daemon.children import group_alive
+from swarmtrain.process.children import group_alive
 from swarmtrain.telemetry.events import StepEvent
 from swarmtrain.testbed import LinkSpec, Testbed, find_testbeds, read_counters
 from swarmtrain.testbed.pipeline import PipelineLayout, PipelineSwarm

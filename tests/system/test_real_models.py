@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from swarmtrain.daemon.children import Child
+from swarmtrain.process.children import Child
 from swarmtrain.telemetry.events import LeaveEvent, RoundEvent
 from swarmtrain.testing.procs import ProcessSet
 
@@ -79,7 +79,7 @@ def _committed_hashes(*children: Child) -> dict[int, set[str]]:
 
 
 def _logits_match(export_dir: Path, checkpoint_dir: Path) -> None:
-    from swarmtrain.models.export import model_from_checkpoint
+    from swarmtrain.sync.export import model_from_checkpoint
 
     ours, cfg, _ = model_from_checkpoint(checkpoint_dir)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(str(export_dir)).eval()

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from swarmtrain.daemon.children import Child, swarmtrain_argv
 from swarmtrain.daemon.cmd_coordinator import SHUTDOWN_MARGIN_S
+from swarmtrain.process.children import Child, swarmtrain_argv
 from swarmtrain.proctree import descendants, running
 from swarmtrain.testing.procs import ProcessSet
 from swarmtrain.testing.wait import wait_until

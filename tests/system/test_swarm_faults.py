@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from swarmtrain.daemon.children import Child
+from swarmtrain.process.children import Child
 from swarmtrain.telemetry.events import HealEvent, LeaveEvent, RoundEvent
 from swarmtrain.testing.procs import ProcessSet, sigcont, sigkill, sigstop, wait_round
 

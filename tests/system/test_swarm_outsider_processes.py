@@ -11,11 +11,11 @@ from collections import defaultdict
 
 import pytest
 
-from swarmtrain.averaging.group import Member
 from swarmtrain.config import DiscoveryConfig, load_config, to_dict
-from swarmtrain.daemon.children import Child
 from swarmtrain.discovery import GroupRecord, MatchEntry, PeerRecord, RunRecord
 from swarmtrain.discovery.hivemind_dht import HivemindDiscovery
+from swarmtrain.process.children import Child
+from swarmtrain.round.group import Member
 from swarmtrain.telemetry.events import RoundEvent
 from swarmtrain.testing.endpoints import DialCounter
 from swarmtrain.testing.procs import ProcessSet, wait_round

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from swarmtrain.daemon.children import group_alive
 from swarmtrain.daemon.cli import COMMANDS
+from swarmtrain.process.children import group_alive
 from swarmtrain.telemetry.events import RoundEvent
 from swarmtrain.testbed import LinkSpec, Testbed, find_testbeds, read_counters
 from swarmtrain.testbed.counters import read_rate_bit_s

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from swarmtrain.averaging import aggregate
 from swarmtrain.averaging.aggregate import Aggregation, aggregate_encoded, mean_of_encoded, trimmed_mean
 from swarmtrain.averaging.attacks import ATTACKS, attack, with_byzantine
-from swarmtrain.averaging.protocol import AverageResult
 from swarmtrain.compress import get_codec
+from swarmtrain.diloco.averager import AverageResult
 
 pytestmark = pytest.mark.unit
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from swarmtrain.daemon.children import Child, group_alive
+from swarmtrain.process.children import Child, group_alive
 
 pytestmark = pytest.mark.unit
 

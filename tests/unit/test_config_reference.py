@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from swarmtrain.config import RunConfig
-from swarmtrain.config_reference import COMMAND, field_docs, render_reference, undocumented_fields
 from swarmtrain.daemon.cli import main
+from swarmtrain.daemon.config_reference import COMMAND, field_docs, render_reference, undocumented_fields
 
 pytestmark = pytest.mark.unit
 

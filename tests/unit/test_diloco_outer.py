@@ -125,7 +125,7 @@ def test_an_outer_step_over_several_slices_is_bit_identical_to_one_pass(nesterov
 @pytest.mark.parametrize("cuts", [(0,), (0, 64, 1_048_640), (0, 1, 777_777, 1_048_577)])
 def test_an_outer_step_in_pieces_is_bit_identical_to_one_pass(nesterov: bool, cuts: tuple[int, ...]) -> None:
     """A mean applied shard by shard (ShardedMean) moves θ and the momentum to the same bits as the whole."""
-    from swarmtrain.averaging.protocol import MeanShard, ShardedMean
+    from swarmtrain.diloco.averager import MeanShard, ShardedMean
 
     n = 1_300_003
     g = torch.Generator().manual_seed(5)

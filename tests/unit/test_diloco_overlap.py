@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from swarmtrain.averaging.inprocess import InProcessGroup
-from swarmtrain.averaging.protocol import AverageResult
 from swarmtrain.compress import get_codec
 from swarmtrain.config import RunConfig
 from swarmtrain.data import ShardedBatches, eval_batches, load_corpus
 from swarmtrain.diloco import DilocoWorker
+from swarmtrain.diloco.averager import AverageResult
 from swarmtrain.diloco.flat import flatten
 from swarmtrain.diloco.simulation import simulate_diloco
 from swarmtrain.models import build_model

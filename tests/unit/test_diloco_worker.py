@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from swarmtrain.averaging.inprocess import InProcessGroup
-from swarmtrain.averaging.protocol import AverageResult
 from swarmtrain.compress import get_codec
 from swarmtrain.config import RunConfig
 from swarmtrain.data import ShardedBatches, eval_batches, load_corpus
 from swarmtrain.diloco import DilocoWorker
+from swarmtrain.diloco.averager import AverageResult
 from swarmtrain.diloco.flat import flatten
 from swarmtrain.diloco.inner import lr_factor
 from swarmtrain.models import build_model

@@ -9,7 +9,6 @@ import logging
 
 import pytest
 
-from swarmtrain.averaging.group import Member
 from swarmtrain.config import ConfigError, RunConfig, load_config, to_dict
 from swarmtrain.discovery import (
     GroupRecord,
@@ -23,6 +22,7 @@ from swarmtrain.discovery import (
     RunRecord,
 )
 from swarmtrain.discovery.records import decode_record
+from swarmtrain.round.group import Member
 from swarmtrain.trust import RunSecret, seal
 
 pytestmark = pytest.mark.unit

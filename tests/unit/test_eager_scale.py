@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from swarmtrain.averaging.protocol import MeanShard, ShardedMean
+from swarmtrain.diloco.averager import MeanShard, ShardedMean
 from swarmtrain.diloco.eager import DECAY, EagerScale, dot, dot_with_mean
 
 pytestmark = pytest.mark.unit

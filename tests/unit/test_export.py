@@ -12,10 +12,10 @@ from swarmtrain.config import load_config, public_dict
 from swarmtrain.data.tokenizer import load_tokenizer
 from swarmtrain.diloco.flat import flatten
 from swarmtrain.models import build_model
-from swarmtrain.models.export import ExportError, export_checkpoint, model_from_checkpoint
 from swarmtrain.models.generate import generate
 from swarmtrain.models.spec import resolve_run
 from swarmtrain.sync.checkpoint import save_checkpoint
+from swarmtrain.sync.export import ExportError, export_checkpoint, model_from_checkpoint
 
 pytestmark = pytest.mark.unit
 transformers = pytest.importorskip("transformers", reason="the hf extra")

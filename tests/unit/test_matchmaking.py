@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 
-from swarmtrain.averaging.group import Member
 from swarmtrain.averaging.matchmaking import Matchmaker, MatchOutcome
 from swarmtrain.discovery import GroupRecord, InMemoryDiscovery, InMemoryRegistry, MatchEntry, PeerRecord
+from swarmtrain.round.group import Member
 
 pytestmark = pytest.mark.unit
 

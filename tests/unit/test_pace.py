@@ -9,15 +9,15 @@ import time
 import pytest
 import torch
 
-from swarmtrain.averaging.group import Group, Member
-from swarmtrain.averaging.protocol import AverageResult
 from swarmtrain.config import ConfigError, load_config
 from swarmtrain.data import ShardedBatches
 from swarmtrain.diloco import DilocoWorker
+from swarmtrain.diloco.averager import AverageResult
 from swarmtrain.diloco.pace import PACE_MAX_STEPS_FACTOR, Pace, RoundBudget, align_shift, span_from_rates
 from swarmtrain.discovery import GroupRecord, RecordError
 from swarmtrain.discovery.records import decode_record
 from swarmtrain.models import build_model
+from swarmtrain.round.group import Group, Member
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""pipeline/memory.py: what each part needs to train, and the budget checks built on it."""
+"""pipeline/memory.py and models/memory.py: what each part needs to train; peer/memory.py: a worker's budget check."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import pytest
 
 from swarmtrain.config import load_config
 from swarmtrain.models import build_model
+from swarmtrain.peer.memory import check_worker_budget
 from swarmtrain.peer.services import PeerError
 from swarmtrain.pipeline.memory import (
     MB,
-    check_worker_budget,
     server_bytes,
     stage_params,
     trainer_bytes,

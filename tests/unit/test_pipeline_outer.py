@@ -16,16 +16,16 @@ from typing import Any
 import pytest
 import torch
 
-from swarmtrain.averaging.group import Group, Member
 from swarmtrain.averaging.matchmaking import MatchOutcome
-from swarmtrain.averaging.protocol import AverageResult
 from swarmtrain.config import RunConfig, load_config
+from swarmtrain.diloco.averager import AverageResult
 from swarmtrain.diloco.flat import state_digest
 from swarmtrain.discovery import InMemoryDiscovery, InMemoryRegistry, MatchEntry, PeerRecord, ScopedDiscovery
 from swarmtrain.driver.part import CommittedState
 from swarmtrain.pipeline.outer import PartRounds
 from swarmtrain.round.ballots import Ballot, Genesis, MaterialLayout, ShardDigest, Value, Voter
 from swarmtrain.round.certificate import Certificate
+from swarmtrain.round.group import Group, Member
 from swarmtrain.telemetry import HealEvent, StageRoundEvent
 
 pytestmark = pytest.mark.unit

@@ -10,9 +10,9 @@ import asyncio
 import pytest
 import torch
 
-from swarmtrain.averaging.group import Group, Member
 from swarmtrain.averaging.reducer import MAX_MEANS_PER_SESSION, ReducerRegistry
 from swarmtrain.compress import get_codec
+from swarmtrain.round.group import Group, Member
 from swarmtrain.rpc.averaging_wire import PushHeader, SessionKey
 from swarmtrain.rpc.node import Rejected
 

@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 
-from swarmtrain.averaging.group import Group, Member
 from swarmtrain.averaging.reducer import ReducerRegistry, max_encoded_bytes
 from swarmtrain.compress import get_codec
+from swarmtrain.round.group import Group, Member
 from swarmtrain.rpc.averaging_wire import PushHeader, SessionKey
 from swarmtrain.rpc.node import Rejected
 

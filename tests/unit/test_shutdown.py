@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from swarmtrain.daemon.children import Child
-from swarmtrain.daemon.signals import OVERRUN_STATUS
+from swarmtrain.process.children import Child
+from swarmtrain.process.signals import OVERRUN_STATUS
 from swarmtrain.proctree import ProcessRef, descendants, open_tree, running
 from swarmtrain.telemetry.events import ReadyLine
 from swarmtrain.testing.wait import wait_until
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.unit
 # else an orderly stop of the child.
 DAEMON = """
 import asyncio, json, os, signal, sys, threading
-from swarmtrain.daemon.signals import StopSignals
+from swarmtrain.process.signals import StopSignals
 
 async def main() -> None:
     stop = asyncio.Event()

@@ -10,10 +10,10 @@ import struct
 import pytest
 import torch
 
-from swarmtrain.averaging.protocol import AverageResult
 from swarmtrain.config import RunConfig
 from swarmtrain.data import ShardedBatches, load_corpus
 from swarmtrain.diloco import DilocoWorker
+from swarmtrain.diloco.averager import AverageResult
 from swarmtrain.discovery import DepartureRecord, InMemoryRegistry, RecordError
 from swarmtrain.discovery.records import decode_record
 from swarmtrain.models import build_model

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from swarmtrain.averaging.protocol import AverageResult
 from swarmtrain.config import RunConfig
 from swarmtrain.data import ShardedBatches, load_corpus
 from swarmtrain.diloco import DilocoWorker
 from swarmtrain.diloco import worker as worker_module
+from swarmtrain.diloco.averager import AverageResult
 from swarmtrain.diloco.flat import flatten
 from swarmtrain.diloco.inner import lr_factor
 from swarmtrain.models import build_model

@@ -19,11 +19,11 @@ from typing import Any, TypeVar
 
 import torch
 
-from swarmtrain.averaging.group import Member
 from swarmtrain.averaging.voting import VoterService
 from swarmtrain.driver.part import CommittedState
 from swarmtrain.round.ballots import Ballot, MaterialLayout, Value
 from swarmtrain.round.certificate import Certificate
+from swarmtrain.round.group import Member
 from swarmtrain.round.messages import AcceptReply, Contact, LearnReply, PrepareReply
 from swarmtrain.rpc.averaging_wire import PushHeader, ReducerSink, SessionKey
 from swarmtrain.rpc.errors import Rejected, RpcRejected, RpcTimeout, RpcUnavailable, status_name

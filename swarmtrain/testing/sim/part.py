@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from swarmtrain.averaging.protocol import AverageResult, ShardedMean
 from swarmtrain.config import OuterConfig
+from swarmtrain.diloco.averager import AverageResult, ShardedMean
 from swarmtrain.diloco.flat import combine_digest, state_digest
 from swarmtrain.diloco.outer import OuterOptimizer
 from swarmtrain.driver.part import CommittedState, Trained

@@ -17,15 +17,14 @@ from swarmtrain.averaging.aggregate import Aggregation
 from swarmtrain.averaging.allreduce import AllReduce
 from swarmtrain.averaging.deciding import Decider
 from swarmtrain.averaging.fetching import MaterialFetcher
-from swarmtrain.averaging.group import Member
 from swarmtrain.averaging.matchmaking import Matchmaker, MatchOutcome
 from swarmtrain.averaging.material import Material, MaterialStore, check_shard, sharded_mean
-from swarmtrain.averaging.protocol import AverageResult, Delta
 from swarmtrain.averaging.reducer import ReducerRegistry, max_encoded_bytes
 from swarmtrain.averaging.rounds import Electorate, Preview, RoundAverager, result_of
 from swarmtrain.averaging.voting import VoterService
 from swarmtrain.compress import get_codec
 from swarmtrain.config import RunConfig
+from swarmtrain.diloco.averager import AverageResult, Delta
 from swarmtrain.diloco.flat import state_digest
 from swarmtrain.discovery import DiscoveryError, Heartbeat, PeerRecord
 from swarmtrain.driver.loop import (
@@ -38,6 +37,7 @@ from swarmtrain.driver.part import CommittedState, Trained
 from swarmtrain.driver.presence import Presence
 from swarmtrain.round.ballots import Genesis, Value, Voter
 from swarmtrain.round.certificate import Certificate, Retirement
+from swarmtrain.round.group import Member
 from swarmtrain.round.messages import Contact
 from swarmtrain.rpc.buffers import BufferPool
 from swarmtrain.rpc.errors import RpcError
