@@ -1,14 +1,17 @@
 """swarmtrain: train one model on many far-apart peers with DiLoCo.
 
-Map: config.py (RunConfig, loading, TOML) + config_sections.py, config_model.py, config_pipeline.py (one
-documented dataclass per component) + daemon/config_reference.py (docs/configuration.md from those docs) · extras.py
-(the optional `hf` extra) · models/ (GPT, Llama, transformers models; resolved signatures; training-state bytes) · data/
-(tokenizers, corpora, token shards and `data prepare`, sharding) · diloco/ (outer loop, pure torch) · compress/ (codecs, kernels) · averaging/
-(matchmaking, all-reduce) · discovery/ (hivemind DHT) · rpc/ (gRPC) · sync/ (state transfer,
-checkpoints) · telemetry/ (event lines, counters, StatusSnapshot, console progress) · peer/ (the
-peer daemon: composition root, round loops, network services, `swarmtrain peer` as a process) ·
-daemon/ (CLI) · proctree.py (descendants of a process, signalled and awaited through pidfds) · process/ (stop
-signals, child processes) · testbed/ (network-namespace WAN twin: shaped links, kernel byte counters; needs root) ·
+Map, by layer from the bottom (docs/architecture.md#layers; swarmtrain/testing/layers.py checks it):
+trust/ (run membership) · round/ (the outer round as pure code) · wire/ (generated gRPC code) · proctree.py
+(descendants of a process through pidfds) · extras.py (the optional `hf` extra) · config.py (RunConfig,
+loading, TOML) over config_sections.py, config_model.py, config_pipeline.py (one documented dataclass per
+component) and config_presets.py (the named model shapes) · data/ (tokenizers, corpora, token shards,
+sharding) · compress/ (codecs, kernels) · models/ (GPT, Llama, transformers models; resolved signatures;
+training-state bytes) · diloco/ (the outer loop, pure torch) · discovery/ (hivemind DHT) · rpc/ (gRPC) ·
+sync/ (state transfer, checkpoints, export) · averaging/ (matchmaking, all-reduce, the round's decision) ·
+telemetry/ (event lines, counters, StatusSnapshot, console progress) · driver/ (the round driver) · process/
+(stop signals, child processes) · peer/ (the peer daemon: composition root, round loops, network services) ·
+pipeline/ (SWARM pipelines and their roles) · testbed/ (network-namespace WAN twin; needs root) · dashboard/
+(HTTP page, JSON API, /metrics) · daemon/ (the CLI, config reference) · __main__.py (`python -m swarmtrain`) ·
 testing/ (test helpers; never imported by the library).
 """
 

@@ -4,6 +4,8 @@ codec.py: the Codec protocol and its errors. wire.py: the versioned header, limi
 quant.py: the reference int8/int4 math (the contract for kernels/). codecs.py: the fp32/fp16/bf16
 and int8/int4 codecs. zstd_stage.py: the optional zstd stage. registry.py: get_codec and friends.
 kernels/: fused CPU and CUDA kernels.
+sparse.py: the reference chunked top-k sparsification (the contract of its kernels). sparse_codec.py: the
+sparse codec built on it.
 """
 
 from swarmtrain.compress.codec import Codec, CodecError, CodecOptionError

@@ -11,6 +11,13 @@ traffic.py     bytes per peer of one all-reduce (what simulations report)
 simulation.py  K workers in one process: DiLoCo rounds or the data-parallel baseline
 island.py      several local ranks (one process group) behind one peer: join, broadcast, failures
 island_steps.py  rank 0's IslandWorker leads the inner steps, IslandFollowers mirror them; RankSlice data
+eager.py       the eager estimate's scale: how much of a peer's own Δ to expect in the swarm's mean
+fragments.py   streaming fragments: θ cut by transformer block, one part synced per round
+precision.py   how an inner step computes: autocast dtype, fp16's gradient scaler, micro-batches
+worker_state.py  a worker's resumable state (what a checkpoint holds)
+noloco.py      NoLoCo's outer step and the group means it takes
+gossip_simulation.py  K NoLoCo workers in one process
+island_shards.py  an island's model sharded with FSDP2 (`train.parallel = "fsdp"`)
 """
 
 from swarmtrain.diloco.outer import OuterOptimizer

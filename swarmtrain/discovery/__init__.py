@@ -9,6 +9,7 @@ clock.py      estimate_clock_offset_s: this clock against the swarm's, from hear
 heartbeat.py  Heartbeat: keep this peer's record alive, withdraw on leave
 scoped.py     ScopedDiscovery: one averaging scope's view (a pipeline stage's servers, its trainers)
 coordinator.py  RunPublisher: the coordinator publishes the run record and keeps its round current
+stats.py      PeerStats: what a peer's record tells an operator about its work so far
 """
 
 from swarmtrain.discovery.clock import estimate_clock_offset_s

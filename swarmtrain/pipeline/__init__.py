@@ -7,6 +7,10 @@ own inner optimizer once they have accumulated enough samples; each part's holde
 The daemon roles: role_base.py, roles.py (trainer), server_role.py (server, its moves to the
 bottleneck stage by the rule of rebalance.py, and its taking of a stage left without a server by the
 rules of lost.py). docs/pipeline.md has the whole design.
+Also: cut.py (which blocks each stage holds), llama_parts.py (the Llama's stage and end parts), tensors.py
+(activations and gradients on the wire), trainer.py (a trainer's steps), stage_copies.py (a server's copies of its
+neighbours' state), memory.py (what a stage needs in memory), errors.py (typed errors), process.py (a role as a
+process).
 """
 
 from swarmtrain.pipeline.cut import stage_blocks, stage_of_block

@@ -5,6 +5,7 @@ group's rule for material (rules.py).
 
 No I/O, no threads, no clock but the one injected: the round driver (swarmtrain/driver) and the averaging
 services drive it.
+gossip_groups.py: who averages with whom in a gossip round, computed by every peer alone.
 """
 
 from swarmtrain.round.heal import HealPlan, keeps_progress, majority_state, plan_heal, swarm_round_end

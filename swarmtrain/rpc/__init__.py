@@ -10,6 +10,8 @@ payload_macs.py: payload MACs computed off the event loop.
 faults.py: the vocabulary of fault injection (FaultSite, Fault, FaultHook); swarmtrain/testing applies it
 from outside, wrapping the transports (no fault branch lives in the shipped code).
 consensus_wire.py: the round decision's service (Prepare, Accept, Learn, Certificates, Material) and client.
+gossip_wire.py: the Gossip mailbox service and its client. pipeline_wire.py: the Pipeline service (Forward /
+Backward). links.py: a bulk-port connection, plain or TLS. tls.py: this node's TLS from the run's authority.
 """
 
 from swarmtrain.rpc.node import (

@@ -7,6 +7,8 @@ keys.py   the run key (env or config), the per-use keys derived from it, the ref
 calls.py  a MAC per gRPC call over (method, caller, callee, time, nonce) and the replay guard that checks it
 seal.py   a MAC on every control-plane record, bound to its DHT key and signer
 payloads.py  MACs on data-plane payloads (state headers, bulk transfers)
+identity.py  peer identity keys: what a voter grants, signed with the key its peer id comes from
+tls.py    TLS certificates of a run: an authority derived from the run key, a fresh leaf per process
 """
 
 from swarmtrain.trust.calls import CallAuth, CallRefused, CallSigner

@@ -3,6 +3,9 @@ wrong import and a cycle in a tree made for it."""
 
 from __future__ import annotations
 
+import ast
+import fnmatch
+import re
 from pathlib import Path
 
 import pytest
@@ -78,3 +81,28 @@ def test_a_cycle_and_a_same_layer_import_and_an_unplaced_package_are_caught(tmp_
 def test_the_root_package_names_are_the_lowest_layer(tmp_path: Path) -> None:
     root = _tree(tmp_path, {"low/a.py": "from swarmtrain import __version__\n", "__init__.py": ""})
     assert [(e.source, e.target) for e in import_edges(root)] == [("low", "swarmtrain")]
+
+
+def _mentioned(doc: str, name: str) -> bool:
+    """`name` (a module file or a subpackage) appears in a package map, by name or by a glob such as cmd_*.py."""
+    tokens = set(re.findall(r"[\w*]+(?:\.py|/)", doc))
+    return name in tokens or any("*" in t and fnmatch.fnmatch(name, t) for t in tokens)
+
+
+def test_every_package_map_names_each_module_and_nothing_that_is_gone() -> None:
+    """Each package's docstring is its map: every module and subpackage in it is named there, and every
+    module it names exists (in the package, or at the path it gives)."""
+    wrong = []
+    for init in sorted(ROOT.rglob("__init__.py")):
+        pkg = init.parent
+        doc = ast.get_docstring(ast.parse(init.read_text(encoding="utf-8"))) or ""
+        members = [p.name for p in pkg.glob("*.py") if p.name != "__init__.py"]
+        members += [f"{p.name}/" for p in pkg.iterdir() if (p / "__init__.py").is_file()]
+        wrong += [f"{pkg.relative_to(ROOT.parent)}: {m} is not in the map" for m in members if not _mentioned(doc, m)]
+        for named in set(re.findall(r"(?<![\w/.*])(\w+\.py)\b", doc)):
+            if not (pkg / named).exists():
+                wrong.append(f"{pkg.relative_to(ROOT.parent)}: the map names {named}, which is not in the package")
+        for path in set(re.findall(r"swarmtrain/([\w/]+\.py)", doc)):
+            if not (ROOT / path).exists():
+                wrong.append(f"{pkg.relative_to(ROOT.parent)}: the map names swarmtrain/{path}, which does not exist")
+    assert not wrong, "\n".join(wrong)
