@@ -1,6 +1,7 @@
 """The only importer of hivemind: typed signed records on the DHT, an in-memory twin for tests.
 
 records.py    RunRecord, PeerRecord, DepartureRecord, MatchEntry, GroupRecord: frozen, validated on decode
+fields.py     the JSON codec of a record's fields, declared once on each field (`wire(reader)`)
 protocol.py   the Discovery protocol and RecordDirectory (typed records over owner-signed slots)
 memory.py     InMemoryRegistry + InMemoryDiscovery (no sockets)
 hivemind_dht.py  HivemindDiscovery: one hivemind.DHT per peer, RSA owner-signed subkeys (import it
