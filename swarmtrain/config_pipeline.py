@@ -40,8 +40,8 @@ class PipelineConfig:
     bulk_min_bytes: int = 8 << 20
     """An encoded activation or gradient of at least this many bytes travels over the server's bulk port
     (with `rpc.bulk_transport = "tcp"`), smaller ones inside the gRPC call; 0 = only those too large for
-    `rpc.max_message_bytes`. The bulk path costs three more round trips: measured on loopback it is slower
-    than the call below about 16 MB (docs/benchmarks.md#pipeline)."""
+    `rpc.max_message_bytes`. The bulk path costs three more round trips, so it pays only for large tensors
+    (where it starts to on loopback: docs/benchmarks.md#pipeline)."""
     max_contexts: int = 256
     """Micro-batches a server keeps the input of, for their backward (the oldest go first)."""
     context_ttl_s: float = 120.0

@@ -169,9 +169,9 @@ class DilocoConfig:
     overlap_max_steps: int = 3
     """With `overlap`: at most this many inner steps of round r+1 run before round r's mean has landed; a
     peer that gets there waits for it (a longer lag makes the correction overshoot; benchmarks/overlap.py
-    measures it). Simulations land every mean exactly here, the worst case. On the testbed (sparse rounds in
-    2 fragments of 25 steps, means landing a median of about 7 steps late), 16 with `pace_align` 0.5 kept
-    every peer at ≥ 99% compute at 100 Mbit/s (docs/benchmarks.md#no-waiting-sparse-rounds-overlapped-in-fragments)."""
+    measures it). Simulations land every mean exactly here, the worst case. Raise it when means land later than
+    this on real links (the round line's lag says by how many steps); the testbed's measurements of which
+    values keep peers computing are in docs/benchmarks.md#no-waiting-sparse-rounds-overlapped-in-fragments."""
     eager: str = "fitted"
     """With `overlap`: how a peer guesses the round's mean to start its next inner steps from, as λ × its own
     contribution. `fitted`: λ fitted by least squares to the rounds this peer saw commit (its contribution
