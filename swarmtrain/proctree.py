@@ -78,8 +78,13 @@ class ProcessRef:
         if self.exited():
             return True
         loop = asyncio.get_running_loop()
-        gone = loop.create_future()
-        loop.add_reader(self._fd, lambda: gone.done() or gone.set_result(None))
+        gone: asyncio.Future[None] = loop.create_future()
+
+        def readable() -> None:
+            if not gone.done():
+                gone.set_result(None)
+
+        loop.add_reader(self._fd, readable)
         try:
             await asyncio.wait_for(gone, timeout=max(timeout_s, 0.0))
         except TimeoutError:

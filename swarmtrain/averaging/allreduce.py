@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -255,11 +255,11 @@ def _all_finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(torch.stack(list(torch.aminmax(t)))).all())
 
 
-def _failures(reducers: tuple[Member, ...], results: list[object]) -> list[str]:
+def _failures(reducers: tuple[Member, ...], results: Sequence[object]) -> list[str]:
     return [f"{m.peer_id} ({r})" for m, r in zip(reducers, results, strict=True) if isinstance(r, BaseException)]
 
 
-def _unreachable(reducers: tuple[Member, ...], results: list[object], *, timeouts: bool = True) -> set[str]:
+def _unreachable(reducers: tuple[Member, ...], results: Sequence[object], *, timeouts: bool = True) -> set[str]:
     """Reducers whose call failed for want of an answer (not a refusal): candidates to retry without."""
     unexpected = [r for r in results if isinstance(r, BaseException)
                   and not isinstance(r, (RpcError, Rejected, TimeoutError))]

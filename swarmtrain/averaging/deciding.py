@@ -344,7 +344,8 @@ async def _each(targets: Sequence[Voter], contacts: Mapping[str, Contact], ask: 
     reachable = [v for v in targets if v.peer_id in contacts and contacts[v.peer_id].endpoint]
     results: list[tuple[Voter, T | BaseException]] = [(v, LookupError("no endpoint known")) for v in targets
                                                        if v not in reachable]
-    tasks = {asyncio.ensure_future(_bounded(ask(v), timeout_s)): v for v in reachable}
+    tasks: dict[asyncio.Future[T], Voter] = {asyncio.ensure_future(_bounded(ask(v), timeout_s)): v
+                                             for v in reachable}
     pending: set[asyncio.Future[T]] = set(tasks)
     try:
         while pending:

@@ -71,7 +71,7 @@ def _all_finite(t: torch.Tensor) -> bool:
 def _bytes_of(t: torch.Tensor) -> memoryview:
     """Flat byte view of a tensor's memory on the host (one device-to-host copy when on a GPU)."""
     t = t.detach().contiguous().cpu().view(-1)
-    return memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+    return t.view(torch.uint8).numpy().data if t.numel() else memoryview(b"")
 
 
 class _Codec(abc.ABC):

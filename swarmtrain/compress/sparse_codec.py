@@ -64,7 +64,7 @@ class SparseCodec(_Codec):
         body = self._kernels.sparse_encode(x, chunk=self.chunk, k=self.k, bits=self.bits)
         body = body.cpu() if body.device.type != "cpu" else body
         prefix = memoryview(_PREFIX.pack(self.bits, 0, 0, self.k))
-        return [prefix, memoryview(body.numpy()) if body.numel() else memoryview(b"")], Flags(0), self.chunk
+        return [prefix, body.numpy().data if body.numel() else memoryview(b"")], Flags(0), self.chunk
 
     # -- decode ------------------------------------------------------------------------------
     def _open(self, data: _Buffer, *, numel: int | None = None) -> tuple[Header, _Buffer]:

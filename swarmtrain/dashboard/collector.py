@@ -167,9 +167,9 @@ class Collector:
                 continue
             r = s.record
             groups.setdefault((part_of(r), r.round), {}).setdefault(r.state_hash, []).append(r.peer_id)
-        for (part, r), hashes in sorted(groups.items()):
-            if len(hashes) > 1 and r > 0:
-                out.append({"kind": "hash_disagreement", "part": part, "round": r, "hashes": hashes})
+        for (part, round_index), hashes in sorted(groups.items()):
+            if len(hashes) > 1 and round_index > 0:
+                out.append({"kind": "hash_disagreement", "part": part, "round": round_index, "hashes": hashes})
         newest = self.history.newest_round_at()
         if self.live and newest is not None and now - newest > self.cfg.stuck_after_s:
             out.append({"kind": "stuck_round", "since_s": round(now - newest, 1)})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, overload
 
 import torch
 
@@ -71,6 +71,10 @@ class ShardedMean:
         return out
 
 
+@overload
+def mean_tensor(mean: torch.Tensor | ShardedMean) -> torch.Tensor: ...
+@overload
+def mean_tensor(mean: torch.Tensor | ShardedMean | None) -> torch.Tensor | None: ...
 def mean_tensor(mean: torch.Tensor | ShardedMean | None) -> torch.Tensor | None:
     """`mean` as a flat fp32 tensor (decoding a ShardedMean whole), None stays None."""
     return mean.tensor() if isinstance(mean, ShardedMean) else mean

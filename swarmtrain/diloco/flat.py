@@ -105,12 +105,12 @@ def flat_hash(flat: torch.Tensor) -> str:
     if flat.dtype != torch.float32 or flat.dim() != 1:
         raise ValueError(f"flat_hash needs a 1-D fp32 tensor, got {flat.dtype} with shape {tuple(flat.shape)}")
     # hashlib reads the array's buffer in place (no copy of θ) and releases the GIL while it hashes.
-    return hashlib.sha256(flat.detach().cpu().contiguous().numpy()).hexdigest()
+    return hashlib.sha256(flat.detach().cpu().contiguous().numpy().data).hexdigest()
 
 
 def tensor_digest(t: torch.Tensor) -> bytes:
     """BLAKE3 of a flat fp32 vector's bytes (one part of a state digest)."""
-    return blake3.blake3(memoryview(t.detach().cpu().contiguous().numpy()).cast("B")).digest()
+    return blake3.blake3(t.detach().cpu().contiguous().numpy().data.cast("B")).digest()
 
 
 def combine_digest(round_index: int, numel: int, theta: bytes, momentum: bytes | None,

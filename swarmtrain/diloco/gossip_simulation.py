@@ -10,6 +10,7 @@ their mean φ; at the end every replica and the replicas' mean are evaluated.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,7 +21,7 @@ from swarmtrain.compress import get_codec
 from swarmtrain.compress.codec import Codec
 from swarmtrain.config import RunConfig
 from swarmtrain.diloco.flat import assign_flat, flat_hash
-from swarmtrain.diloco.noloco import NolocoOuter, group_mean
+from swarmtrain.diloco.noloco import GroupMean, NolocoOuter, group_mean
 from swarmtrain.diloco.simulation import OnRound, RoundRecord, SimulationResult, sim_val_batches, sim_worker
 from swarmtrain.diloco.worker import DilocoWorker
 from swarmtrain.round.gossip_groups import gossip_groups
@@ -92,7 +93,7 @@ def simulate_noloco(
             wire.append((codec.decode(d_bytes).reshape(-1), weights_codec.decode(p_bytes).reshape(-1),
                          len(d_bytes) + len(p_bytes)))
         index = {n: k for k, n in enumerate(names)}
-        means = [None] * num_workers
+        means: list[GroupMean | None] = [None] * num_workers
         for group in gossip_groups(names, round_index=r, size=avg.gossip_group_size, seed=cfg.train.seed):
             for name in group:
                 k = index[name]
@@ -103,7 +104,7 @@ def simulate_noloco(
             assert gm is not None
             summary.clipped += len(gm.clipped)
             summary.dropped += len(gm.dropped)
-            w.gossip_step(lambda phi, o=outer, g=gm: o.step(phi, g.delta, g.phi))
+            w.gossip_step(functools.partial(outer.step, mean_delta=gm.delta, mean_phi=gm.phi))
         record = RoundRecord(round=r, tokens=tokens, loss=sum(s.loss for s in stats) / num_workers,
                              val_loss=workers[0].evaluate(val), bytes_sent=sum(sent) // num_workers,
                              compute_s=sum(s.compute_s for s in stats),

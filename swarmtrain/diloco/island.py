@@ -193,12 +193,12 @@ class Island:
         an island's last collective right before exit did so. Waited for here, the drop is a plain
         refcount decrement, and no gloo thread touches Python objects once the collective returned.
         """
-        counts = [t._use_count() for t in tensors]
+        counts = [t._use_count() for t in tensors]  # type: ignore[attr-defined]  # private, not in torch's stubs
         yield
         if self.backend != "gloo":
             return
         deadline = time.monotonic() + RELEASE_TIMEOUT_S
-        while any(t._use_count() > n for t, n in zip(tensors, counts, strict=True)):
+        while any(t._use_count() > n for t, n in zip(tensors, counts, strict=True)):  # type: ignore[attr-defined]
             if time.monotonic() > deadline:
                 raise IslandLost(f"gloo still holds an island collective's tensors after {RELEASE_TIMEOUT_S:.0f}s")
             time.sleep(0.0002)

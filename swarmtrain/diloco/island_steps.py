@@ -20,7 +20,8 @@ import copy
 import logging
 import threading
 import time
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -90,6 +91,8 @@ class IslandWorker(DilocoWorker):
     Δ, evaluations and checkpoints read, gathered after every step; a checkpoint holds the inner optimizer's
     state whole, so it resumes on an island of any size or on one process."""
 
+    batches: RankSlice
+
     def __init__(self, cfg: RunConfig, *, island: Island, model: nn.Module, batches: RankSlice,
                  **kwargs: Any) -> None:
         if not island.is_leader:
@@ -146,7 +149,7 @@ class IslandWorker(DilocoWorker):
         inner = "load" if self._inner_changed else ""
         if self.fsdp and self._inner_changed and self._full_inner is None:
             inner = "clear"
-        self._send(("sync", {"position": self.batches.position, "inner": inner}))  # type: ignore[attr-defined]
+        self._send(("sync", {"position": self.batches.position, "inner": inner}))
         flat = flatten(self.params)
         self.island.broadcast_(flat)
         if self.fsdp:
@@ -238,7 +241,7 @@ class IslandFollower:
         self.module = shard_model(self.model) if self.fsdp else island.wrap(self.model)
         self.params = list(self.model.parameters())  # with FSDP: this rank's shards
         if cfg.train.compile:
-            self.module = torch.compile(self.module)
+            self.module = cast(nn.Module, torch.compile(self.module))  # an OptimizedModule
         self.inner = build_inner_optimizer(self.model, cfg.inner)
         self.precision = Precision(cfg.train.precision, device=island.device)
         self.steps = 0
@@ -295,7 +298,7 @@ class IslandFollower:
 
 
 def _optimizer_step(cfg: RunConfig, optimizer: torch.optim.Optimizer, precision: Precision,
-                    params: list[torch.Tensor], lr: float) -> None:
+                    params: Sequence[torch.Tensor], lr: float) -> None:
     """Clip (over the sharded parameters: a collective with FSDP), set the step's rate, step, zero."""
     if cfg.inner.grad_clip > 0:
         precision.unscale_(optimizer)

@@ -102,9 +102,9 @@ class OuterOptimizer:
                 update = g.add(b, alpha=self.cfg.momentum) if self.cfg.nesterov else b
             t.add_(update, alpha=-self.cfg.lr)
             if into is not None:
-                into[0].update(memoryview(t.detach().cpu().numpy()).cast("B"))
+                into[0].update(t.detach().cpu().numpy().data.cast("B"))
                 if b is not None and into[1] is not None:
-                    into[1].update(memoryview(b.detach().cpu().numpy()).cast("B"))
+                    into[1].update(b.detach().cpu().numpy().data.cast("B"))
 
     def preview(self, theta: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         """θ after `step(theta, grad)`, as a new tensor; neither `theta` nor the momentum buffer change."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -83,7 +83,8 @@ def forward_backward(module: nn.Module, x: torch.Tensor, y: torch.Tensor, *, pas
     for i, lo in enumerate(starts):
         last = i == len(starts) - 1
         # A local island's DDP all-reduces once, after the last pass
-        sync = contextlib.nullcontext() if last or not hasattr(module, "no_sync") else module.no_sync()
+        no_sync: Callable[[], contextlib.AbstractContextManager[None]] | None = getattr(module, "no_sync", None)
+        sync = contextlib.nullcontext() if last or no_sync is None else no_sync()
         with sync:
             with precision.autocast():
                 _, loss = module(x[lo:lo + pass_size], y[lo:lo + pass_size])

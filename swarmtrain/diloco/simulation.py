@@ -111,9 +111,9 @@ def simulate_diloco(
                               initial_val_loss=workers[0].evaluate(val))
     tokens = bytes_sent = 0
     # With diloco.overlap, round r's average lands during (or after) round r+1's inner steps (`Carry`).
-    inflight: tuple[int, list[AverageResult], list[Carry | None], list[InnerStats]] | None = None
+    inflight: tuple[int, Sequence[AverageResult], list[Carry | None], list[InnerStats]] | None = None
 
-    def commit(r: int, outcomes: list[AverageResult], carries: list[Carry | None],
+    def commit(r: int, outcomes: Sequence[AverageResult], carries: list[Carry | None],
                stats: list[InnerStats]) -> None:
         nonlocal bytes_sent
         for w, outcome, carry in zip(workers, outcomes, carries, strict=True):
@@ -142,6 +142,7 @@ def simulate_diloco(
         tokens += sum(s.tokens for s in stats)
         if inflight is not None:
             commit(*inflight)
+        carries: list[Carry | None]
         if cfg.diloco.overlap:
             sent = [w.send_overlapped() for w in workers]
             deltas, carries = [d for d, _ in sent], [c for _, c in sent]

@@ -6,7 +6,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import blake3
 import torch
@@ -14,7 +14,7 @@ from torch import nn
 
 from swarmtrain.compress.codec import Codec
 from swarmtrain.config import RunConfig
-from swarmtrain.diloco.averager import Averager, AverageResult, ShardedMean, mean_tensor
+from swarmtrain.diloco.averager import Averager, AverageResult, Delta, ShardedMean, mean_tensor
 from swarmtrain.diloco.eager import EagerScale, dot_with_mean
 from swarmtrain.diloco.flat import (
     PseudoGradient,
@@ -87,7 +87,7 @@ class DilocoWorker:
         self.model = model.to(self.device)
         self.forward_module = forward_module if forward_module is not None else self.model
         if cfg.train.compile:
-            self.forward_module = torch.compile(self.forward_module)
+            self.forward_module = cast(nn.Module, torch.compile(self.forward_module))  # an OptimizedModule
         self.precision = Precision(cfg.train.precision, device=self.device)
         self.params: list[nn.Parameter] = list(self.model.parameters())
         self.batches = batches
@@ -220,10 +220,10 @@ class DilocoWorker:
         step = self.round_step if self.cfg.diloco.pace == "steps" else min(self.round_step, h - 1)
         return (self.round + self._sent_early) * h + step
 
-    def delta_problem(self, delta: torch.Tensor | PseudoGradient) -> str:
+    def delta_problem(self, delta: Delta) -> str:
         """Why `delta` must not be sent ("" when it may): NaN or Inf from a diverged inner step."""
         # In slices: a mask of the whole Δ would be one more model-sized temporary (a quarter of fp32).
-        read = delta.read if isinstance(delta, PseudoGradient) else lambda lo, hi: delta[lo:hi]
+        read = delta.read if not isinstance(delta, torch.Tensor) else lambda lo, hi: delta[lo:hi]
         n = delta.numel()
         bad = sum(count_non_finite(read(lo, min(n, lo + STEP_SLICE))) for lo in range(0, n, STEP_SLICE))
         return f"non-finite pseudo-gradient: {bad} of {n} values are NaN or Inf" if bad else ""
@@ -232,7 +232,7 @@ class DilocoWorker:
         """θ_local ← `flat` (a flat fp32 vector)."""
         self._set_params(self.params, flat)
 
-    def _set_params(self, params: list[torch.Tensor], flat: torch.Tensor) -> None:
+    def _set_params(self, params: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
         """`params` (all of θ_local, or a fragment's) ← `flat`."""
         assign_flat(flat, params)
         self._local_version += 1
@@ -429,7 +429,8 @@ class DilocoWorker:
             assert self.outer.momentum_buffer is not None
             scatter_(self.outer.momentum_buffer, frag, outer.momentum_buffer)
 
-    def _settle_fragment(self, frag: Ranges, params: list[torch.Tensor], committed: bool, carry: Carry | None) -> None:
+    def _settle_fragment(self, frag: Ranges, params: Sequence[torch.Tensor], committed: bool,
+                         carry: Carry | None) -> None:
         """θ_local after a fragment's round: its fragment (`params`) restarts from θ_global (plus, overlapped,
         the steps taken since Δ was sent); the other fragments keep their local progress."""
         theta = gather(self.theta_global.detach().cpu(), frag)
@@ -589,9 +590,9 @@ def _digest_replaced(flat: torch.Tensor, frag: Ranges, values: torch.Tensor) -> 
     at = taken = 0
     for lo, hi in sorted(frag):
         if lo > at:
-            h.update(memoryview(flat[at:lo].contiguous().numpy()).cast("B"))
-        h.update(memoryview(values[taken:taken + hi - lo].contiguous().numpy()).cast("B"))
+            h.update(flat[at:lo].contiguous().numpy().data.cast("B"))
+        h.update(values[taken:taken + hi - lo].contiguous().numpy().data.cast("B"))
         taken, at = taken + hi - lo, hi
     if at < flat.numel():
-        h.update(memoryview(flat[at:].contiguous().numpy()).cast("B"))
+        h.update(flat[at:].contiguous().numpy().data.cast("B"))
     return h.digest()

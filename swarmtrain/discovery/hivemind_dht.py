@@ -30,6 +30,7 @@ import torch.multiprocessing as torch_mp
 _SHARING_STRATEGY = torch_mp.get_sharing_strategy()
 # `import hivemind` switches torch's sharing strategy to file_system process-wide; undo that.
 import base58  # noqa: E402 - a hivemind dependency, imported after the strategy is saved
+from cryptography.exceptions import UnsupportedAlgorithm  # noqa: E402
 from cryptography.hazmat.primitives import serialization  # noqa: E402
 from google.protobuf.message import DecodeError  # noqa: E402
 from hivemind import DHT  # noqa: E402
@@ -92,7 +93,7 @@ def signer_id_of(subkey: object) -> str | None:
         return None
     try:
         return _peer_id_of_public_key(keys[0])
-    except (ValueError, TypeError, serialization.UnsupportedAlgorithm):
+    except (ValueError, TypeError, UnsupportedAlgorithm):
         return None
 
 

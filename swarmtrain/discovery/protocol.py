@@ -222,9 +222,11 @@ class RecordDirectory(abc.ABC):
         for slot in self._bounded(key, await self._get(key, timeout_s=timeout_s)):
             if slot.value == b"":
                 continue  # a withdrawn record's tombstone
-            cache_key = (cls.KIND, key, str(slot.signer_id), bytes(slot.value))
-            cached = self._decoded_cache.get(cache_key)
-            if cached is not None:
+            # Only bytes are looked up: anything else is refused below (open_sealed), and bytes() of an int
+            # a stranger stored would allocate that many zero bytes.
+            cache_key = ((cls.KIND, key, str(slot.signer_id), bytes(slot.value))
+                         if isinstance(slot.value, (bytes, bytearray)) else None)
+            if cache_key is not None and (cached := self._decoded_cache.get(cache_key)) is not None:
                 self._decoded_cache.move_to_end(cache_key)
                 out.append(cached)  # type: ignore[arg-type]
                 continue
@@ -236,6 +238,7 @@ class RecordDirectory(abc.ABC):
             except (RecordError, SealError) as e:
                 self._log_refused(cls.KIND, key, slot.signer_id, e)
                 continue
+            assert cache_key is not None  # open_sealed opened bytes
             self._decoded_cache[cache_key] = record
             if len(self._decoded_cache) > DECODED_CACHE_SIZE:
                 self._decoded_cache.popitem(last=False)

@@ -87,7 +87,7 @@ class GossipDriver:
 
     def __init__(self, *, part: GossipWorker, cfg: RunConfig, codec: Codec, node: RpcNode, mailbox: GossipMailbox,
                  discovery: Discovery, fetch_state: Callable[[Sequence[str]], Coroutine[Any, Any, Any]],
-                 emit: Callable[[object], None], changed: Callable[[], None]) -> None:
+                 emit: Callable[[HealEvent], None], changed: Callable[[], None]) -> None:
         self.part, self.cfg, self.codec = part, cfg, codec
         self.worker = part.worker
         self.node, self.mailbox, self.client = node, mailbox, GossipClient(node, run_id=cfg.train.run_id)

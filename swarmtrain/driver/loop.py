@@ -43,7 +43,7 @@ from swarmtrain.round.certificate import (
     successors_of,
 )
 from swarmtrain.round.group import Member
-from swarmtrain.round.heal import donor_order, swarm_round_end
+from swarmtrain.round.heal import PeerView, donor_order, swarm_round_end
 from swarmtrain.round.messages import Contact
 from swarmtrain.telemetry import HealEvent
 
@@ -389,7 +389,7 @@ class RoundDriver:
                 return round_index, digest, list(donors)
         return None
 
-    async def _transfer(self, round_index: int, digest: str, donors: Sequence[PeerRecord], *,
+    async def _transfer(self, round_index: int, digest: str, donors: Sequence[PeerView], *,
                         keep_progress_rounds: int = 0, want_hash: str = "") -> str:
         """Download `round_index`'s state (digest `digest`) from the first donors that deliver; the source. An
         overlapped part at most `keep_progress_rounds` late keeps its unsent steps (round/heal.py)."""

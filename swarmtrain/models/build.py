@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from swarmtrain.config import ModelConfig
-from swarmtrain.models.gpt import build_gpt, load_init_weights
+from swarmtrain.models.gpt import GPT, build_gpt, load_init_weights
 
 __all__ = ["build_model", "count_params"]
 
@@ -31,15 +31,16 @@ def _build_llama(cfg: ModelConfig, *, seed: int | None) -> nn.Module:
 
     from swarmtrain.models.llama import Llama, llama_shape
 
-    kwargs = dict(vocab_size=cfg.vocab_size, rope_theta=cfg.rope_theta, norm_eps=cfg.norm_eps,
-                  tie_embeddings=cfg.tie_embeddings)
-    shape = llama_shape(cfg)
+    def make() -> Llama:
+        return Llama(llama_shape(cfg), vocab_size=cfg.vocab_size, rope_theta=cfg.rope_theta,
+                     norm_eps=cfg.norm_eps, tie_embeddings=cfg.tie_embeddings)
+
     if seed is None:
-        model = Llama(shape, **kwargs)
+        model = make()
         model.seeded_init(None)  # torch's global RNG
     else:
         with torch.device("meta"):  # no storage, no RNG draws
-            model = Llama(shape, **kwargs)
+            model = make()
         model.to_empty(device="cpu")
         model.retie()
         model.seeded_init(torch.Generator().manual_seed(seed))
@@ -50,10 +51,12 @@ def _build_llama(cfg: ModelConfig, *, seed: int | None) -> nn.Module:
 
 def _enable_checkpointing(model: nn.Module) -> None:
     from swarmtrain.models.hf import HFCausalLM
+    from swarmtrain.models.llama import Llama
 
     if isinstance(model, HFCausalLM):
         model.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     else:
+        assert isinstance(model, GPT | Llama), type(model)
         model.activation_checkpointing = True
 
 

@@ -64,11 +64,11 @@ class HFCausalLM(nn.Module):
     """A transformers causal LM (`self.hf`) with swarmtrain's forward: logits of every position, and the mean
     cross-entropy against `targets` (already shifted, as the data gives them) in fp32."""
 
-    def __init__(self, inner: nn.Module) -> None:
+    def __init__(self, inner: Any) -> None:  # a transformers PreTrainedModel: an optional dependency, untyped
         super().__init__()
         self.hf = inner
-        self.vocab_size = int(inner.config.vocab_size)
-        self.context_len = int(getattr(inner.config, "max_position_embeddings", 0) or 0)
+        self.vocab_size = int(self.hf.config.vocab_size)
+        self.context_len = int(getattr(self.hf.config, "max_position_embeddings", 0) or 0)
 
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None

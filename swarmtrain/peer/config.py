@@ -31,9 +31,9 @@ def merge_run_config(swarm: RunConfig, local: RunConfig, *, local_overrides: Seq
         section, _, rest = text.partition(".")
         key = rest.partition("=")[0].strip()
         if (section not in LOCAL_SECTIONS and key not in LOCAL_KEYS.get(section, ())) or key in RUN_KEYS.get(section, ()):
-            keys = ", ".join(f"{s}.{k}" for s, ks in LOCAL_KEYS.items() for k in ks)
+            allowed = ", ".join(f"{s}.{k}" for s, ks in LOCAL_KEYS.items() for k in ks)
             raise ConfigError(f"{section}.{key}: comes from the swarm's run config; set it on the coordinator "
-                              f"(a peer may set {', '.join(LOCAL_SECTIONS)} and {keys})")
+                              f"(a peer may set {', '.join(LOCAL_SECTIONS)} and {allowed})")
     local_dict = to_dict(local)
     merged: dict[str, Any] = {s: local_dict[s] for s in LOCAL_SECTIONS}
     swarm_dict = to_dict(swarm)

@@ -207,12 +207,14 @@ class Peer:
         self._val_bytes_per_token = bytes_per_token(self.val_batches, load_tokenizer(cfg.data.tokenizer))
         # every peer starts from the same θ
         model = build_model(cfg.model, seed=cfg.train.seed, activation_checkpointing=cfg.train.activation_checkpointing)
-        common = {"codec": codec, "rng_seed": peer_seed(cfg.train.seed + 1, peer_id), "on_step": self.on_step}
+        rng_seed = peer_seed(cfg.train.seed + 1, peer_id)
         if self.island is not None:
             return IslandWorker(cfg, island=self.island, model=model,
-                                batches=island_batches(cfg, corpus.train, peer_id, self.island), **common)
+                                batches=island_batches(cfg, corpus.train, peer_id, self.island), codec=codec,
+                                rng_seed=rng_seed, on_step=self.on_step)
         return DilocoWorker(cfg, model=model, batches=peer_batches(cfg, corpus.train, peer_id),
-                            device=resolve_device(cfg.train.device), **common)
+                            device=resolve_device(cfg.train.device), codec=codec, rng_seed=rng_seed,
+                            on_step=self.on_step)
 
     async def _keep_island(self, worker: IslandWorker) -> None:
         """Between rounds, ping the island's other ranks; a rank found gone ends this peer's run (`run`)."""

@@ -185,8 +185,9 @@ def assemble(ends: Ends, stages: Sequence[Stage], *, vocab_size: int) -> nn.Modu
         own = part.state_dict()
         state.update({full: own[mine].detach().clone() for mine, full in part.state_names().items()})
     if isinstance(ends, LlamaEnds):
-        assert all(isinstance(p, LlamaStage) for p in stages)
-        return assemble_llama(ends, state, theta=stages[0].theta if stages else 10000.0)
+        llama_stages = [p for p in stages if isinstance(p, LlamaStage)]
+        assert len(llama_stages) == len(stages)
+        return assemble_llama(ends, state, theta=llama_stages[0].theta if llama_stages else 10000.0)
     model = GPT(ends.shape, vocab_size=vocab_size)
     missing = sorted(set(model.state_dict()) - set(state))
     if missing:

@@ -80,8 +80,9 @@ class Router:
         return base * (1 + h.in_flight + h.queue)
 
     def _stage_median(self, stage: int) -> float:
-        known = [self._health[s].ewma_s for s in self._servers.get(stage, ()) if self._health[s].ewma_s is not None]
-        return statistics.median(known) if known else self.cfg.min_deadline_s  # type: ignore[type-var]
+        ewmas = (self._health[s].ewma_s for s in self._servers.get(stage, ()))
+        known = [e for e in ewmas if e is not None]
+        return statistics.median(known) if known else self.cfg.min_deadline_s
 
     def choose(self, stage: int, *, exclude: frozenset[Server] | set[Server] = frozenset()) -> Server | None:
         """A server of `stage` for the next call, or None when the stage has none but those in `exclude`."""

@@ -225,11 +225,11 @@ class PipelineTrainer:
             self.router.update(self.servers(), hints=self.hints())
             server = self.router.choose(stage, exclude=tried)
             if server is None:
-                listed = len(self.router.servers(stage))
+                n_listed = len(self.router.servers(stage))
                 what, limit_s = (("pipeline.call_timeout_s or discovery.record_ttl_s + heartbeat_s", self.listed_wait_s)
-                                 if listed else ("pipeline.stage_wait_s", self.pipe.stage_wait_s))
+                                 if n_listed else ("pipeline.stage_wait_s", self.pipe.stage_wait_s))
                 if self.clock() - start >= limit_s:
-                    raise StageLost(f"stage {stage}: no server answered within {limit_s:g} s ({what}; {listed} "
+                    raise StageLost(f"stage {stage}: no server answered within {limit_s:g} s ({what}; {n_listed} "
                                     f"listed, {len(tried)} failed this call)")
                 await asyncio.sleep(_LIST_POLL_S)
         return server, False

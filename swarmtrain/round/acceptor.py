@@ -212,9 +212,9 @@ class AcceptorState:
 
     def sign_retirement(self, signature: bytes, successors: tuple[Voter, ...] = ()) -> VoterRetirement:
         assert self.retired_from is not None, "sign_retirement() before retire()"
-        accepted = self.retired_accepted()
+        accepted, value = self.retired_accepted() or (None, None)
         retirement = VoterRetirement(self.incarnation, self.retired_from, signature, self.retired_promise(),
-                                     *(accepted or (None, None)), successors)
+                                     accepted, value, successors)
         self.retirements = [*self.retirements[-3:], retirement]
         return retirement
 
@@ -255,13 +255,10 @@ class AcceptorState:
         """Raise BallotError naming what is malformed (a voter must not vote from a store it cannot read)."""
         if not isinstance(raw, dict):
             raise BallotError("voter state: expected an object")
-        scope, incarnation, floor = raw.get("scope"), raw.get("incarnation"), raw.get("floor")
-        retired_from = raw.get("retired_from")
+        scope, retired_from = raw.get("scope"), raw.get("retired_from")
         if not isinstance(scope, str):
             raise BallotError("voter state.scope: expected a string")
-        for name, v in (("incarnation", incarnation), ("floor", floor)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise BallotError(f"voter state.{name}: expected an int >= 0, got {v!r:.40}")
+        incarnation, floor = _count(raw, "incarnation"), _count(raw, "floor")
         if retired_from is not None and (not isinstance(retired_from, int) or isinstance(retired_from, bool)
                                          or retired_from < 0):
             raise BallotError("voter state.retired_from: malformed")
@@ -280,6 +277,13 @@ class AcceptorState:
                 raise
             raise BallotError(f"voter state: {type(e).__name__}: {e}") from None
         return cls(scope, incarnation, floor, parsed_rounds, parsed_past, retirements, retired_from)
+
+
+def _count(raw: dict[str, Any], name: str) -> int:
+    v = raw.get(name)
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        raise BallotError(f"voter state.{name}: expected an int >= 0, got {v!r:.40}")
+    return v
 
 
 def _retirement_from_json(raw: Any) -> VoterRetirement:

@@ -36,6 +36,7 @@ import enum
 import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import TypeVar
 
 __all__ = [
     "Action", "Average", "Finish", "Heal", "Launch", "Phase", "RoundMachine", "RoundMachineError", "Settle", "Train",
@@ -117,6 +118,7 @@ class Finish:
 
 
 Action = Heal | Train | Average | Launch | Settle | Wait | Finish
+ActionT = TypeVar("ActionT", bound=Action)
 
 
 @dataclass(frozen=True)
@@ -311,7 +313,7 @@ class RoundMachine:
         self.round = round_index
         self._delta_round = None
 
-    def _expect(self, kind: type) -> Action:
+    def _expect(self, kind: type[ActionT]) -> ActionT:
         if not isinstance(self._next, kind):
             raise RoundMachineError(f"event for {kind.__name__} while the current action is {self._next!r}")
         return self._next

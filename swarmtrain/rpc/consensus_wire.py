@@ -173,7 +173,7 @@ class _Servicer:
 def serve_consensus(node: RpcNode, voters: Callable[[], Mapping[str, VoterSink]]) -> None:
     """Register the Consensus service on `node` (before it starts), answered by the voter of each call's scope."""
     servicer = _Servicer(node, voters)
-    unary = {
+    unary: dict[str, tuple[Callable[..., Awaitable[Message]], type[Message]]] = {
         "Prepare": (servicer.Prepare, pb.PrepareReply), "Accept": (servicer.Accept, pb.AcceptReply),
         "Learn": (servicer.Learn, pb.LearnReply), "Certificates": (servicer.Certificates, pb.CertificatesReply),
     }

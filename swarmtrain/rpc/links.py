@@ -85,7 +85,7 @@ class TlsLink:
             return 0
         while True:
             try:
-                return self._tls.read(len(view), view)
+                return self._tls.read(len(view), view)  # type: ignore[return-value]  # given a buffer: a count
             except ssl.SSLWantReadError:
                 if self._in.eof:  # the end of the stream, with no TLS record left half-read
                     return 0

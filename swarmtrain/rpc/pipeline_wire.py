@@ -13,9 +13,10 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import grpc
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 from grpc import aio
 
 from swarmtrain.rpc import bulk
@@ -32,6 +33,7 @@ MAX_LOGGED_REFUSALS_PER_KIND = 1000  # past it, refusals of one kind are counted
 MAX_UPLOADS = 256  # uploaded tensors a server keeps for their calls; a newer one drops the oldest
 _METHODS = ("Forward", "Backward")
 _MESSAGE_OVERHEAD_BYTES = 64 << 10  # a StageCall's fields besides its tensor, with room to spare
+M = TypeVar("M", bound=Message)
 
 StageHandler = Callable[[str, str, pb.StageCall], Awaitable[pb.StageReply]]
 """`handler(method, caller, call)`: method "Forward" or "Backward", the authenticated caller's peer id;
@@ -158,7 +160,7 @@ class PipelineClient:
         if node.cfg.bulk_transport == "tcp" and max_bytes:
             self.bulk_min_bytes = min(bulk_min_bytes, fits) if bulk_min_bytes else fits
 
-    def _stub(self, endpoint: str, method: str, reply: type) -> Callable[..., Awaitable[object]]:
+    def _stub(self, endpoint: str, method: str, reply: type[M]) -> Callable[..., Awaitable[M]]:
         return self.node.channel(endpoint).unary_unary(
             f"/{SERVICE}/{method}", request_serializer=lambda m: m.SerializeToString(),
             response_deserializer=reply.FromString)

@@ -105,7 +105,7 @@ def safetensors_blob(tensors: Mapping[str, torch.Tensor], *, metadata: Mapping[s
         if nbytes:
             out[at:at + nbytes].copy_(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8))
         at += nbytes
-    return memoryview(out.numpy())
+    return out.numpy().data
 
 
 def decode_snapshot(state: StateBlob, *, expected_shapes: Mapping[str, Sequence[int]] | None = None) -> StateSnapshot:

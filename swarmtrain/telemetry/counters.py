@@ -52,7 +52,10 @@ class RoundCounters:
             yield
         finally:
             elapsed = time.perf_counter() - start
-            self.add(**{f"{kind}_s": elapsed})
+            if kind == "compute":
+                self.add(compute_s=elapsed)
+            else:
+                self.add(comm_s=elapsed)
 
     def take(self) -> RoundTotals:
         with self._lock:

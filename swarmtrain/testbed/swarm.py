@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import cast
 
 from swarmtrain.process.children import Child
 from swarmtrain.telemetry.events import Line, RoundEvent
@@ -78,7 +79,7 @@ class TestbedSwarm:
         self.coordinator = self._spawn("coordinator", host,
                                        ["coordinator", "--host", ip, "--port", str(COORDINATOR_DHT_PORT), *sets])
         info = self.coordinator.wait_ready(timeout_s=timeout_s)
-        maddrs = [str(m) for m in info.get("maddrs", [])]  # type: ignore[union-attr]
+        maddrs = [str(m) for m in cast("list[object]", info.get("maddrs", []))]  # the READY line's JSON list
         on_bridge = [m for m in maddrs if f"/ip4/{ip}/" in m]
         if not on_bridge:
             raise TestbedError(f"the coordinator's READY line has no multiaddr on {ip}: {maddrs}")

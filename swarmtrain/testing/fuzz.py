@@ -133,9 +133,9 @@ def _codec_target(name: str) -> Target:
     g = torch.Generator().manual_seed(0)
     seeds = tuple(codec.encode(torch.randn(shape, generator=g)) for shape in ((7,), (3, 65), (130,)))
 
-    def run(data: bytes) -> object:
+    def run(data: bytes) -> None:
         numel = codec.decode(data).numel()
-        return codec.decode_accumulate(data, torch.zeros(numel))
+        codec.decode_accumulate(data, torch.zeros(numel))
 
     return Target(f"codec:{name}", run, (CodecError,), seeds, _codec_resign)
 
@@ -183,8 +183,8 @@ def _call_target() -> Target:
     signer = CallSigner(SECRET, peer_id="a")
     method, callee = "/swarmtrain.wire.Averaging/Push", "10.0.0.2:7000"
 
-    def run(data: bytes) -> object:
-        return CallAuth(SECRET).check(method=method, caller="a", callee=callee, header=data.decode("latin-1"), now=NOW)
+    def run(data: bytes) -> None:
+        CallAuth(SECRET).check(method=method, caller="a", callee=callee, header=data.decode("latin-1"), now=NOW)
 
     seeds = tuple(signer.header(method=method, callee=callee, now=NOW).encode() for _ in range(2))
     return Target("call-proof", run, (CallRefused,), seeds)

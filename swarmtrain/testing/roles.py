@@ -121,7 +121,13 @@ def _slow_stages(role: StageServerRole, hook: FaultHook) -> None:
                 return timed(method, caller, work)
             if fault.action != "delay":
                 raise ValueError(f"a stage server's compute takes only delay faults, not {fault.action!r}")
-            return timed(method, caller, lambda: (time.sleep(fault.delay_s), work())[1])
+            delay_s = fault.delay_s
+
+            def delayed() -> torch.Tensor:
+                time.sleep(delay_s)
+                return work()
+
+            return timed(method, caller, delayed)
 
         handler._timed = slowed  # type: ignore[method-assign]
         return holding

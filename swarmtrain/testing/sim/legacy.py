@@ -50,7 +50,7 @@ class LegacyVoter(VoterService):
         return PrepareReply(self.voter, True, promised=ballot)
 
     async def accept(self, *, scope: str, round_index: int, ballot: Ballot, value: Value,
-                     holders: tuple[Contact, ...] | list[Contact], caller: str, deadline_s: float) -> AcceptReply:
+                     holders: Sequence[Contact], caller: str, deadline_s: float) -> AcceptReply:
         self._check_scope(scope)
         if not self._vote(round_index, value.session):
             return AcceptReply(self.voter, False, refusal="promised",

@@ -9,9 +9,13 @@ from __future__ import annotations
 import asyncio
 import selectors
 from collections.abc import Callable, Mapping
-from typing import Any
+from concurrent.futures import Executor
+from typing import Any, TypeVar, TypeVarTuple
 
 __all__ = ["SimDeadlock", "VirtualClock", "VirtualLoop"]
+
+T = TypeVar("T")
+Ts = TypeVarTuple("Ts")
 
 
 class SimDeadlock(RuntimeError):
@@ -69,8 +73,9 @@ class VirtualLoop(asyncio.SelectorEventLoop):
     def time(self) -> float:
         return self.clock.now
 
-    def run_in_executor(self, executor: Any, func: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
-        future: asyncio.Future[Any] = self.create_future()
+    def run_in_executor(self, executor: Executor | None, func: Callable[[*Ts], T],
+                        *args: *Ts) -> asyncio.Future[T]:
+        future: asyncio.Future[T] = self.create_future()
         try:
             future.set_result(func(*args))
         except BaseException as e:  # delivered to the awaiting task, as a thread's exception would be

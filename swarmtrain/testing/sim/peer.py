@@ -7,9 +7,10 @@ import asyncio
 import contextlib
 import logging
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -271,8 +272,8 @@ class SimPeer:
 
         self._spawn(life())
 
-    def _spawn(self, coro: object) -> None:
-        task = asyncio.ensure_future(coro)  # type: ignore[arg-type]
+    def _spawn(self, coro: Coroutine[Any, Any, object]) -> None:
+        task = asyncio.ensure_future(coro)
         self.tasks.append(task)
         task.add_done_callback(self._done)
 
