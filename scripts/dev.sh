@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One entry point for a fresh machine: creates .venv, installs swarmtrain (torch pinned), then runs
 #   scripts/dev.sh demo [args]   the one-machine swarm demo
-#   scripts/dev.sh test [args]   the test suite (+ ruff)
+#   scripts/dev.sh test [args]   ruff, mypy and the test suite (tier by tier when args are only options)
 #   scripts/dev.sh sh CMD...     any command inside the venv
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -34,15 +34,33 @@ case "$cmd" in
   test)
     setup
     .venv/bin/ruff check .
-    set +e
-    .venv/bin/python -m pytest "$@"
-    rc=$?
-    set -e
-    if [ "$rc" -eq 5 ]; then
-      echo "pytest collected no tests: treating as a failure" >&2
-      exit 1
-    fi
-    exit "$rc"
+    .venv/bin/mypy
+    # Only options (e.g. -q): each tier in its own pytest call, slowest tests listed, every tier run even
+    # when one fails. Any path or test id: one pytest call with the arguments as given.
+    paths=0
+    for a in "$@"; do [[ "$a" != -* ]] && paths=1; done
+    if [ "$paths" -eq 1 ]; then tiers=("") ; else tiers=(tests/unit tests/integration tests/system tests/gpu); fi
+    status=0
+    for tier in "${tiers[@]}"; do
+      set +e
+      if [ -n "$tier" ]; then
+        echo "== $tier" >&2
+        start=$SECONDS
+        .venv/bin/python -m pytest "$tier" --durations=10 "$@"
+      else
+        .venv/bin/python -m pytest "$@"
+      fi
+      rc=$?
+      set -e
+      [ -n "$tier" ] && echo "== $tier: exit $rc in $((SECONDS - start)) s" >&2
+      if [ "$rc" -eq 5 ] && [ "$tier" != tests/gpu ]; then
+        echo "pytest collected no tests${tier:+ in $tier}: treating as a failure" >&2
+        rc=1
+      fi
+      [ "$rc" -eq 5 ] && rc=0
+      [ "$rc" -ne 0 ] && status=$rc
+    done
+    exit "$status"
     ;;
   sh)
     setup

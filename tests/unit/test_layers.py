@@ -106,3 +106,20 @@ def test_every_package_map_names_each_module_and_nothing_that_is_gone() -> None:
             if not (ROOT / path).exists():
                 wrong.append(f"{pkg.relative_to(ROOT.parent)}: the map names swarmtrain/{path}, which does not exist")
     assert not wrong, "\n".join(wrong)
+
+
+def test_the_type_checker_fails_on_a_wrong_type_against_the_package(tmp_path: Path) -> None:
+    """mypy with the project's configuration (what CI runs) rejects a call that passes the wrong type to the
+    package, and accepts the right one."""
+    api = pytest.importorskip("mypy.api")
+    config = ROOT.parent / "pyproject.toml"
+    good = tmp_path / "good.py"
+    bad = tmp_path / "bad.py"
+    call = 'from swarmtrain.round.group import Member\nm = Member(peer_id="a", endpoint="h:1", lag_s={})\n'
+    good.write_text(call.format("0.5"), encoding="utf-8")
+    bad.write_text(call.format('"late"'), encoding="utf-8")
+    args = ["--config-file", str(config), "--follow-imports", "silent", "--no-error-summary"]
+    out, _, status = api.run([*args, str(good)])
+    assert status == 0, out
+    out, _, status = api.run([*args, str(bad)])
+    assert status == 1 and 'Argument "lag_s" to "Member" has incompatible type "str"' in out, out
