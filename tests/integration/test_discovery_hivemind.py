@@ -283,3 +283,8 @@ def test_a_node_that_lost_every_link_finds_the_swarm_again_by_rebootstrapping() 
                     await d.aclose()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("subkey", [b"[owner:ssh-rsa AAAAgarbage]", b"[owner:not-a-key]", b"no owner at all", 7])
+def test_a_subkey_that_names_no_valid_key_has_no_signer(subkey: object) -> None:
+    assert signer_id_of(subkey) is None

@@ -194,6 +194,8 @@ def test_garbage_and_unsigned_slots_are_skipped_and_logged(caplog: pytest.LogCap
             return seal(RunSecret.from_run_key("").records, dht_key=key, signer_id=signer, body=body)
 
         reg.put(key, "mallory", sealed("mallory", b"\x00garbage"), expires_at=a.now() + 10)
+        reg.put(key, "trudy", "a string, not bytes", expires_at=a.now() + 10)  # once broke every read of the key
+        reg.put(key, "walt", None, expires_at=a.now() + 10)
         reg.put(key, None, sealed("eve", _peer("eve", a.now()).encode()), expires_at=a.now() + 10)  # unsigned
         impersonation = sealed("eve", _peer(a.peer_id, a.now(), round=99).encode())
         reg.put(key, "eve", impersonation, expires_at=a.now() + 10)
