@@ -10,6 +10,10 @@ NoLoCo / DiLoCo and to DDP, and the bytes each worker sent per round; writes JSO
     python benchmarks/gossip_convergence.py                        # K = 8, H = 50, 128 outer steps, int8
     python benchmarks/gossip_convergence.py --workers 8 16 --jobs 2
     python benchmarks/gossip_convergence.py --workers 4 --rounds 4 --inner-steps 5   # a quick check
+    python benchmarks/gossip_convergence.py --rounds 32 --modes diloco noloco --gossip-grid 0.7:0.5 0.7:0.8 --jobs 2
+
+`--gossip-grid LR:MOMENTUM ...` trains one NoLoCo arm per (averaging.gossip_lr, averaging.gossip_momentum)
+pair on the same tokens (a tuning sweep); each gets its row of ratios against DiLoCo and DDP.
 """
 
 from __future__ import annotations
@@ -38,7 +42,9 @@ def run_arm(job: tuple[str, int, list[str]]) -> dict[str, Any]:
     from swarmtrain.diloco.simulation import simulate_ddp, simulate_diloco
 
     mode, workers, overrides = job
-    cfg = load_config(overrides=[*overrides, *(['averaging.mode="gossip"'] if mode == "noloco" else [])])
+    if mode.startswith("noloco"):
+        overrides = [*overrides, 'averaging.mode="gossip"', *_grid_overrides(mode)]
+    cfg = load_config(overrides=overrides)
     corpus = load_corpus(cfg.data)
     began = time.perf_counter()
 
@@ -61,10 +67,28 @@ def run_arm(job: tuple[str, int, list[str]]) -> dict[str, Any]:
     out = result.to_json(cfg)
     del out["config"]
     out["overrides"] = overrides
+    out["arm"] = mode
     if gossip is not None:
         out["gossip"] = gossip.to_json()
     sys.stderr.write(f"  done K={workers} {mode:<7} val {out['final_val_loss']:.4f} ({out['wall_s']:.0f}s)\n")
     return out
+
+
+def _grid_overrides(arm: str) -> list[str]:
+    """`noloco@0.7:0.5` -> the gossip lr and momentum overrides of that arm (`noloco` alone: the config's)."""
+    if "@" not in arm:
+        return []
+    lr, momentum = arm.split("@", 1)[1].split(":")
+    return [f"averaging.gossip_lr={float(lr)}", f"averaging.gossip_momentum={float(momentum)}"]
+
+
+def _grid_point(text: str) -> str:
+    try:
+        lr, momentum = text.split(":")
+        float(lr), float(momentum)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not LR:MOMENTUM (e.g. 0.7:0.5)") from None
+    return text
 
 
 def main() -> int:
@@ -75,45 +99,62 @@ def main() -> int:
     parser.add_argument("--codec", default="int8", help="Δ's codec for DiLoCo and NoLoCo (compress.codec)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="a config override for every arm (repeatable)")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
+                        help="arms to train (the ratios need diloco and ddp; a missing one is left out)")
+    parser.add_argument("--gossip-grid", nargs="+", type=_grid_point, default=[], metavar="LR:MOMENTUM",
+                        help="one NoLoCo arm per (averaging.gossip_lr, averaging.gossip_momentum) pair")
     parser.add_argument("--jobs", type=int, default=1, help="arms trained at once (one process each)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "gossip-convergence.json"))
     args = parser.parse_args()
     common = [f"diloco.inner_steps={args.inner_steps}", f"diloco.rounds={args.rounds}",
               f"compress.codec={json.dumps(args.codec)}", *args.overrides]
-    jobs = [(mode, k, common) for k in args.workers for mode in MODES]
+    arms = [m for m in args.modes if m != "noloco"]
+    if "noloco" in args.modes:
+        arms += [f"noloco@{point}" for point in args.gossip_grid] or ["noloco"]
+    jobs = [(arm, k, common) for k in args.workers for arm in arms]
     start = time.perf_counter()
     with mp.get_context("fork").Pool(args.jobs) as pool:
         results = pool.map(run_arm, jobs, chunksize=1)
     rows = []
     for k in args.workers:
-        by = {r["mode"]: r for r in results if r["workers"] == k}
-        nl, dl, ddp = by["noloco"], by["diloco"], by["ddp"]
-        rounds = len(nl["rounds"])
-        row = {
-            "workers": k, "inner_steps": args.inner_steps, "rounds": rounds, "codec": args.codec,
-            "val_loss": {m: by[m]["final_val_loss"] for m in MODES},
-            "noloco_mean_replica_val_loss": nl["gossip"]["mean_replica_val_loss"],
-            "noloco_replica_val_losses": nl["gossip"]["replica_val_losses"],
-            "noloco_over_diloco": nl["final_val_loss"] / dl["final_val_loss"],
-            "noloco_over_ddp": nl["final_val_loss"] / ddp["final_val_loss"],
-            "diloco_over_ddp": dl["final_val_loss"] / ddp["final_val_loss"],
-            "bytes_per_worker_per_round": {m: by[m]["bytes_sent"] / rounds for m in MODES},
-            "spread": [r["spread"] for r in nl["rounds"]],
-            "clipped": nl["gossip"]["clipped"],
-            "val_curves": {m: [r["val_loss"] for r in by[m]["rounds"]] for m in MODES},
-        }
-        rows.append(row)
-        spread = row["spread"]
-        print(f"K={k} H={args.inner_steps} rounds={rounds} Δ codec {args.codec}")
-        for m in MODES:
-            print(f"  {m:<7} final val loss {by[m]['final_val_loss']:.4f}   bytes/worker/round "
-                  f"{row['bytes_per_worker_per_round'][m] / 1e6:9.3f} MB")
-        print(f"  noloco replicas: mean-φ val {row['noloco_mean_replica_val_loss']:.4f}, replica range "
-              f"{min(row['noloco_replica_val_losses']):.4f}..{max(row['noloco_replica_val_losses']):.4f}; spread "
-              f"(relative L2 to the mean φ) first {spread[0]:.4f}, max {max(spread):.4f}, last {spread[-1]:.4f}; "
-              f"partner parts clipped {row['clipped']}")
-        print(f"  NoLoCo / DiLoCo val loss {row['noloco_over_diloco']:.4f} (target <= 1.01); NoLoCo / DDP "
-              f"{row['noloco_over_ddp']:.4f}; DiLoCo / DDP {row['diloco_over_ddp']:.4f}")
+        by = {r["arm"]: r for r in results if r["workers"] == k}
+        dl, ddp = by.get("diloco"), by.get("ddp")
+        print(f"K={k} H={args.inner_steps} rounds={args.rounds} Δ codec {args.codec}")
+        for arm in arms:
+            r = by[arm]
+            rounds = len(r["rounds"])
+            print(f"  {arm:<16} final val loss {r['final_val_loss']:.4f}   bytes/worker/round "
+                  f"{r['bytes_sent'] / rounds / 1e6:9.3f} MB")
+        for arm in (a for a in arms if a.startswith("noloco")):
+            nl = by[arm]
+            rounds = len(nl["rounds"])
+            row = {
+                "workers": k, "inner_steps": args.inner_steps, "rounds": rounds, "codec": args.codec, "arm": arm,
+                "gossip_overrides": _grid_overrides(arm),
+                "val_loss": {a: by[a]["final_val_loss"] for a in ("ddp", "diloco", arm) if a in by},
+                "noloco_mean_replica_val_loss": nl["gossip"]["mean_replica_val_loss"],
+                "noloco_replica_val_losses": nl["gossip"]["replica_val_losses"],
+                "noloco_over_diloco": nl["final_val_loss"] / dl["final_val_loss"] if dl else None,
+                "noloco_over_ddp": nl["final_val_loss"] / ddp["final_val_loss"] if ddp else None,
+                "diloco_over_ddp": dl["final_val_loss"] / ddp["final_val_loss"] if dl and ddp else None,
+                "bytes_per_worker_per_round": {a: by[a]["bytes_sent"] / rounds for a in ("ddp", "diloco", arm)
+                                               if a in by},
+                "spread": [r["spread"] for r in nl["rounds"]],
+                "clipped": nl["gossip"]["clipped"],
+                "val_curves": {a: [r["val_loss"] for r in by[a]["rounds"]] for a in ("ddp", "diloco", arm)
+                               if a in by},
+            }
+            rows.append(row)
+            spread = row["spread"]
+            print(f"  {arm} replicas: mean-φ val {row['noloco_mean_replica_val_loss']:.4f}, replica range "
+                  f"{min(row['noloco_replica_val_losses']):.4f}..{max(row['noloco_replica_val_losses']):.4f}; "
+                  f"spread (relative L2 to the mean φ) first {spread[0]:.4f}, max {max(spread):.4f}, last "
+                  f"{spread[-1]:.4f}; partner parts clipped {row['clipped']}")
+            ratios = [f"{name} {row[key]:.4f}" for name, key in (("NoLoCo / DiLoCo val loss", "noloco_over_diloco"),
+                                                                ("NoLoCo / DDP", "noloco_over_ddp"),
+                                                                ("DiLoCo / DDP", "diloco_over_ddp"))
+                      if row[key] is not None]
+            print(f"  {arm}: " + "; ".join(ratios) + (" (target NoLoCo / DiLoCo <= 1.01)" if dl else ""))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"rows": rows, "runs": results, "wall_s": time.perf_counter() - start,
