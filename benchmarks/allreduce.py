@@ -1,7 +1,8 @@
 """All-reduce benchmark: one payload among N local peers (one process each, 1 torch thread) through
 swarmtrain's butterfly (fp32 / fp16 / int8 over the bulk TCP port; fp32 over gRPC streams as
-"ours-grpc"; both again with rpc.tls as "ours-tls" and "ours-grpc-tls"), hivemind's DecentralizedAverager and torch.distributed gloo all_reduce, arms interleaved
-and repeated; prints seconds, effective GB/s, bytes sent and ratios.
+"ours-grpc"; both again with rpc.tls as "ours-tls" and "ours-grpc-tls"), hivemind's DecentralizedAverager
+and torch.distributed gloo all_reduce, arms interleaved and repeated; prints seconds, effective GB/s,
+bytes sent and ratios.
 
     python benchmarks/allreduce.py --numel 25000000 100000000 --peers 2 4 --repeats 3
 
@@ -280,7 +281,8 @@ def main() -> None:
 def _report(numel: int, world: int, times: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     size_gb = numel * 4 / 1e9
     row: dict[str, Any] = {"numel": numel, "peers": world, "arms": {}}
-    print(f"\n{numel / 1e6:.0f}M fp32 ({size_gb * 1e3:.0f} MB) on {world} peers (median of {len(next(iter(times.values())))})")
+    print(f"\n{numel / 1e6:.0f}M fp32 ({size_gb * 1e3:.0f} MB) on {world} peers "
+          f"(median of {len(next(iter(times.values())))})")
     for arm, rounds in times.items():
         med = statistics.median(r["seconds"] for r in rounds)
         sent = statistics.median(r["bytes_sent_per_peer"] for r in rounds)
@@ -288,7 +290,8 @@ def _report(numel: int, world: int, times: dict[str, list[dict[str, Any]]]) -> d
         cpu = statistics.median(r["cpu_s_per_peer"] for r in rounds)
         row["arms"][arm] = {"median_s": med, "all_s": [r["seconds"] for r in rounds], "gb_per_s": size_gb / med,
                             "bytes_sent_per_peer": sent, "max_err": err, "cpu_s_per_peer": cpu}
-        print(f"  {arm:10s} {med:7.3f} s  {size_gb / med:6.2f} GB/s  sent/peer {sent / 1e6:8.1f} MB  cpu/peer {cpu:6.3f} s  max|err| {err:.2e}")
+        print(f"  {arm:10s} {med:7.3f} s  {size_gb / med:6.2f} GB/s  sent/peer {sent / 1e6:8.1f} MB  "
+              f"cpu/peer {cpu:6.3f} s  max|err| {err:.2e}")
     if "ours" in times:
         ours = row["arms"]["ours"]["median_s"]
         for other in ("hivemind", "gloo", "ours-fp16", "ours-int8", "ours-grpc"):

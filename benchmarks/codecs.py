@@ -240,7 +240,8 @@ def report(arms: list[Arm], *, numel: int) -> list[dict[str, object]]:
                    encode_pct_copy=100 * gbs / a.encode_s / copy_gbs,
                    decode_acc_pct_copy=100 * gbs / a.decode_acc_s / copy_gbs)
         if hm is not None:
-            row.update(encode_x_hivemind=hm.encode_s / a.encode_s, decode_acc_x_hivemind=hm.decode_acc_s / a.decode_acc_s)
+            row.update(encode_x_hivemind=hm.encode_s / a.encode_s,
+                       decode_acc_x_hivemind=hm.decode_acc_s / a.decode_acc_s)
         rows.append(row)
         hmx = (f"{row['encode_x_hivemind']:8.1f} {row['decode_acc_x_hivemind']:8.1f}" if hm else "")
         print(f"{a.name:34} {a.bytes_per_element:7.3f} {a.rel_l2:9.2e} {a.max_err:9.2e} {row['encode_gbs']:9.2f} "

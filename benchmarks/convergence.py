@@ -7,7 +7,8 @@ saves JSON + a loss-vs-tokens PNG under benchmarks/results/.
 
     python benchmarks/convergence.py                       # the README figures (2 processes)
     python benchmarks/convergence.py --codecs int8 int4+ef # extra DiLoCo arms at H=50
-    python benchmarks/convergence.py --inner-steps --codecs int8 sparse+ef+d=0.01+beta=0.95+mom=0+nest=false  # sparse vs int8
+    # sparse vs int8
+    python benchmarks/convergence.py --inner-steps --codecs int8 sparse+ef+d=0.01+beta=0.95+mom=0+nest=false
     python benchmarks/convergence.py --diloco-variant outer.lr=1.0,outer.momentum=0.8  # a tuning arm at H=50
     python benchmarks/convergence.py --corpora shakespeare --bpe-vocab 2048 --set model.arch=llama  # llama + a BPE
 
@@ -78,8 +79,8 @@ CODEC_SUFFIXES = {"ef": "compress.error_feedback=true", "zstd": "compress.zstd_l
                   "fp16scales": "compress.scale_dtype=fp16"}
 # KEY=VALUE suffixes, e.g. "sparse+ef+d=0.01+b=2+beta=0.95+mom=0"
 CODEC_KEYS = {"d": "compress.density", "b": "compress.bits", "beta": "compress.error_feedback_decay",
-              "chunk": "compress.chunk_size", "combine": "averaging.combine", "mom": "outer.momentum", "nest": "outer.nesterov",
-              "olr": "outer.lr"}
+              "chunk": "compress.chunk_size", "combine": "averaging.combine", "mom": "outer.momentum",
+              "nest": "outer.nesterov", "olr": "outer.lr"}
 
 
 def codec_overrides(spec: str) -> tuple[str, ...]:
@@ -247,7 +248,8 @@ def codec_checks(results: list[dict[str, Any]], rows: list[dict[str, Any]], arms
     for r in rows:
         if r["arm"] not in codec_arms:
             continue
-        fp32 = {x["seed"]: x["final_val_loss"] for x in results if x["corpus"] == r["corpus"] and x["arm"] == "diloco H=50"}
+        fp32 = {x["seed"]: x["final_val_loss"] for x in results
+                if x["corpus"] == r["corpus"] and x["arm"] == "diloco H=50"}
         runs = [x for x in results if x["corpus"] == r["corpus"] and x["arm"] == r["arm"] and x["seed"] in fp32]
         if not runs:
             continue
@@ -284,7 +286,8 @@ def plot(results: list[dict[str, Any]], arms: list[Arm], path: Path) -> None:
             runs = [r for r in results if r["corpus"] == corpus and r["arm"] == arm.name]
             points = [[*r.get("warm_start_rounds", []), *r["rounds"]] for r in runs]
             tokens = [0] + [p["tokens"] for p in points[0]]
-            curves = [[r["initial_val_loss"]] + [p["val_loss"] for p in pts] for r, pts in zip(runs, points, strict=True)]
+            curves = [[r["initial_val_loss"]] + [p["val_loss"] for p in pts]
+                      for r, pts in zip(runs, points, strict=True)]
             mean = [statistics.mean(c[i] for c in curves) for i in range(len(tokens))]
             ax.plot([t / 1e6 for t in tokens], mean, label=arm.name, linestyle="--" if arm.mode == "ddp" else "-")
             shown += mean[max(1, len(mean) // 8):]  # the y range skips the steep start, where arms agree
@@ -396,7 +399,8 @@ def main() -> int:
     check = [r for r in rows if r["arm"] == "diloco H=50"]
     for r in check:
         ok = r["max_loss_ratio_to_ddp"] <= 1.02 and r["ddp_bytes_over_arm"] >= 50
-        sys.stdout.write(f"{r['corpus']}: DiLoCo H=50 within 2% of DDP and >= 50x fewer bytes: {'yes' if ok else 'NO'}\n")
+        sys.stdout.write(f"{r['corpus']}: DiLoCo H=50 within 2% of DDP and >= 50x fewer bytes: "
+                         f"{'yes' if ok else 'NO'}\n")
     sys.stdout.write(codec_checks(results, rows, arms))
     sys.stdout.write(sparse_checks(results, rows, arms))
     sys.stdout.write(f"wrote {json_path} and {png_path} in {meta['wall_s']:.0f}s\n")

@@ -5,8 +5,9 @@ with PEERS live peer records and ROUNDS rounds of history (a sample from every p
 
 Targets (docs/dashboard.md): every API route answers in < 100 ms, the page renders (peers table, charts
 and rounds timeline all drawn) in < 2 s: measured as headless Chromium's wall time to load the page and
-run it to idle, less its time for a static file of the same server (browser start-up), loads alternating. The history is filled through the same History.add the
-coordinator uses; the records are announced on an in-memory DHT; the server is the real aiohttp app.
+run it to idle, less its time for a static file of the same server (browser start-up), loads alternating.
+The history is filled through the same History.add the coordinator uses; the records are announced on an
+in-memory DHT; the server is the real aiohttp app.
 """
 
 from __future__ import annotations
@@ -83,7 +84,8 @@ async def run(peers: int, rounds: int, requests: int, renders: int) -> dict[str,
             page.append(took)
             plain.append((await _load_s(base + "/static/vendor/uPlot.min.css", exe))[0])
         render.update(page_s=page, plain_s=plain, render_s=statistics.median(page) - statistics.median(plain),
-                      peers_rendered=attrs.get("peers"), rounds_rendered=attrs.get("rounds"), charts=attrs.get("charts"))
+                      peers_rendered=attrs.get("peers"), rounds_rendered=attrs.get("rounds"),
+                      charts=attrs.get("charts"))
         print(f"page load {statistics.median(page):.2f} s, a static file {statistics.median(plain):.2f} s: the page "
               f"renders in {render['render_s']:.2f} s ({attrs.get('peers')} peers, {attrs.get('rounds')} rounds, "
               f"{attrs.get('charts')} charts)", flush=True)

@@ -135,7 +135,8 @@ def main() -> int:
             run.update(input_gb=jsonl.stat().st_size / 2**30, documents=docs, reference=ref,
                        prepare_over_encode_batch=run["tokens_per_s"] / ref["tokens_per_s"])
             runs.append(run)
-            print(f"{run['input_gb']:.2f} GB: {run['train_tokens'] + run['val_tokens']:,} tokens in {run['seconds']:.0f} s "
+            print(f"{run['input_gb']:.2f} GB: {run['train_tokens'] + run['val_tokens']:,} tokens "
+                  f"in {run['seconds']:.0f} s "
                   f"({run['tokens_per_s']:,.0f} tok/s; encode_batch alone {ref['tokens_per_s']:,.0f} tok/s: "
                   f"{run['prepare_over_encode_batch']:.2f}x); peak RSS {run['peak_rss_tree_mb']:.0f} MB "
                   f"(main process {run['peak_rss_main_mb']:.0f} MB)", flush=True)

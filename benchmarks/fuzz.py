@@ -41,7 +41,8 @@ def main() -> int:
         counts = {"accepted": 0, "refused": 0, "crashed": 0}
         start = time.perf_counter()
         for i in range(args.per_target):
-            data = mutate(rng.choice(target.seeds), rng, others=every_seed) if i % 10 else rng.randbytes(rng.randint(0, 256))
+            data = (mutate(rng.choice(target.seeds), rng, others=every_seed) if i % 10
+                    else rng.randbytes(rng.randint(0, 256)))
             if target.resign is not None and i % 2:
                 data = target.resign(data)
             try:

@@ -26,7 +26,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 
 
-def arm(name: str, preset: str, *, vocab: int, batch: int, seq: int, steps: int, warmup: int, threads: int) -> dict[str, Any]:
+def arm(name: str, preset: str, *, vocab: int, batch: int, seq: int, steps: int, warmup: int,
+        threads: int) -> dict[str, Any]:
     import psutil
     import torch
     import torch.nn.functional as F
@@ -99,21 +100,26 @@ def main() -> int:
         for _ in range(args.repeats):
             for name in runs:
                 out = subprocess.run([sys.executable, __file__, "--child", name, preset, *sys.argv[1:]], check=True,
-                                     capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
+                                     capture_output=True, text=True,
+                                     env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
                 runs[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
-        med = {name: {k: statistics.median(r[k] for r in rs) for k in ("tokens_per_s", "peak_mb")} for name, rs in runs.items()}
-        pairs = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(runs["builtin"], runs["transformers"], strict=True)]
+        med = {name: {k: statistics.median(r[k] for r in rs) for k in ("tokens_per_s", "peak_mb")}
+               for name, rs in runs.items()}
+        pairs = [a["tokens_per_s"] / b["tokens_per_s"]
+                 for a, b in zip(runs["builtin"], runs["transformers"], strict=True)]
         row = {"preset": preset, "params": runs["builtin"][0]["params"], "runs": runs, "median": med,
                "speed_ratio": statistics.median(pairs), "pair_speed_ratios": pairs,
                "speed_ratio_of_medians": med["builtin"]["tokens_per_s"] / med["transformers"]["tokens_per_s"],
                "memory_ratio": med["builtin"]["peak_mb"] / med["transformers"]["peak_mb"]}
         rows.append(row)
-        print(f"{preset} ({row['params']:,} parameters, vocab {args.vocab_size}, batch {args.batch_size}x{args.seq_len}): "
+        print(f"{preset} ({row['params']:,} parameters, vocab {args.vocab_size}, "
+              f"batch {args.batch_size}x{args.seq_len}): "
               f"built-in {med['builtin']['tokens_per_s']:,.0f} tok/s, {med['builtin']['peak_mb']:.0f} MB; transformers "
               f"{med['transformers']['tokens_per_s']:,.0f} tok/s, {med['transformers']['peak_mb']:.0f} MB; speed "
               f"{row['speed_ratio']:.3f}x (median of pairs; {min(pairs):.3f}-{max(pairs):.3f}), memory "
               f"{row['memory_ratio']:.3f}x", flush=True)
-    args.out.write_text(json.dumps({"machine": f"{os.cpu_count()} CPUs", "threads": args.threads, "rows": rows}, indent=1))
+    args.out.write_text(json.dumps({"machine": f"{os.cpu_count()} CPUs", "threads": args.threads, "rows": rows},
+                                   indent=1))
     return 0
 
 

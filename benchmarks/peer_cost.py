@@ -77,7 +77,8 @@ class LagProbe:
         self._stop = threading.Event()
         self._watchdog = threading.Thread(target=self._watch, name="lag-watchdog", daemon=True)
         self.census: Census | None = None
-        self.heap: list[tuple[float, dict[str, int], int, int]] = []  # with PEER_COST_CENSUS set: (time, mallinfo, pool idle, anon)
+        # with PEER_COST_CENSUS set: (time, mallinfo, pool idle, anon)
+        self.heap: list[tuple[float, dict[str, int], int, int]] = []
 
     async def run(self) -> None:
         self._loop_thread = threading.get_ident()
@@ -167,7 +168,8 @@ def _frame_names(frame: Any, *, depth: int = 7) -> list[str]:
 
 
 class Census:
-    """`PEER_COST_CENSUS=full`: at every new RSS high (by CENSUS_STEP_BYTES), what the live tensors and pooled buffers hold.
+    """`PEER_COST_CENSUS=full`: at every new RSS high (by CENSUS_STEP_BYTES), what the live tensors and pooled
+    buffers hold.
 
     Walks the garbage collector's objects (seconds at 100M+ parameters, holding the GIL): a diagnosis of
     where a peak comes from; a census run's lag figures are not comparable with a plain run's."""
@@ -202,7 +204,8 @@ class Census:
                 arrays += obj.nbytes
         holders = []
         for obj in gc.get_objects():
-            if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and obj.numel() * obj.element_size() >= 100 << 20:
+            if (isinstance(obj, torch.Tensor) and obj.device.type == "cpu"
+                    and obj.numel() * obj.element_size() >= 100 << 20):
                 with contextlib.suppress(Exception):
                     if labels.get(obj.untyped_storage().data_ptr()):
                         continue
@@ -364,7 +367,8 @@ def probed_peer_main(argv: Sequence[str]) -> int:
     finally:
         worker = peer.worker
         report = {"pid": os.getpid(), "rc": rc, "error": error, "lines": lines, "lag": probe.samples,
-                  "stalls": probe.stalls, "census": probe.census.samples if probe.census else None, "heap": probe.heap, "rss_timeline": probe.rss, "hash_calls": hashes.calls, "rss": _peak_rss_bytes(),
+                  "stalls": probe.stalls, "census": probe.census.samples if probe.census else None, "heap": probe.heap,
+                  "rss_timeline": probe.rss, "hash_calls": hashes.calls, "rss": _peak_rss_bytes(),
                   "num_params": worker.numel if worker is not None else None}
         report_path.write_text(json.dumps(report))
     return rc
@@ -677,8 +681,8 @@ def print_table(peers: dict[str, dict[str, Any]], agree: dict[str, Any], bench: 
         on_loop = h["on_loop_thread"] / len(f["rounds_committed"]) if f["rounds_committed"] else nan
         print(f"{name:4} {s['p50_ms']:7.1f} {s['p99_ms']:7.1f} {s['max_ms']:7.0f} {c.get('p99_ms', nan):10.0f} "
               f"{f['peak_rss_bytes'] / 1e9:6.2f} {f['peak_rss_over_fp32_model']:7.1f} "
-              f"{h['per_committed_round'] or nan:6.2f} {on_loop:7.2f} {h['loop_seconds_per_committed_round'] or 0:7.3f} "
-              f"{f['step_s'] or nan:7.2f}")
+              f"{h['per_committed_round'] or nan:6.2f} {on_loop:7.2f} "
+              f"{h['loop_seconds_per_committed_round'] or 0:7.3f} {f['step_s'] or nan:7.2f}")
     for name, f in peers.items():
         print(f"{name} stalls >= 100 ms by the loop thread's first sampled stack:")
         for cause, c in f["stalls_over_100ms_by_first_stack"].items():

@@ -64,8 +64,9 @@ def train(data: list[str], *, work: Path, name: str) -> dict[str, Any]:
         if peer.returncode:
             raise SystemExit(f"{name}: the peer exited with {peer.returncode}")
         rounds = [json.loads(x) for x in out.splitlines() if x.startswith('{"event": "round"')]
-        return {"arm": name, "peak_rss_peer_mb": peak.peak_main / 2**20, "peak_rss_with_dht_mb": peak.peak_total / 2**20,
-                "rounds": len(rounds), "final_val_loss": rounds[-1]["val_loss"], "wall_s": time.perf_counter() - start}
+        return {"arm": name, "peak_rss_peer_mb": peak.peak_main / 2**20,
+                "peak_rss_with_dht_mb": peak.peak_total / 2**20, "rounds": len(rounds),
+                "final_val_loss": rounds[-1]["val_loss"], "wall_s": time.perf_counter() - start}
     finally:
         coord.terminate()
         coord.wait(timeout=60)
@@ -87,7 +88,8 @@ def main() -> int:
             text_file(text, size_bytes=n)
             shards = work / f"shards-{n}"
             prepare(PrepareOptions(inputs=(str(text),), out=str(shards), val_fraction=0.01, workers=1))
-            arms.append(train([f"data.shards={json.dumps(str(shards))}"], work=work, name=f"shards {n / 1e6:g}M tokens"))
+            arms.append(train([f"data.shards={json.dumps(str(shards))}"], work=work,
+                              name=f"shards {n / 1e6:g}M tokens"))
             print(json.dumps(arms[-1]), flush=True)
         largest = work / f"text-{args.tokens[-1]}.txt"
         arms.append(train([f"data.paths={json.dumps([str(largest)])}"], work=work,

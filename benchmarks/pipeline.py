@@ -170,7 +170,8 @@ def memory(overrides: list[str], *, stages: int, seconds: float, log_dir: Path) 
     piped = run_pipeline(overrides, per_stage=1, stages=stages, seconds=seconds, period=0.0, log_dir=log_dir)
     return {"baseline_rss_mb": baseline_rss_mb(), "params_per_stage": shares, "params_trainer": ends,
             "params_total": one["params"], "single_peak_rss_mb": one["peak_rss_mb"],
-            "pipeline_peak_rss_mb": piped["peak_rss_mb"], "single_steps": one["steps"], "pipeline_steps": piped["steps"]}
+            "pipeline_peak_rss_mb": piped["peak_rss_mb"], "single_steps": one["steps"],
+            "pipeline_steps": piped["steps"]}
 
 
 def main() -> None:

@@ -14,9 +14,10 @@ and trainer on a host of its own; every process 1 torch thread):
   uneven_on     the same start with pipeline.rebalance=true (short rebalancing windows, see REBALANCE)
 An arm's rate is the samples of the trainers' step lines that end inside its window, over the window; the
 window opens once every trainer has done WARMUP steps. An arm in which servers moved also reports its rate
-before the first move and after the last one (from SETTLE_S after it to the window's end). Bytes: the kernel's data-plane class (TCP to/from the
-data port, headers removed) against swarmtrain's own count: 4 encoded tensors per stage and completed
-micro-batch (activation and gradient, each way) plus the outer-round bytes the stage servers report.
+before the first move and after the last one (from SETTLE_S after it to the window's end). Bytes: the
+kernel's data-plane class (TCP to/from the data port, headers removed) against swarmtrain's own count:
+4 encoded tensors per stage and completed micro-batch (activation and gradient, each way) plus the
+outer-round bytes the stage servers report.
 """
 
 from __future__ import annotations

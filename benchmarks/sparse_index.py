@@ -81,7 +81,8 @@ def main() -> int:
     torch.manual_seed(0)
     sources = {"pseudo-gradient (tiny, H=50)": pseudo_gradient(args.steps, seed=0), "N(0, 1)": torch.randn(1 << 20)}
     rows = []
-    print(f"{'source':<30} {'density':>7} {'fixed':>7} {'bitmap':>7} {'rice':>7} {'entropy':>7}  (bytes per kept value) {'energy':>7}")
+    print(f"{'source':<30} {'density':>7} {'fixed':>7} {'bitmap':>7} {'rice':>7} {'entropy':>7}  "
+          f"(bytes per kept value) {'energy':>7}")
     for name, x in sources.items():
         for density in (0.01, 0.02, 0.03):
             row = {"source": name, "numel": x.numel(), **measure(x, chunk=4096, density=density)}

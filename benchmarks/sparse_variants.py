@@ -211,7 +211,8 @@ def offset_bytes(config: dict[str, Any], numel: int) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--arm", dest="arms", action="append", default=[], metavar="NAME=[positions=P,][combine=C,]OVERRIDES")
+    p.add_argument("--arm", dest="arms", action="append", default=[],
+                   metavar="NAME=[positions=P,][combine=C,]OVERRIDES")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--processes", type=int, default=2, help="worker processes (1 torch thread each)")
     p.add_argument("--out", type=Path, default=RESULTS / "sparse-variants.json")
@@ -230,9 +231,11 @@ def main(argv: list[str] | None = None) -> int:
         if 6400 % steps:
             raise SystemExit(f"--arm {name}: H={steps} does not divide the protocol's 6,400 steps per worker")
         if combine == "count" and "averaging.combine=reencode" in extra:
-            raise SystemExit(f"--arm {name}: combine=count swaps the gathered mean; averaging.combine=reencode has none")
+            raise SystemExit(f"--arm {name}: combine=count swaps the gathered mean; "
+                             "averaging.combine=reencode has none")
         # run_job sets H and the rounds (6,400 // H) from the arm's inner steps
-        arm = Arm(name, "diloco", steps, overrides=(*SPARSE, *(x for x in extra if not x.startswith("diloco.inner_steps="))))
+        arm = Arm(name, "diloco", steps,
+                  overrides=(*SPARSE, *(x for x in extra if not x.startswith("diloco.inner_steps="))))
         items.append((name, positions, combine, Job("stdlib", args.seed, arm, 4, 6400, overrides)))
     with mp.get_context("fork").Pool(args.processes, maxtasksperchild=1) as pool:
         warm = pool.apply(warm_start, (warm_job,))
@@ -248,8 +251,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"arm": name, "positions": positions, "combine": combine, "inner_steps": r["inner_steps"],
                      "final_val_loss": r["final_val_loss"], "bytes_sent": r["bytes_sent"],
                      "bytes_without_offsets": without})
-        print(f"{name:<20} {positions:<9} {combine:<7} {r['inner_steps']:>4} {r['final_val_loss']:>9.4f} {r['bytes_sent'] / 1e6:>8.3f} "
-              f"{without / 1e6:>19.3f}")
+        print(f"{name:<20} {positions:<9} {combine:<7} {r['inner_steps']:>4} {r['final_val_loss']:>9.4f} "
+              f"{r['bytes_sent'] / 1e6:>8.3f} {without / 1e6:>19.3f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"argv": sys.argv, "seed": args.seed, "wall_s": time.perf_counter() - start}
     args.out.write_text(json.dumps({"meta": meta, "table": rows, "runs": results}, indent=1) + "\n")

@@ -156,7 +156,8 @@ def _peak(r: dict[str, Any], window_s: float = 1.0) -> str:
 
 def print_table(results: list[dict[str, Any]]) -> None:
     print(f"\n{'rate':>8} {'arm':>24} {'wall s':>8} {'util %':>7} {'val loss':>9} {'wire MB':>8} "
-          f"{'data MB':>8} {'payload MB':>10} {'counted MB':>10} {'wire/counted':>12} {'payload/counted':>15} {'heals':>5} {'peak Mbit/s':>14}")
+          f"{'data MB':>8} {'payload MB':>10} {'counted MB':>10} {'wire/counted':>12} {'payload/counted':>15} "
+          f"{'heals':>5} {'peak Mbit/s':>14}")
     for r in results:
         util = 100 * sum(r["utilization"]) / len(r["utilization"])
         counted = r["expected_bytes_sent"] if r["arm"] == "ddp" else r["swarmtrain_bytes_sent"]

@@ -100,7 +100,8 @@ def make_warm_start(workload: Workload, path: Path) -> Workload:
 
     if not path.exists():
         if workload.warm_start_steps % workload.inner_steps:
-            raise ValueError(f"warm_start_steps {workload.warm_start_steps} is not a multiple of H={workload.inner_steps}")
+            raise ValueError(f"warm_start_steps {workload.warm_start_steps} is not a multiple of "
+                             f"H={workload.inner_steps}")
         cfg = workload.config().replace(diloco={"rounds": workload.warm_start_steps // workload.inner_steps})
         corpus = load_corpus(cfg.data)
         result = simulate_ddp(cfg, train_tokens=corpus.train, val_tokens=corpus.val, num_workers=workload.num_peers)
@@ -354,9 +355,9 @@ def summarize_rounds(swarm: TestbedSwarm, names: list[str]) -> dict[str, Any]:
         rounds_done.append(sum(e.committed for _, e in rounds))
     disagree = {r: sorted(h) for r, h in by_round.items() if len(h) > 1}
     return {
-        "wall_s": last_round - first_ready, "wall_s_per_peer": wall, "rounds_attempted": attempted, "compute_s": compute,
-        "utilization": [c / w for c, w in zip(compute, wall, strict=True)], "steps_per_peer": steps,
-        "committed_rounds_per_peer": rounds_done, "rounds_committed": len(by_round),
+        "wall_s": last_round - first_ready, "wall_s_per_peer": wall, "rounds_attempted": attempted,
+        "compute_s": compute, "utilization": [c / w for c, w in zip(compute, wall, strict=True)],
+        "steps_per_peer": steps, "committed_rounds_per_peer": rounds_done, "rounds_committed": len(by_round),
         "rounds_with_disagreeing_hashes": disagree, "swarmtrain_bytes_sent": sent,
         "swarmtrain_bytes_received": received,
     }

@@ -90,7 +90,8 @@ class RunConfig:
         if m.arch != "hf":
             context_len = m.shape_value("context_len")
             check(self.data.seq_len <= context_len, "data.seq_len",
-                  f"{self.data.seq_len} exceeds the model's context length {context_len} (model.preset/model.context_len)")
+                  f"{self.data.seq_len} exceeds the model's context length {context_len} "
+                  "(model.preset/model.context_len)")
             check(self.data.tokenizer != BYTES_TOKENIZER or m.vocab_size >= BYTE_VOCAB_SIZE, "model.vocab_size",
                   f"{m.vocab_size} is smaller than the data's {BYTE_VOCAB_SIZE} byte-level tokens")
             n_layer = m.shape_value("n_layer")
@@ -107,7 +108,8 @@ class RunConfig:
                             ("diloco.overlap", self.diloco.overlap), ("diloco.fragments", self.diloco.fragments > 1),
                             ("pipeline.stages", self.pipeline.stages > 0)):
                 check(not on, key, "is not supported with averaging.mode = 'gossip' (docs/gossip.md)")
-        check(not (self.averaging.gathers(self.compress.codec) and self.averaging.aggregator != "mean"), "averaging.aggregator",
+        check(not (self.averaging.gathers(self.compress.codec) and self.averaging.aggregator != "mean"),
+              "averaging.aggregator",
               f"{self.averaging.aggregator!r} with gathered contributions (compress.codec = {self.compress.codec!r}, "
               f"averaging.combine = {self.averaging.combine!r}): members average them by their mean")
 

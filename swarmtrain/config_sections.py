@@ -80,10 +80,12 @@ class TrainConfig:
     coordinator from scratch without orphaning the peers' checkpoints."""
 
     def __post_init__(self) -> None:
-        check(bool(self.run_id) and all(c.isalnum() or c in "-_." for c in self.run_id), "train.run_id", "must be non-empty [A-Za-z0-9._-]")
+        check(bool(self.run_id) and all(c.isalnum() or c in "-_." for c in self.run_id), "train.run_id",
+              "must be non-empty [A-Za-z0-9._-]")
         check(len(self.run_nonce) <= 64 and all(c.isalnum() or c in "-_." for c in self.run_nonce), "train.run_nonce",
               "must be at most 64 of [A-Za-z0-9._-]")
-        check(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"), "train.device", f"{self.device!r} is not auto, cpu or cuda[:N]")
+        check(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"), "train.device",
+              f"{self.device!r} is not auto, cpu or cuda[:N]")
         check(self.threads >= 0, "train.threads", "must be >= 0")
         check(self.memory_budget_mb >= 0, "train.memory_budget_mb", "must be >= 0 (0 = no limit)")
         check(self.precision in PRECISIONS, "train.precision", f"{self.precision!r} is not one of {PRECISIONS}")
@@ -387,7 +389,8 @@ class RpcConfig:
         check(0 <= self.buffer_pool_mib <= 1 << 20, "rpc.buffer_pool_mib", "must be in [0, 1048576]")
         check(0 <= self.bulk_port < 65536, "rpc.bulk_port", "must be in [0, 65535]")
         check(self.call_timeout_s > 0, "rpc.call_timeout_s", "must be > 0")
-        check(1024 <= self.chunk_bytes <= self.max_message_bytes, "rpc.chunk_bytes", "must be in [1024, rpc.max_message_bytes]")
+        check(1024 <= self.chunk_bytes <= self.max_message_bytes, "rpc.chunk_bytes",
+              "must be in [1024, rpc.max_message_bytes]")
         check(self.retries >= 0, "rpc.retries", "must be >= 0")
         check(self.max_concurrent_calls >= 1, "rpc.max_concurrent_calls", "must be >= 1")
         check(self.backoff_s >= 0, "rpc.backoff_s", "must be >= 0")

@@ -47,7 +47,8 @@ class InProcessGroup:
             raise ValueError(f"round {round_index}: got {len(deltas)} pseudo-gradients for {self.num_workers} workers")
         shapes = {tuple(d.shape) for d in deltas}
         if len(shapes) != 1 or len(next(iter(shapes))) != 1:
-            raise ValueError(f"round {round_index}: pseudo-gradients must be flat and equal-sized, got {sorted(shapes)}")
+            raise ValueError(f"round {round_index}: pseudo-gradients must be flat and equal-sized, "
+                             f"got {sorted(shapes)}")
         encoded: list[bytes | None] = []
         for d in deltas:
             try:

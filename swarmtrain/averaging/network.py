@@ -77,7 +77,8 @@ class NetworkAverager:
         self.registry = ReducerRegistry(peer_id=node.peer_id, run_id=run_id, codec=codec,
                                         window_s=cfg.contribution_window_s, open_wait_s=cfg.allreduce_timeout_s,
                                         buffers=node.buffers,
-                                        aggregation=Aggregation(cfg.aggregator, cfg.trim, gather=cfg.gathers(codec.name)))
+                                        aggregation=Aggregation(cfg.aggregator, cfg.trim,
+                                                                gather=cfg.gathers(codec.name)))
         client = AveragingClient(node)
         self.allreduce = AllReduce(GrpcReduceTransport(client, self.registry, peer_id=node.peer_id), self.registry,
                                    peer_id=node.peer_id, codec=codec, cfg=cfg, buffers=node.buffers)

@@ -126,7 +126,8 @@ def _check_out(out: torch.Tensor, numel: int) -> None:
     assert out.dtype == torch.float32 and out.is_contiguous() and out.numel() == numel, (out.dtype, out.shape)
 
 
-def _accumulate(decode_chunk: Callable[[int, int], torch.Tensor], n: int, *, block_size: int, out: torch.Tensor) -> None:
+def _accumulate(decode_chunk: Callable[[int, int], torch.Tensor], n: int, *, block_size: int,
+                out: torch.Tensor) -> None:
     """Runs decode_chunk(start, stop) -> fp32 values for out[start:stop] in block-aligned chunks."""
     flat = out.view(-1)
     step = max(_CHUNK_ELEMENTS // block_size, 1) * block_size

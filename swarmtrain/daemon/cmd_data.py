@@ -17,10 +17,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="the shard directory to create (must not exist)")
     parser.add_argument("--tokenizer", default="bytes",
                         help="bytes (default) or a tokenizer file: tokenizer.json, SentencePiece .model, .tiktoken")
-    parser.add_argument("--field", default="text", help="the text field of .jsonl/.parquet/datasets rows (default text)")
+    parser.add_argument("--field", default="text",
+                        help="the text field of .jsonl/.parquet/datasets rows (default text)")
     parser.add_argument("--split", default="train", help="the split of a saved DatasetDict (default train)")
     parser.add_argument("--val-fraction", type=float, default=0.01,
-                        help="every round(1/F)-th piece (document, or 64 KiB of a text file) is held out (default 0.01)")
+                        help="every round(1/F)-th piece (document, or 64 KiB of a text file) is held out "
+                             "(default 0.01)")
     parser.add_argument("--workers", type=int, default=0, help="tokenizer processes (default: one per CPU)")
     parser.add_argument("--shard-tokens", type=int, default=1 << 28, help="tokens per shard file (default 2^28)")
 

@@ -74,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"swarmtrain simulate: error: --mode noloco needs --workers >= 2, got {args.workers}", file=sys.stderr)
         return 2
     if args.mode == "ddp" and args.codec:
-        print("swarmtrain simulate: error: --codec applies to --mode diloco (ddp sends fp32 gradients)", file=sys.stderr)
+        print("swarmtrain simulate: error: --codec applies to --mode diloco (ddp sends fp32 gradients)",
+              file=sys.stderr)
         return 2
     overrides = _flag_overrides(args) + (['averaging.mode="gossip"'] if args.mode == "noloco" else [])
     cfg = config_from_args(args, overrides)

@@ -88,7 +88,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.host is None:
         raise TestbedError("run: give --host I and the command after `--` (or --pipeline S:P:T)")
     if not cmd:
-        raise TestbedError("run: give the command after `--`, e.g. swarmtrain testbed run --host 0 -- swarmtrain coordinator")
+        raise TestbedError("run: give the command after `--`, e.g. swarmtrain testbed run --host 0 -- "
+                           "swarmtrain coordinator")
     netns = f"{args.name}-h{args.host}"
     if netns not in find_testbeds().get(args.name, []):
         raise TestbedError(f"no host {args.host} in testbed {args.name!r} (namespace {netns} not found; "

@@ -14,8 +14,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("inputs", nargs="+", metavar="INPUT",
                         help="text files, .jsonl, .parquet or saved datasets directories (as `data prepare` reads)")
     parser.add_argument("--out", required=True, help="the tokenizer.json to write")
-    parser.add_argument("--vocab-size", type=int, default=8192, help="tokens, the end-of-text one included (default 8192)")
-    parser.add_argument("--field", default="text", help="the text field of .jsonl/.parquet/datasets inputs (default text)")
+    parser.add_argument("--vocab-size", type=int, default=8192,
+                        help="tokens, the end-of-text one included (default 8192)")
+    parser.add_argument("--field", default="text",
+                        help="the text field of .jsonl/.parquet/datasets inputs (default text)")
     parser.add_argument("--split", default="train", help="the split of a saved DatasetDict (default train)")
     parser.add_argument("--min-frequency", type=int, default=2, help="merges seen fewer times are not learned")
 

@@ -2,9 +2,9 @@
 what an operator should look at (the dashboard's API and the swarm's /metrics read it).
 
 A peer's *sample* is taken when its record shows a round it had not reached at its previous sample (and
-its stats show the commit or heal that got it there); it carries the deltas of its cumulative stats since its previous sample (tokens, bytes, seconds), so sums
-over samples are the swarm's totals. Invalid records (validate.py) are listed, never sampled. Only
-reads the DHT: the dashboard writes nothing there.
+its stats show the commit or heal that got it there); it carries the deltas of its cumulative stats since
+its previous sample (tokens, bytes, seconds), so sums over samples are the swarm's totals. Invalid records
+(validate.py) are listed, never sampled. Only reads the DHT: the dashboard writes nothing there.
 """
 
 from __future__ import annotations

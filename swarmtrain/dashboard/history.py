@@ -1,7 +1,7 @@
 """The dashboard's history in SQLite (stdlib sqlite3): peers seen, one sample per peer and round, the rounds
 timeline (one row per round and part, kept up to date as samples come in, so reading 10,000 rounds of
-200 peers reads 10,000 rows) and aborts. A file next to the coordinator's state, so a restarted coordinator keeps its charts;
-retention is bounded to the newest `retention_rounds` rounds.
+200 peers reads 10,000 rows) and aborts. A file next to the coordinator's state, so a restarted
+coordinator keeps its charts; retention is bounded to the newest `retention_rounds` rounds.
 
 One connection, used from the coordinator's event loop thread only (the dashboard's handlers run there);
 every write is one transaction.
@@ -182,7 +182,8 @@ class History:
     def comm_histogram(self, bounds: Sequence[float]) -> tuple[list[int], float]:
         """The kept samples' averaging seconds (> 0) per bucket (`bounds` upper bounds, then +Inf), and their sum:
         counted in SQL, so a restart with millions of samples does not read them one by one."""
-        cases = ", ".join(f"SUM(comm_s > {lo!r} AND comm_s <= {hi!r})" for lo, hi in zip((0.0, *bounds[:-1]), bounds, strict=True))
+        cases = ", ".join(f"SUM(comm_s > {lo!r} AND comm_s <= {hi!r})"
+                          for lo, hi in zip((0.0, *bounds[:-1]), bounds, strict=True))
         row = self.db.execute(f"SELECT {cases}, SUM(comm_s > {bounds[-1]!r}), SUM(comm_s) FROM samples "
                               "WHERE comm_s > 0").fetchone()
         return [int(x or 0) for x in row[:-1]], float(row[-1] or 0.0)

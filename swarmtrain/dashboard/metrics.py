@@ -48,7 +48,8 @@ class SwarmCollector(PromCollector):
         yield GaugeMetricFamily("swarmtrain_swarm_tokens_per_second", "Sum of the valid live peers' tokens/s.",
                                 value=sum((p["stats"] or {}).get("tokens_per_s", 0.0) for p in status["peers"]
                                           if p["state"] != "invalid"))
-        valid = [p for p in status["peers"] if p["state"] != "invalid" and (p["stats"] or {}).get("val_loss") is not None]
+        valid = [p for p in status["peers"] if p["state"] != "invalid"
+                 and (p["stats"] or {}).get("val_loss") is not None]
         newest = max(valid, key=lambda p: p["round"], default=None)
         if newest is not None:  # the most advanced peer's last evaluation of θ_global
             stats = newest["stats"]
@@ -63,7 +64,8 @@ class SwarmCollector(PromCollector):
                    and (p["stats"] or {}).get("spread") is not None]
         if spreads:  # gossip: how far apart the live replicas are, as they report it
             yield GaugeMetricFamily("swarmtrain_swarm_gossip_spread", "Mean over live peers of their last gossip "
-                                    "round's relative L2 distance to their partners.", value=sum(spreads) / len(spreads))
+                                    "round's relative L2 distance to their partners.",
+                                    value=sum(spreads) / len(spreads))
         yield CounterMetricFamily("swarmtrain_dashboard_poll_errors", "Reads of the live peers that failed.",
                                   value=c.poll_errors)
         yield histogram_family("swarmtrain_allreduce_seconds", "Averaging seconds of each recorded peer round.",

@@ -156,7 +156,8 @@ def _load_cached(paths: tuple[str, ...], val_fraction: float, max_bytes: int) ->
     else:
         train, val = b"".join(train_parts), b"".join(val_parts)
     if len(train) < 1024 or len(val) < 256:
-        raise CorpusError(f"{source}: corpus too small ({len(train)} train / {len(val)} validation bytes; need >= 1024 / 256)")
+        raise CorpusError(f"{source}: corpus too small ({len(train)} train / {len(val)} validation bytes; "
+                          "need >= 1024 / 256)")
     log.info("corpus %s: %d files, %d train / %d val bytes", source, len(files), len(train), len(val))
     return Corpus(
         train=torch.frombuffer(bytearray(train), dtype=torch.uint8),

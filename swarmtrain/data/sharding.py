@@ -111,7 +111,8 @@ class ShardedBatches:
         self.position = state["position"]
 
 
-def eval_batches(tokens: Tokens, *, batch_size: int, seq_len: int, num_batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def eval_batches(tokens: Tokens, *, batch_size: int, seq_len: int,
+                 num_batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """A fixed, evenly spread set of validation batches (the same on every worker)."""
     num_windows = (tokens.numel() - 1) // (seq_len + 1)
     total = min(num_windows, batch_size * num_batches)

@@ -93,7 +93,8 @@ class PseudoGradient:
         for p, end in zip(self._params, self._ends, strict=True):
             a, b = max(lo, start), min(hi, end)
             if a < b:
-                out[a - lo:b - lo].sub_(p.detach().reshape(-1)[a - start:b - start].to(device="cpu", dtype=torch.float32))
+                out[a - lo:b - lo].sub_(p.detach().reshape(-1)[a - start:b - start]
+                                        .to(device="cpu", dtype=torch.float32))
             if end >= hi:
                 break
             start = end

@@ -34,7 +34,8 @@ class OuterOptimizer:
         """θ ← θ − lr·(g + μ·buf) for Nesterov (buf ← μ·buf + g first), θ ← θ − lr·buf for heavy ball."""
         if theta.shape != (self.numel,) or grad.shape != (self.numel,):
             raise ValueError(
-                f"outer step: theta shape {tuple(theta.shape)} and grad shape {tuple(grad.shape)} must both be ({self.numel},)"
+                f"outer step: theta shape {tuple(theta.shape)} and grad shape {tuple(grad.shape)} "
+                f"must both be ({self.numel},)"
             )
         grad = grad.to(device=theta.device, dtype=torch.float32)
         # Element-wise, so done in slices: the same bits as one pass, with temporaries of one slice

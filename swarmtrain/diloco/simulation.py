@@ -18,7 +18,8 @@ from swarmtrain.diloco.traffic import allreduce_bytes_per_peer
 from swarmtrain.diloco.worker import Carry, DilocoWorker, InnerStats, resolve_device
 from swarmtrain.models import build_model
 
-__all__ = ["AverageAll", "RoundRecord", "SimulationResult", "sim_val_batches", "sim_worker", "simulate_ddp", "simulate_diloco"]
+__all__ = ["AverageAll", "RoundRecord", "SimulationResult", "sim_val_batches", "sim_worker", "simulate_ddp",
+           "simulate_diloco"]
 
 AverageAll = Callable[[int, Sequence[torch.Tensor]], Sequence[AverageResult]]
 OnRound = Callable[["RoundRecord"], None]
@@ -57,7 +58,8 @@ class SimulationResult:
         last = self.rounds[-1] if self.rounds else None
         return {
             "mode": self.mode, "workers": self.num_workers, "num_params": self.num_params,
-            "inner_steps": cfg.diloco.inner_steps, "codec": cfg.compress.codec if self.mode in ("diloco", "noloco") else "fp32",
+            "inner_steps": cfg.diloco.inner_steps,
+            "codec": cfg.compress.codec if self.mode in ("diloco", "noloco") else "fp32",
             "initial_val_loss": self.initial_val_loss, "final_val_loss": self.final_val_loss,
             "tokens": last.tokens if last else 0, "bytes_sent": last.bytes_sent if last else 0,
             "hash": self.hash, "wall_s": self.wall_s,

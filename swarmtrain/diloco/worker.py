@@ -39,7 +39,8 @@ from swarmtrain.diloco.steps import BatchStream, Carry, DeltaError, InnerStats, 
 from swarmtrain.diloco.worker_state import load_worker_state, save_worker_state
 from swarmtrain.round.ballots import Voter
 
-__all__ = ["BatchStream", "Carry", "DeltaError", "DilocoWorker", "InnerStats", "InnerStep", "RoundReport", "resolve_device"]
+__all__ = ["BatchStream", "Carry", "DeltaError", "DilocoWorker", "InnerStats", "InnerStep", "RoundReport",
+           "resolve_device"]
 
 log = logging.getLogger(__name__)
 
@@ -105,8 +106,7 @@ class DilocoWorker:
             self.outer.momentum_buffer = torch.zeros(self.numel)
         self.inner = build_inner_optimizer(self.model, cfg.inner)
         self.round = 0
-        # Who decides the next round (round/ballots.py): the voters the commit that produced θ_global named.
-        # Empty before the first commit (the scope's genesis decides round 0).
+        # Who decides the next round (round/ballots.py): the voters θ_global's commit named; empty before one (genesis).
         self.voters: tuple[Voter, ...] = ()
         self.inner_step = 0  # inner steps this worker took in all (statistics and checkpoints)
         self.round_step = 0  # inner steps taken at `round` (the schedule's position within the round)
@@ -210,11 +210,11 @@ class DilocoWorker:
     def schedule_step(self) -> int:
         """The inner schedule's position: the swarm's progress, not this peer's step count.
 
-        round × H + the steps taken at this round (H / P with fragments). Every peer at round r trains at the same learning
-        rate whenever it joined or healed: a joiner at 80% of the run trains at the swarm's rate
-        instead of warming up from the peak. With `diloco.pace = "time"` a fast peer takes more than
-        H steps in a round; it holds the round's last rate (H − 1) instead of running ahead. A worker
-        that never commits a round (the data-parallel baseline of `simulate`) walks the whole schedule.
+        round × H + the steps taken at this round (H / P with fragments). Every peer at round r trains at the same
+        learning rate whenever it joined or healed: a joiner at 80% of the run trains at the swarm's rate instead of
+        warming up from the peak. With `diloco.pace = "time"` a fast peer takes more than H steps in a round; it holds
+        the round's last rate (H − 1) instead of running ahead. A worker that never commits a round (the data-parallel
+        baseline of `simulate`) walks the whole schedule.
         """
         h = self.cfg.diloco.round_steps
         step = self.round_step if self.cfg.diloco.pace == "steps" else min(self.round_step, h - 1)

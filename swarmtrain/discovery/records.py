@@ -259,8 +259,8 @@ class PeerRecord(Record):
         if not math.isfinite(self.stage_since) or self.stage_since < 0:
             raise field_error(self.KIND, "stage_since", f"expected a finite number >= 0, got {self.stage_since}")
         if len(self.copies) > MAX_STAGE_COPIES or any(k < 0 or r < 0 for k, r in self.copies):
-            raise field_error(self.KIND, "copies", f"expected at most {MAX_STAGE_COPIES} (stage, round) pairs of ints >= 0, "
-                                              f"got {list(self.copies)[:MAX_STAGE_COPIES + 1]}")
+            raise field_error(self.KIND, "copies", f"expected at most {MAX_STAGE_COPIES} (stage, round) pairs "
+                                              f"of ints >= 0, got {list(self.copies)[:MAX_STAGE_COPIES + 1]}")
         if not math.isfinite(self.clock_offset_s) or abs(self.clock_offset_s) > MAX_CLOCK_OFFSET_S:
             raise field_error(self.KIND, "clock_offset_s", f"expected a number within ±{MAX_CLOCK_OFFSET_S:.0f}, "
                                                       f"got {self.clock_offset_s}")
@@ -333,8 +333,9 @@ class DepartureRecord(Record):
                            if isinstance(rs, list)}
         except BallotError as e:
             raise field_error(k, "retirements", str(e)) from None
-        return cls(run_id=read_str(k, d, "run_id"), peer_id=read_peer_id(k, d, "peer_id"), from_round=read_count(k, d, "from_round"),
-                   left_at=read_number(k, d, "left_at"), retirements=retirements)
+        return cls(run_id=read_str(k, d, "run_id"), peer_id=read_peer_id(k, d, "peer_id"),
+                   from_round=read_count(k, d, "from_round"), left_at=read_number(k, d, "left_at"),
+                   retirements=retirements)
 
 
 @dataclass(frozen=True)
@@ -404,6 +405,6 @@ class GroupRecord(Record):
             raise field_error(k, "members", f"expected a list, got {type(raw).__name__}")
         if len(raw) > MAX_GROUP_MEMBERS:
             raise field_error(k, "members", f"{len(raw)} members exceeds {MAX_GROUP_MEMBERS}")
-        return cls(run_id=read_str(k, d, "run_id"), round=read_count(k, d, "round"), leader_id=read_peer_id(k, d, "leader_id"),
-                   members=tuple(_member(k, m) for m in raw), window_close_at=read_number(k, d, "window_close_at"),
-                   attempt=read_count(k, d, "attempt"))
+        return cls(run_id=read_str(k, d, "run_id"), round=read_count(k, d, "round"),
+                   leader_id=read_peer_id(k, d, "leader_id"), members=tuple(_member(k, m) for m in raw),
+                   window_close_at=read_number(k, d, "window_close_at"), attempt=read_count(k, d, "attempt"))

@@ -1,6 +1,6 @@
 """Built-in models (their named shapes are swarmtrain/config_presets.py). gpt.py: the GPT; llama.py: the Llama; hf.py:
-transformers' models (the `hf` extra); build.py: `build_model(cfg)` for any `model.arch`; spec.py: the resolved model a run
-agrees on (signature, fingerprint); memory.py: the bytes a model's training state takes;
+transformers' models (the `hf` extra); build.py: `build_model(cfg)` for any `model.arch`; spec.py: the resolved model
+a run agrees on (signature, fingerprint); memory.py: the bytes a model's training state takes;
 generate.py: sampling text from a trained model (`swarmtrain generate`)."""
 
 from swarmtrain.config_presets import LLAMA_PRESETS, PRESETS

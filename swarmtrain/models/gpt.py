@@ -125,7 +125,8 @@ class GPT(nn.Module):
         pos = torch.arange(t, device=idx.device)
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
         for block in self.blocks:
-            x = checkpoint(block, x, use_reentrant=False) if self.activation_checkpointing and self.training else block(x)
+            x = (checkpoint(block, x, use_reentrant=False) if self.activation_checkpointing and self.training
+                 else block(x))
         logits = self.head(self.ln_f(x))
         loss = None
         if targets is not None:
@@ -172,7 +173,8 @@ def load_init_weights(model: nn.Module, path: str) -> None:
     if missing or extra:
         raise ConfigError(f"model.init_from: {path} does not fit this model: missing {missing[:5]}, "
                           f"unexpected {extra[:5]}")
-    wrong = [f"{k} {tuple(tensors[k].shape)} != {tuple(v.shape)}" for k, v in own.items() if tensors[k].shape != v.shape]
+    wrong = [f"{k} {tuple(tensors[k].shape)} != {tuple(v.shape)}" for k, v in own.items()
+             if tensors[k].shape != v.shape]
     if wrong:
         raise ConfigError(f"model.init_from: {path} does not fit this model: {wrong[:5]}")
     model.load_state_dict({k: v.to(own[k].dtype) for k, v in tensors.items()})

@@ -40,7 +40,8 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-def rope_tables(seq_len: int, head_dim: int, *, theta: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(seq_len: int, head_dim: int, *, theta: float,
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin of the rotary embedding for positions 0..seq_len-1, each (T, head_dim), fp32.
 
     Computed per call rather than kept as buffers: a few thousand values, and nothing to re-create after a

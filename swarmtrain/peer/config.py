@@ -30,7 +30,8 @@ def merge_run_config(swarm: RunConfig, local: RunConfig, *, local_overrides: Seq
     for text in local_overrides:
         section, _, rest = text.partition(".")
         key = rest.partition("=")[0].strip()
-        if (section not in LOCAL_SECTIONS and key not in LOCAL_KEYS.get(section, ())) or key in RUN_KEYS.get(section, ()):
+        if ((section not in LOCAL_SECTIONS and key not in LOCAL_KEYS.get(section, ()))
+                or key in RUN_KEYS.get(section, ())):
             allowed = ", ".join(f"{s}.{k}" for s, ks in LOCAL_KEYS.items() for k in ks)
             raise ConfigError(f"{section}.{key}: comes from the swarm's run config; set it on the coordinator "
                               f"(a peer may set {', '.join(LOCAL_SECTIONS)} and {allowed})")

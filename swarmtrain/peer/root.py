@@ -188,7 +188,8 @@ class Peer:
                 discovery, {"": plane.retirements()}, cfg=self.cfg))
         info = {"peer_id": discovery.peer_id, "endpoint": self.endpoint, "run_id": self.cfg.train.run_id,
                 "maddrs": await self.services.visible_maddrs(discovery), "round": worker.round,
-                "hash": worker.digest(), "num_params": worker.numel, **({"metrics": self.metrics} if self.metrics else {})}
+                "hash": worker.digest(), "num_params": worker.numel,
+                **({"metrics": self.metrics} if self.metrics else {})}
         self.writer.ready(info)
         self.phase = "training"
         return info

@@ -272,7 +272,8 @@ class _Part:
         with self.still():
             with self._theta_lock:
                 self.theta.copy_(state.theta_global)
-                self.outer.load_state_tensors({} if state.outer_momentum is None else {"momentum": state.outer_momentum})
+                self.outer.load_state_tensors({} if state.outer_momentum is None
+                                              else {"momentum": state.outer_momentum})
                 self._round, self._voters = state.round, state.voters
                 self.certificates = list(state.certificates)[-KEPT_CERTIFICATES:]
                 self._digest = self._hash()

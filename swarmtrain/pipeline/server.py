@@ -131,8 +131,8 @@ class StageServer:
         if x.dim() != 3 or x.shape[0] < 1 or x.shape[0] > self.cfg.microbatch_size or x.shape[2] != c \
                 or not 1 <= x.shape[1] <= self.seq_len:
             self.refused += 1
-            raise BadActivation(f"{what} of shape {tuple(x.shape)}: stage {self.stage} takes (1..{self.cfg.microbatch_size}"
-                                f", 1..{self.seq_len}, {c})")
+            raise BadActivation(f"{what} of shape {tuple(x.shape)}: stage {self.stage} takes "
+                                f"(1..{self.cfg.microbatch_size}, 1..{self.seq_len}, {c})")
         if x.dtype != torch.float32:
             self.refused += 1
             raise BadActivation(f"{what} of dtype {x.dtype}: stage {self.stage} takes float32")

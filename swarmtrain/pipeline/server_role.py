@@ -175,7 +175,8 @@ class StageServerRole(RoleBase):
                                                      member=lambda p: p.role == "stage_server" and p.stage == stage)
         h = cfg.diloco.inner_steps
         rounds = self._rounds(part, plane, scoped, stage=stage, still=server.moving, apply_now=True,
-                              role="stage_server", hold=server.still, on_heal=lambda r: server.resume_at(max(r * h, resume_step)))
+                              role="stage_server", hold=server.still,
+                              on_heal=lambda r: server.resume_at(max(r * h, resume_step)))
         cell.append(Holding(stage, part, server, handlers[0], plane, node, rounds, since=self.discovery.now(),
                             last_step=(resume_step, time.monotonic())))
         return cell[0]
@@ -389,7 +390,8 @@ class StageServerRole(RoleBase):
                         elif self.stage == seen_on and isinstance(plan, tuple):
                             await self._rebuild(lost, plan, records, lost_s=empty_s,
                                                 round_=watch.last_round[lost] + 1)
-                except (PeerError, OSError, RuntimeError, ValueError) as e:  # a node that would not start, a torn transfer
+                # a node that would not start, a torn transfer
+                except (PeerError, OSError, RuntimeError, ValueError) as e:
                     log.warning("lost stages: rebuilding stage %d failed (%s); staying on stage %s", lost, e,
                                 self.stage)
                 break  # the records change with a rebuild: look again next beat

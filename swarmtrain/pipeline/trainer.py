@@ -88,7 +88,8 @@ class PipelineTrainer:
         self.router = Router(self.pipe, clock=clock, rng=self.rng)
         self.clock = clock
         self.codec = TensorCodec(self.pipe.activation_codec,
-                                 max_shape=(self.pipe.microbatch_size, cfg.data.seq_len, cfg.model.shape_value("n_embd")))
+                                 max_shape=(self.pipe.microbatch_size, cfg.data.seq_len,
+                                            cfg.model.shape_value("n_embd")))
         self.client = PipelineClient(node, bulk_min_bytes=self.pipe.bulk_min_bytes, max_bytes=self.codec.max_bytes)
         self.optimizer = build_inner_optimizer(ends, cfg.inner)
         self.total_steps = cfg.diloco.rounds * cfg.diloco.inner_steps

@@ -99,7 +99,8 @@ class Child:
                         return i, self.lines[i]
                     i += 1
                 if self._eof:
-                    raise ChildExitedError(f"{self.name} exited (rc={self.proc.poll()}) before {what}; {self.diagnostics()}")
+                    raise ChildExitedError(f"{self.name} exited (rc={self.proc.poll()}) before {what}; "
+                                           f"{self.diagnostics()}")
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(f"{self.name}: {what} not seen within {timeout_s:.1f}s; {self.diagnostics()}")

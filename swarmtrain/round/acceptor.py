@@ -113,7 +113,8 @@ class AcceptorState:
     incarnation: int
     floor: int = 0
     rounds: dict[int, RoundVote] = field(default_factory=dict)  # the current incarnation's
-    past: dict[int, tuple[int, RoundVote]] = field(default_factory=dict)  # round -> (incarnation, votes) of retired ones
+    # round -> (incarnation, votes) of retired ones
+    past: dict[int, tuple[int, RoundVote]] = field(default_factory=dict)
     retirements: list[VoterRetirement] = field(default_factory=list)
     retired_from: int | None = None  # set while the current incarnation is retired and not yet replaced
 

@@ -31,9 +31,9 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 __all__ = [
-    "ZERO_BALLOT", "Ballot", "BallotError", "Genesis", "MaterialLayout", "ShardDigest", "Value", "Voter", "carrying_ballot",
-    "grant_statement", "is_quorum", "quorum_base", "quorum_size", "retire_statement", "session_ballot",
-    "value_to_propose",
+    "ZERO_BALLOT", "Ballot", "BallotError", "Genesis", "MaterialLayout", "ShardDigest", "Value", "Voter",
+    "carrying_ballot", "grant_statement", "is_quorum", "quorum_base", "quorum_size", "retire_statement",
+    "session_ballot", "value_to_propose",
     "voters_from_json", "voters_to_json",
 ]
 

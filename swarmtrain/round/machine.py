@@ -26,8 +26,9 @@ Under `diloco.overlap` the average of round r runs in the background while round
 attempt sends them together.
 
 Safety does not live here: it is the decision among the round's voters (round/ballots.py, acceptor.py;
-docs/protocol.md#the-decision), which holds whatever this machine or a clock does. The machine is about liveness and about never averaging a Δ taken from a
-θ_global the swarm no longer holds. Every phase change is reported as one `Transition`.
+docs/protocol.md#the-decision), which holds whatever this machine or a clock does. The machine is about
+liveness and about never averaging a Δ taken from a θ_global the swarm no longer holds. Every phase change
+is reported as one `Transition`.
 """
 
 from __future__ import annotations

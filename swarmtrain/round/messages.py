@@ -4,7 +4,8 @@ simulated network in testing/), shared by the voter (voting.py) and the proposer
 Calls, all small but `material`: `prepare` (phase 1: promise a ballot, report what was accepted), `accept`
 (phase 2: accept a (ballot, value), answered with the voter's signed grant), `learn` (what a peer knows of a
 round: a certificate, or its own accepted (ballot, value) and grant), `material` (one shard's blob of a
-value the peer holds) and `certificates` (the newest rounds' certificates it keeps, for a peer behind). Every reply names the voter (peer id and incarnation) that gave it.
+value the peer holds) and `certificates` (the newest rounds' certificates it keeps, for a peer behind).
+Every reply names the voter (peer id and incarnation) that gave it.
 """
 
 from __future__ import annotations

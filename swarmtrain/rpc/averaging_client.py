@@ -107,7 +107,8 @@ class AveragingClient:
                 raise translate(e) from None
             return tuple(reply.contributors)
 
-        return await self.node.retrying(once, endpoint=endpoint, deadline=deadline, what=f"contributors of shard {shard} from {target}")
+        return await self.node.retrying(once, endpoint=endpoint, deadline=deadline,
+                                        what=f"contributors of shard {shard} from {target}")
 
     async def fetch(self, endpoint: str, target: str, key: SessionKey, shard: int, contributors: tuple[str, ...], *,
                     max_bytes: int, deadline: float) -> bytearray | memoryview:
@@ -130,7 +131,8 @@ class AveragingClient:
                                                peer=target, pool=self.node.buffers, tls=self.node.bulk_tls)
             return await self._grpc_fetch(endpoint, target, request, shard, max_bytes=max_bytes, deadline=deadline)
 
-        return await self.node.retrying(once, endpoint=endpoint, deadline=deadline, what=f"fetch shard {shard} from {target}")
+        return await self.node.retrying(once, endpoint=endpoint, deadline=deadline,
+                                        what=f"fetch shard {shard} from {target}")
 
     def release(self, data: bytes | bytearray | memoryview) -> None:
         """Hand a fetched mean's buffer back for reuse; nothing may refer to its memory any more."""
@@ -141,7 +143,8 @@ class AveragingClient:
                           max_bytes: int, deadline: float) -> bytearray:
         buf, received, total, mac = bytearray(), 0, -1, b""
         try:
-            call = self._stub(endpoint).Fetch(request, timeout=remaining_s(deadline), metadata=self._meta(endpoint, "Fetch"))
+            call = self._stub(endpoint).Fetch(request, timeout=remaining_s(deadline),
+                                              metadata=self._meta(endpoint, "Fetch"))
             async for raw in call:
                 if mac:
                     call.cancel()

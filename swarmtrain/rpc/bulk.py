@@ -12,9 +12,9 @@ run's tickets key) of the token and the peer id the ticket was issued to: a toke
 useless to anyone else. The server answers a status (u8 code index into CODES, u32 length, utf-8
 message). A bad token or proof is answered UNAUTHENTICATED, logged, and the connection closed.
 Upload: on OK the client streams the ticket's size in bytes, then their MAC (keyed BLAKE3 under the
-run's payloads key, over the token and the bytes; rpc/payload_macs.py), and half-closes; the server reads them into a buffer
-of exactly that size (EOF before it: truncated; bytes after the MAC: oversized), checks the MAC,
-hands the buffer to the ticket's consumer and answers a final status. Download: on OK the server
+run's payloads key, over the token and the bytes; rpc/payload_macs.py), and half-closes; the server reads
+them into a buffer of exactly that size (EOF before it: truncated; bytes after the MAC: oversized), checks
+the MAC, hands the buffer to the ticket's consumer and answers a final status. Download: on OK the server
 sends u64 size, the bytes and their MAC, then closes. A payload altered on the way fails its MAC.
 Every read and write runs under the ticket's deadline, the hello under `hello_timeout_s` (at most
 BULK_HELLO_TIMEOUT_S).
@@ -52,8 +52,8 @@ from swarmtrain.trust.tls import TLS_NAME
 if TYPE_CHECKING:
     from swarmtrain.rpc.node import ByteCounters
 
-__all__ = ["BULK_HELLO_TIMEOUT_S", "CODES", "MAC_BYTES", "MAGIC", "PROOF_BYTES", "TOKEN_BYTES", "BulkRefused", "BulkServer",
-           "check_hello", "download", "host_of", "ticket_proof", "upload"]
+__all__ = ["BULK_HELLO_TIMEOUT_S", "CODES", "MAC_BYTES", "MAGIC", "PROOF_BYTES", "TOKEN_BYTES", "BulkRefused",
+           "BulkServer", "check_hello", "download", "host_of", "ticket_proof", "upload"]
 
 log = logging.getLogger(__name__)
 
@@ -365,7 +365,8 @@ class BulkServer:
             got = await _recv_into(link, view)
             self.counters.add_received(ticket.peer, got)
             if got < ticket.size_bytes:
-                raise BulkRefused("INVALID_ARGUMENT", f"truncated {ticket.what}: got {got} of {ticket.size_bytes} bytes")
+                raise BulkRefused("INVALID_ARGUMENT",
+                                  f"truncated {ticket.what}: got {got} of {ticket.size_bytes} bytes")
             mac = bytearray(MAC_BYTES)
             if await _recv_into(link, memoryview(mac)) < MAC_BYTES:
                 raise BulkRefused("INVALID_ARGUMENT", f"truncated {ticket.what}: its MAC is missing")
@@ -385,7 +386,8 @@ class BulkServer:
     async def _send(self, link: Link, ticket: _Ticket) -> None:
         assert ticket.data is not None
         await _send_status(link, "OK", tail=_SIZE.pack(ticket.size_bytes))
-        mac = asyncio.ensure_future(mac_of(self._payload_key, b"bulk", ticket.token, ticket.data))  # hashed while it is sent
+        # hashed while it is sent
+        mac = asyncio.ensure_future(mac_of(self._payload_key, b"bulk", ticket.token, ticket.data))
         try:
             await link.sendall(memoryview(ticket.data))
         finally:

@@ -306,7 +306,8 @@ class GrpcConsensusTransport:
                         total = chunk.total_bytes
                         if total != expected:
                             call.cancel()
-                            raise RpcRejected("INVALID_REPLY", f"shard {shard}: {total} bytes, the value names {expected}")
+                            raise RpcRejected("INVALID_REPLY",
+                                              f"shard {shard}: {total} bytes, the value names {expected}")
                         buf = bytearray(total)
                     if got + len(chunk.data) > total:
                         call.cancel()
@@ -320,7 +321,8 @@ class GrpcConsensusTransport:
             self.node.counters.add_received(to.peer_id, got)
             return buf
 
-        return await self.node.retrying(once, endpoint=to.endpoint, deadline=deadline, what=f"material from {to.peer_id}")
+        return await self.node.retrying(once, endpoint=to.endpoint, deadline=deadline,
+                                        what=f"material from {to.peer_id}")
 
 
 def _reply(to: Contact, build: Callable[[], T]) -> T:

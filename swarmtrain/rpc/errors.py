@@ -1,4 +1,5 @@
-"""The typed errors of the data plane: what a failed call raises (RpcError family) and what a service raises to refuse (Rejected)."""
+"""The typed errors of the data plane: what a failed call raises (RpcError family) and what a service raises
+to refuse (Rejected)."""
 
 from __future__ import annotations
 

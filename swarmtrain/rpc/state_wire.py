@@ -137,7 +137,8 @@ class StateClient:
             header: pb.StateHeader | None = None
             buf, want, received = into, 0, 0
             try:
-                call = stub.GetState(request, timeout=remaining_s(deadline), metadata=self.node.metadata(GET_STATE, endpoint))
+                call = stub.GetState(request, timeout=remaining_s(deadline),
+                                     metadata=self.node.metadata(GET_STATE, endpoint))
                 async for chunk in call:
                     if header is None:
                         header = chunk.header
@@ -174,7 +175,8 @@ class StateClient:
                                                "peer without the run key")
         if not 0 <= header.total_bytes <= max_bytes:
             call.cancel()
-            raise RpcRejected("INVALID_REPLY", f"state of {header.total_bytes} bytes exceeds the {max_bytes}-byte limit")
+            raise RpcRejected("INVALID_REPLY", f"state of {header.total_bytes} bytes exceeds the "
+                                               f"{max_bytes}-byte limit")
         want = header.total_bytes - offset if length is None else length
         if offset < 0 or want < 0 or offset + want > header.total_bytes:
             call.cancel()

@@ -101,7 +101,8 @@ def _locked(root: Path, *, timeout_s: float) -> Iterator[None]:
                 break
             except BlockingIOError:
                 if time.monotonic() > deadline:
-                    raise CheckpointError(f"{root}: another save held the checkpoint lock for over {timeout_s:.1f}s") from None
+                    raise CheckpointError(f"{root}: another save held the checkpoint lock for over "
+                                          f"{timeout_s:.1f}s") from None
                 time.sleep(0.01)
         try:
             yield
@@ -233,7 +234,8 @@ def _remove_leftovers(root: Path) -> None:
     manifests = {p.stem for p in list_checkpoints(root)}
     for p in root.iterdir():
         m = _FILE.match(p.name)
-        unfinished = m is not None and (m.group(1) is not None or (m.group(3) == "safetensors" and m.group(2) not in manifests))
+        unfinished = m is not None and (m.group(1) is not None
+                                        or (m.group(3) == "safetensors" and m.group(2) not in manifests))
         if unfinished and p.is_file():
             log.info("removing unfinished checkpoint file %s", p)
             p.unlink()
@@ -275,7 +277,8 @@ def load_checkpoint(manifest: str | os.PathLike[str]) -> LoadedCheckpoint:
     size_bytes, digest = _file_digest(payload)
     if size_bytes != body["payload_size_bytes"] or digest != body["payload_sha256"]:
         raise CheckpointError(f"{payload}: payload is torn or corrupted ({size_bytes} bytes, sha256 {digest[:12]}; "
-                              f"manifest says {body['payload_size_bytes']} bytes, sha256 {str(body['payload_sha256'])[:12]})")
+                              f"manifest says {body['payload_size_bytes']} bytes, "
+                              f"sha256 {str(body['payload_sha256'])[:12]})")
     try:
         tensors = load_file(str(payload))
     except (SafetensorError, OSError) as e:

@@ -65,7 +65,8 @@ class PeerCollector(Collector):
         if s.val_loss is not None:
             yield self._one(GaugeMetricFamily("swarmtrain_val_loss", "Validation loss after the last evaluated round.",
                                               labels=keys), s.val_loss)
-            yield self._one(GaugeMetricFamily("swarmtrain_val_perplexity", "exp(validation loss), last evaluated round.",
+            yield self._one(GaugeMetricFamily("swarmtrain_val_perplexity",
+                                              "exp(validation loss), last evaluated round.",
                                               labels=keys), math.exp(min(s.val_loss, 700.0)))
         if s.val_bpb is not None:
             yield self._one(GaugeMetricFamily("swarmtrain_val_bits_per_byte",
@@ -73,7 +74,8 @@ class PeerCollector(Collector):
                                               labels=keys), s.val_bpb)
         if s.spread is not None:
             yield self._one(GaugeMetricFamily("swarmtrain_gossip_spread",
-                                              "Gossip: relative L2 distance of φ to its partners', last round with one.",
+                                              "Gossip: relative L2 distance of φ to its partners', "
+                                              "last round with one.",
                                               labels=keys), s.spread)
         yield histogram_family("swarmtrain_allreduce_seconds", "Seconds of each outer round's averaging.",
                                t.allreduce_s, self.labels)

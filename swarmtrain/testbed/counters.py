@@ -20,7 +20,8 @@ from swarmtrain.testbed.netns import find_testbeds, ip_json, tc_stats
 from swarmtrain.testbed.shaping import DATA_CLASS, OTHER_CLASS, ROOT_CLASS, TestbedError
 
 __all__ = [
-    "TCP_FRAME_OVERHEAD_BYTES", "DirectionCounters", "HostCounters", "parse_htb_classes", "read_counters", "read_rate_bit_s", "total_wire_bytes",
+    "TCP_FRAME_OVERHEAD_BYTES", "DirectionCounters", "HostCounters", "parse_htb_classes", "read_counters",
+    "read_rate_bit_s", "total_wire_bytes",
 ]
 
 
@@ -92,7 +93,8 @@ def _direction(netns: str, dev: str) -> DirectionCounters:
     c = _classes(netns, dev)
     return DirectionCounters(
         total_bytes=c[ROOT_CLASS]["bytes"], data_bytes=c[DATA_CLASS]["bytes"], other_bytes=c[OTHER_CLASS]["bytes"],
-        packets=c[ROOT_CLASS]["packets"], data_packets=c[DATA_CLASS]["packets"], dropped=c[DATA_CLASS]["drops"] + c[OTHER_CLASS]["drops"],
+        packets=c[ROOT_CLASS]["packets"], data_packets=c[DATA_CLASS]["packets"],
+        dropped=c[DATA_CLASS]["drops"] + c[OTHER_CLASS]["drops"],
     )
 
 

@@ -113,8 +113,10 @@ def shaping_commands(dev: str, link: LinkSpec, *, data_port: int) -> list[list[s
     cmds: list[list[str]] = [
         ["qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "20"],
         ["class", "add", "dev", dev, "parent", "1:", "classid", ROOT_CLASS, "htb", "rate", rate, "ceil", rate, *common],
-        ["class", "add", "dev", dev, "parent", ROOT_CLASS, "classid", DATA_CLASS, "htb", "rate", half, "ceil", rate, *common],
-        ["class", "add", "dev", dev, "parent", ROOT_CLASS, "classid", OTHER_CLASS, "htb", "rate", half, "ceil", rate, *common],
+        ["class", "add", "dev", dev, "parent", ROOT_CLASS, "classid", DATA_CLASS, "htb", "rate", half, "ceil", rate,
+         *common],
+        ["class", "add", "dev", dev, "parent", ROOT_CLASS, "classid", OTHER_CLASS, "htb", "rate", half, "ceil", rate,
+         *common],
     ]
     for handle, parent in (("10:", DATA_CLASS), ("20:", OTHER_CLASS)):
         if link.needs_netem:

@@ -73,6 +73,7 @@ async def rendered(url: str, *, screenshot: Path | None = None, budget_ms: int =
     if screenshot is not None:
         shot = await asyncio.create_subprocess_exec(exe, *CHROMIUM_ARGS, f"--virtual-time-budget={budget_ms}",
                                                     f"--screenshot={screenshot}", url,
-                                                    stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+                                                    stdout=asyncio.subprocess.DEVNULL,
+                                                    stderr=asyncio.subprocess.DEVNULL)
         await asyncio.wait_for(shot.wait(), timeout=120)
     return {**attrs, "dom": dom}

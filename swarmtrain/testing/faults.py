@@ -123,7 +123,8 @@ class FaultyReduceTransport:
     async def push(self, reducer: Member, header: PushHeader, payload: bytes, *, deadline: float) -> None:
         fault = self.faults(FaultSite(self.peer, header.session.round, "push", reducer.peer_id))
         if fault is not None:
-            log.warning("%s: fault %s on push of shard %d to %s", self.peer, fault.action, header.shard, reducer.peer_id)
+            log.warning("%s: fault %s on push of shard %d to %s", self.peer, fault.action, header.shard,
+                        reducer.peer_id)
             if fault.action == "drop":
                 return
             if fault.action == "delay":

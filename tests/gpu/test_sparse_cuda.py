@@ -1,4 +1,5 @@
-"""The CUDA sparse kernels equal the torch reference (on the same GPU and on the CPU) bit for bit; skips without CUDA."""
+"""The CUDA sparse kernels equal the torch reference (on the same GPU and on the CPU) bit for bit; skips
+without CUDA."""
 
 from __future__ import annotations
 

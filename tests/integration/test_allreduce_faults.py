@@ -23,7 +23,8 @@ def _committed_same(results: dict[str, AverageResult], expected: torch.Tensor, c
     for name, r in results.items():
         assert r.committed, f"{name} aborted: {r.reason}"
         assert list(r.members) == contributors, name
-        assert r.mean is not None and torch.equal(r.mean_tensor(), expected), f"{name}'s mean differs from the reference"
+        assert r.mean is not None and torch.equal(r.mean_tensor(), expected), (
+            f"{name}'s mean differs from the reference")
 
 
 def _equal_bounds(num_reducers: int) -> list[tuple[int, int]]:

@@ -39,10 +39,12 @@ def test_every_member_averages_the_gathered_contributions_to_the_same_mean(no_th
     for name, r in results.items():
         assert r.committed, f"{name} aborted: {r.reason}"
         assert list(r.members) == NAMES
-        assert r.mean is not None and torch.equal(r.mean_tensor(), expected), f"{name}'s mean differs from the reference"
+        assert r.mean is not None and torch.equal(r.mean_tensor(), expected), (
+            f"{name}'s mean differs from the reference")
     # each contribution crosses the network 3 times (gRPC framing on top): far below int8's 2 × 3/4 × 1 B/value
     size = len(get_codec("sparse", **SPARSE).encode(deltas["a"]))
-    assert all(r.bytes_sent < 3 * size + 40_000 for r in results.values()), {n: r.bytes_sent for n, r in results.items()}
+    assert all(r.bytes_sent < 3 * size + 40_000
+               for r in results.values()), {n: r.bytes_sent for n, r in results.items()}
 
 
 def test_a_lost_contribution_leaves_its_sender_out_of_every_bundle(no_thread_leak: None) -> None:

@@ -284,7 +284,8 @@ def test_a_reducer_killed_while_serving_means_never_splits_the_mean() -> None:
         assert len({r.members for r in committed}) <= 1, [r.reason for r in results.values()]
         for name, r in results.items():
             if r.committed:
-                assert r.mean is not None and torch.equal(r.mean_tensor(), reference_mean(deltas, r.members, ((0, NUMEL),))), name
+                assert r.mean is not None and torch.equal(r.mean_tensor(),
+                                                          reference_mean(deltas, r.members, ((0, NUMEL),))), name
             else:
                 assert r.mean is None and r.reason, name
         survivors = ["a", "b", "d"]

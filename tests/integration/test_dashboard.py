@@ -115,7 +115,8 @@ def test_dashboard_api_and_metrics_match_the_peers_lines(tmp_path: Path) -> None
         out["swarm_metrics"] = (await asyncio.to_thread(_get, base + "/metrics"))[1].decode()
         out["peer_metrics"] = (await asyncio.to_thread(_get, f"http://127.0.0.1:{metrics_port}/metrics"))[1].decode()
         out["bad"] = [await asyncio.to_thread(_get, base + q) for q in
-                      ("/api/rounds?since=abc", "/api/rounds?limit=0", "/api/rounds?limit=10001", "/api/rounds?since=-1")]
+                      ("/api/rounds?since=abc", "/api/rounds?limit=0", "/api/rounds?limit=10001",
+                       "/api/rounds?since=-1")]
         out["page"] = await asyncio.to_thread(_get, base + "/")
         out["vendor"] = (await asyncio.to_thread(_get, base + "/static/vendor/uPlot.iife.min.js"))[0]
         out["escape"] = (await asyncio.to_thread(_get, base + "/static/../history.py"))[0]

@@ -43,7 +43,8 @@ TIMEOUT_S = 120.0
 def _config(optimizer: str, *, batch_size: int, parallel: str = "ddp") -> RunConfig:
     return load_config(overrides=[f"train.parallel={parallel}",
         "model.preset=tiny", "model.n_layer=1", "data.seq_len=32", f"data.batch_size={batch_size}",
-        "data.max_corpus_bytes=400000", f"inner.optimizer={optimizer}", "inner.lr=0.01" if optimizer == "sgd" else "inner.lr=0.003",
+        "data.max_corpus_bytes=400000", f"inner.optimizer={optimizer}",
+        "inner.lr=0.01" if optimizer == "sgd" else "inner.lr=0.003",
         "inner.warmup_steps=2", "diloco.inner_steps=3", f"diloco.rounds={ROUNDS + 1}", "train.device=cpu",
     ])
 
@@ -138,8 +139,8 @@ def _child(argv: list[str]) -> None:
 def _spawn(rank: int, port: int, optimizer: str, out: Path, parallel: str) -> subprocess.Popen[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
     return subprocess.Popen(
-        [sys.executable, __file__, "--rank", str(rank), "--port", str(port), "--optimizer", optimizer, "--out", str(out),
-         "--parallel", parallel],
+        [sys.executable, __file__, "--rank", str(rank), "--port", str(port), "--optimizer", optimizer,
+         "--out", str(out), "--parallel", parallel],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 

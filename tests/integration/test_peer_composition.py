@@ -264,7 +264,8 @@ def test_peers_of_a_sharded_run_read_the_data_parallel_slots_from_the_start_step
         seen: list[set[int]] = []
         for k in (0, 1):
             mine = f"data.shard_index={k}"
-            peer = Peer(peer_config(None, mine), writer=EventWriter(EventLog()), services=services, local_overrides=[mine])
+            peer = Peer(peer_config(None, mine), writer=EventWriter(EventLog()), services=services,
+                        local_overrides=[mine])
             await peer.start()
             try:
                 assert peer.worker is not None

@@ -142,7 +142,8 @@ def test_an_error_in_a_peers_own_all_reduce_aborts_its_round_and_it_goes_on(over
     logs = asyncio.run(_run_three([*RUN, f"diloco.overlap={'true' if overlap else 'false'}"],
                                   _fail_average_once))
     told = story(logs)
-    failed = [e for e in logs["c"].rounds() if "local error in the all-reduce: RuntimeError: codec exploded" in e.reason]
+    failed = [e for e in logs["c"].rounds()
+              if "local error in the all-reduce: RuntimeError: codec exploded" in e.reason]
     assert len(failed) == 1 and failed[0].round == BAD_ROUND and not failed[0].committed, told
     by_round = hashes_by_round(logs)
     assert sorted(by_round) == list(range(ROUNDS)) and all(len(h) == 1 for h in by_round.values()), told

@@ -19,7 +19,8 @@ STEPS = 20
 
 def _config(stages: int, n_layer: int, bulk_min_bytes: int = 1 << 30, max_message_bytes: int = 8 << 20,
             extra: tuple[str, ...] = ()):
-    return load_config(overrides=[*extra, f"pipeline.bulk_min_bytes={bulk_min_bytes}", f"rpc.max_message_bytes={max_message_bytes}",
+    return load_config(overrides=[*extra, f"pipeline.bulk_min_bytes={bulk_min_bytes}",
+                                  f"rpc.max_message_bytes={max_message_bytes}",
                                   f"rpc.chunk_bytes={min(max_message_bytes, 1 << 20)}",
         "model.preset=tiny", f"model.n_layer={n_layer}", "data.seq_len=16", "inner.warmup_steps=3",
         "inner.grad_clip=0", "diloco.rounds=4", "diloco.inner_steps=5", f"pipeline.stages={stages}",

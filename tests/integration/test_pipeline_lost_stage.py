@@ -108,7 +108,8 @@ def test_a_lost_last_stage_is_restored_from_the_freshest_copy_and_training_goes_
     committed = {(e.round, e.hash[:12]) for e in swarm.events(StageRoundEvent, ["e", "f"]) if e.committed}
     assert int(copy_round) >= 1 and any(h == copy_hash for _, h in committed), (rebuild.sources, committed)
     assert swarm.servers[name].stage == 2 and sorted(r.stage for r in swarm.servers.values()) == [0, 0, 1, 2]
-    print(f"{_check_recovery(swarm, rebuild, killed_at)}; copy {rebuild.sources[0]}; test {time.monotonic() - t0:.1f} s")
+    print(f"{_check_recovery(swarm, rebuild, killed_at)}; copy {rebuild.sources[0]}; "
+          f"test {time.monotonic() - t0:.1f} s")
 
 
 def test_a_lost_last_stage_is_not_rebuilt_and_its_microbatches_are_reported_lost(

@@ -51,12 +51,15 @@ def test_bad_calls_are_refused_with_typed_errors_and_the_server_goes_on(caplog: 
         assert list(_call(me, ep, "Forward", microbatch="m0", **ok).shape) == [2, 16, C]
 
         codes = {
-            "wrong width": _refused(me, ep, "Forward", microbatch="a", **{**ok, "shape": [2, 16, C + 1],
-                                                                           "tensor": _tensor(swarm, torch.randn(2, 16, C + 1))}),
-            "too many sequences": _refused(me, ep, "Forward", microbatch="b", **{**ok, "shape": [3, 16, C],
-                                                                                  "tensor": _tensor(swarm, torch.randn(3, 16, C))}),
-            "longer than seq_len": _refused(me, ep, "Forward", microbatch="c", **{**ok, "shape": [2, 17, C],
-                                                                                   "tensor": _tensor(swarm, torch.randn(2, 17, C))}),
+            "wrong width": _refused(me, ep, "Forward", microbatch="a",
+                                    **{**ok, "shape": [2, 16, C + 1],
+                                       "tensor": _tensor(swarm, torch.randn(2, 16, C + 1))}),
+            "too many sequences": _refused(me, ep, "Forward", microbatch="b",
+                                           **{**ok, "shape": [3, 16, C],
+                                              "tensor": _tensor(swarm, torch.randn(3, 16, C))}),
+            "longer than seq_len": _refused(me, ep, "Forward", microbatch="c",
+                                            **{**ok, "shape": [2, 17, C],
+                                               "tensor": _tensor(swarm, torch.randn(2, 17, C))}),
             "shape and bytes disagree": _refused(me, ep, "Forward", microbatch="d", **{**ok, "shape": [1, 16, C]}),
             "garbage bytes": _refused(me, ep, "Forward", microbatch="e", **{**ok, "tensor": b"\x00" * 999}),
             "altered bytes (NaN)": _refused(me, ep, "Forward", microbatch="f",

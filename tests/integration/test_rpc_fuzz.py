@@ -1,7 +1,8 @@
 """Property-based fuzzing of every RPC handler: an authenticated caller sends arbitrary and mutated request
-bytes to each method of a serving peer (averaging, the round's decision and state transfer, with an open round). Every reply is a
-typed refusal, an answer, or gRPC's own refusal to deserialize: never a handler's unhandled error (UNKNOWN,
-or INTERNAL from anything but deserialization). The peer then still averages a round exactly."""
+bytes to each method of a serving peer (averaging, the round's decision and state transfer, with an open
+round). Every reply is a typed refusal, an answer, or gRPC's own refusal to deserialize: never a handler's
+unhandled error (UNKNOWN, or INTERNAL from anything but deserialization). The peer then still averages a
+round exactly."""
 
 from __future__ import annotations
 
@@ -51,7 +52,8 @@ def _seeds() -> dict[str, list[bytes]]:
             "Fetch": [fetch], "PushTicket": [raw], "FetchTicket": [fetch],
             "Prepare": [cpb.PrepareRequest(scope="", round=0, ballot=ballot).SerializeToString()],
             "Accept": [cpb.AcceptRequest(scope="", round=0, ballot=ballot, value_json=value.canonical(),
-                                         holders=[cpb.Contact(peer_id="b", endpoint="127.0.0.1:1")]).SerializeToString()],
+                                         holders=[cpb.Contact(peer_id="b", endpoint="127.0.0.1:1")])
+                       .SerializeToString()],
             "Learn": [cpb.LearnRequest(scope="", round=0).SerializeToString()],
             "Certificates": [cpb.CertificatesRequest(scope="", from_round=0).SerializeToString()],
             "Material": [cpb.MaterialRequest(scope="", layout_json=json.dumps(layout.to_json()).encode(),

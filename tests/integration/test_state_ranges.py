@@ -35,7 +35,8 @@ SHAPES = {"w": (256, 65), "b": (65,)}
 def _snapshot(round_index: int) -> StateSnapshot:
     g = torch.Generator().manual_seed(round_index)
     params = {name: torch.randn(*shape, generator=g) for name, shape in SHAPES.items()}
-    return StateSnapshot(round_index, params, {"w": torch.randn(256, 65, generator=g)}, CONFIG, voters=(Voter("a", 0), Voter("b", 3)))
+    return StateSnapshot(round_index, params, {"w": torch.randn(256, 65, generator=g)}, CONFIG,
+                         voters=(Voter("a", 0), Voter("b", 3)))
 
 
 def _same(got: StateSnapshot, ref: StateSnapshot) -> bool:

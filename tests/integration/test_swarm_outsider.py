@@ -1,5 +1,5 @@
-"""Neither outsiders nor a lying donor steer a keyed swarm (in-process cluster: real matchmaking and all-reduce over loopback
-gRPC, in-memory DHT). A peer without the run key and a peer left over from another run (another key, round
+"""Neither outsiders nor a lying donor steer a keyed swarm (in-process cluster: real matchmaking and all-reduce over
+loopback gRPC, in-memory DHT). A peer without the run key and a peer left over from another run (another key, round
 26) publish, all run long: a peer record far ahead with a θ to heal from, a second run record, match entries
 with the smallest id (the leader's) and groups naming the honest peers. The honest peers commit every round
 with one hash and without them, and never dial their endpoint. A key holder that serves another θ_global

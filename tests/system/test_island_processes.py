@@ -1,7 +1,8 @@
 """A coordinator and two peers, each an island of 2 gloo ranks started by `swarmtrain peer --nproc-per-node 2`,
-one with `train.parallel=ddp`, one with `fsdp`: the islands commit rounds together with one θ_global hash per round; then one rank of an island is SIGKILLed
-and that island leaves as a whole (rank 0 notices at its next collective, at most a ping interval later,
-leaves as a peer does on an error, and the launcher exits), while the other peer goes on committing.
+one with `train.parallel=ddp`, one with `fsdp`: the islands commit rounds together with one θ_global hash per
+round; then one rank of an island is SIGKILLed and that island leaves as a whole (rank 0 notices at its next
+collective, at most a ping interval later, leaves as a peer does on an error, and the launcher exits), while the
+other peer goes on committing.
 """
 
 from __future__ import annotations

@@ -101,7 +101,8 @@ def test_llama_on_prepared_shards_trains_exports_and_loads(procs: ProcessSet, tm
     assert trained["vocab_size"] == 512
 
     jsonl, parquet = tmp_path / "a.jsonl", tmp_path / "b.parquet"
-    jsonl.write_text("".join(json.dumps({"id": i, "text": d}) + "\n" for i, d in enumerate(docs[::2])), encoding="utf-8")
+    jsonl.write_text("".join(json.dumps({"id": i, "text": d}) + "\n" for i, d in enumerate(docs[::2])),
+                     encoding="utf-8")
     pq.write_table(pa.table({"content": docs[1::2]}), parquet)
     shards_a, shards_b = tmp_path / "shards-a", tmp_path / "shards-b"
     for src, out, field in ((jsonl, shards_a, "text"), (parquet, shards_b, "content")):

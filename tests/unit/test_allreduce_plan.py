@@ -74,7 +74,8 @@ def test_a_mean_of_encoded_parts_is_the_reference_mean_of_their_decoded_values(n
 def test_session_ids_separate_attempts_and_reducer_sets() -> None:
     base = SessionKey("run", 4, "g" * 32, 0, ("a", "b"))
     ids = {base.session_id, SessionKey("run", 4, "g" * 32, 1, ("a", "b")).session_id,
-           SessionKey("run", 4, "g" * 32, 1, ("a",)).session_id, SessionKey("run", 5, "g" * 32, 0, ("a", "b")).session_id}
+           SessionKey("run", 4, "g" * 32, 1, ("a",)).session_id,
+           SessionKey("run", 5, "g" * 32, 0, ("a", "b")).session_id}
     assert len(ids) == 4
     assert SessionKey.from_wire(base.to_wire()) == base
 

@@ -68,7 +68,8 @@ def test_newest_wins_and_only_keep_survive(tmp_path: Path) -> None:
         save_checkpoint(tmp_path, tensors=_tensors(i), meta={"i": i}, keep=2)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["ckpt-0000000003.json", "ckpt-0000000004.json"]
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        ".ckpt.lock", "ckpt-0000000003.json", "ckpt-0000000003.safetensors", "ckpt-0000000004.json", "ckpt-0000000004.safetensors"]
+        ".ckpt.lock", "ckpt-0000000003.json", "ckpt-0000000003.safetensors", "ckpt-0000000004.json",
+        "ckpt-0000000004.safetensors"]
     loaded = load_latest_checkpoint(tmp_path)
     assert loaded is not None and loaded.meta == {"i": 4}
     _assert_same(loaded.tensors, _tensors(4))
@@ -160,7 +161,8 @@ def _crash_at(monkeypatch: pytest.MonkeyPatch, op_index: int) -> list[str]:
     return ops
 
 
-def test_a_crash_at_any_point_of_a_save_leaves_old_or_new_state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_crash_at_any_point_of_a_save_leaves_old_or_new_state(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     # Count the durable steps of one save that also prunes (2 existing, keep=2).
     save_checkpoint(tmp_path / "count", tensors=_tensors(0), meta={"i": 0})
     save_checkpoint(tmp_path / "count", tensors=_tensors(1), meta={"i": 1})
@@ -248,7 +250,8 @@ _tensor = st.integers(0, 4).map(lambda n: torch.arange(float(n)))
 _state = st.recursive(
     st.one_of(_leaf, _tensor),
     lambda kids: st.one_of(st.lists(kids, max_size=3),
-                           st.dictionaries(st.text(min_size=1, max_size=4).filter(lambda k: not k.startswith("__")), kids, max_size=3),
+                           st.dictionaries(st.text(min_size=1, max_size=4).filter(lambda k: not k.startswith("__")),
+                                           kids, max_size=3),
                            st.dictionaries(st.integers(0, 9), kids, max_size=3)),
     max_leaves=12,
 )

@@ -176,7 +176,8 @@ def test_every_published_or_exposed_port_is_one_a_process_listens_on() -> None:
     assert listening == {"coordinator": {7001, 8080}, "peer": {7000, 7001, 7010, 9100}}
     for name, svc in services.items():
         published = {_container_port(p) for p in svc.get("ports", [])} | {int(p) for p in svc.get("expose", [])}
-        assert published <= listening[name], f"{name} publishes {sorted(published - listening[name])}: nothing serves it"
+        assert published <= listening[name], (
+            f"{name} publishes {sorted(published - listening[name])}: nothing serves it")
     every = set().union(*listening.values())
     assert 0 not in every, "a port chosen at random could not be published or opened in a firewall"
     for dockerfile in DOCKERFILES:

@@ -116,8 +116,9 @@ def test_gossip_spread_is_averaged_per_round_and_an_older_history_file_gains_its
     old = sqlite3.connect(db)  # a history written before the spread columns existed
     old.executescript("CREATE TABLE rounds (round INTEGER NOT NULL, part INTEGER NOT NULL, members INTEGER NOT NULL, "
                       "hashes TEXT NOT NULL, loss_sum REAL NOT NULL, loss_n INTEGER NOT NULL, val_sum REAL NOT NULL, "
-                      "val_n INTEGER NOT NULL, tokens INTEGER NOT NULL, bytes INTEGER NOT NULL, comm_sum REAL NOT NULL, "
-                      "compute_s REAL NOT NULL, first_at REAL NOT NULL, PRIMARY KEY (round, part));"
+                      "val_n INTEGER NOT NULL, tokens INTEGER NOT NULL, bytes INTEGER NOT NULL, "
+                      "comm_sum REAL NOT NULL, compute_s REAL NOT NULL, first_at REAL NOT NULL, "
+                      "PRIMARY KEY (round, part));"
                       "INSERT INTO rounds VALUES (0, -2, 1, '[\"aa\"]', 3.0, 1, 0, 0, 10, 100, 0.5, 1.0, 0.0);")
     old.close()
     h = History(db, retention_rounds=10)

@@ -37,7 +37,8 @@ def test_user_files_split_and_errors(tmp_path: Path) -> None:
 
 def _windows(k: int, num_workers: int, steps: int) -> set[int]:
     tokens = torch.arange(10_000) % 256
-    s = ShardedBatches(tokens.to(torch.uint8), worker_index=k, num_workers=num_workers, batch_size=4, seq_len=15, seed=3)
+    s = ShardedBatches(tokens.to(torch.uint8), worker_index=k, num_workers=num_workers,
+                       batch_size=4, seq_len=15, seed=3)
     return {int(w) for t in range(steps) for w in s.windows_at(t)}
 
 

@@ -28,7 +28,8 @@ def _worker(cfg: RunConfig, tokens: torch.Tensor, *, index: int, num_workers: in
 
 def test_diloco_h1_equals_data_parallel_sgd(tiny_config: RunConfig) -> None:
     cfg = tiny_config.replace(
-        inner={"optimizer": "sgd", "lr": 0.5, "momentum": 0.0, "grad_clip": 0.0, "warmup_steps": 0, "min_lr_ratio": 1.0},
+        inner={"optimizer": "sgd", "lr": 0.5, "momentum": 0.0, "grad_clip": 0.0, "warmup_steps": 0,
+               "min_lr_ratio": 1.0},
         outer={"lr": 1.0, "momentum": 0.0, "nesterov": False},
         diloco={"inner_steps": 1, "rounds": STEPS},
     )

@@ -107,7 +107,8 @@ def test_one_round_overlapped_equals_classic(tiny_config: RunConfig) -> None:
     cfg = tiny_config.replace(diloco={"rounds": 1})
     data = load_corpus(cfg.data)
     hashes = {simulate_diloco(cfg.replace(diloco={"overlap": o}), train_tokens=data.train, val_tokens=data.val,
-                              num_workers=2, average_all=InProcessGroup(get_codec("fp32"), num_workers=2).average_all).hash
+                              num_workers=2,
+                              average_all=InProcessGroup(get_codec("fp32"), num_workers=2).average_all).hash
               for o in (False, True)}
     assert len(hashes) == 1
 

@@ -38,8 +38,8 @@ HF_CONFIG = {"model_type": "llama", "vocab_size": 256, "hidden_size": 32, "inter
              "tie_word_embeddings": True}
 
 
-@pytest.mark.parametrize("arch", [["model.arch=gpt"], ["model.arch=llama"], ["model.arch=llama", "model.tie_embeddings=true"],
-                                  ["model.arch=hf"]])
+@pytest.mark.parametrize("arch", [["model.arch=gpt"], ["model.arch=llama"],
+                                  ["model.arch=llama", "model.tie_embeddings=true"], ["model.arch=hf"]])
 def test_exports_load_with_transformers_and_give_the_same_logits(tmp_path: Path, arch: list[str]) -> None:
     if arch == ["model.arch=hf"]:
         (tmp_path / "config.json").write_text(json.dumps(HF_CONFIG))

@@ -108,7 +108,8 @@ def test_hf_arch_builds_the_config_json_model_with_a_seeded_init(tmp_path: Path)
     idx = torch.randint(0, 256, (2, 32))
     logits, loss = a.eval()(idx, idx)
     assert torch.equal(logits, a.hf(input_ids=idx).logits)
-    assert loss is not None and abs(loss.item() - torch.nn.functional.cross_entropy(logits.view(-1, 256), idx.view(-1)).item()) < 1e-6
+    assert (loss is not None
+            and abs(loss.item() - torch.nn.functional.cross_entropy(logits.view(-1, 256), idx.view(-1)).item()) < 1e-6)
     assert count_params(cfg.model) == sum(p.numel() for p in a.parameters())
     # A directory with weights starts from them.
     a.hf.save_pretrained(str(tmp_path / "weights"))

@@ -77,7 +77,8 @@ def test_layout_key_differs_with_every_part_of_the_layout() -> None:
         MaterialLayout(layout.numel, "fp16", False, layout.shards),
         MaterialLayout(layout.numel, "fp32", True, layout.shards),
         MaterialLayout(layout.numel, "fp32", False, (*layout.shards[:2], ShardDigest(8, 12, 7, "0" * 64))),
-        MaterialLayout(layout.numel, "fp32", False, (*layout.shards[:2], ShardDigest(8, 12, 8, layout.shards[2].digest))),
+        MaterialLayout(layout.numel, "fp32", False,
+                       (*layout.shards[:2], ShardDigest(8, 12, 8, layout.shards[2].digest))),
         MaterialLayout(12, "fp32", False, (ShardDigest(0, 6, 5, layout.shards[0].digest),
                                            ShardDigest(6, 8, 6, layout.shards[1].digest), layout.shards[2])),
     ]

@@ -48,7 +48,8 @@ def test_init_from_loads_given_weights_and_names_what_does_not_fit(tmp_path) -> 
     path = tmp_path / "init.safetensors"
     save_init_weights(source, path)
     loaded = build_model(load_config(overrides=["model.preset=small", f"model.init_from={path}"]).model, seed=0)
-    assert all(torch.equal(a, b) for a, b in zip(source.state_dict().values(), loaded.state_dict().values(), strict=True))
+    assert all(torch.equal(a, b)
+               for a, b in zip(source.state_dict().values(), loaded.state_dict().values(), strict=True))
     with pytest.raises(ConfigError, match="does not fit this model"):
         build_model(load_config(overrides=["model.preset=tiny", f"model.init_from={path}"]).model, seed=0)
     with pytest.raises(ConfigError, match="no such file"):

@@ -31,7 +31,8 @@ from swarmtrain.telemetry import HealEvent, StageRoundEvent
 pytestmark = pytest.mark.unit
 
 CFG = load_config(overrides=["diloco.inner_steps=2", "outer.lr=0.5", "outer.momentum=0", "outer.nesterov=false",
-                             "averaging.min_peers=2", "discovery.heartbeat_s=0.05", "averaging.matchmaking_timeout_s=1"])
+                             "averaging.min_peers=2", "discovery.heartbeat_s=0.05",
+                             "averaging.matchmaking_timeout_s=1"])
 NEXT = (Voter("a", 0), Voter("b", 0))  # the voters the scripted commits name for the next round
 _PORTS = itertools.count(2)
 
@@ -67,7 +68,8 @@ class ScriptedPlane:
         assert mean is not None
         members = tuple(sorted((self.me, "other")))
         value = Value(scope=self.scope, round=r, session="s", base=base, contributors=members, next_voters=NEXT,
-                      layout=MaterialLayout(mean.numel(), "none", False, (ShardDigest(0, mean.numel(), 4 * mean.numel(), "d"),)),
+                      layout=MaterialLayout(mean.numel(), "none", False,
+                                            (ShardDigest(0, mean.numel(), 4 * mean.numel(), "d"),)),
                       result="")
         cert = Certificate(run="r/n", ballot=Ballot(0, 0, 0, "s", "a"), value=value, grants=())
         return AverageResult(r, True, mean, members=members, certificate=cert)

@@ -23,6 +23,8 @@ def test_generated_wire_code_matches_proto(tmp_path: Path) -> None:
     generated = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*_pb2*.py*"))
     assert generated, "protoc generated nothing"
     committed = sorted(p.relative_to(REPO) for p in (REPO / "swarmtrain" / "wire").glob("*_pb2*.py*"))
-    assert [str(p) for p in generated] == [str(p) for p in committed], "generated file set drifted: run scripts/gen_proto.sh"
+    assert [str(p) for p in generated] == [str(p) for p in committed], (
+        "generated file set drifted: run scripts/gen_proto.sh")
     for rel in generated:
-        assert (tmp_path / rel).read_text() == (REPO / rel).read_text(), f"{rel} drifted from proto/: run scripts/gen_proto.sh"
+        assert (tmp_path / rel).read_text() == (REPO / rel).read_text(), (
+            f"{rel} drifted from proto/: run scripts/gen_proto.sh")

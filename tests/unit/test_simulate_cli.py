@@ -50,7 +50,8 @@ def test_simulate_codec_flag_changes_bytes(tmp_path: Path) -> None:
     (["--data", "/does/not/exist.txt"], "exist.txt: data file not found"),
     (["--codec", "int7"], "compress.codec"),
 ])
-def test_simulate_bad_input_exits_with_one_line(extra: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_simulate_bad_input_exits_with_one_line(extra: list[str], needle: str,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["simulate", *TINY, *extra]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and needle in err[0] and err[0].startswith("swarmtrain simulate: error:"), err

@@ -29,7 +29,8 @@ def test_builtin_models_resolve_to_their_dimensions() -> None:
 def test_a_peer_with_another_hf_config_is_refused_naming_the_field(tmp_path: Path) -> None:
     path = tmp_path / "config.json"
     path.write_text(json.dumps(HF))
-    run = resolve_run(load_config(overrides=["model.arch=hf", f"model.hf_path={json.dumps(str(path))}", "data.seq_len=32"]))
+    run = resolve_run(load_config(overrides=["model.arch=hf", f"model.hf_path={json.dumps(str(path))}",
+                                             "data.seq_len=32"]))
     assert "config.num_hidden_layers=2" in run.model.signature
     path.write_text(json.dumps({**HF, "num_hidden_layers": 3, "rms_norm_eps": 1e-6}))
     with pytest.raises(RunMismatchError, match=r"config\.num_hidden_layers = 3 here, 2 in the run") as e:
@@ -58,7 +59,8 @@ def test_config_errors_name_the_field() -> None:
         (["model.arch=gpt", "model.n_kv_head=2"], "model.n_kv_head: is a llama field"),
         (["model.arch=hf"], "model.hf_path: must name"),
         (["model.hf_path=x.json"], "model.hf_path: is only used with model.arch = 'hf'"),
-        (["model.arch=hf", "model.hf_path=c.json", "pipeline.stages=2"], "pipeline.stages: a pipeline cuts the built-in"),
+        (["model.arch=hf", "model.hf_path=c.json", "pipeline.stages=2"],
+         "pipeline.stages: a pipeline cuts the built-in"),
         (["data.batch_size=8", "data.micro_batch_size=3"], "data.micro_batch_size: 3 does not divide"),
         (["data.shards=x", "data.paths=['y']"], "data.shards: excludes data.paths"),
         (["train.precision=fp8"], "train.precision: 'fp8' is not one of"),

@@ -13,7 +13,7 @@ NET_DEV = """Inter-|   Receive                                                | 
  face |bytes    packets errs drop fifo frame compressed multicast|bytes    packets errs drop fifo colls carrier compressed
     lo:     840      12    0    0    0     0          0         0      840      12    0    0    0     0       0          0
   eth0: 1234567    890    0    0    0     0          0         0  7654321     432    0    0    0     0       0          0
-"""
+"""  # noqa: E501
 
 
 def test_parse_net_dev_reads_rx_and_tx_bytes_of_the_device() -> None:

@@ -67,7 +67,8 @@ class SimNode:
 class SimNetwork:
     """Nodes by endpoint; links between peer ids, cut by `partition` (sides) until `heal`."""
 
-    def __init__(self, *, rng: random.Random, latency_s: tuple[float, float] = (0.002, 0.03), drop: float = 0.0) -> None:
+    def __init__(self, *, rng: random.Random, latency_s: tuple[float, float] = (0.002, 0.03),
+                 drop: float = 0.0) -> None:
         self.rng = rng
         self.latency_s = latency_s
         self.drop = drop

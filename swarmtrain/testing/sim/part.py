@@ -83,7 +83,8 @@ class SimPart:
         self.ledger.held(self._round, self._digest)
 
     def _checkpoint(self) -> None:
-        tensors = {"theta": self.theta.clone(), **{f"outer.{k}": v.clone() for k, v in self.outer.state_tensors().items()}}
+        tensors = {"theta": self.theta.clone(),
+                   **{f"outer.{k}": v.clone() for k, v in self.outer.state_tensors().items()}}
         meta = {"round": self._round, "voters": voters_to_json(self._voters),
                 "certificates": [c.to_json() for c in self.certificates[-4:]]}
         save_checkpoint(self.directory, tensors=tensors, meta=json.loads(json.dumps(meta)), keep=2)

@@ -190,7 +190,8 @@ class SimPeer:
             if value.base != part.digest:
                 return ""  # not at the value's base: it cannot tell
             mine = await part.preview(sharded_mean(material, codec), value.next_voters)
-            return "" if mine == value.result else f"its outer step gives {mine[:12]}, the value names {value.result[:12]}"
+            return ("" if mine == value.result
+                    else f"its outer step gives {mine[:12]}, the value names {value.result[:12]}")
 
         voter_kw = dict(scope="", run=run, identity=discovery.identity, check_result=check_result,
                         store=FileVoteStore(self.directory, rng=random.Random(f"{self.seed}|{self.peer_id}|"
