@@ -80,7 +80,8 @@ def scale(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             print(f"[{time.strftime('%H:%M:%S')}] {n} peers, {mode} ...", flush=True)
             with Testbed(args.name, num_hosts=n, link=LinkSpec(rate_bit_s=parse_rate(args.rate))) as tb:
                 before = read_counters(tb.name)
-                run = start_diloco(tb, workload, codec="int8", out_dir=work / f"{mode}-{n}", extra_run=_extra(mode, args))
+                run = start_diloco(tb, workload, codec="int8", out_dir=work / f"{mode}-{n}",
+                                   extra_run=_extra(mode, args))
                 try:
                     result = finish_diloco(run, workload, timeout_s=args.timeout_s, before=before)
                 finally:
