@@ -49,6 +49,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gossip-timeout-s", type=float, default=5.0)
     p.add_argument("--matchmaking-s", type=float, default=3.0, help="the all-reduce arm's matchmaking window")
     p.add_argument("--warm-rounds", type=int, default=5, help="chaos: rounds p0 trains before the faults")
+    p.add_argument("--chaos-rounds", type=int, default=200,
+                   help="chaos: rounds after the warm ones; enough that the others still train 10 rounds after "
+                        "SIGCONT (a round of the defaults takes about a second)")
     p.add_argument("--stop-s", type=float, default=60.0, help="chaos: how long p1 stays stopped")
     p.add_argument("--kill-after-s", type=float, default=10.0, help="chaos: when p2 is killed, into the stall")
     p.add_argument("--name", default="gossip")
@@ -118,7 +121,7 @@ def _wait_round(run: DilocoRun, name: str, at_least: int) -> None:
 
 
 def chaos(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    rounds = args.warm_rounds + 40
+    rounds = args.warm_rounds + args.chaos_rounds
     workload = _workload(args, 6, rounds)
     with Testbed(args.name, num_hosts=6, link=LinkSpec(rate_bit_s=parse_rate(args.rate))) as tb:
         before = read_counters(tb.name)
@@ -157,8 +160,11 @@ def chaos(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         after = [x.spread for t, x in lines if t >= resumed_at and x.spread is not None]
         spreads[name] = {"before": statistics.mean(pre) if pre else None,
                          "10_rounds_after_resume": statistics.mean(after[5:10]) if len(after) >= 10 else None}
+    early = [n for n in ("p0", "p3", "p4", "p5") if not any(t >= resumed_at for t, _ in _rounds(run, n))]
+    if early:  # their rate during the stall would count the time after their last round
+        print(f"INVALID: {early} trained their last round before p1 resumed: raise --chaos-rounds", flush=True)
     back = [x for t, x in _rounds(run, "p2") if t >= restarted_at]
-    out = {"others": others, "spread": spreads, "restarted_rounds": len(back),
+    out = {"others": others, "spread": spreads, "restarted_rounds": len(back), "finished_before_resume": early,
            "restarted_first_round": back[0].round if back else None,
            "stopped_rounds_after_resume": sum(1 for t, _ in _rounds(run, "p1") if t >= resumed_at),
            "val_loss": result["val_loss"], "gossip_timeout_s": args.gossip_timeout_s}
