@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from swarmtrain.daemon.options import add_config_options, add_insecure_option
+
+if TYPE_CHECKING:
+    from swarmtrain.peer.root import Peer
 
 HELP = ("join a run as a DiLoCo peer (or a pipeline stage server or trainer): prints READY {json}, then one JSON "
         "line per round (per step)")
@@ -158,7 +163,16 @@ def run(args: argparse.Namespace) -> int:
     try:
         with progress.active() if progress is not None else contextlib.nullcontext():
             return run_peer_process(local, local_overrides=args.overrides, coordinator_id=args.coordinator_id,
-                                    progress=progress, metrics=_metrics(args), export_dir=args.export_dir or "")
+                                    progress=progress, metrics=_metrics(args), after_leave=_exporter(args))
     except (PeerError, IslandLost) as e:  # IslandLost: a rank of this peer's island died or hung
         print(f"swarmtrain peer: error: {e}", file=sys.stderr)
         return 1
+
+
+def _exporter(args: argparse.Namespace) -> Callable[[Peer], None] | None:
+    """`--export-dir OUT`: the θ_global the peer leaves with, written to OUT once it has left."""
+    if not args.export_dir:
+        return None
+    from swarmtrain.daemon.cmd_export import export_on_leave
+
+    return lambda peer: export_on_leave(peer, args.export_dir)

@@ -12,7 +12,6 @@ network.py   NetworkServices/NetworkPlane: hivemind DHT + gRPC, the services of 
 data.py      which slot of the data a peer reads
 config.py    the run's config merged with the settings a peer owns itself
 process.py   `swarmtrain peer` as a process: uvloop, signals
-export.py    `--export-dir`: the θ_global a peer leaves with, as a Hugging Face directory
 memory.py    `train.memory_budget_mb` against what a DiLoCo worker holds
 island.py    `--nproc-per-node N` and torchrun: the local ranks of one peer, started and joined
 """

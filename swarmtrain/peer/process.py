@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from swarmtrain.config import RunConfig
@@ -25,12 +25,12 @@ __all__ = ["Role", "run_peer_process", "run_role", "serve_role_metrics"]
 
 def run_peer_process(local: RunConfig, *, local_overrides: Sequence[str] = (), coordinator_id: str | None = None,
                      progress: ConsoleProgress | None = None, metrics: tuple[str, int] | None = None,
-                     export_dir: str = "") -> int:
+                     after_leave: Callable[[Peer], None] | None = None) -> int:
     """`swarmtrain peer`: one peer on uvloop until its rounds are done or it is signalled; 0 on a clean leave.
 
     With `progress`, the peer's events and inner steps are also rendered there (stdout is unchanged); with
-    `metrics` (host, port), its Prometheus metrics are served there; with `export_dir`, the θ_global it left
-    with is written there as a Hugging Face directory (sync/export.py).
+    `metrics` (host, port), its Prometheus metrics are served there; `after_leave(peer)` runs once it has left,
+    if it trained a DiLoCo worker (the CLI's `--export-dir` writes its θ_global there).
     """
     import uvloop
 
@@ -51,10 +51,8 @@ def run_peer_process(local: RunConfig, *, local_overrides: Sequence[str] = (), c
     finally:
         if island is not None:
             island.close()
-    if export_dir and peer.worker is not None:
-        from swarmtrain.peer.export import export_on_leave
-
-        export_on_leave(peer, export_dir)
+    if after_leave is not None and peer.worker is not None:
+        after_leave(peer)
     return status
 
 

@@ -73,7 +73,8 @@ def test_peer_progress_goes_to_stderr_only_when_on(flag: str, monkeypatch: pytes
     from swarmtrain.telemetry.console import ConsoleEventWriter, ConsoleProgress
 
     def fake_run_peer_process(local: object, *, local_overrides: object, coordinator_id: object,
-                              progress: ConsoleProgress | None, metrics: object = None, export_dir: str = "") -> int:
+                              progress: ConsoleProgress | None, metrics: object = None,
+                              after_leave: object = None) -> int:
         writer = EventWriter(sys.stdout) if progress is None else ConsoleEventWriter(sys.stdout, progress)
         writer.emit(LeaveEvent(round=3, reason="done"))
         return 0
