@@ -39,7 +39,11 @@ case "$cmd" in
     # even when one fails. Any path or test id (an argument naming a file or directory): one pytest call with
     # the arguments as given.
     paths=0
-    for a in "$@"; do [[ "$a" != -* && -e "${a%%::*}" ]] && paths=1; done
+    filtered=0
+    for a in "$@"; do
+      [[ "$a" != -* && -e "${a%%::*}" ]] && paths=1
+      [[ "$a" == -k* || "$a" == -m* || "$a" == --deselect* ]] && filtered=1
+    done
     if [ "$paths" -eq 1 ]; then tiers=("") ; else tiers=(tests/unit tests/integration tests/system tests/gpu); fi
     status=0
     ran=0
@@ -55,8 +59,11 @@ case "$cmd" in
       rc=$?
       set -e
       [ -n "$tier" ] && echo "== $tier: exit $rc in $((SECONDS - start)) s" >&2
-      if [ "$rc" -eq 5 ]; then  # nothing collected here (a tier that -k/-m leaves empty, or no GPU tests)
-        rc=0
+      if [ "$rc" -eq 5 ] && { [ "$tier" = tests/gpu ] || [ "$filtered" -eq 1 ]; }; then
+        rc=0  # nothing collected: no GPU tests here, or a tier that -k/-m leaves empty
+      elif [ "$rc" -eq 5 ]; then
+        echo "pytest collected no tests${tier:+ in $tier}: treating as a failure" >&2
+        rc=1
       else
         ran=1
       fi
