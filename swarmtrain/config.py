@@ -24,6 +24,7 @@ from typing import Any
 from swarmtrain.config_model import BYTES_TOKENIZER, DataConfig, ModelConfig
 from swarmtrain.config_pipeline import PipelineConfig
 from swarmtrain.config_sections import (
+    CODEC_DEFAULTS,
     AveragingConfig,
     CheckpointConfig,
     CompressConfig,
@@ -39,6 +40,7 @@ from swarmtrain.config_sections import (
 )
 
 __all__ = [
+    "CODEC_DEFAULTS",
     "AveragingConfig",
     "CheckpointConfig",
     "CompressConfig",
@@ -59,9 +61,13 @@ __all__ = [
     "to_dict",
     "to_toml",
     "toml_value",
+    "with_codec_defaults",
 ]
 
 
+# An outer momentum this high on sparse means made every arm measured diverge (docs/benchmarks.md#the-sparse-codecs-
+# outer-step): the error-feedback residual already carries what past rounds did not send.
+SPARSE_MAX_MOMENTUM = 0.9
 BYTE_VOCAB_SIZE = 256  # the data's tokens are bytes (swarmtrain.data.VOCAB_SIZE; no torch import here)
 
 
@@ -108,6 +114,11 @@ class RunConfig:
                             ("diloco.overlap", self.diloco.overlap), ("diloco.fragments", self.diloco.fragments > 1),
                             ("pipeline.stages", self.pipeline.stages > 0)):
                 check(not on, key, "is not supported with averaging.mode = 'gossip' (docs/gossip.md)")
+        check(self.compress.codec != "sparse" or self.outer.momentum < SPARSE_MAX_MOMENTUM, "outer.momentum",
+              f"{self.outer.momentum} with compress.codec = 'sparse' diverges (measured: val loss above its start "
+              "after 32 rounds); use the codec's own outer step: leave outer.lr, outer.momentum and outer.nesterov "
+              "unset, or set outer.momentum = 0, outer.nesterov = false, outer.lr = 4 "
+              "(docs/benchmarks.md#the-sparse-codecs-outer-step)")
         check(not (self.averaging.gathers(self.compress.codec) and self.averaging.aggregator != "mean"),
               "averaging.aggregator",
               f"{self.averaging.aggregator!r} with gathered contributions (compress.codec = {self.compress.codec!r}, "
@@ -194,16 +205,33 @@ def _section_types() -> dict[str, type]:
 
 
 def from_dict(data: Mapping[str, Any]) -> RunConfig:
-    """Build a validated RunConfig; unknown sections/keys and wrong types raise ConfigError."""
+    """Build a validated RunConfig; unknown sections/keys and wrong types raise ConfigError. Keys left unset
+    take the defaults of the codec `compress.codec` names (CODEC_DEFAULTS), then their section's."""
     sections = _section_types()
     built: dict[str, Any] = {}
-    for name, values in data.items():
+    for name, values in with_codec_defaults(data).items():
         if name not in sections:
             raise ConfigError(f"{name}: unknown config section; known: {sorted(sections)}")
         if not isinstance(values, Mapping):
             raise ConfigError(f"{name}: must be a table of key = value")
         built[name] = _build_section(name, sections[name], values)
     return RunConfig(**built)
+
+
+def with_codec_defaults(data: Mapping[str, Any]) -> Mapping[str, Any]:
+    """`data` with the keys it leaves unset that its codec has its own defaults for (CODEC_DEFAULTS) filled in;
+    every key `data` sets, and anything malformed (reported by from_dict), is kept as it is."""
+    compress = data.get("compress")
+    codec = compress.get("codec") if isinstance(compress, Mapping) else None
+    defaults = CODEC_DEFAULTS.get(codec) if isinstance(codec, str) else None
+    if not defaults:
+        return data
+    out = dict(data)
+    for section, keys in defaults.items():
+        values = out.get(section, {})
+        if isinstance(values, Mapping):
+            out[section] = {**keys, **values}
+    return out
 
 
 def _build_section(name: str, cls: type, values: Mapping[str, Any]) -> Any:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = [
+    "CODEC_DEFAULTS",
     "AveragingConfig",
     "CheckpointConfig",
     "CompressConfig",
@@ -38,6 +39,15 @@ COMBINES = ("auto", "reencode", "gather")  # averaging.combine
 AVERAGING_MODES = ("allreduce", "gossip")  # averaging.mode
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")  # train.precision
 PARALLELS = ("ddp", "fsdp")  # train.parallel
+
+# The outer step that goes with a codec where it is not the sections' defaults: a config that names the codec
+# gets these for the keys it leaves unset (config.from_dict). The sparse codec's is SparseLoCo's: the
+# error-feedback residual, decayed by β, already carries what past rounds did not send, as a momentum would,
+# so the outer step adds none and takes a larger lr (docs/benchmarks.md#sparse-pseudo-gradients).
+CODEC_DEFAULTS: dict[str, dict[str, dict[str, bool | float]]] = {
+    "sparse": {"compress": {"error_feedback": True, "error_feedback_decay": 0.9},
+               "outer": {"lr": 4.0, "momentum": 0.0, "nesterov": False}},
+}
 
 
 @dataclass(frozen=True)
@@ -233,7 +243,10 @@ class CompressConfig:
     """`int8` or `int4` (blockwise absmax quantization: 1 or 0.5 bytes per value plus a scale per block),
     `fp16` or `bf16` (2 bytes), `fp32` (4 bytes, lossless), or `sparse`: per chunk of `chunk_size`
     values only the `density` largest in magnitude, at `bits` bits each plus their offsets (needs
-    `error_feedback`)."""
+    `error_feedback`). A config that names `sparse` gets its outer step for the keys it leaves unset:
+    `compress.error_feedback = true`, `compress.error_feedback_decay = 0.9`, `outer.lr = 4`,
+    `outer.momentum = 0`, `outer.nesterov = false` (SparseLoCo's; an outer momentum of 0.9 or more
+    on sparse means diverges and is refused)."""
     block_size: int = 64
     """`int8`/`int4`: values per quantization block, each with its own scale (even, >= 2)."""
     scale_dtype: str = "fp32"

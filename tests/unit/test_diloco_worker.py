@@ -10,7 +10,7 @@ import torch
 
 from swarmtrain.averaging.inprocess import InProcessGroup
 from swarmtrain.compress import get_codec
-from swarmtrain.config import RunConfig
+from swarmtrain.config import CODEC_DEFAULTS, RunConfig
 from swarmtrain.data import ShardedBatches, eval_batches, load_corpus
 from swarmtrain.diloco import DilocoWorker
 from swarmtrain.diloco.averager import AverageResult
@@ -20,6 +20,8 @@ from swarmtrain.models import build_model
 from swarmtrain.round.ballots import Voter
 
 pytestmark = pytest.mark.unit
+
+SPARSE_OUTER = CODEC_DEFAULTS["sparse"]["outer"]  # an outer momentum on sparse means is refused
 
 
 def _worker(cfg: RunConfig, *, index: int = 0, num_workers: int = 1, codec=None) -> DilocoWorker:
@@ -133,7 +135,7 @@ def test_evaluate_and_schedule(tiny_config: RunConfig) -> None:
 
 def test_a_decayed_residual_is_scaled_before_it_joins_the_next_delta(tiny_config: RunConfig) -> None:
     cfg = tiny_config.replace(compress={"codec": "sparse", "error_feedback": True, "error_feedback_decay": 0.5,
-                                        "chunk_size": 64, "density": 0.05})
+                                        "chunk_size": 64, "density": 0.05}, outer=SPARSE_OUTER)
     codec = get_codec("sparse", chunk_size=64, density=0.05)
     w = _worker(cfg, codec=codec)
     w.train_inner()
@@ -162,7 +164,8 @@ def test_an_interrupt_ends_inner_steps_after_the_step_it_was_set_in(tiny_config:
 @pytest.mark.parametrize(("codec", "ef"), [("int8", False), ("int8", True), ("sparse", True)])
 def test_the_eager_mean_of_an_overlapped_round_is_this_peers_share(tiny_config: RunConfig, codec: str,
                                                                     ef: bool) -> None:
-    cfg = tiny_config.replace(compress={"codec": codec, "error_feedback": ef})
+    cfg = tiny_config.replace(compress={"codec": codec, "error_feedback": ef},
+                              **({"outer": SPARSE_OUTER} if codec == "sparse" else {}))
     w = _worker(cfg, codec=get_codec(codec))
     w.train_inner()
     w.voters = tuple(Voter(x, 0) for x in "abcd")  # 4 voters named by the last commit; no overlapped round seen yet
