@@ -6,6 +6,7 @@ matchmaking.py who averages a round together (sequential attempts, the state dig
 transport.py   the all-reduce's calls (ReduceTransport) and their gRPC implementation
 allreduce.py   the member side of the all-reduce: pushes, contributor sets, pulls, the material it ends with
 reducer.py     the reducer side (sessions, validation, fp32 means; bounded caches and waits)
+standin.py     standing in for a reducer that died mid-round: its shard from a copy, or reduced again
 aggregate.py   how a reducer combines contributions (mean, trimmed mean)
 material.py    a round's material (its mean's encoded shards, by digest) and the store that keeps it
 fetching.py    fetching material a peer misses from its holders

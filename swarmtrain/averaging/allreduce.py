@@ -137,7 +137,11 @@ class AllReduce:
             # Pipelined per shard; read a piece at a time (a Δ given as a source is never whole in fp32).
             payload = await asyncio.to_thread(self.codec.encode_from, lambda a, b: read(lo + a, lo + b), hi - lo)
             own[j] = payload
+            self.registry.standins.keep_own(key, j, payload)  # for a stand-in reducing shard j again
             await self._push(key, j, reducer, payload, hi - lo, push_deadline)
+            if reducer.peer_id == self.peer_id and len(reducers) > 1:  # only this peer has it: a copy to the next
+                with contextlib.suppress(RpcError, Rejected, TimeoutError):
+                    await self._push(key, j, reducers[(j + 1) % len(reducers)], payload, hi - lo, push_deadline)
 
         pushes = await asyncio.gather(*(encode_and_push(j, m, lo, hi) for j, (m, (lo, hi)) in enumerate(shards)),
                                       return_exceptions=True)
@@ -192,7 +196,10 @@ class AllReduce:
             return blob_digest(blob)
 
         async def fetch_and_check(j: int, reducer: Member, lo: int, hi: int) -> None:
-            data = await self._fetch(key, j, reducer, agreed, hi - lo, deadline)
+            try:
+                data = await self._fetch(key, j, reducer, agreed, hi - lo, deadline)
+            except (RpcUnavailable, RpcTimeout, TimeoutError) as e:  # gone: another reducer stands in (standin.py)
+                data = await self._from_stand_in(key, j, tuple(m for m, _ in shards), agreed, hi - lo, deadline, e)
             try:  # a pooled transport buffer goes back: keep a copy of the (encoded) bytes instead
                 owned = bytearray(data) if isinstance(data, memoryview) else data
             finally:
@@ -200,6 +207,7 @@ class AllReduce:
             if not self.gather:
                 digests[j] = await asyncio.to_thread(validated, owned, hi - lo)
                 blobs[j] = owned
+                self.registry.standins.keep_copy(key, j, agreed, owned)
                 return
             parts: list[Blob] = list(unpack_bundle(owned, max_parts=len(agreed)))
             if self.peer_id in agreed:
@@ -212,7 +220,9 @@ class AllReduce:
                     scratch.append(torch.frombuffer(scratch_view[0], dtype=torch.float32) if largest
                                    else torch.empty(0))
                 await asyncio.to_thread(check, j, parts, scratch[0][:hi - lo])
-            blobs[j] = pack_bundle(parts)  # the whole bundle: identical on every member (the material)
+            bundle = pack_bundle(parts)  # the whole bundle: identical on every member (the material)
+            blobs[j] = bundle
+            self.registry.standins.keep_copy(key, j, agreed, bundle)
             digests[j] = await asyncio.to_thread(blob_digest, blobs[j])
 
         pulls = await asyncio.gather(*(fetch_and_check(j, m, lo, hi) for j, (m, (lo, hi)) in enumerate(shards)),
@@ -229,6 +239,36 @@ class AllReduce:
             unreachable = _unreachable(reducers, pulls)
             return _Attempt(dead=unreachable, final=not unreachable, reason=f"mean unavailable from {failed}")
         return [blobs[j] for j in range(len(shards))], [digests[j] for j in range(len(shards))]
+
+    async def _from_stand_in(self, key: SessionKey, shard: int, reducers: tuple[Member, ...], agreed: tuple[str, ...],
+                             numel: int, deadline: float, lost: BaseException) -> Blob:
+        """Shard `shard` from the session's other reducers, in ring order after its own (the same order on every
+        member, so that they all ask the same one first); re-raises `lost` when none can give it."""
+        ring = [reducers[(shard + i) % len(reducers)] for i in range(1, len(reducers))]
+        for stand_in in ring:
+            if asyncio.get_running_loop().time() >= deadline:
+                break
+            try:
+                data = await self._fetch(key, shard, stand_in, agreed, numel, deadline)
+            except (RpcError, Rejected, TimeoutError) as e:
+                log.info("%s: %s cannot stand in for shard %d of round %d: %s", self.peer_id, stand_in.peer_id, shard,
+                         key.round, e)
+                continue
+            log.warning("%s: shard %d of round %d came from %s, standing in for %s (%s)", self.peer_id, shard,
+                        key.round, stand_in.peer_id, reducers[shard].peer_id, lost)
+            return data
+        raise lost
+
+    async def fetch_contribution(self, member: Member, key: SessionKey, shard: int, numel: int,
+                                 deadline: float) -> bytes:
+        """`member`'s own encoded shard `shard` of session `key` (a stand-in reducing it again): a fetch that names
+        no contributors."""
+        data = await self.transport.fetch(member, key, shard, (), max_bytes=max_encoded_bytes(numel),
+                                          deadline=deadline)
+        try:
+            return bytes(data)
+        finally:
+            self.transport.release(data)
 
     async def _push(self, key: SessionKey, shard: int, reducer: Member, payload: bytes, numel: int,
                     deadline: float) -> None:

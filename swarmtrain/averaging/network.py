@@ -82,6 +82,7 @@ class NetworkAverager:
         client = AveragingClient(node)
         self.allreduce = AllReduce(GrpcReduceTransport(client, self.registry, peer_id=node.peer_id), self.registry,
                                    peer_id=node.peer_id, codec=codec, cfg=cfg, buffers=node.buffers)
+        self.registry.standins.fetch_contribution = self.allreduce.fetch_contribution
         self.materials = MaterialStore(spill_dir=votes_dir, scope=scope)
         transport = GrpcConsensusTransport(node, local=lambda: {self.scope: self.voter})
         self.fetcher = MaterialFetcher(transport=transport, store=self.materials, scope=scope, self_id=node.peer_id,

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from swarmtrain.averaging.aggregate import Aggregation, aggregate_encoded, pack_bundle
+from swarmtrain.averaging.standin import StandIns
 from swarmtrain.compress import Codec, CodecError
 from swarmtrain.round.group import Group
 from swarmtrain.rpc.averaging_wire import PushHeader, SessionKey
@@ -73,6 +74,7 @@ class _Session:
     shard: int
     numel: int
     expected: frozenset[str]
+    total: int  # values of the whole Δ (every shard's bounds follow from it and the session's reducers)
     received: dict[str, memoryview] = field(default_factory=dict)  # sender -> its encoded shard, validated
     rejected: dict[str, str] = field(default_factory=dict)
     closed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -95,6 +97,9 @@ class ReducerRegistry:
         # decoded shards and mean accumulators live in reused memory: a fresh payload-sized tensor costs
         # a zeroing page fault per 4 KiB, as much CPU as the decode itself
         self.buffers = buffers if buffers is not None else BufferPool()
+        # what this peer keeps to stand in for a dead reducer of its rounds (standin.py)
+        self.standins = StandIns(peer_id=peer_id, codec=codec, aggregation=self.aggregation, buffers=self.buffers,
+                                 timeout_s=open_wait_s)
         self.run_id = run_id
         self.codec = codec
         self.window_s = window_s
@@ -127,6 +132,7 @@ class ReducerRegistry:
             del self._rounds[r]
         for r in [r for r in self._abandoned if r < self._min_round]:
             del self._abandoned[r]
+        self.standins.forget_before(self._min_round)
         async with self.changed:
             self.changed.notify_all()
 
@@ -192,16 +198,20 @@ class ReducerRegistry:
         if [r for r in reducer_ids if r in key.reducers] != list(key.reducers) or len(set(key.reducers)) != len(
                 key.reducers):
             raise Rejected("the session's reducers are not reducers of the group, in group order", kind="invalid")
-        by_id = {m.peer_id: m for m in rnd.group.members}
-        weights = tuple(by_id[r].bandwidth_bytes_per_s for r in key.reducers)
         shard = key.reducers.index(self.peer_id)
-        lo, hi = shard_bounds(rnd.numel, weights, align=self.codec.alignment)[shard]
-        session = _Session(key, rnd.group, shard, hi - lo, frozenset(by_id))
+        lo, hi = self._bounds(rnd, key)[shard]
+        session = _Session(key, rnd.group, shard, hi - lo, frozenset(m.peer_id for m in rnd.group.members), rnd.numel)
         session.timer = asyncio.get_running_loop().call_later(self.window_s, self._close, session)
         self._sessions[key.session_id] = session
         log.debug("%s opened reducer session %s (round %d attempt %d, shard %d, %d values)", self.peer_id,
                   key.session_id, key.round, key.attempt, shard, hi - lo)
         return session
+
+    def _bounds(self, rnd: _Round, key: SessionKey) -> list[tuple[int, int]]:
+        """Every shard's [lo, hi) in session `key` (as each member computes them: allreduce.py)."""
+        by_id = {m.peer_id: m for m in rnd.group.members}
+        weights = tuple(by_id[r].bandwidth_bytes_per_s for r in key.reducers)
+        return shard_bounds(rnd.numel, weights, align=self.codec.alignment)
 
     async def _session(self, key: SessionKey) -> _Session:
         """The session for `key`, waiting (bounded) for the local member to open its round."""
@@ -236,23 +246,43 @@ class ReducerRegistry:
     # -- ReducerSink -----------------------------------------------------------------------
     async def check_push(self, header: PushHeader, *, peer: str) -> int:
         s = await self._session(header.session)
-        if header.shard != s.shard:
+        if header.shard != s.shard and not self._keeps_for(s, header):
             raise Rejected(f"shard {header.shard} is not reduced here (this peer reduces shard {s.shard})")
         if header.sender not in s.expected:
             raise Rejected(f"sender {header.sender!r} is not a member of round {header.session.round}'s group")
         if header.sender != peer:  # the caller's id is covered by its call's MAC (trust/calls.py)
             raise Rejected(f"sender {header.sender!r} is not the caller {peer!r}: a member pushes only its own "
                            "contribution")
-        if header.numel != s.numel:
-            raise Rejected(f"shard {s.shard} has {s.numel} values, the push claims {header.numel}")
+        numel = self._numel_of(s, header.shard)
+        if header.numel != numel:
+            raise Rejected(f"shard {header.shard} has {numel} values, the push claims {header.numel}")
         if header.codec != self.codec.name:
             raise Rejected(f"codec {header.codec!r} is not the run's codec {self.codec.name!r}")
         if s.closed.is_set():
             raise Rejected(f"shard {s.shard}'s contribution window has closed", kind="precondition")
-        return max_encoded_bytes(s.numel)
+        return max_encoded_bytes(numel)
+
+    def _keeps_for(self, s: _Session, header: PushHeader) -> bool:
+        """Whether `header` is the previous reducer's own shard, which this peer keeps to stand in for it
+        (standin.py): the reducer of shard j sends its own contribution to j to the reducer after it."""
+        reducers = s.key.reducers
+        j = header.shard
+        return (len(reducers) > 1 and 0 <= j < len(reducers) and (j + 1) % len(reducers) == s.shard
+                and header.sender == reducers[j])
+
+    def _numel_of(self, s: _Session, shard: int) -> int:
+        if shard == s.shard:
+            return s.numel
+        lo, hi = self._bounds(_Round(s.group, s.total), s.key)[shard]
+        return hi - lo
 
     async def accept_push(self, header: PushHeader, payload: bytes | bytearray | memoryview, *, peer: str) -> None:
         s = await self._session(header.session)
+        if header.shard != s.shard:  # a neighbour's own shard, kept for standing in (checked by check_push)
+            kept = bytes(payload)
+            await asyncio.to_thread(self.codec.validate, kept, numel=self._numel_of(s, header.shard))
+            self.standins.keep_neighbours(header.session, header.shard, kept)
+            return
         if header.sender in s.received:
             return  # a retried push whose first copy landed: idempotent
         # Kept encoded (a quarter of fp32 with int8): decoded again, in group order, for each mean.
@@ -290,10 +320,18 @@ class ReducerRegistry:
         await self._closed(s)
         return s.contributors
 
-    async def mean(self, key: SessionKey, shard: int, contributors: tuple[str, ...], *, peer: str) -> bytes:
+    async def mean(self, key: SessionKey, shard: int, contributors: tuple[str, ...], *,
+                   peer: str) -> bytes | bytearray:
+        """Shard `shard`'s mean over `contributors`; for another reducer's shard, as its stand-in (standin.py);
+        naming no contributors, this member's own encoded shard, for a reducer of the session reducing it again."""
+        if not contributors:
+            return self.standins.own_contribution(key, shard, caller=peer)
         s = await self._session(key)
         if shard != s.shard:
-            raise Rejected(f"shard {shard} is not reduced here (this peer reduces shard {s.shard})")
+            if not 0 <= shard < len(key.reducers):
+                raise Rejected(f"shard {shard} is not a shard of this session ({len(key.reducers)} reducers)")
+            return await self.standins.serve(key, shard, contributors, caller=peer, group=s.group,
+                                             numel=self._numel_of(s, shard))
         await self._closed(s)
         if not contributors or not set(contributors) <= set(s.contributors) or len(set(contributors)) != len(
                 contributors):

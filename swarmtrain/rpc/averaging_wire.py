@@ -83,7 +83,8 @@ class ReducerSink(Protocol):
 
     async def contributors(self, key: SessionKey, shard: int, *, peer: str) -> tuple[str, ...]: ...
 
-    async def mean(self, key: SessionKey, shard: int, contributors: tuple[str, ...], *, peer: str) -> bytes: ...
+    async def mean(self, key: SessionKey, shard: int, contributors: tuple[str, ...], *,
+                   peer: str) -> bytes | bytearray: ...
 
     async def delivered(self, key: SessionKey, shard: int, *, peer: str) -> None:
         """`peer` has received the whole mean of `shard` (a leaving reducer waits for this)."""

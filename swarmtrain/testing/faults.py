@@ -74,18 +74,29 @@ class CrashPlan:
         self.plan = plan if plan is not None else FaultPlan()
         self.nodes: dict[str, RpcNode] = {}
         self.crashed: list[FaultSite] = []
-        self._sites: list[FaultSite] = []
+        self._sites: list[tuple[FaultSite, int]] = []  # (site, the how-many-th time it is reached)
+        self._reached: dict[int, int] = {}
         self._lock = threading.Lock()
 
-    def crash(self, *, peer: str, round: int, call: str) -> CrashPlan:
-        """`peer` crashes the first time it reaches `call` in `round` (any target)."""
-        self._sites.append(FaultSite(peer, round, call))
+    def crash(self, *, peer: str, round: int, call: str, target: str = "", nth: int = 1) -> CrashPlan:
+        """`peer` crashes the `nth` time it reaches `call` in `round` (towards `target`, or any). The calls
+        `mean_served` and `contributors_served` are reached once a reducer's answer has reached the member that
+        asked for it."""
+        self._sites.append((FaultSite(peer, round, call, target), nth))
         return self
+
+    def _due(self, site: FaultSite) -> bool:
+        due = False
+        for i, (s, nth) in enumerate(self._sites):
+            if (s.peer, s.round, s.call) == (site.peer, site.round, site.call) and s.target in ("", site.target):
+                self._reached[i] = self._reached.get(i, 0) + 1
+                due = due or self._reached[i] == nth
+        return due
 
     def __call__(self, site: FaultSite) -> Fault | None:
         with self._lock:
             gone = site.peer in {s.peer for s in self.crashed}
-            due = not gone and (site.peer, site.round, site.call) in {(s.peer, s.round, s.call) for s in self._sites}
+            due = not gone and self._due(site)
             if due:
                 self.crashed.append(site)
         dead = Fault("unreachable") if site.call in SERVED else Fault("delay", CRASH_HANG_S)
@@ -147,12 +158,16 @@ class FaultyReduceTransport:
     async def contributors(self, reducer: Member, key: SessionKey, shard: int, *,
                            deadline: float) -> tuple[str, ...]:
         await self._reducer_fault(reducer, key.round, "contributors", deadline)
-        return await self.inner.contributors(reducer, key, shard, deadline=deadline)
+        names = await self.inner.contributors(reducer, key, shard, deadline=deadline)
+        self.faults(FaultSite(reducer.peer_id, key.round, "contributors_served", self.peer))  # a crash site only
+        return names
 
     async def fetch(self, reducer: Member, key: SessionKey, shard: int, contributors: tuple[str, ...], *,
                     max_bytes: int, deadline: float) -> bytes | bytearray | memoryview:
         await self._reducer_fault(reducer, key.round, "mean", deadline)
-        return await self.inner.fetch(reducer, key, shard, contributors, max_bytes=max_bytes, deadline=deadline)
+        data = await self.inner.fetch(reducer, key, shard, contributors, max_bytes=max_bytes, deadline=deadline)
+        self.faults(FaultSite(reducer.peer_id, key.round, "mean_served", self.peer))  # a crash site only
+        return data
 
     def release(self, data: bytes | bytearray | memoryview) -> None:
         self.inner.release(data)

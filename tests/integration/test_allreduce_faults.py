@@ -91,18 +91,41 @@ def test_a_reducer_dying_mid_round_is_replaced_by_a_retry_without_it() -> None:
         _committed_same(later, reference_mean(deltas, contributors, _equal_bounds(3)), contributors)
 
 
-def test_a_reducer_dying_while_the_others_serve_their_means_costs_one_attempt() -> None:
-    plan = CrashPlan().crash(peer="c", round=0, call="mean")
+def test_a_reducer_dying_before_serving_anyone_has_its_shard_reduced_again_by_the_next() -> None:
+    # c dies once every member has its contributors, before anyone asked for its mean: nobody holds its shard's
+    # mean. d, the reducer after it, kept c's own contribution to that shard (c sent it there) and reduces the
+    # shard again from it and the others' own shards: the attempt stands, with c's Δ in the mean.
+    late = FaultPlan()
+    for n in NAMES:
+        late.add(peer="c", round=0, call="mean", target=n, action="delay", delay_s=0.5)
+    plan = CrashPlan(late).crash(peer="c", round=0, call="contributors_served", nth=len(NAMES))
     with Swarm(NAMES, fault_hook=plan) as swarm:
         plan.nodes = swarm.nodes
         deltas = deltas_for(NAMES, NUMEL)
         results = swarm.average(0, deltas)
         assert not results["c"].committed
-        # attempt 0 cannot complete (nobody got c's mean), so nobody asked for its votes; the retry
-        # without c gets them. (Reducers used to refuse every later attempt of a round they had served.)
         survivors = {n: r for n, r in results.items() if n != "c"}
-        contributors = ["a", "b", "d"]
-        _committed_same(survivors, reference_mean(deltas, contributors, _equal_bounds(3)), contributors)
+        _committed_same(survivors, reference_mean(deltas, NAMES, _equal_bounds(4)), NAMES)
+
+
+@pytest.mark.parametrize("served", [["a"], ["a", "b"]])
+def test_a_reducer_dying_after_serving_some_members_costs_its_shard_not_the_attempt(served: list[str]) -> None:
+    # c serves its mean to the members in `served` (the others ask it later) and dies: the others take c's
+    # shard from a member that holds it, in the same attempt, and every member commits the one mean over all
+    # four contributors (c pushed before it died).
+    plan = FaultPlan()
+    late = [n for n in NAMES if n not in served and n != "c"]
+    for n in late:
+        plan.add(peer="c", round=0, call="mean", target=n, action="delay", delay_s=1.0)
+    crash = CrashPlan(plan).crash(peer="c", round=0, call="mean_served", target=served[-1])
+    with Swarm(NAMES, fault_hook=crash) as swarm:
+        crash.nodes = swarm.nodes
+        deltas = deltas_for(NAMES, NUMEL)
+        results = swarm.average(0, deltas)
+        assert crash.crashed, "c never crashed"
+        survivors = {n: r for n, r in results.items() if n != "c"}
+        _committed_same(survivors, reference_mean(deltas, NAMES, _equal_bounds(4)), NAMES)
+        assert all("attempt" not in r.reason for r in survivors.values()), {n: r.reason for n, r in survivors.items()}
 
 
 def test_losing_the_majority_aborts_on_every_member() -> None:

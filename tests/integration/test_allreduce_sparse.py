@@ -12,7 +12,7 @@ from allreduce_swarm import AVG, Swarm, deltas_for
 from swarmtrain.averaging.aggregate import mean_of_gathered
 from swarmtrain.averaging.reducer import shard_bounds
 from swarmtrain.compress import get_codec
-from swarmtrain.testing import FaultPlan
+from swarmtrain.testing import CrashPlan, FaultPlan
 
 pytestmark = pytest.mark.integration
 
@@ -41,9 +41,10 @@ def test_every_member_averages_the_gathered_contributions_to_the_same_mean(no_th
         assert list(r.members) == NAMES
         assert r.mean is not None and torch.equal(r.mean_tensor(), expected), (
             f"{name}'s mean differs from the reference")
-    # each contribution crosses the network 3 times (gRPC framing on top): far below int8's 2 × 3/4 × 1 B/value
+    # each contribution crosses the network 3 times, and each reducer's own shard once more, to the reducer
+    # after it (its stand-in); gRPC framing on top: far below int8's 2 × 3/4 × 1 B/value
     size = len(get_codec("sparse", **SPARSE).encode(deltas["a"]))
-    assert all(r.bytes_sent < 3 * size + 40_000
+    assert all(r.bytes_sent < (3 + 1 / 3) * size + 40_000
                for r in results.values()), {n: r.bytes_sent for n, r in results.items()}
 
 
@@ -71,3 +72,29 @@ def test_reencode_sends_the_mean_re_sparsified(no_thread_leak: None) -> None:
         expected[lo:hi] = codec.decode(codec.encode(mean))
     assert all(r.committed and r.mean is not None and torch.equal(r.mean_tensor(), expected) for r in results.values())
     assert int((expected != 0).sum()) <= codec.k * (NUMEL // 256 + 3)  # k per chunk survive (3 short last chunks)
+
+
+@pytest.mark.parametrize("served", [0, 1])
+def test_a_dead_reducer_s_bundle_comes_from_its_stand_in(served: int) -> None:
+    # c dies after answering every member's contributors request and serving `served` members (a) its bundle:
+    # the others get it from d (c's stand-in: it holds a's copy, or gathers the contributions again, c's own
+    # from the copy c sent it), and everyone averages the same four contributions.
+    plan = FaultPlan()
+    for n in NAMES[served:]:
+        plan.add(peer="c", round=0, call="mean", target=n, action="delay", delay_s=0.5)
+    crash = CrashPlan(plan)
+    if served:
+        crash.crash(peer="c", round=0, call="mean_served", target="a")
+    else:
+        crash.crash(peer="c", round=0, call="contributors_served", nth=len(NAMES))
+    with Swarm(NAMES, fault_hook=crash, codec="sparse", codec_options=SPARSE) as swarm:
+        crash.nodes = swarm.nodes
+        deltas = deltas_for(NAMES, NUMEL, seed=3)
+        results = swarm.average(0, deltas)
+    assert crash.crashed
+    expected = _reference(deltas, NAMES, num_reducers=4)
+    for name in ("a", "b", "d"):
+        r = results[name]
+        assert r.committed, f"{name} aborted: {r.reason}"
+        assert list(r.members) == NAMES
+        assert r.mean is not None and torch.equal(r.mean_tensor(), expected), name

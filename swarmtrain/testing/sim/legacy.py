@@ -8,6 +8,8 @@ lost can only heal from a state that two peers ahead announce; and a voter that 
 round (an attempt that aborted) leaves from the next round, counted in this one. A schedule in which one
 member commits with the votes of peers whose own all-reduce then fails leaves those peers unable to commit
 or heal; one in which half the voters leave after an aborted attempt leaves the rest unable to commit.
+Nor did a reducer have stand-ins then (averaging/standin.py): `without_stand_ins` wraps a member's transport so
+that nobody but a shard's own reducer serves it.
 """
 
 from __future__ import annotations
@@ -16,12 +18,41 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+from swarmtrain.averaging.transport import ReduceTransport
 from swarmtrain.averaging.voting import VoterService
 from swarmtrain.round.ballots import Ballot, Value, Voter, grant_statement
 from swarmtrain.round.certificate import Certificate, Retirement, SignedGrant
+from swarmtrain.round.group import Member
 from swarmtrain.round.messages import AcceptReply, Contact, LearnReply, PrepareReply
+from swarmtrain.rpc.averaging_wire import PushHeader, SessionKey
+from swarmtrain.rpc.errors import RpcRejected
 
-__all__ = ["LegacyVoter"]
+__all__ = ["LegacyVoter", "without_stand_ins"]
+
+
+class without_stand_ins:
+    """A member's all-reduce transport as it was before stand-ins: only a shard's own reducer serves it."""
+
+    def __init__(self, inner: ReduceTransport) -> None:
+        self.inner = inner
+
+    async def push(self, reducer: Member, header: PushHeader, payload: bytes, *, deadline: float) -> None:
+        if header.session.reducers[header.shard] != reducer.peer_id:
+            return  # the copy of a reducer's own shard for its stand-in: not sent then
+        await self.inner.push(reducer, header, payload, deadline=deadline)
+
+    async def contributors(self, reducer: Member, key: SessionKey, shard: int, *,
+                           deadline: float) -> tuple[str, ...]:
+        return await self.inner.contributors(reducer, key, shard, deadline=deadline)
+
+    async def fetch(self, reducer: Member, key: SessionKey, shard: int, contributors: tuple[str, ...], *,
+                    max_bytes: int, deadline: float) -> bytes | bytearray | memoryview:
+        if not contributors or key.reducers[shard] != reducer.peer_id:
+            raise RpcRejected("FAILED_PRECONDITION", "no stand-ins by the legacy rules")
+        return await self.inner.fetch(reducer, key, shard, contributors, max_bytes=max_bytes, deadline=deadline)
+
+    def release(self, data: bytes | bytearray | memoryview) -> None:
+        self.inner.release(data)
 
 
 class LegacyVoter(VoterService):

@@ -22,6 +22,7 @@ from swarmtrain.averaging.matchmaking import Matchmaker, MatchOutcome
 from swarmtrain.averaging.material import Material, MaterialStore, check_shard, sharded_mean
 from swarmtrain.averaging.reducer import ReducerRegistry, max_encoded_bytes
 from swarmtrain.averaging.rounds import Electorate, Preview, RoundAverager, result_of
+from swarmtrain.averaging.transport import ReduceTransport
 from swarmtrain.averaging.voting import VoterService
 from swarmtrain.compress import get_codec
 from swarmtrain.config import RunConfig
@@ -44,7 +45,7 @@ from swarmtrain.rpc.buffers import BufferPool
 from swarmtrain.rpc.errors import RpcError
 from swarmtrain.sync.votes import FileVoteStore
 from swarmtrain.testing.sim.dht import SimDiscovery, SimRegistry
-from swarmtrain.testing.sim.legacy import LegacyVoter
+from swarmtrain.testing.sim.legacy import LegacyVoter, without_stand_ins
 from swarmtrain.testing.sim.network import (
     SimConsensusTransport,
     SimNetwork,
@@ -179,8 +180,11 @@ class SimPeer:
         reducer = ReducerRegistry(peer_id=self.peer_id, run_id=cfg.train.run_id, codec=codec,
                                   window_s=a.contribution_window_s, open_wait_s=a.allreduce_timeout_s, buffers=buffers,
                                   aggregation=Aggregation(a.aggregator, a.trim, gather=a.gathers(codec.name)))
-        allreduce = AllReduce(SimReduceTransport(self.net, peer_id=self.peer_id, local=reducer), reducer,
-                              peer_id=self.peer_id, codec=codec, cfg=a, buffers=buffers)
+        transport: ReduceTransport = SimReduceTransport(self.net, peer_id=self.peer_id, local=reducer)
+        if self.rules == "legacy":
+            transport = without_stand_ins(transport)
+        allreduce = AllReduce(transport, reducer, peer_id=self.peer_id, codec=codec, cfg=a, buffers=buffers)
+        reducer.standins.fetch_contribution = allreduce.fetch_contribution
         materials = MaterialStore(spill_dir=self.directory, scope="")
         consensus = SimConsensusTransport(self.net, peer_id=self.peer_id)
         fetcher = MaterialFetcher(transport=consensus, store=materials, scope="", self_id=self.peer_id,
