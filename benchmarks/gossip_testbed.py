@@ -8,8 +8,9 @@ that cost fitted as a + b·N for each mode and extrapolated to 100 and 1,000 pee
 `chaos`: 6 gossip peers; once p0 has trained `--warm-rounds`, p1 is SIGSTOPped for `--stop-s` seconds and p2
 is SIGKILLed `--kill-after-s` into the stall and restarted from its checkpoint at once. Reports, for each
 other peer, its inner steps per minute during the stall against the same run before the faults (target
-≥ 95%), its longest time outside compute in one round during the stall (target ≤ one gossip_timeout_s
-plus a round's own work), whether the restarted peer trained again, and the swarm's spread before the
+≥ 95%), its longest wait for its partners' parts in one round during the stall (target ≤ one
+gossip_timeout_s) and its longest time outside compute in one round (that wait plus the round's own work:
+Δ, encoding, the roster read, the step), whether the restarted peer trained again, and the swarm's spread before the
 faults against the spread 10 rounds after SIGCONT.
 
   sudo .venv/bin/python benchmarks/gossip_testbed.py scale --peers 4 8 16
@@ -152,7 +153,8 @@ def chaos(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         rate_during = sum(x.steps for _, x in during) / (stall[1] - stall[0]) * 60
         others[name] = {"steps_per_min_before": rate_before, "steps_per_min_during": rate_during,
                         "ratio": rate_during / rate_before if rate_before else None,
-                        "max_comm_s_during": max((x.comm_s for _, x in during), default=0.0)}
+                        "max_comm_s_during": max((x.comm_s for _, x in during), default=0.0),
+                        "max_wait_s_during": max((x.wait_s or 0.0 for _, x in during), default=0.0)}
     spreads = {}
     for name in ("p0", "p3", "p4", "p5"):
         lines = _rounds(run, name)
@@ -169,9 +171,11 @@ def chaos(args: argparse.Namespace, work: Path) -> dict[str, Any]:
            "stopped_rounds_after_resume": sum(1 for t, _ in _rounds(run, "p1") if t >= resumed_at),
            "val_loss": result["val_loss"], "gossip_timeout_s": args.gossip_timeout_s}
     worst = min((o["ratio"] for o in others.values() if o["ratio"] is not None), default=float("nan"))
-    print(f"worst other peer's steps/min during the stall: {worst:.3f}x of before (target >= 0.95); longest round "
-          f"outside compute: {max(o['max_comm_s_during'] for o in others.values()):.2f} s (gossip_timeout_s "
-          f"{args.gossip_timeout_s}); p2 trained {len(back)} rounds after its restart; spread {spreads}")
+    print(f"worst other peer's steps/min during the stall: {worst:.3f}x of before (target >= 0.95); longest wait "
+          f"for partners: {max(o['max_wait_s_during'] for o in others.values()):.2f} s (gossip_timeout_s "
+          f"{args.gossip_timeout_s}), longest round outside compute: "
+          f"{max(o['max_comm_s_during'] for o in others.values()):.2f} s; p2 trained {len(back)} rounds after its "
+          f"restart; spread {spreads}")
     return out
 
 

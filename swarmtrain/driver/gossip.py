@@ -79,7 +79,7 @@ class GossipWorker(Protocol):
     async def announce_now(self) -> None: ...
 
     async def report(self, trained: Trained | None, result: AverageResult, *, comm_s: float,
-                     overlapped: bool = False, spread: float | None = None) -> None: ...
+                     overlapped: bool = False, spread: float | None = None, wait_s: float | None = None) -> None: ...
 
 
 class GossipDriver:
@@ -183,9 +183,11 @@ class GossipDriver:
         partners = [p for p in drawn if p not in failed]
         deadline = time.monotonic() + self.cfg.averaging.gossip_timeout_s
         max_bytes = 2 * (len(own.delta) + len(own.weights)) + (1 << 20)
+        waiting = time.monotonic()
         fetched = await asyncio.gather(*(self._on_node(self.client.get_part(
             records[p].endpoint, round_index=round_index, numel=worker.numel, max_bytes=max_bytes,
             deadline=deadline)) for p in partners), return_exceptions=True)
+        wait_s = time.monotonic() - waiting
         parts: list[tuple[str, torch.Tensor, torch.Tensor]] = []
         for peer, got in zip(partners, fetched, strict=True):
             if isinstance(got, BaseException):
@@ -217,7 +219,8 @@ class GossipDriver:
         got_bytes = sum(len(g.delta) + len(g.weights) for g in fetched if isinstance(g, GossipPart))
         result = AverageResult(round=round_index, committed=True, mean=None, members=(self.peer_id, *mean.used),
                                bytes_sent=sent_bytes, bytes_received=got_bytes, reason=reason)
-        await self.part.report(trained, result, comm_s=time.monotonic() - started, spread=mean.spread)
+        await self.part.report(trained, result, comm_s=time.monotonic() - started, spread=mean.spread,
+                               wait_s=wait_s)
         return mean
 
     def _encode(self, round_index: int, delta: torch.Tensor) -> GossipPart:

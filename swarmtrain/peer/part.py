@@ -284,10 +284,11 @@ class WorkerPart:
     # ------------------------------------------------------------------ reporting
 
     async def report(self, trained: Trained | None, result: AverageResult, *, comm_s: float,
-                     overlapped: bool = False, spread: float | None = None) -> None:
+                     overlapped: bool = False, spread: float | None = None, wait_s: float | None = None) -> None:
         """One round line after an attempt; after a commit an evaluation and a checkpoint on schedule.
         `overlapped`: θ_local holds newer steps than θ_global (the evaluation scores θ_global: two copies);
-        `spread`: a gossip round's distance of φ to the partners' (diloco/noloco.py)."""
+        `spread`: a gossip round's distance of φ to the partners' (diloco/noloco.py); `wait_s`: of `comm_s`, the
+        seconds a gossip round waited for its partners' parts."""
         worker = self.worker
         self.phase = "training"
         loss = trained.loss if trained is not None else math.nan
@@ -304,7 +305,7 @@ class WorkerPart:
             alone_s=0.0 if len(result.members) > 1 else self.alone_s(),
             val_ppl=None if val_loss is None else perplexity(val_loss),
             val_bpb=None if val_loss is None else bits_per_byte(val_loss, bytes_per_token=self.val_bytes_per_token),
-            spread=None if spread is None else round(spread, 6)))
+            spread=None if spread is None else round(spread, 6), wait_s=None if wait_s is None else round(wait_s, 4)))
         if trained is not None:
             trained.compute_s, trained.steps = 0.0, 0  # a retry of the round reports only its own communication
         if result.committed and self.due(worker.round)[1]:

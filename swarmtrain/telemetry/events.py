@@ -63,6 +63,7 @@ class RoundEvent:
     val_ppl: float | None = None  # exp(val_loss)
     val_bpb: float | None = None  # val_loss in bits per byte of the validation text (data/evaluation.py)
     spread: float | None = None  # gossip: mean ‖φ_partner − φ‖ / ‖φ‖ over the round's partners (diloco/noloco.py)
+    wait_s: float | None = None  # gossip: of comm_s, the seconds spent waiting for the partners' parts
 
     event: str = field(default="round", init=False)
 

@@ -129,6 +129,10 @@ def test_a_dead_partner_costs_each_peer_at_most_one_timeout_per_round() -> None:
             # nobody waits for the swarm: a round's exchange ends within the gossip timeout (and some slack for
             # the roster read, the encode and the step of a loaded machine)
             assert max(e.comm_s for e in lines) < TIMEOUT_S + 4.0, [(e.round, e.comm_s) for e in lines]
+            # of which the wait for the partners is at most one timeout (its deadline, then the loop's latency)
+            waits = [e.wait_s for e in lines]
+            assert all(w is not None and w <= e.comm_s and w < TIMEOUT_S + 1.0 for w, e in zip(waits, lines,
+                                                                                              strict=True)), waits
 
     asyncio.run(main())
 
