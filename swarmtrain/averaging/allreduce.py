@@ -139,7 +139,7 @@ class AllReduce:
             own[j] = payload
             self.registry.standins.keep_own(key, j, payload)  # for a stand-in reducing shard j again
             await self._push(key, j, reducer, payload, hi - lo, push_deadline)
-            if reducer.peer_id == self.peer_id and len(reducers) > 1:  # only this peer has it: a copy to the next
+            if self.cfg.standin_copy and reducer.peer_id == self.peer_id and len(reducers) > 1:  # its stand-in's
                 with contextlib.suppress(RpcError, Rejected, TimeoutError):
                     await self._push(key, j, reducers[(j + 1) % len(reducers)], payload, hi - lo, push_deadline)
 

@@ -3,11 +3,12 @@ reference-exact mean, or every member aborts."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
 import torch
-from allreduce_swarm import Swarm, deltas_for, reference_mean
+from allreduce_swarm import AVG, Swarm, deltas_for, reference_mean
 
 from swarmtrain.averaging.reducer import shard_bounds
 from swarmtrain.diloco.averager import AverageResult
@@ -91,21 +92,26 @@ def test_a_reducer_dying_mid_round_is_replaced_by_a_retry_without_it() -> None:
         _committed_same(later, reference_mean(deltas, contributors, _equal_bounds(3)), contributors)
 
 
-def test_a_reducer_dying_before_serving_anyone_has_its_shard_reduced_again_by_the_next() -> None:
+@pytest.mark.parametrize("standin_copy", [True, False])
+def test_a_reducer_dying_before_serving_anyone(standin_copy: bool) -> None:
     # c dies once every member has its contributors, before anyone asked for its mean: nobody holds its shard's
-    # mean. d, the reducer after it, kept c's own contribution to that shard (c sent it there) and reduces the
-    # shard again from it and the others' own shards: the attempt stands, with c's Δ in the mean.
+    # mean. With averaging.standin_copy, d, the reducer after it, kept c's own contribution to that shard (c
+    # sent it there) and reduces the shard again from it and the others' own shards: the attempt stands, with
+    # c's Δ in the mean. Without, c's contribution to its own shard is gone with it: a retry without c.
     late = FaultPlan()
     for n in NAMES:
         late.add(peer="c", round=0, call="mean", target=n, action="delay", delay_s=0.5)
     plan = CrashPlan(late).crash(peer="c", round=0, call="contributors_served", nth=len(NAMES))
-    with Swarm(NAMES, fault_hook=plan) as swarm:
+    with Swarm(NAMES, fault_hook=plan, avg=dataclasses.replace(AVG, standin_copy=standin_copy)) as swarm:
         plan.nodes = swarm.nodes
         deltas = deltas_for(NAMES, NUMEL)
         results = swarm.average(0, deltas)
-        assert not results["c"].committed
+        assert plan.crashed and not results["c"].committed
         survivors = {n: r for n, r in results.items() if n != "c"}
-        _committed_same(survivors, reference_mean(deltas, NAMES, _equal_bounds(4)), NAMES)
+        if standin_copy:
+            _committed_same(survivors, reference_mean(deltas, NAMES, _equal_bounds(4)), NAMES)
+        else:
+            _committed_same(survivors, reference_mean(deltas, ["a", "b", "d"], _equal_bounds(3)), ["a", "b", "d"])
 
 
 @pytest.mark.parametrize("served", [["a"], ["a", "b"]])
