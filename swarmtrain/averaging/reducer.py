@@ -132,7 +132,10 @@ class ReducerRegistry:
             del self._rounds[r]
         for r in [r for r in self._abandoned if r < self._min_round]:
             del self._abandoned[r]
-        self.standins.forget_before(self._min_round)
+        # what it kept to stand in for round r - 1's reducers goes now, before this round encodes anew: a
+        # straggler of round r - 1 that loses a reducer later retries instead (kept longer, a model's worth of
+        # encoded shards per round stays allocated and every round's new ones cost fresh pages)
+        self.standins.forget_before(group.round)
         async with self.changed:
             self.changed.notify_all()
 
