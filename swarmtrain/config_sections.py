@@ -425,12 +425,6 @@ class AveragingConfig:
     max_retries: int = 1
     """Further all-reduce attempts of a round after one that lost a reducer, each without the reducers that
     failed."""
-    standin_copy: bool = False
-    """Each reducer also sends its own contribution to its shard to the reducer after it, so that a reducer
-    dying after the contributors are agreed but before any member fetched its shard is stood in for within
-    the attempt instead of costing a new one (docs/protocol.md#the-all-reduce-and-its-material). Costs 1/R
-    more upload per round for R reducers (4 peers: +1/6 of a round's bytes). Without it, a reducer that dies
-    after serving at least one member is still stood in for, at no cost."""
     contribution_window_s: float = 15.0
     """Seconds a reducer collects contributions to its shard after its round opens; later ones are left out
     of the mean. Must be shorter than `allreduce_timeout_s`."""

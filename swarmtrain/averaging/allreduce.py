@@ -139,9 +139,6 @@ class AllReduce:
             own[j] = payload
             self.registry.standins.keep_own(key, j, payload)  # for a stand-in reducing shard j again
             await self._push(key, j, reducer, payload, hi - lo, push_deadline)
-            if self.cfg.standin_copy and reducer.peer_id == self.peer_id and len(reducers) > 1:  # its stand-in's
-                with contextlib.suppress(RpcError, Rejected, TimeoutError):
-                    await self._push(key, j, reducers[(j + 1) % len(reducers)], payload, hi - lo, push_deadline)
 
         pushes = await asyncio.gather(*(encode_and_push(j, m, lo, hi) for j, (m, (lo, hi)) in enumerate(shards)),
                                       return_exceptions=True)
@@ -198,7 +195,7 @@ class AllReduce:
         async def fetch_and_check(j: int, reducer: Member, lo: int, hi: int) -> None:
             try:
                 data = await self._fetch(key, j, reducer, agreed, hi - lo, deadline)
-            except (RpcUnavailable, RpcTimeout, TimeoutError) as e:  # gone: another reducer stands in (standin.py)
+            except (RpcError, Rejected, TimeoutError) as e:  # gone or refusing: another reducer stands in (standin.py)
                 data = await self._from_stand_in(key, j, tuple(m for m, _ in shards), agreed, hi - lo, deadline, e)
             try:  # a pooled transport buffer goes back: keep a copy of the (encoded) bytes instead
                 owned = bytearray(data) if isinstance(data, memoryview) else data

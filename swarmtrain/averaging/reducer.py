@@ -249,7 +249,7 @@ class ReducerRegistry:
     # -- ReducerSink -----------------------------------------------------------------------
     async def check_push(self, header: PushHeader, *, peer: str) -> int:
         s = await self._session(header.session)
-        if header.shard != s.shard and not self._keeps_for(s, header):
+        if header.shard != s.shard:
             raise Rejected(f"shard {header.shard} is not reduced here (this peer reduces shard {s.shard})")
         if header.sender not in s.expected:
             raise Rejected(f"sender {header.sender!r} is not a member of round {header.session.round}'s group")
@@ -265,14 +265,6 @@ class ReducerRegistry:
             raise Rejected(f"shard {s.shard}'s contribution window has closed", kind="precondition")
         return max_encoded_bytes(numel)
 
-    def _keeps_for(self, s: _Session, header: PushHeader) -> bool:
-        """Whether `header` is the previous reducer's own shard, which this peer keeps to stand in for it
-        (standin.py): the reducer of shard j sends its own contribution to j to the reducer after it."""
-        reducers = s.key.reducers
-        j = header.shard
-        return (len(reducers) > 1 and 0 <= j < len(reducers) and (j + 1) % len(reducers) == s.shard
-                and header.sender == reducers[j])
-
     def _numel_of(self, s: _Session, shard: int) -> int:
         if shard == s.shard:
             return s.numel
@@ -281,11 +273,6 @@ class ReducerRegistry:
 
     async def accept_push(self, header: PushHeader, payload: bytes | bytearray | memoryview, *, peer: str) -> None:
         s = await self._session(header.session)
-        if header.shard != s.shard:  # a neighbour's own shard, kept for standing in (checked by check_push)
-            kept = bytes(payload)
-            await asyncio.to_thread(self.codec.validate, kept, numel=self._numel_of(s, header.shard))
-            self.standins.keep_neighbours(header.session, header.shard, kept)
-            return
         if header.sender in s.received:
             return  # a retried push whose first copy landed: idempotent
         # Kept encoded (a quarter of fp32 with int8): decoded again, in group order, for each mean.
@@ -353,12 +340,15 @@ class ReducerRegistry:
             if data is None:
                 parts = [s.received[p] for p in order]
                 view, acc = self._fp32(s.numel)
+                done = False
                 try:
                     data = await asyncio.to_thread(
                         lambda: self.codec.encode(aggregate_encoded(self.codec, parts, self.aggregation, out=acc)))
+                    done = True
                 finally:
                     del acc
-                    self.buffers.give(view)
+                    if done:  # cancelled (the caller gone, the node closing): the thread may still write into it
+                        self.buffers.give(view)
                 s.means[tuple(order)] = data
         return data
 

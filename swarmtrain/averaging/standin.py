@@ -15,8 +15,9 @@ ask the same stand-in first). A stand-in answers with:
 
 What keeps the round to one mean is still its decision (deciding.py): a stand-in that computed other bytes
 (a stochastically rounded codec, or a lying stand-in) gives its askers another value, which the vote settles
-like any other. A contributor that cannot be reached (a client-mode member, or one that died too) leaves
-shard j without a stand-in, and the member's attempt fails as before: a retry without R_j.
+like any other. A contributor that cannot be reached (a client-mode member, R_j itself when it contributed,
+or one that died too) leaves shard j without a reduction again: with no copy held anywhere (R_j died before
+any member fetched its shard) the member's attempt fails as before, a retry without R_j.
 """
 
 from __future__ import annotations
@@ -67,7 +68,6 @@ class StandIns:
         self.fetch_contribution: ContributionSource | None = None
         self._own: dict[str, tuple[int, dict[int, Blob]]] = {}  # session id -> (round, shard -> own encoded)
         self._copies: dict[tuple[str, int], _Copy] = {}
-        self._neighbours: dict[tuple[str, int], Blob] = {}  # (session id, shard) -> its reducer's own shard
         self._rounds: dict[str, int] = {}  # session id -> round (of the copies and reductions kept)
         self._reduced: dict[tuple[str, int, tuple[str, ...]], Blob | list[Blob]] = {}
         self._locks: dict[tuple[str, int, tuple[str, ...]], asyncio.Lock] = {}
@@ -76,12 +76,6 @@ class StandIns:
     def keep_own(self, key: SessionKey, shard: int, payload: Blob) -> None:
         """This member's encoded shard `shard` of session `key` (served to the session's reducers)."""
         self._own.setdefault(key.session_id, (key.round, {}))[1][shard] = payload
-
-    def keep_neighbours(self, key: SessionKey, shard: int, payload: Blob) -> None:
-        """The own encoded shard of shard `shard`'s reducer, which pushed it here, the next reducer in the ring:
-        nobody else holds that contribution, and reducing shard `shard` again needs it once its reducer is gone."""
-        self._neighbours[(key.session_id, shard)] = payload
-        self._rounds[key.session_id] = key.round
 
     def keep_copy(self, key: SessionKey, shard: int, contributors: tuple[str, ...], blob: Blob) -> None:
         """The material of shard `shard` this member fetched over `contributors` (served to members that missed
@@ -95,8 +89,6 @@ class StandIns:
         stale = {s for s, r in self._rounds.items() if r < round_index}
         for shard_key in [k for k in self._copies if k[0] in stale]:
             del self._copies[shard_key]
-        for shard_key in [k for k in self._neighbours if k[0] in stale]:
-            del self._neighbours[shard_key]
         for set_key in [k for k in self._reduced if k[0] in stale]:
             del self._reduced[set_key]
         for set_key in [k for k in self._locks if k[0] in stale and not self._locks[k].locked()]:
@@ -170,22 +162,22 @@ class StandIns:
             else:
                 view = self.buffers.take(4 * numel)
                 acc = torch.frombuffer(view, dtype=torch.float32) if numel else torch.empty(0)
+                finished = False
                 try:
                     result = await asyncio.to_thread(
                         lambda: self.codec.encode(aggregate_encoded(self.codec, parts, self.aggregation, out=acc)))
+                    finished = True
                 finally:
                     del acc
-                    self.buffers.give(view)
+                    if finished:  # cancelled (the asker gone, the node closing): the thread may still write into it
+                        self.buffers.give(view)
             self._reduced[k] = result
             self._rounds[key.session_id] = key.round
             return result
 
     async def _contribution(self, key: SessionKey, shard: int, member: Member, numel: int, deadline: float) -> Blob:
-        kept = self._neighbours.get((key.session_id, shard))
         if member.peer_id == self.peer_id:
             data: Blob = bytes(self.own_contribution(key, shard, caller=self.peer_id))
-        elif kept is not None and member.peer_id == key.reducers[shard]:  # the lost reducer's own, kept here
-            data = kept
         else:
             if self.fetch_contribution is None:
                 raise Rejected("this peer cannot fetch contributions", kind="aborted")

@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 CRASH_HANG_S = 3600.0  # what a crashed peer's own calls wait: it does nothing more
 # Sites a peer serves (the site's peer answers the call): a crashed one is unreachable there at once.
-SERVED = frozenset({"contributors", "mean", "prepare", "accept", "learn", "state"})
+SERVED = frozenset({"contributors", "mean", "mean_asked", "prepare", "accept", "learn", "state"})
 
 
 @dataclass
@@ -80,7 +80,8 @@ class CrashPlan:
 
     def crash(self, *, peer: str, round: int, call: str, target: str = "", nth: int = 1) -> CrashPlan:
         """`peer` crashes the `nth` time it reaches `call` in `round` (towards `target`, or any). The calls
-        `mean_served` and `contributors_served` are reached once a reducer's answer has reached the member that
+        `mean_asked` is reached when a member's request for a mean reaches its reducer (after any delay of
+        `mean`), `mean_served` and `contributors_served` once a reducer's answer has reached the member that
         asked for it."""
         self._sites.append((FaultSite(peer, round, call, target), nth))
         return self
@@ -165,6 +166,7 @@ class FaultyReduceTransport:
     async def fetch(self, reducer: Member, key: SessionKey, shard: int, contributors: tuple[str, ...], *,
                     max_bytes: int, deadline: float) -> bytes | bytearray | memoryview:
         await self._reducer_fault(reducer, key.round, "mean", deadline)
+        await self._reducer_fault(reducer, key.round, "mean_asked", deadline)  # a crash site, after mean's delay
         data = await self.inner.fetch(reducer, key, shard, contributors, max_bytes=max_bytes, deadline=deadline)
         self.faults(FaultSite(reducer.peer_id, key.round, "mean_served", self.peer))  # a crash site only
         return data
