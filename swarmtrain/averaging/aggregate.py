@@ -16,6 +16,7 @@ the network (K − 1) times in all, as in a direct all-gather.
 
 from __future__ import annotations
 
+import asyncio
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,8 +24,9 @@ from dataclasses import dataclass
 import torch
 
 from swarmtrain.compress.codec import Codec, CodecError
+from swarmtrain.rpc.buffers import BufferPool
 
-__all__ = ["AGGREGATORS", "Aggregation", "aggregate_encoded", "mean_of", "mean_of_encoded",
+__all__ = ["AGGREGATORS", "Aggregation", "aggregate_encoded", "encoded_aggregate", "mean_of", "mean_of_encoded",
            "mean_of_gathered", "pack_bundle", "unpack_bundle"]
 
 _BUNDLE_MAGIC = b"SWTB"
@@ -162,3 +164,20 @@ def _sorted_rows(block: torch.Tensor) -> list[torch.Tensor]:
         for i in range(round_index % 2, n - 1, 2):
             rows[i], rows[i + 1] = torch.minimum(rows[i], rows[i + 1]), torch.maximum(rows[i], rows[i + 1])
     return rows
+
+
+async def encoded_aggregate(codec: Codec, parts: Sequence[bytes | bytearray | memoryview], aggregation: Aggregation,
+                            *, numel: int, buffers: BufferPool) -> bytes:
+    """`aggregate_encoded` into a pooled fp32 accumulator, in a thread, encoded once (a reducer's mean). A
+    cancelled wait keeps the accumulator from the pool: its thread may still write into it."""
+    view = buffers.take(4 * numel)
+    acc = [torch.frombuffer(view, dtype=torch.float32) if numel else torch.empty(0)]  # cleared before the give
+    finished = False
+    try:
+        data = await asyncio.to_thread(lambda: codec.encode(aggregate_encoded(codec, parts, aggregation, out=acc[0])))
+        finished = True
+    finally:
+        acc.clear()
+        if finished:
+            buffers.give(view)
+    return data

@@ -22,9 +22,8 @@ import logging
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
-from swarmtrain.averaging.aggregate import Aggregation, aggregate_encoded, pack_bundle
+from swarmtrain.averaging.aggregate import Aggregation, encoded_aggregate, pack_bundle
 from swarmtrain.averaging.standin import StandIns
 from swarmtrain.compress import Codec, CodecError
 from swarmtrain.round.group import Group
@@ -170,11 +169,6 @@ class ReducerRegistry:
         for view in s.scratch:
             self.buffers.give(view)
         s.scratch.clear()
-
-    def _fp32(self, numel: int) -> tuple[memoryview, torch.Tensor]:
-        """A pooled fp32 tensor of `numel` values (contents undefined) and the view to give back."""
-        view = self.buffers.take(4 * numel)
-        return view, (torch.frombuffer(view, dtype=torch.float32) if numel else torch.empty(0))
 
     def _session_or_open(self, key: SessionKey) -> _Session | None:
         """The session for `key`, opening it when this peer knows the round's group; None if unknown yet."""
@@ -338,17 +332,8 @@ class ReducerRegistry:
                 raise Rejected(f"shard {s.shard} already serves means of {len(s.means)} contributor sets",
                                kind="too_large")
             if data is None:
-                parts = [s.received[p] for p in order]
-                view, acc = self._fp32(s.numel)
-                done = False
-                try:
-                    data = await asyncio.to_thread(
-                        lambda: self.codec.encode(aggregate_encoded(self.codec, parts, self.aggregation, out=acc)))
-                    done = True
-                finally:
-                    del acc
-                    if done:  # cancelled (the caller gone, the node closing): the thread may still write into it
-                        self.buffers.give(view)
+                data = await encoded_aggregate(self.codec, [s.received[p] for p in order], self.aggregation,
+                                               numel=s.numel, buffers=self.buffers)
                 s.means[tuple(order)] = data
         return data
 

@@ -27,9 +27,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-import torch
-
-from swarmtrain.averaging.aggregate import Aggregation, aggregate_encoded, pack_bundle, unpack_bundle
+from swarmtrain.averaging.aggregate import Aggregation, encoded_aggregate, pack_bundle, unpack_bundle
 from swarmtrain.compress import Codec, CodecError
 from swarmtrain.round.group import Group, Member
 from swarmtrain.rpc.averaging_wire import SessionKey
@@ -160,17 +158,8 @@ class StandIns:
             if self.aggregation.gather:
                 result = parts
             else:
-                view = self.buffers.take(4 * numel)
-                acc = torch.frombuffer(view, dtype=torch.float32) if numel else torch.empty(0)
-                finished = False
-                try:
-                    result = await asyncio.to_thread(
-                        lambda: self.codec.encode(aggregate_encoded(self.codec, parts, self.aggregation, out=acc)))
-                    finished = True
-                finally:
-                    del acc
-                    if finished:  # cancelled (the asker gone, the node closing): the thread may still write into it
-                        self.buffers.give(view)
+                result = await encoded_aggregate(self.codec, parts, self.aggregation, numel=numel,
+                                                 buffers=self.buffers)
             self._reduced[k] = result
             self._rounds[key.session_id] = key.round
             return result
