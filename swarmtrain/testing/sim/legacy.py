@@ -37,8 +37,6 @@ class without_stand_ins:
         self.inner = inner
 
     async def push(self, reducer: Member, header: PushHeader, payload: bytes, *, deadline: float) -> None:
-        if header.session.reducers[header.shard] != reducer.peer_id:
-            return  # the copy of a reducer's own shard for its stand-in: not sent then
         await self.inner.push(reducer, header, payload, deadline=deadline)
 
     async def contributors(self, reducer: Member, key: SessionKey, shard: int, *,
