@@ -533,7 +533,7 @@ class RoundDriver:
         await self.watch(past, deadline=deadline, stop=asyncio.Event())
         if passed.is_set():
             return True
-        log.warning("%s: the swarm did not pass round %d before the leave's deadline: retiring anyway%s",
+        log.warning("%s: the swarm did not pass round %d before the leave's deadline: retiring anyway",
                     self.peer_id, last)
         return False
 
