@@ -142,12 +142,15 @@ class MaterialStore:
     """The material this peer holds, by layout key, for the rounds it may still be asked about.
 
     `spill_dir` (the checkpoint directory) makes it durable: `make_durable` writes a value's blobs there
-    (fsynced) before its voter accepts it, and `reload` reads them back after a restart."""
+    (fsynced) before its voter accepts it, and `reload` reads them back after a restart.
+
+    Material is kept by the latest round that named it: two rounds can choose the same bytes (a part whose Δ
+    did not change, a mean of zeros), and forgetting the older round must not drop what the newer one holds."""
 
     def __init__(self, *, spill_dir: str | os.PathLike[str] | None = None, scope: str = "") -> None:
         self.spill_dir = None if spill_dir is None else Path(spill_dir) / f"material-{scope or 'model'}"
         self._held: dict[str, tuple[int, Material]] = {}  # key -> (round, material)
-        self._durable: set[str] = set()
+        self._durable: dict[str, int] = {}  # key -> the round its directory on disk is named for
         self._writing = threading.Lock()  # voters accept concurrently, each from a worker thread
 
     def put(self, round_index: int, material: Material) -> str:
@@ -156,6 +159,8 @@ class MaterialStore:
         if held is None:
             self._held[key] = (round_index, material)
         else:
+            if round_index > held[0]:
+                self._held[key] = (round_index, held[1])
             for j, blob in enumerate(material.blobs):
                 if blob is not None and held[1].blobs[j] is None:
                     held[1].blobs[j] = blob
@@ -182,18 +187,34 @@ class MaterialStore:
     def make_durable(self, round_index: int, layout: MaterialLayout) -> None:
         """Write the (complete) material of `layout` to the spill directory, fsynced; no-op without one."""
         key = layout_key(layout)
-        if self.spill_dir is None or key in self._durable:
+        if self.spill_dir is None or self._durable.get(key, -1) >= round_index:
             return
         with self._writing:
-            if key not in self._durable:
+            on_disk = self._durable.get(key)
+            if on_disk is None:
                 self._write(round_index, layout, key)
+            elif on_disk < round_index:  # the same bytes, chosen again: the directory takes the newer round
+                self._rename(on_disk, round_index, key)
+
+    def _path(self, round_index: int, key: str) -> Path:
+        assert self.spill_dir is not None
+        return self.spill_dir / f"r{round_index:010d}-{key[:32]}"
+
+    def _rename(self, old_round: int, round_index: int, key: str) -> None:
+        assert self.spill_dir is not None
+        try:
+            os.replace(self._path(old_round, key), self._path(round_index, key))
+            _fsync_dir(self.spill_dir)
+        except OSError as e:
+            raise MaterialError(f"{self._path(old_round, key)}: cannot store a round's material: {e}") from None
+        self._durable[key] = round_index
 
     def _write(self, round_index: int, layout: MaterialLayout, key: str) -> None:
         assert self.spill_dir is not None
         m = self.get(layout)
         if m is None or not m.complete:
             raise MaterialError("cannot store incomplete material")
-        path = self.spill_dir / f"r{round_index:010d}-{key[:32]}"
+        path = self._path(round_index, key)
         try:
             path.mkdir(parents=True, exist_ok=True)
             for j, blob in enumerate(m.blobs):
@@ -208,13 +229,13 @@ class MaterialStore:
             _fsync_dir(self.spill_dir)
         except OSError as e:
             raise MaterialError(f"{path}: cannot store a round's material: {e}") from None
-        self._durable.add(key)
+        self._durable[key] = round_index
 
     def _from_disk(self, layout: MaterialLayout) -> Material | None:
         if self.spill_dir is None or not self.spill_dir.is_dir():
             return None
         key = layout_key(layout)
-        found = [p for p in self.spill_dir.glob(f"r*-{key[:32]}") if p.is_dir()]
+        found = sorted((p for p in self.spill_dir.glob(f"r*-{key[:32]}") if p.is_dir()), reverse=True)
         if not found:
             return None
         m = Material(layout)
@@ -226,14 +247,14 @@ class MaterialStore:
                 return None
         round_index = int(found[0].name[1:11])
         self._held[key] = (round_index, m)
-        self._durable.add(key)
+        self._durable[key] = round_index
         return m
 
     def forget_before(self, round_index: int) -> None:
         """Drop the material of rounds < `round_index` (memory and disk)."""
         for key in [k for k, (r, _) in self._held.items() if r < round_index]:
             del self._held[key]
-            self._durable.discard(key)
+        self._durable = {k: r for k, r in self._durable.items() if r >= round_index}
         if self.spill_dir is None or not self.spill_dir.is_dir():
             return
         for path in self.spill_dir.glob("r*-*"):

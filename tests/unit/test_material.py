@@ -303,3 +303,37 @@ def test_forget_before_without_a_spill_directory() -> None:
     store.forget_before(3)
     assert not store.holds(_layout_for(b))
 
+
+
+def test_the_same_material_chosen_in_two_rounds_is_kept_for_the_newer_one(tmp_path: Path) -> None:
+    """Two rounds can choose the same bytes (a Δ that did not change): forgetting the older round keeps them,
+    in memory and on disk, and a restart finds them under the newer round."""
+    blobs = _blobs(30)
+    layout = _layout_for(blobs)
+    store = MaterialStore(spill_dir=tmp_path)
+    store.put(0, _material(blobs))
+    store.make_durable(0, layout)
+    store.put(1, _material(blobs))
+    store.make_durable(1, layout)
+    store.put(0, _material(blobs))  # an older round naming it again does not make it older
+    store.forget_before(1)
+    assert store.holds(layout)
+    spill = tmp_path / "material-model"
+    assert [p.name[:11] for p in spill.iterdir()] == [f"r{1:010d}"]
+    assert MaterialStore(spill_dir=tmp_path).holds(layout)
+    store.forget_before(2)
+    assert not store.holds(layout) and list(spill.iterdir()) == []
+
+
+def test_material_forgotten_on_disk_but_chosen_again_in_memory_is_written_anew(tmp_path: Path) -> None:
+    blobs = _blobs(31)
+    layout = _layout_for(blobs)
+    store = MaterialStore(spill_dir=tmp_path)
+    store.put(0, _material(blobs))
+    store.make_durable(0, layout)
+    store.put(2, _material(blobs))  # chosen again two rounds later, not yet durable for it
+    store.forget_before(1)  # round 0's directory goes; the memory keeps the bytes for round 2
+    assert store.holds(layout)
+    store.make_durable(2, layout)
+    assert [p.name[:11] for p in (tmp_path / "material-model").iterdir()] == [f"r{2:010d}"]
+    assert MaterialStore(spill_dir=tmp_path).holds(layout)
