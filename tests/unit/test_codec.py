@@ -262,3 +262,30 @@ def test_encode_from_refuses_a_source_that_reads_the_wrong_values() -> None:
         codec.encode_from(lambda lo, hi: torch.zeros(hi - lo + 1), 100, piece=64)
     with pytest.raises(CodecError, match="expected that many flat float32 values"):
         codec.encode_from(lambda lo, hi: torch.zeros(hi - lo, dtype=torch.float64), 100, piece=64)
+
+
+def test_fp32_pieces_are_views_of_the_payload_and_other_codecs_reuse_one_scratch() -> None:
+    """A peer reads each mean two or three times a round (check, preview, step): fp32 pieces are the payload's
+    own values (no copy, no fresh pages), and another codec decodes into a scratch this thread reuses, while a
+    decode nested in another gets its own."""
+    x = torch.randn(64, generator=torch.Generator().manual_seed(5))
+    fp32 = get_codec("fp32")
+    data = bytearray(fp32.encode(x))
+    base = torch.frombuffer(data, dtype=torch.uint8).data_ptr()
+    for lo, values in fp32.decode_pieces(data, numel=64, piece=16):
+        assert base <= values.data_ptr() < base + len(data)
+        assert torch.equal(values, x[lo:lo + 16])
+    int8 = get_codec("int8", block_size=8)
+    blob = int8.encode(x)
+    whole = int8.decode(blob).reshape(-1)
+    first = [v.data_ptr() for _, v in int8.decode_pieces(blob, numel=64, piece=16)]
+    second = [v.data_ptr() for _, v in int8.decode_pieces(blob, numel=64, piece=16)]
+    assert first == second
+    outer, inner = [], []
+    for lo, values in int8.decode_pieces(blob, numel=64, piece=16):
+        outer.append(values.clone())
+        for _, nested in int8.decode_pieces(blob, numel=64, piece=16):
+            assert nested.data_ptr() != values.data_ptr()
+            inner.append(nested.clone())
+        assert torch.equal(values, whole[lo:lo + 16])  # the nested decode left this piece alone
+    assert torch.equal(torch.cat(outer), whole) and torch.equal(torch.cat(inner[:4]), whole)
