@@ -112,7 +112,10 @@ def check_shard(codec: Codec, layout: MaterialLayout, shard: int, blob: Blob) ->
 
 
 def sharded_mean(material: Material, codec: Codec) -> ShardedMean:
-    """The mean `material` stands for, decoded shard by shard when applied (never assembled whole)."""
+    """The mean `material` stands for, decoded shard by shard when applied (never assembled whole). Its blobs
+    were checked when they came in (a fetched mean by the codec, a fetched material shard by `check_shard`, this
+    peer's own mean encoded from finite sums) and every one matches its digest, so reading them checks nothing
+    again: a peer reads each mean two or three times a round."""
     if not material.complete:
         raise MaterialError(f"material misses shards {material.missing()}")
     layout = material.layout
@@ -126,7 +129,8 @@ def sharded_mean(material: Material, codec: Codec) -> ShardedMean:
             shards.append(MeanShard(s.lo, s.hi, functools.partial(_gathered_into, codec, parts)))
         else:
             shards.append(MeanShard(s.lo, s.hi, functools.partial(_decode_into, codec, blob),
-                                    pieces=functools.partial(codec.decode_pieces, blob, numel=s.hi - s.lo)))
+                                    pieces=functools.partial(codec.decode_pieces, blob, numel=s.hi - s.lo,
+                                                             checked=True)))
     return ShardedMean(layout.numel, tuple(shards))
 
 

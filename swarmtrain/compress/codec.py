@@ -44,11 +44,12 @@ class Codec(Protocol):
 
     def decode_accumulate(self, data: bytes | bytearray | memoryview, out: torch.Tensor) -> None: ...
 
-    def decode_pieces(self, data: bytes | bytearray | memoryview, *,
-                      numel: int) -> Iterator[tuple[int, torch.Tensor]]:
+    def decode_pieces(self, data: bytes | bytearray | memoryview, *, numel: int,
+                      checked: bool = False) -> Iterator[tuple[int, torch.Tensor]]:
         """The decoded flat tensor as (offset, values) pieces of a few MB, in order, the same bits as
         `decode`; each piece's values are overwritten by the next (one piece, the whole, where the codec
-        cannot decode a range)."""
+        cannot decode a range). `checked`: `data` passed `validate` before and has not changed since (a
+        round's material, named by its digest): its checksum and wire values are not checked again."""
         ...
 
     def validate(self, data: bytes | bytearray | memoryview, *, numel: int) -> None:

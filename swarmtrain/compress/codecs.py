@@ -152,10 +152,10 @@ class _Codec(abc.ABC):
         return 0
 
     # -- decode ------------------------------------------------------------------------------
-    def _open(self, data: _Buffer, *, numel: int | None = None) -> tuple[Header, _Buffer]:
+    def _open(self, data: _Buffer, *, numel: int | None = None, verify: bool = True) -> tuple[Header, _Buffer]:
         """Parses and checks the header for this codec (and its element count against `numel`, when given,
         before anything is decompressed or allocated); returns it with the raw (decompressed) payload."""
-        header, payload = parse(data, limits=self.limits)
+        header, payload = parse(data, limits=self.limits, verify_checksum=verify)
         if header.codec_id != self.codec_id:
             raise CodecError(f"codec mismatch: data was encoded by {header.codec_id.name.lower()}, "
                              f"this codec is {self.name}")
@@ -200,16 +200,17 @@ class _Codec(abc.ABC):
         header, raw = self._open(data, numel=numel)
         self._validate(header, raw)
 
-    def decode_pieces(self, data: _Buffer, *, numel: int,
-                      piece: int = DECODE_PIECE) -> Iterator[tuple[int, torch.Tensor]]:
+    def decode_pieces(self, data: _Buffer, *, numel: int, piece: int = DECODE_PIECE,
+                      checked: bool = False) -> Iterator[tuple[int, torch.Tensor]]:
         """The decoded flat tensor as (offset, values) pieces that cover it once, in order, `piece` values
         at most each (a multiple of `alignment`), the same bits as `decode`. Each piece's values live in
         one scratch vector that the next piece overwrites: a caller uses each before asking for the next.
         The payload is parsed and checked once, up front. Codecs that cannot decode a range (zstd, sparse)
-        give one piece, the whole tensor."""
-        header, raw = self._open(data, numel=numel)
+        give one piece, the whole tensor. `checked`: `data` passed `validate` before and is unchanged since
+        (a round's material, named by its digest): its checksum and wire values are not checked again."""
+        header, raw = self._open(data, numel=numel, verify=not checked)
         step = piece // self.alignment * self.alignment
-        values = self._fp32_values(header, raw)
+        values = self._fp32_values(header, raw, check=not checked)
         if values is not None:  # the wire holds the fp32 values themselves: read-only views, nothing decoded
             if not 0 < step < numel:
                 yield 0, values
@@ -229,9 +230,9 @@ class _Codec(abc.ABC):
                 decode(lo, out)
                 yield lo, out
 
-    def _fp32_values(self, header: Header, raw: _Buffer) -> torch.Tensor | None:
-        """The payload as the flat fp32 values it decodes to (checked finite), where the wire holds exactly
-        those (uncompressed fp32); None for every other encoding."""
+    def _fp32_values(self, header: Header, raw: _Buffer, *, check: bool = True) -> torch.Tensor | None:
+        """The payload as the flat fp32 values it decodes to (checked finite unless not `check`), where the
+        wire holds exactly those (uncompressed fp32); None for every other encoding."""
         return None
 
     def _range_decoder(self, header: Header, raw: _Buffer) -> Callable[[int, torch.Tensor], None] | None:
@@ -286,9 +287,9 @@ class CastCodec(_Codec):
     def _raw_size(self, header: Header) -> int:
         return header.numel * self.wire_dtype.itemsize
 
-    def _values(self, header: Header, raw: _Buffer) -> torch.Tensor:
+    def _values(self, header: Header, raw: _Buffer, *, check: bool = True) -> torch.Tensor:
         vals = _view(raw, self.wire_dtype, count=header.numel)
-        if not _all_finite(vals):
+        if check and not _all_finite(vals):
             raise CodecError(f"{self.name}: payload holds NaN or Inf")
         return vals.to(self.device)
 
@@ -298,10 +299,10 @@ class CastCodec(_Codec):
     def _decode_flat(self, header: Header, raw: _Buffer) -> torch.Tensor:
         return self._values(header, raw).to(torch.float32, copy=True)
 
-    def _fp32_values(self, header: Header, raw: _Buffer) -> torch.Tensor | None:
+    def _fp32_values(self, header: Header, raw: _Buffer, *, check: bool = True) -> torch.Tensor | None:
         if self.wire_dtype != torch.float32 or Flags.ZSTD in header.flags:
             return None
-        return self._values(header, raw)
+        return self._values(header, raw, check=check)
 
     def _range_decoder(self, header: Header, raw: _Buffer) -> Callable[[int, torch.Tensor], None] | None:
         if Flags.ZSTD in header.flags:

@@ -67,8 +67,8 @@ class SparseCodec(_Codec):
         return [prefix, body.numpy().data if body.numel() else memoryview(b"")], Flags(0), self.chunk
 
     # -- decode ------------------------------------------------------------------------------
-    def _open(self, data: _Buffer, *, numel: int | None = None) -> tuple[Header, _Buffer]:
-        header, payload = parse(data, limits=self.limits)
+    def _open(self, data: _Buffer, *, numel: int | None = None, verify: bool = True) -> tuple[Header, _Buffer]:
+        header, payload = parse(data, limits=self.limits, verify_checksum=verify)
         if header.codec_id != self.codec_id:
             raise CodecError(f"codec mismatch: data was encoded by {header.codec_id.name.lower()}, "
                              f"this codec is {self.name}")

@@ -289,3 +289,20 @@ def test_fp32_pieces_are_views_of_the_payload_and_other_codecs_reuse_one_scratch
             inner.append(nested.clone())
         assert torch.equal(values, whole[lo:lo + 16])  # the nested decode left this piece alone
     assert torch.equal(torch.cat(outer), whole) and torch.equal(torch.cat(inner[:4]), whole)
+
+
+@pytest.mark.parametrize("name", ["fp32", "int8"])
+def test_decode_pieces_of_checked_bytes_skips_the_checksum_and_nothing_else_changes(name: str) -> None:
+    x = torch.randn(64, generator=torch.Generator().manual_seed(6))
+    codec = get_codec(name, **({"block_size": 8} if name == "int8" else {}))
+    data = bytearray(codec.encode(x))
+    whole = codec.decode(data).reshape(-1)
+    data[-1] ^= 1  # one payload bit: the checksum no longer matches
+    with pytest.raises(CodecError, match="checksum"):
+        list(codec.decode_pieces(data, numel=64, piece=16))
+    assert len(list(codec.decode_pieces(data, numel=64, piece=16, checked=True))) == 4  # not hashed again
+    data[-1] ^= 1
+    got = torch.cat([v.clone() for _, v in codec.decode_pieces(data, numel=64, piece=16, checked=True)])
+    assert torch.equal(got, whole)
+    with pytest.raises(CodecError, match="elements"):  # the header is still read and held to the size asked
+        list(codec.decode_pieces(data, numel=32, piece=16, checked=True))
