@@ -69,13 +69,14 @@ def mean_of(parts: list[torch.Tensor], *, out: torch.Tensor | None = None) -> to
 
 
 def mean_of_encoded(codec: Codec, parts: Sequence[bytes | bytearray | memoryview], *,
-                    out: torch.Tensor) -> torch.Tensor:
+                    out: torch.Tensor, checked: bool = False) -> torch.Tensor:
     """`mean_of` over the decoded `parts`, bit for bit, each part decoded and added straight into `out`
     (every codec's `decode_accumulate(part, acc)` equals `acc.add_(decode(part))` to the bit, pinned by
-    tests): no decoded part is ever held. `out` (fp32, the shard's size) receives the mean."""
+    tests): no decoded part is ever held. `out` (fp32, the shard's size) receives the mean. `checked`: every
+    part passed `Codec.validate` already (a reducer's pushes), so none is hashed or scanned again."""
     out.zero_()
     for part in parts:
-        codec.decode_accumulate(part, out)
+        codec.decode_accumulate(part, out, checked=checked)
     return out.div_(len(parts))
 
 
@@ -121,17 +122,17 @@ def unpack_bundle(data: bytes | bytearray | memoryview, *, max_parts: int) -> li
 
 
 def aggregate_encoded(codec: Codec, parts: Sequence[bytes | bytearray | memoryview], rule: Aggregation, *,
-                      out: torch.Tensor) -> torch.Tensor:
+                      out: torch.Tensor, checked: bool = False) -> torch.Tensor:
     """`rule` over the decoded `parts` into `out` (fp32, the shard's size). The mean streams into `out`;
     the trimmed mean holds every decoded part (n × the shard in fp32) and sorts it in chunks."""
     if not parts:
         raise ValueError("aggregate_encoded: no contributions")
     k = rule.trimmed(len(parts))
     if k == 0:
-        return mean_of_encoded(codec, parts, out=out)
+        return mean_of_encoded(codec, parts, out=out, checked=checked)
     decoded = torch.empty(len(parts), out.numel(), dtype=torch.float32, device=out.device)
     for row, part in zip(decoded, parts, strict=True):
-        codec.decode_accumulate(part, row.zero_())
+        codec.decode_accumulate(part, row.zero_(), checked=checked)
     return trimmed_mean(decoded, k, out=out)
 
 
@@ -168,13 +169,15 @@ def _sorted_rows(block: torch.Tensor) -> list[torch.Tensor]:
 
 async def encoded_aggregate(codec: Codec, parts: Sequence[bytes | bytearray | memoryview], aggregation: Aggregation,
                             *, numel: int, buffers: BufferPool) -> bytes:
-    """`aggregate_encoded` into a pooled fp32 accumulator, in a thread, encoded once (a reducer's mean). A
-    cancelled wait keeps the accumulator from the pool: its thread may still write into it."""
+    """`aggregate_encoded` into a pooled fp32 accumulator, in a thread, encoded once (a reducer's mean), of
+    `parts` that each passed `Codec.validate` (pushes, as a reducer takes them). A cancelled wait keeps the
+    accumulator from the pool: its thread may still write into it."""
     view = buffers.take(4 * numel)
     acc = [torch.frombuffer(view, dtype=torch.float32) if numel else torch.empty(0)]  # cleared before the give
     finished = False
     try:
-        data = await asyncio.to_thread(lambda: codec.encode(aggregate_encoded(codec, parts, aggregation, out=acc[0])))
+        data = await asyncio.to_thread(lambda: codec.encode(aggregate_encoded(codec, parts, aggregation, out=acc[0],
+                                                                                     checked=True)))
         finished = True
     finally:
         acc.clear()

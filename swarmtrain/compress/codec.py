@@ -42,7 +42,10 @@ class Codec(Protocol):
 
     def decode(self, data: bytes | bytearray | memoryview) -> torch.Tensor: ...
 
-    def decode_accumulate(self, data: bytes | bytearray | memoryview, out: torch.Tensor) -> None: ...
+    def decode_accumulate(self, data: bytes | bytearray | memoryview, out: torch.Tensor, *,
+                          checked: bool = False) -> None:
+        """`out += decode(data)`, to the bit; `checked` as for `decode_pieces`."""
+        ...
 
     def decode_pieces(self, data: bytes | bytearray | memoryview, *, numel: int,
                       checked: bool = False) -> Iterator[tuple[int, torch.Tensor]]:

@@ -191,9 +191,13 @@ class _Codec(abc.ABC):
         header, raw = self._open(data)
         return self._decode_flat(header, raw).view(header.shape)
 
-    def decode_accumulate(self, data: _Buffer, out: torch.Tensor) -> None:
+    def decode_accumulate(self, data: _Buffer, out: torch.Tensor, *, checked: bool = False) -> None:
         self._check_out(out)
-        header, raw = self._open(data, numel=out.numel())
+        header, raw = self._open(data, numel=out.numel(), verify=not checked)
+        values = self._fp32_values(header, raw, check=False) if checked else None
+        if values is not None:
+            out.view(-1).add_(values)
+            return
         self._accumulate(header, raw, out)
 
     def validate(self, data: _Buffer, *, numel: int) -> None:

@@ -306,3 +306,11 @@ def test_decode_pieces_of_checked_bytes_skips_the_checksum_and_nothing_else_chan
     assert torch.equal(got, whole)
     with pytest.raises(CodecError, match="elements"):  # the header is still read and held to the size asked
         list(codec.decode_pieces(data, numel=32, piece=16, checked=True))
+    acc, ref = torch.ones(64), torch.ones(64)
+    codec.decode_accumulate(data, acc, checked=True)
+    codec.decode_accumulate(data, ref)
+    assert torch.equal(acc, ref)
+    data[-1] ^= 1
+    codec.decode_accumulate(data, acc, checked=True)  # not hashed again
+    with pytest.raises(CodecError, match="checksum"):
+        codec.decode_accumulate(data, ref)
