@@ -20,7 +20,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     up.add_argument("--hosts", type=int, required=True, help="number of hosts (host I gets 10.77.0.(10+I))")
     up.add_argument("--rate", default="100mbit", help="each host's link rate, each direction (default: 100mbit)")
     up.add_argument("--delay-ms", type=float, default=0.0,
-                    help="netem delay on each end of each link (host-to-host one way = 2x); needs netem")
+                    help="delay on each end of each link (host-to-host one way = 2x, round trip = 4x): netem's where "
+                         "the kernel has it, else a forwarder process in the switch namespace (see --delay-by)")
+    up.add_argument("--delay-by", choices=("auto", "netem", "forwarder"), default="auto",
+                    help="what holds delayed frames: the kernel's netem qdisc, the user-space forwarder, or auto "
+                         "(netem where the kernel has it; default)")
     up.add_argument("--loss-pct", type=float, default=0.0, help="netem loss on each end of each link; needs netem")
     up.add_argument("--mtu", type=int, default=1500, help="link MTU (default: 1500)")
     up.add_argument("--cpus", type=float, default=None,
@@ -67,7 +71,8 @@ def _up(args: argparse.Namespace) -> int:
     from swarmtrain.testbed import LinkSpec, Testbed, parse_rate
 
     link = LinkSpec(rate_bit_s=parse_rate(args.rate), delay_ms=args.delay_ms, loss_pct=args.loss_pct, mtu=args.mtu)
-    testbed = Testbed(args.name, num_hosts=args.hosts, link=link, data_port=args.data_port, cpus=args.cpus)
+    testbed = Testbed(args.name, num_hosts=args.hosts, link=link, data_port=args.data_port, cpus=args.cpus,
+                      delay_by=args.delay_by)
     testbed.up(persist=True)
     print(json.dumps(testbed.describe()), flush=True)
     return 0

@@ -8,19 +8,25 @@ from the system itself, not from a state file):
 
 Nothing is created in the root namespace and nothing routes outside the bridge: the test
 subnet exists only on br0. Each veth is shaped on the egress of both ends (see shaping.py).
+A link delay is netem's where the kernel has it; elsewhere each switch end hI leaves the bridge to a
+TAP `tI`, and the forwarder of delay.py, a process in NAME-sw, holds the frames between the two.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import json
 import logging
 import os
 import re
+import select
 import shutil
 import signal
 import subprocess
+import sys
+import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +41,8 @@ log = logging.getLogger(__name__)
 DEFAULT_DATA_PORT = 7000
 SUBNET_PREFIX = "10.77.0."
 MAX_HOSTS = 200
+DELAY_BY = ("auto", "netem", "forwarder")
+FORWARDER_START_S = 20.0  # the delay forwarder opens every port within this (a Python start and N ioctls)
 _NAME = re.compile(r"^[a-z][a-z0-9]{0,7}$")
 _CMD_TIMEOUT_S = 20.0
 
@@ -103,6 +111,9 @@ def teardown(name: str) -> list[str]:
         proc = _run(["ip", "netns", "del", ns], check=False)
         if proc.returncode != 0 and ns in _netns_names():
             raise TestbedError(f"could not delete namespace {ns}: {proc.stderr.strip()}")
+    for path in (forwarder_stats_path(name), forwarder_log_path(name)):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
     groups = [cap.path.name for cap in caps_of(name) if cap.remove()]
     if namespaces or groups:
         log.info("testbed %s removed: %s", name, ", ".join([*namespaces, *groups]))
@@ -115,10 +126,16 @@ class Testbed:
     __test__ = False  # not a pytest test class despite the name
 
     def __init__(self, name: str = "swt", *, num_hosts: int, link: LinkSpec,
-                 data_port: int = DEFAULT_DATA_PORT, cpus: float | Mapping[int, float] | None = None) -> None:
+                 data_port: int = DEFAULT_DATA_PORT, cpus: float | Mapping[int, float] | None = None,
+                 delay_by: str = "auto") -> None:
         """`cpus`: cap every host at this many CPUs, or the hosts a mapping names at theirs (a cgroup each, see
-        cpu.py); None leaves every host uncapped."""
+        cpu.py); None leaves every host uncapped. `delay_by`: what holds the frames of a link with a delay:
+        "netem" (the kernel's qdisc), "forwarder" (delay.py, in user space) or "auto" (netem where the kernel
+        has it, else the forwarder)."""
         _check_name(name)
+        if delay_by not in DELAY_BY:
+            raise TestbedError(f"delay_by={delay_by!r}: must be one of {', '.join(DELAY_BY)}")
+        self.delay_by = delay_by
         if not 1 <= num_hosts <= MAX_HOSTS:
             raise TestbedError(f"num_hosts={num_hosts}: must be in [1, {MAX_HOSTS}]")
         self.name = name
@@ -134,6 +151,7 @@ class Testbed:
                       for i in range(num_hosts)]
         self._procs: list[subprocess.Popen[Any]] = []
         self._is_up = False
+        self.forwarder_pid: int | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -168,10 +186,9 @@ class Testbed:
         _run(["ip", "netns", "exec", sw, "sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1"])
         _run(["ip", "netns", "exec", sw, "sysctl", "-qw", "net.ipv6.conf.default.disable_ipv6=1"])
         _run(["ip", "-n", sw, "link", "set", "lo", "up"])
-        if self.link.needs_netem and not has_netem(sw):
-            raise TestbedError(
-                "this kernel has no netem qdisc (sch_netem), so --delay-ms/--loss-pct cannot be emulated "
-                "here; rate shaping (htb) works: rerun without --delay-ms/--loss-pct, or on a kernel with netem")
+        forwarder = self._choose_delay(sw)
+        # With the forwarder, the kernel shapes the rate only; the forwarder holds the frames.
+        shaped = dataclasses.replace(self.link, delay_ms=0.0) if forwarder else self.link
         _run(["ip", "-n", sw, "link", "add", "br0", "type", "bridge"])
         _run(["ip", "-n", sw, "link", "set", "br0", "up"])
         for h in self.hosts:
@@ -181,17 +198,69 @@ class Testbed:
             _run(["ip", "-n", h.netns, "link", "set", "lo", "up"])
             _run(["ip", "-n", sw, "link", "add", h.switch_port, "mtu", str(self.link.mtu), "type", "veth",
                   "peer", "name", h.dev, "mtu", str(self.link.mtu), "netns", h.netns])
-            _run(["ip", "-n", sw, "link", "set", h.switch_port, "master", "br0"])
+            if forwarder:  # a TAP stands on the bridge for the host; the forwarder joins the two
+                tap = tap_of(h)
+                _run(["ip", "-n", sw, "tuntap", "add", "dev", tap, "mode", "tap", "vnet_hdr"])
+                _run(["ip", "-n", sw, "link", "set", tap, "mtu", str(self.link.mtu), "master", "br0", "up"])
+            else:
+                _run(["ip", "-n", sw, "link", "set", h.switch_port, "master", "br0"])
             _run(["ip", "-n", sw, "link", "set", h.switch_port, "up"])
             _run(["ip", "-n", h.netns, "addr", "add", f"{h.ip}/24", "dev", h.dev])
             _run(["ip", "-n", h.netns, "link", "set", h.dev, "up"])
             for ns, dev in ((h.netns, h.dev), (sw, h.switch_port)):
-                for args in shaping_commands(dev, self.link, data_port=self.data_port):
+                for args in shaping_commands(dev, shaped, data_port=self.data_port):
                     _run(["tc", "-n", ns, *args])
             if h.index in self.cpus:
                 root = cgroup_root()
                 assert root is not None  # checked in up()
                 CpuCap(root, self.name, h.index).create(self.cpus[h.index])
+        if forwarder:
+            self._start_forwarder()
+
+    def _choose_delay(self, sw: str) -> bool:
+        """Whether the user-space forwarder holds the frames (else netem, or nothing to hold)."""
+        if not self.link.needs_netem:
+            return False
+        netem = self.delay_by != "forwarder" and has_netem(sw)
+        if self.link.loss_pct > 0 and not netem:
+            why = "delay_by='forwarder' was asked for" if self.delay_by == "forwarder" else \
+                "this kernel has no netem qdisc (sch_netem)"
+            raise TestbedError(f"--loss-pct needs netem and {why}: rerun without --loss-pct (rate and "
+                               "--delay-ms work without netem), or on a kernel with netem")
+        if self.delay_by == "netem" and not netem:
+            raise TestbedError("delay_by='netem' but this kernel has no netem qdisc (sch_netem): use 'auto' or "
+                               "'forwarder' (frames held in user space, testbed/delay.py)")
+        log.info("testbed %s: link delay %g ms each end by %s", self.name, self.link.delay_ms,
+                 "netem" if netem else "the user-space forwarder")
+        return not netem
+
+    def _start_forwarder(self) -> None:
+        """The delay forwarder in the switch namespace (delay.py); returns once it holds every port."""
+        argv = [sys.executable, "-m", "swarmtrain.testbed.delay", "--delay-ms", f"{self.link.delay_ms:g}",
+                "--stats", forwarder_stats_path(self.name)]
+        for h in self.hosts:
+            argv += ["--port", f"{h.switch_port}:{tap_of(h)}"]
+        # Its own session: it outlives `swarmtrain testbed up` (teardown kills it with the namespace's processes).
+        with open(forwarder_log_path(self.name), "ab") as log_file:
+            proc = subprocess.Popen(["ip", "netns", "exec", self.switch_ns, *argv], stdout=subprocess.PIPE,
+                                    stderr=log_file, start_new_session=True)
+        self._procs.append(proc)
+        assert proc.stdout is not None
+        ready = select.select([proc.stdout], [], [], FORWARDER_START_S)[0]
+        line = proc.stdout.readline() if ready else b""
+        proc.stdout.close()
+        if line.strip() != b"READY":
+            proc.kill()
+            with open(forwarder_log_path(self.name), "rb") as f:
+                tail = f.read()[-2000:].decode(errors="replace").strip()
+            raise TestbedError(f"the delay forwarder did not start within {FORWARDER_START_S:.0f}s"
+                               f"{': ' + tail if tail else ''}")
+        self.forwarder_pid = proc.pid
+
+    def forwarder_stats(self) -> dict[str, Any] | None:
+        """The delay forwarder's counters (frames, bytes, drops per port and direction, its CPU seconds), None
+        when this testbed has none."""
+        return read_forwarder_stats(self.name)
 
     def down(self) -> None:
         """Stop what this testbed started and delete its namespaces; safe to call twice."""
@@ -240,7 +309,9 @@ class Testbed:
         return {"name": self.name, "switch": self.switch_ns, "data_port": self.data_port,
                 "cpus": {str(i): c for i, c in self.cpus.items()},
                 "link": {"rate_bit_s": self.link.rate_bit_s, "delay_ms": self.link.delay_ms,
-                         "loss_pct": self.link.loss_pct, "mtu": self.link.mtu},
+                         "loss_pct": self.link.loss_pct, "mtu": self.link.mtu,
+                         "delay_by": None if not self.link.needs_netem else
+                         "forwarder" if self.forwarder_pid is not None else "netem"},
                 "hosts": [{"index": h.index, "netns": h.netns, "ip": h.ip} for h in self.hosts]}
 
 
@@ -252,6 +323,29 @@ def host_argv(name: str, index: int, argv: Sequence[str]) -> list[str]:
     cap = None if root is None else CpuCap(root, name, index)
     # The cap is joined before `ip netns exec`, which mounts a sysfs without the cgroup tree.
     return cap.join_argv(inside) if cap is not None and cap.path.is_dir() else inside
+
+
+def tap_of(host: Host) -> str:
+    """The TAP that stands for `host` on the bridge when the forwarder delays its link."""
+    return f"t{host.index}"
+
+
+def forwarder_stats_path(name: str) -> str:
+    return os.path.join(tempfile.gettempdir(), f"swarmtrain-testbed-{name}-delay.json")
+
+
+def forwarder_log_path(name: str) -> str:
+    return os.path.join(tempfile.gettempdir(), f"swarmtrain-testbed-{name}-delay.log")
+
+
+def read_forwarder_stats(name: str) -> dict[str, Any] | None:
+    """The counters testbed `name`'s delay forwarder last wrote (delay.py), None when it has none."""
+    try:
+        with open(forwarder_stats_path(name)) as f:
+            stats: dict[str, Any] = json.load(f)
+    except FileNotFoundError:
+        return None
+    return stats
 
 
 def has_netem(netns: str) -> bool:

@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +17,7 @@ import pytest
 from swarmtrain.daemon.cli import COMMANDS
 from swarmtrain.process.children import group_alive
 from swarmtrain.telemetry.events import RoundEvent
-from swarmtrain.testbed import LinkSpec, Testbed, find_testbeds, read_counters
+from swarmtrain.testbed import LinkSpec, Testbed, TestbedError, find_testbeds, read_counters
 from swarmtrain.testbed.counters import read_rate_bit_s
 from swarmtrain.testbed.cpu import caps_of, cgroup_root
 from swarmtrain.testbed.netns import has_netem
@@ -105,6 +106,73 @@ def test_shaped_link_rate_and_kernel_byte_classes(name: str) -> None:
     assert down2.data_bytes == 0 and down2.other_bytes > 1_000_000
     assert up0.total_bytes == up0.data_bytes + up0.other_bytes
     assert all(not group_alive(p.pid) for p in procs)
+
+
+ECHO = """
+import socket, sys
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((sys.argv[1], int(sys.argv[2]))); s.listen(); print("READY", flush=True)
+c, _ = s.accept(); c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+while b := c.recv(1):
+    c.sendall(b)
+"""
+PINGER = """
+import socket, sys, time
+s = socket.create_connection((sys.argv[1], int(sys.argv[2]))); s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+rtts = []
+for _ in range(5):
+    t = time.monotonic(); s.sendall(b"x"); s.recv(1); rtts.append(time.monotonic() - t)
+print(min(rtts), max(rtts), flush=True)
+"""
+
+
+def _tcp_rtt_s(tb: Testbed, *, src: int, dst: int, port: int) -> tuple[float, float]:
+    """(min, max) of 5 one-byte TCP round trips from host `src` to an echo on host `dst`."""
+    echo = tb.spawn(dst, [sys.executable, "-c", ECHO, tb.host(dst).ip, str(port)], stdout=subprocess.PIPE, text=True)
+    assert echo.stdout is not None and echo.stdout.readline().strip() == "READY"
+    ping = tb.spawn(src, [sys.executable, "-c", PINGER, tb.host(dst).ip, str(port)], stdout=subprocess.PIPE,
+                    text=True)
+    assert ping.stdout is not None
+    low, high = (float(x) for x in ping.stdout.readline().split())
+    assert ping.wait(timeout=30) == 0
+    return low, high
+
+
+def test_a_delay_without_netem_is_held_by_the_forwarder_both_ways(name: str) -> None:
+    """10 ms on each end of each link, held in user space: a TCP round trip between two hosts takes 4 x 10 ms,
+    a bulk transfer still runs at the shaped rate with every byte through the forwarder's ports, and `down`
+    stops the forwarder with the namespaces."""
+    rate = 20_000_000
+    link = LinkSpec(rate_bit_s=rate, delay_ms=10)
+    with Testbed(name, num_hosts=3, link=link, delay_by="forwarder") as tb:
+        assert tb.describe()["link"]["delay_by"] == "forwarder"
+        assert read_rate_bit_s(name, 1) == rate
+        low, high = _tcp_rtt_s(tb, src=0, dst=1, port=7100)
+        data = _transfer(tb, src=0, dst=1, port=tb.data_port, size_bytes=2_500_000)
+        forwarder = tb.forwarder_pid
+        stats = None
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # the forwarder writes its counters every second
+            stats = tb.forwarder_stats()
+            if stats is not None and stats["ports"]["h1"]["down"]["bytes"] >= 2_500_000:
+                break
+            time.sleep(0.1)
+
+    assert forwarder is not None and not group_alive(forwarder)
+    assert 0.040 <= low <= high < 0.040 + 0.030, (low, high)
+    assert data["bytes"] == 2_500_000
+    assert 8 * data["bytes"] / data["seconds"] <= 1.1 * rate
+    assert stats is not None and stats["delay_ms"] == 10
+    ports = stats["ports"]
+    assert ports["h0"]["up"]["bytes"] >= 2_500_000 and ports["h1"]["down"]["bytes"] >= 2_500_000
+    assert ports["h2"]["down"]["bytes"] < 10_000  # the bridge sent host 2 nothing but broadcasts
+
+
+def test_loss_without_netem_is_refused_and_leaves_nothing(name: str) -> None:
+    tb = Testbed(name, num_hosts=2, link=LinkSpec(rate_bit_s=1_000_000, delay_ms=5, loss_pct=1),
+                 delay_by="forwarder")
+    with pytest.raises(TestbedError, match="--loss-pct needs netem"):
+        tb.up()
 
 
 BUSY = """

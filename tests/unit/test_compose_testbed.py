@@ -102,6 +102,8 @@ def test_testbed_names_and_addresses_are_derived_from_the_name() -> None:
             Testbed(bad, num_hosts=1, link=LinkSpec(rate_bit_s=1_000_000))
     with pytest.raises(TestbedError, match="num_hosts"):
         Testbed("ci1", num_hosts=0, link=LinkSpec(rate_bit_s=1_000_000))
+    with pytest.raises(TestbedError, match="delay_by='kernel'"):
+        Testbed("ci1", num_hosts=2, link=LinkSpec(rate_bit_s=1_000_000), delay_by="kernel")
 
 
 def test_cli_surface() -> None:
@@ -109,7 +111,11 @@ def test_cli_surface() -> None:
     up = parser.parse_args(["testbed", "up", "--hosts", "4", "--rate", "20mbit", "--delay-ms", "10"])
     assert (up.action, up.hosts, up.rate, up.delay_ms, up.loss_pct, up.name, up.data_port) == (
         "up", 4, "20mbit", 10.0, 0.0, "swt", 7000)
-    assert up.cpus is None
+    assert up.cpus is None and up.delay_by == "auto"
+    assert parser.parse_args(["testbed", "up", "--hosts", "2", "--delay-ms", "25", "--delay-by", "forwarder"]
+                             ).delay_by == "forwarder"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["testbed", "up", "--hosts", "2", "--delay-by", "tc"])
     assert parser.parse_args(["testbed", "up", "--hosts", "2", "--cpus", "0.25"]).cpus == 0.25
     run = parser.parse_args(["testbed", "run", "--host", "1", "--", "swarmtrain", "peer", "--host", "{ip}"])
     assert run.cmd == ["--", "swarmtrain", "peer", "--host", "{ip}"]
