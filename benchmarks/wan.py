@@ -30,6 +30,8 @@ DiLoCo peer k reads DDP rank k's slot of the data (data.num_shards, --shard-inde
       --outer-lr 1.0 --diloco-set inner.lr=1.5e-3 --diloco-set outer.momentum=0.8 \
       --out benchmarks/results/wan-sharded.json   # the tuned DiLoCo setting
   sudo .venv/bin/python benchmarks/wan.py --rates 100mbit --arms int8 --rounds 2   # a quick look
+  sudo .venv/bin/python benchmarks/wan.py --rates 100mbit --rtt-ms 0,100 --arms int8,int8-overlap \
+      --out benchmarks/results/wan-rtt.json   # the same arms without and with a 100 ms round trip
 """
 
 from __future__ import annotations
@@ -83,6 +85,9 @@ def check_arm(arm: str) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rates", default="100mbit,20mbit", help="comma-separated link rates (default: 100mbit,20mbit)")
+    p.add_argument("--rtt-ms", default="0",
+                   help="comma-separated host-to-host round-trip times; each end of each link holds frames RTT/4 "
+                        "(netem, or the testbed's user-space forwarder without it; default: 0)")
     p.add_argument("--arms", default=DEFAULT_ARMS, help=f"comma-separated: ddp or CODEC[-MODE]..., CODEC one of "
                    f"{','.join(CODECS)}, MODEs from {','.join(MODES)} in that order (default: {DEFAULT_ARMS})")
     p.add_argument("--preset", default="small", help="model preset (default: small, ~0.85M parameters)")
@@ -118,29 +123,56 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def run_arm(arm: str, rate: str, workload: Workload, args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
-    link = LinkSpec(rate_bit_s=parse_rate(rate))
+def run_arm(arm: str, rate: str, workload: Workload, args: argparse.Namespace, out_dir: Path, *,
+            rtt_ms: float = 0.0) -> dict[str, Any]:
+    link = LinkSpec(rate_bit_s=parse_rate(rate), delay_ms=rtt_ms / 4)
     with Testbed(args.name, num_hosts=args.hosts, link=link) as tb:
-        if arm == "ddp":
-            return {"overrides": args.ddp_overrides,
-                    **run_ddp(tb, workload, out_dir=out_dir, timeout_s=args.timeout_s, extra_run=args.ddp_overrides)}
-        before = read_counters(tb.name)
-        codec, *modes = arm.split("-")
-        window_s = args.overlap_matchmaking_s if "overlap" in modes else args.matchmaking_s
-        extra = [f"averaging.matchmaking_timeout_s={window_s}", "averaging.min_peers=2",
-                 f"diloco.overlap={'true' if 'overlap' in modes else 'false'}",
-                 f"diloco.pace={'time' if 'time' in modes else 'steps'}"]
-        if "frag" in modes:  # a round syncs 1/P of θ after H/P steps: P times the rounds for the same tokens
-            extra += [f"diloco.fragments={args.fragments}", f"diloco.rounds={workload.rounds * args.fragments}"]
-        extra += args.diloco_overrides
-        run = start_diloco(tb, workload, codec=codec, out_dir=out_dir, extra_run=extra)
-        try:
-            with LinkRateSampler([h.netns for h in tb.hosts]) as rates:
-                summary = finish_diloco(run, workload, timeout_s=args.timeout_s, before=before)
-            peaks = {f"{w:g}": rates.peak_bit_s(window_s=w) for w in PEAK_WINDOWS_S}
-            return {"arm": arm, "overrides": extra, **summary, "peak_link_bit_s": peaks}
-        finally:
-            run.swarm.close()
+        result = _run_arm_on(tb, arm, workload, args, out_dir)
+        forwarder = tb.forwarder_stats()
+        if forwarder is not None:  # what holding the frames in user space cost this arm
+            result["delay_forwarder"] = {"cpu_s": forwarder["cpu_s"],
+                                         "frames": sum(d["frames"] for p in forwarder["ports"].values()
+                                                       for d in p.values()),
+                                         "dropped": sum(d["dropped"] for p in forwarder["ports"].values()
+                                                        for d in p.values())}
+        result["delay_by"] = tb.describe()["link"]["delay_by"]
+        return result
+
+
+def _run_arm_on(tb: Testbed, arm: str, workload: Workload, args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
+    if arm == "ddp":
+        return {"overrides": args.ddp_overrides,
+                **run_ddp(tb, workload, out_dir=out_dir, timeout_s=args.timeout_s, extra_run=args.ddp_overrides)}
+    before = read_counters(tb.name)
+    codec, *modes = arm.split("-")
+    window_s = args.overlap_matchmaking_s if "overlap" in modes else args.matchmaking_s
+    extra = [f"averaging.matchmaking_timeout_s={window_s}", "averaging.min_peers=2",
+             f"diloco.overlap={'true' if 'overlap' in modes else 'false'}",
+             f"diloco.pace={'time' if 'time' in modes else 'steps'}"]
+    if "frag" in modes:  # a round syncs 1/P of θ after H/P steps: P times the rounds for the same tokens
+        extra += [f"diloco.fragments={args.fragments}", f"diloco.rounds={workload.rounds * args.fragments}"]
+    extra += args.diloco_overrides
+    run = start_diloco(tb, workload, codec=codec, out_dir=out_dir, extra_run=extra)
+    try:
+        with LinkRateSampler([h.netns for h in tb.hosts]) as rates:
+            summary = finish_diloco(run, workload, timeout_s=args.timeout_s, before=before)
+        peaks = {f"{w:g}": rates.peak_bit_s(window_s=w) for w in PEAK_WINDOWS_S}
+        return {"arm": arm, "overrides": extra, **summary, "peak_link_bit_s": peaks}
+    finally:
+        run.swarm.close()
+
+
+def link_label(r: dict[str, Any]) -> str:
+    """A result's link: its rate, and its round-trip time where one was added."""
+    return r["rate"] if not r.get("rtt_ms") else f"{r['rate']} rtt {r['rtt_ms']:g}ms"
+
+
+def run_dir_name(rate: str, rtt_ms: float, arm: str) -> str:
+    return f"{rate}-{arm}" if not rtt_ms else f"{rate}-rtt{rtt_ms:g}-{arm}"
+
+
+def link_key(r: dict[str, Any]) -> tuple[float, float]:
+    return -parse_rate(r["rate"]), r.get("rtt_ms", 0.0)
 
 
 def _fmt_mb(x: float | None) -> str:
@@ -155,7 +187,7 @@ def _peak(r: dict[str, Any], window_s: float = 1.0) -> str:
 
 
 def print_table(results: list[dict[str, Any]]) -> None:
-    print(f"\n{'rate':>8} {'arm':>24} {'wall s':>8} {'util %':>7} {'val loss':>9} {'wire MB':>8} "
+    print(f"\n{'link':>20} {'arm':>24} {'wall s':>8} {'util %':>7} {'val loss':>9} {'wire MB':>8} "
           f"{'data MB':>8} {'payload MB':>10} {'counted MB':>10} {'wire/counted':>12} {'payload/counted':>15} "
           f"{'heals':>5} {'peak Mbit/s':>14}")
     for r in results:
@@ -163,25 +195,40 @@ def print_table(results: list[dict[str, Any]]) -> None:
         counted = r["expected_bytes_sent"] if r["arm"] == "ddp" else r["swarmtrain_bytes_sent"]
         ratio = r["wire_bytes"] / counted if r["arm"] == "ddp" else r["wire_data_bytes"] / counted
         payload_ratio = "-" if r["arm"] == "ddp" else f"{r['wire_data_payload_bytes'] / counted:.3f}"
-        print(f"{r['rate']:>8} {r['arm']:>24} {r['wall_s']:8.1f} {util:7.1f} {r['val_loss']:9.4f} "
+        print(f"{link_label(r):>20} {r['arm']:>24} {r['wall_s']:8.1f} {util:7.1f} {r['val_loss']:9.4f} "
               f"{_fmt_mb(r['wire_bytes'])} {_fmt_mb(r['wire_data_bytes'])} {_fmt_mb(r['wire_data_payload_bytes']):>10} "
               f"{_fmt_mb(counted):>10} {ratio:12.3f} {payload_ratio:>15} {r.get('heals', '-'):>5} {_peak(r):>14}")
     for r in results:
         if r["arm"] != "ddp":
             spread = r.get("send_spread_s_median")
-            print(f"{r['rate']:>8} {r['arm']:>24}: utilization per peer {100 * min(r['utilization']):.1f}–"
+            print(f"{link_label(r):>20} {r['arm']:>24}: utilization per peer {100 * min(r['utilization']):.1f}–"
                   f"{100 * max(r['utilization']):.1f}%, the peers' sends a median "
                   f"{'-' if spread is None else f'{1000 * spread:.0f} ms'} apart")
-    for rate in sorted({r["rate"] for r in results}):
-        ddp = next((r for r in results if r["rate"] == rate and r["arm"] == "ddp"), None)
+    for link in sorted({link_label(r) for r in results}):
+        ddp = next((r for r in results if link_label(r) == link and r["arm"] == "ddp"), None)
         for r in results:
-            if ddp is None or r["rate"] != rate or r["arm"] == "ddp":
+            if ddp is None or link_label(r) != link or r["arm"] == "ddp":
                 continue
             tokens = f", tokens {r['tokens'] / ddp['tokens']:.3f}x DDP's" if "tokens" in r and "tokens" in ddp else ""
-            print(f"{rate} {r['arm']}: wall {r['wall_s'] / ddp['wall_s']:.3f}x DDP's{tokens}, "
+            print(f"{link} {r['arm']}: wall {r['wall_s'] / ddp['wall_s']:.3f}x DDP's{tokens}, "
                   f"val loss {100 * (r['val_loss'] / ddp['val_loss'] - 1):+.2f}% vs DDP, "
                   f"wire bytes {r['wire_bytes'] / ddp['wire_bytes']:.4f}x DDP's")
-
+    for r in results:  # each arm with a round trip added against the same arm and rate without one
+        base = next((b for b in results if b["rate"] == r["rate"] and b["arm"] == r["arm"] and not b.get("rtt_ms")),
+                    None)
+        if not r.get("rtt_ms") or base is None:
+            continue
+        util, base_util = (sum(x["utilization"]) / len(x["utilization"]) for x in (r, base))
+        line = (f"{link_label(r)} {r['arm']}: wall {r['wall_s'] / base['wall_s']:.3f}x, compute utilization "
+                f"{100 * util:.1f}% against {100 * base_util:.1f}% without the round trip")
+        if "round_s_median" in r and "round_s_median" in base:
+            line += (f", round {r['round_s_median']:.2f} s against {base['round_s_median']:.2f} s (outside compute "
+                     f"{r['comm_s_median']:.2f} s against {base['comm_s_median']:.2f} s)")
+        forwarder = r.get("delay_forwarder")
+        if forwarder is not None:
+            line += (f"; the delay forwarder used {forwarder['cpu_s']:.1f} CPU s for {forwarder['frames']} frames "
+                     f"({forwarder['dropped']} dropped)")
+        print(line)
 
 def plot(results: list[dict[str, Any]], path: Path) -> None:
     import matplotlib
@@ -189,7 +236,8 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rates = sorted({r["rate"] for r in results}, key=parse_rate, reverse=True)
+    keys = {link_label(r): link_key(r) for r in results}
+    rates = sorted(keys, key=keys.__getitem__)
     arms = sorted({r["arm"] for r in results}, key=arm_key)
     panels = [("wall-clock (s)", lambda r: r["wall_s"]),
               ("compute utilization (%)", lambda r: 100 * sum(r["utilization"]) / len(r["utilization"])),
@@ -201,7 +249,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
         for j, arm in enumerate(arms):
             xs, ys = [], []
             for i, rate in enumerate(rates):
-                r = next((x for x in results if x["rate"] == rate and x["arm"] == arm), None)
+                r = next((x for x in results if link_label(x) == rate and x["arm"] == arm), None)
                 if r is not None:
                     xs.append(i + j * width)
                     ys.append(value(r))
@@ -224,7 +272,8 @@ def redraw(args: argparse.Namespace) -> int:
     doc = json.loads(out.read_text())
     workload = Workload(**doc["workload"])
     for r in doc["results"]:
-        events = out.parent / f"{out.stem}-runs" / f"{r['rate']}-{r['arm']}" / "logs" / "events.jsonl"
+        events = out.parent / f"{out.stem}-runs" / run_dir_name(r["rate"], r.get("rtt_ms", 0.0), r["arm"]) / "logs" \
+            / "events.jsonl"
         if r["arm"] != "ddp" and "heals" not in r:
             r.update(heal_accounting(events, workload))
         if r["arm"] != "ddp" and "send_spread_s_median" not in r and events.exists():
@@ -254,23 +303,29 @@ def main(argv: list[str] | None = None) -> int:
     if workload.warm_start_steps:
         workload = make_warm_start(workload, work_dir / f"warm-start-{workload.warm_start_steps}.safetensors")
     rates = args.rates.split(",")
+    rtts = [float(x) for x in args.rtt_ms.split(",") if x]
     results: list[dict[str, Any]] = []
     if args.merge and out.exists():
-        results = [r for r in json.loads(out.read_text())["results"] if not (r["rate"] in rates and r["arm"] in arms)]
+        results = [r for r in json.loads(out.read_text())["results"]
+                   if not (r["rate"] in rates and r.get("rtt_ms", 0.0) in rtts and r["arm"] in arms)]
     doc: dict[str, Any] = {"workload": workload.__dict__, "tokens_per_arm": workload.tokens,
                            "command": " ".join(sys.argv), "results": results,
                            "note": "2 cores for 4 hosts: 1 torch thread per process, compute oversubscribed"}
     for rate in rates:
-        for arm in arms:
-            t0 = time.perf_counter()
-            print(f"[{time.strftime('%H:%M:%S')}] {rate} {arm} ...", flush=True)
-            result = {"rate": rate, **run_arm(arm, rate, workload, args, work_dir / f"{rate}-{arm}")}
-            result["harness_s"] = time.perf_counter() - t0
-            result["command"] = " ".join(sys.argv)  # --merge keeps other invocations' arms: each says how it ran
-            results.append(result)
-            out.write_text(json.dumps(doc, indent=1))  # after every arm: partial results survive
-            print(f"  wall {result['wall_s']:.1f}s val {result['val_loss']:.4f}", flush=True)
-    results.sort(key=lambda r: (-parse_rate(r["rate"]), arm_key(r["arm"])))
+        for rtt_ms in rtts:
+            for arm in arms:
+                t0 = time.perf_counter()
+                label = link_label({"rate": rate, "rtt_ms": rtt_ms})
+                print(f"[{time.strftime('%H:%M:%S')}] {label} {arm} ...", flush=True)
+                result = {"rate": rate, "rtt_ms": rtt_ms,
+                          **run_arm(arm, rate, workload, args, work_dir / run_dir_name(rate, rtt_ms, arm),
+                                    rtt_ms=rtt_ms)}
+                result["harness_s"] = time.perf_counter() - t0
+                result["command"] = " ".join(sys.argv)  # --merge keeps other invocations' arms: each says how it ran
+                results.append(result)
+                out.write_text(json.dumps(doc, indent=1))  # after every arm: partial results survive
+                print(f"  wall {result['wall_s']:.1f}s val {result['val_loss']:.4f}", flush=True)
+    results.sort(key=lambda r: (*link_key(r), arm_key(r["arm"])))
     print_table(results)
     plot(results, out.with_suffix(".png"))
     print(f"\nwrote {out} and {out.with_suffix('.png')}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import json
 import os
 import shutil
@@ -354,11 +355,20 @@ def summarize_rounds(swarm: TestbedSwarm, names: list[str]) -> dict[str, Any]:
         received += sum(e.bytes_received for _, e in rounds) + sum(e.bytes_received for e in leaves)
         rounds_done.append(sum(e.committed for _, e in rounds))
     disagree = {r: sorted(h) for r, h in by_round.items() if len(h) > 1}
+    # A round's wall time: from one commit line of a peer to its next (its inner steps and everything else);
+    # outside compute: the round line's comm_s (matchmaking, the all-reduce, the decision, the outer step).
+    gaps, comm = [], []
+    for name in names:
+        committed = [(t, e) for t, e in swarm.lines_of(name) if isinstance(e, RoundEvent) and e.committed]
+        gaps += [b[0] - a[0] for a, b in itertools.pairwise(committed)]
+        comm += [e.comm_s for _, e in committed]
     return {
         "wall_s": last_round - first_ready, "wall_s_per_peer": wall, "rounds_attempted": attempted,
         "compute_s": compute, "utilization": [c / w for c, w in zip(compute, wall, strict=True)],
         "steps_per_peer": steps, "committed_rounds_per_peer": rounds_done, "rounds_committed": len(by_round),
         "rounds_with_disagreeing_hashes": disagree, "swarmtrain_bytes_sent": sent,
         "swarmtrain_bytes_received": received,
+        "round_s_median": statistics.median(gaps) if gaps else None,
+        "comm_s_median": statistics.median(comm) if comm else None,
     }
 
