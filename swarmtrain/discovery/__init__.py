@@ -16,7 +16,7 @@ stats.py      PeerStats: what a peer's record tells an operator about its work s
 from swarmtrain.discovery.clock import estimate_clock_offset_s
 from swarmtrain.discovery.heartbeat import Heartbeat
 from swarmtrain.discovery.memory import InMemoryDiscovery, InMemoryRegistry
-from swarmtrain.discovery.protocol import Discovery, DiscoveryError, RecordDirectory, RunConflictError
+from swarmtrain.discovery.protocol import DirectoryIo, Discovery, DiscoveryError, RecordDirectory, RunConflictError
 from swarmtrain.discovery.records import (
     DepartureRecord,
     GroupRecord,
@@ -29,6 +29,7 @@ from swarmtrain.discovery.scoped import ScopedDiscovery
 
 __all__ = [
     "DepartureRecord",
+    "DirectoryIo",
     "Discovery",
     "DiscoveryError",
     "GroupRecord",

@@ -33,7 +33,8 @@ from swarmtrain.discovery.records import (
 from swarmtrain.trust import RunSecret, SealError, open_sealed, seal
 from swarmtrain.trust.identity import Identity, KeyBinding
 
-__all__ = ["DEPARTURE_KEEP_S", "Discovery", "DiscoveryError", "RawSlot", "RecordDirectory", "RunConflictError"]
+__all__ = ["DEPARTURE_KEEP_S", "DirectoryIo", "Discovery", "DiscoveryError", "RawSlot", "RecordDirectory",
+           "RunConflictError"]
 
 log = logging.getLogger(__name__)
 # How long a departure stays readable: far past any round's length, so the round after a graceful leave
@@ -45,6 +46,23 @@ DECODED_CACHE_SIZE = 4096  # decoded records kept per directory (a few heartbeat
 MAX_LOGGED_SIGNERS = 1024  # signers whose refused records were logged once; past it, refusals are not logged
 R = TypeVar("R", bound=Record)
 M = TypeVar("M", MatchEntry, GroupRecord)  # the records of one matchmaking attempt
+
+
+@dataclass
+class DirectoryIo:
+    """A peer's control-plane work through its directory since it started: what the swarm's size costs it."""
+
+    reads: int = 0  # DHT lookups (one per key read)
+    writes: int = 0  # DHT stores: records and tombstones
+    slots: int = 0  # values those lookups returned (one per signer under the key, before MAX_SLOTS_PER_KEY)
+    decoded: int = 0  # records whose seal was opened and fields checked (the others came from the decode cache)
+
+    def minus(self, before: DirectoryIo) -> DirectoryIo:
+        return DirectoryIo(self.reads - before.reads, self.writes - before.writes, self.slots - before.slots,
+                           self.decoded - before.decoded)
+
+    def copy(self) -> DirectoryIo:
+        return DirectoryIo(self.reads, self.writes, self.slots, self.decoded)
 
 
 class DiscoveryError(RuntimeError):
@@ -73,6 +91,11 @@ class Discovery(Protocol):
 
     @property
     def run_id(self) -> str: ...
+
+    @property
+    def io(self) -> DirectoryIo:
+        """The DHT operations and records this peer's reads and writes cost so far (cumulative)."""
+        ...
 
     @property
     def identity(self) -> Identity:
@@ -161,6 +184,7 @@ class RecordDirectory(abc.ABC):
         # changes nothing.
         self.clock_offset_s = 0.0
         self._prefix = f"swarmtrain/{run_id}/"
+        self.io = DirectoryIo()
 
     # ---------------------------------------------------------------- backend hooks
 
@@ -215,11 +239,15 @@ class RecordDirectory(abc.ABC):
     async def _put_record(self, key: str, record: Record, *, expires_at: float, timeout_s: float) -> None:
         self._check_own(record)
         value = seal(self._seal_key, dht_key=key, signer_id=self.peer_id, body=record.encode())
+        self.io.writes += 1
         await self._put(key, value, expires_at=expires_at, timeout_s=timeout_s)
 
     async def _decoded(self, cls: type[R], key: str, *, timeout_s: float) -> list[R]:
         out: list[R] = []
-        for slot in self._bounded(key, await self._get(key, timeout_s=timeout_s)):
+        self.io.reads += 1
+        slots = await self._get(key, timeout_s=timeout_s)
+        self.io.slots += len(slots)
+        for slot in self._bounded(key, slots):
             if slot.value == b"":
                 continue  # a withdrawn record's tombstone
             # Only bytes are looked up: anything else is refused below (open_sealed), and bytes() of an int
@@ -230,6 +258,7 @@ class RecordDirectory(abc.ABC):
                 self._decoded_cache.move_to_end(cache_key)
                 out.append(cached)  # type: ignore[arg-type]
                 continue
+            self.io.decoded += 1
             try:
                 if slot.signer_id is None:
                     raise RecordError(f"{cls.KIND}: unsigned record")
@@ -309,6 +338,7 @@ class RecordDirectory(abc.ABC):
         return tuple(sorted(live, key=lambda r: r.peer_id))
 
     async def withdraw(self, *, timeout_s: float) -> None:
+        self.io.writes += 1
         await self._delete(self._key("peers"), timeout_s=timeout_s)
 
     async def announce_departure(self, record: DepartureRecord, *, timeout_s: float) -> None:
@@ -321,6 +351,7 @@ class RecordDirectory(abc.ABC):
 
     async def rejoin(self, *, timeout_s: float) -> None:
         # A tombstone outliving any departure this identity announced (a later expiry wins the slot).
+        self.io.writes += 1
         await self._put(self._key("departures"), b"", expires_at=self.now() + self._departure_keep_s() + 1.0,
                         timeout_s=timeout_s)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from swarmtrain.discovery.protocol import Discovery
+from swarmtrain.discovery.protocol import DirectoryIo, Discovery
 from swarmtrain.discovery.records import DepartureRecord, GroupRecord, MatchEntry, PeerRecord, RunRecord
 from swarmtrain.trust.identity import Identity, KeyBinding
 
@@ -35,6 +35,10 @@ class ScopedDiscovery:
     @property
     def run_id(self) -> str:
         return self.inner.run_id
+
+    @property
+    def io(self) -> DirectoryIo:  # the inner directory's counters
+        return self.inner.io
 
     @property
     def identity(self) -> Identity:

@@ -29,6 +29,7 @@ from swarmtrain.diloco import DilocoWorker
 from swarmtrain.diloco.averager import AverageResult, ShardedMean
 from swarmtrain.diloco.pace import Pace, RoundBudget
 from swarmtrain.diloco.worker import Carry, InnerStats
+from swarmtrain.discovery import DirectoryIo
 from swarmtrain.driver.part import CommittedState, Trained
 from swarmtrain.peer.heap import steps_heap
 from swarmtrain.peer.rounds import interruptible
@@ -57,9 +58,10 @@ class WorkerPart:
                  member: Callable[[int, float], Member], prematch: Callable[[int, Member], Any],
                  announce: Callable[[], None], now: Callable[[], float], alone_s: Callable[[], float],
                  certificates: Sequence[Certificate] = (), resumed_at: int | None = None,
-                 val_bytes_per_token: float = 1.0) -> None:
+                 val_bytes_per_token: float = 1.0, io: Callable[[], DirectoryIo] | None = None) -> None:
         """`resumed_at`: the round of the checkpoint the worker was resumed from, if any; `val_bytes_per_token`:
-        of the validation text (val_loss in bits per byte)."""
+        of the validation text (val_loss in bits per byte); `io()`: the directory's control-plane counters (each
+        round line carries what they grew by since the line before)."""
         self.cfg = cfg
         self.worker = worker
         self.writer = writer
@@ -86,6 +88,8 @@ class WorkerPart:
         self.rounds_aborted = 0
         self.announced: tuple[int, str] = (worker.round, worker.digest())
         self._prematching: asyncio.Future[Any] | None = None  # the latest prematch a round's alarm started
+        self.io = io
+        self._io_at = io().copy() if io is not None else None  # the counters at the previous round line
 
     # ------------------------------------------------------------------ the committed state
 
@@ -305,11 +309,21 @@ class WorkerPart:
             alone_s=0.0 if len(result.members) > 1 else self.alone_s(),
             val_ppl=None if val_loss is None else perplexity(val_loss),
             val_bpb=None if val_loss is None else bits_per_byte(val_loss, bytes_per_token=self.val_bytes_per_token),
-            spread=None if spread is None else round(spread, 6), wait_s=None if wait_s is None else round(wait_s, 4)))
+            spread=None if spread is None else round(spread, 6), wait_s=None if wait_s is None else round(wait_s, 4),
+            **self._io_since_last_line()))
         if trained is not None:
             trained.compute_s, trained.steps = 0.0, 0  # a retry of the round reports only its own communication
         if result.committed and self.due(worker.round)[1]:
             await self.checkpoint()
+
+    def _io_since_last_line(self) -> dict[str, int]:
+        """The round line's dht_* fields: the directory's counters since the previous line ({} without them)."""
+        if self.io is None or self._io_at is None:
+            return {}
+        now = self.io().copy()
+        grew, self._io_at = now.minus(self._io_at), now
+        return {"dht_reads": grew.reads, "dht_writes": grew.writes, "dht_slots": grew.slots,
+                "dht_decoded": grew.decoded}
 
     def due(self, round_index: int) -> tuple[bool, bool]:
         """(evaluation, checkpoint): what reaching `round_index` by a commit brings, on schedule."""

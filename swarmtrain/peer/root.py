@@ -163,7 +163,7 @@ class Peer:
                                       member=self._member, prematch=plane.prematch, announce=self._beat_soon,
                                       now=discovery.now, alone_s=self.presence.alone_s, certificates=certificates,
                                       resumed_at=worker.round if loaded is not None else None,
-                                      val_bytes_per_token=self._val_bytes_per_token)
+                                      val_bytes_per_token=self._val_bytes_per_token, io=lambda: discovery.io)
         plane.attach(part.outcome_of)
         plane.serve_state(part.committed)
         for cert in certificates:  # resumed with the checkpoint: learners and peers behind are shown them again

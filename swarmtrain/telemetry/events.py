@@ -64,6 +64,12 @@ class RoundEvent:
     val_bpb: float | None = None  # val_loss in bits per byte of the validation text (data/evaluation.py)
     spread: float | None = None  # gossip: mean ‖φ_partner − φ‖ / ‖φ‖ over the round's partners (diloco/noloco.py)
     wait_s: float | None = None  # gossip: of comm_s, the seconds spent waiting for the partners' parts
+    # The control plane since this peer's previous round line (discovery.DirectoryIo): DHT lookups and stores,
+    # the values the lookups returned, and the records among them opened and checked (not from the cache).
+    dht_reads: int | None = None
+    dht_writes: int | None = None
+    dht_slots: int | None = None
+    dht_decoded: int | None = None
 
     event: str = field(default="round", init=False)
 

@@ -57,6 +57,13 @@ def test_peers_agree_and_a_late_joiner_heals_to_the_swarm() -> None:
         by_round = hashes_by_round(logs)
         assert sorted(by_round) == [0, 1, 2, 3, 4] and all(len(h) == 1 for h in by_round.values()), told
         assert any(e.committed and len(e.members) == 3 for e in logs["c"].rounds()), f"c rejoined the group: {told}"
+        # Every round line says what the control plane cost since the line before; a committed round's holds at
+        # least the round's entry (a store) and the reads of the attempt's entries and of the live peers.
+        for log in logs.values():
+            for e in log.rounds():
+                assert None not in (e.dht_reads, e.dht_writes, e.dht_slots, e.dht_decoded), e
+                if e.committed:
+                    assert e.dht_reads and e.dht_reads >= 2 and e.dht_writes and e.dht_slots, e
         leaves = [e for log in logs.values() for e in log.events() if isinstance(e, LeaveEvent)]
         assert {e.reason for e in leaves} == {"done"} and len({e.hash for e in leaves}) == 1, leaves
 

@@ -11,6 +11,7 @@ import pytest
 
 from swarmtrain.config import ConfigError, RunConfig, load_config, to_dict
 from swarmtrain.discovery import (
+    DirectoryIo,
     GroupRecord,
     Heartbeat,
     InMemoryDiscovery,
@@ -179,6 +180,31 @@ def test_heartbeat_expiry_and_leave() -> None:
         clock.t += 4.5  # c's last beat is 10.5 s old: past record_ttl_s
         live = await c.live_peers(timeout_s=1)
         assert [p.peer_id for p in live] == [a.peer_id] and live[0].round == 1
+
+    asyncio.run(main())
+
+
+def test_a_directory_counts_its_lookups_stores_values_and_decodes() -> None:
+    """The control plane's cost per peer, as round lines report it: each read is one lookup that returns one value
+    per signer under the key; a record is opened and checked once, later reads of the same bytes come from the
+    cache; announcing and withdrawing are stores."""
+    async def main() -> None:
+        clock = FakeClock()
+        reg = InMemoryRegistry(clock=clock)
+        peers = [InMemoryDiscovery(reg, run_id=RUN, record_ttl_s=10) for _ in range(5)]
+        for d in peers:
+            await d.announce(_peer(d.peer_id, clock.t), timeout_s=1)
+        a = peers[0]
+        assert a.io == DirectoryIo(reads=0, writes=1, slots=0, decoded=0)
+        await a.live_peers(timeout_s=1)
+        await a.live_peers(timeout_s=1)
+        assert a.io == DirectoryIo(reads=2, writes=1, slots=10, decoded=5)  # the second read decoded nothing
+        before = a.io.copy()
+        clock.t += 1
+        await peers[1].announce(_peer(peers[1].peer_id, clock.t, round=1), timeout_s=1)  # new bytes under the key
+        await a.live_peers(timeout_s=1)
+        await a.withdraw(timeout_s=1)
+        assert a.io.minus(before) == DirectoryIo(reads=1, writes=1, slots=5, decoded=1)
 
     asyncio.run(main())
 
