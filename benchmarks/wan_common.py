@@ -203,7 +203,8 @@ class DilocoRun:
 
 
 def start_diloco(tb: Testbed, workload: Workload, *, codec: str, out_dir: Path,
-                 extra_run: list[str] | None = None, checkpoint_every: int = 1000) -> DilocoRun:
+                 extra_run: list[str] | None = None, checkpoint_every: int = 1000,
+                 env: dict[str, str] | None = None) -> DilocoRun:
     """Coordinator on host 0, peer i on host i; returns once every peer printed READY, all released together.
 
     Peers start training the moment they print READY, and on 2 busy cores their starts spread over
@@ -214,7 +215,7 @@ def start_diloco(tb: Testbed, workload: Workload, *, codec: str, out_dir: Path,
     for stale in out_dir.glob("ckpt-*"):
         # A previous run of this arm left its peers' checkpoints here: they would resume from them.
         shutil.rmtree(stale)
-    swarm = TestbedSwarm(tb, log_dir=out_dir / "logs", run_overrides=run_cfg)
+    swarm = TestbedSwarm(tb, log_dir=out_dir / "logs", run_overrides=run_cfg, env=env)
     swarm.start_coordinator(host=0, timeout_s=120)
     names = {f"p{i}": i for i in range(workload.num_peers)}
     run = DilocoRun(swarm, names, {n: out_dir / f"ckpt-{n}" for n in names},
