@@ -56,6 +56,10 @@ def translate(err: aio.AioRpcError) -> RpcError:
     return RpcRejected(code.name, err.details() or "")
 
 
+RECONNECT_BACKOFF_MIN_MS = 100
+RECONNECT_BACKOFF_MAX_MS = 1000  # a channel to a down peer tries to connect at least once a second
+
+
 class ByteCounters:
     """Payload bytes sent to / received from each peer (thread-safe; read by telemetry)."""
 
@@ -166,7 +170,13 @@ class RpcNode:
         self._endpoint = ""
         self.options = [("grpc.max_send_message_length", cfg.max_message_bytes),
                         ("grpc.max_receive_message_length", cfg.max_message_bytes),
-                        ("grpc.so_reuseport", 0)]
+                        ("grpc.so_reuseport", 0),
+                        # A peer that died and came back at its address must be reachable at once: gRPC's default
+                        # reconnect backoff grows to 120 s while the peer is down, and a cached channel fails every
+                        # call fast (UNAVAILABLE) until its next try, so a restarted reducer missed whole rounds.
+                        ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MIN_MS),
+                        ("grpc.min_reconnect_backoff_ms", RECONNECT_BACKOFF_MIN_MS),
+                        ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MAX_MS)]
 
     # -- lifecycle -------------------------------------------------------------------------
     def add_service(self, register: Callable[[aio.Server], None]) -> None:
