@@ -68,9 +68,12 @@ class SimNetwork:
     """Nodes by endpoint; links between peer ids, cut by `partition` (sides) until `heal`."""
 
     def __init__(self, *, rng: random.Random, latency_s: tuple[float, float] = (0.002, 0.03),
-                 drop: float = 0.0) -> None:
+                 drop: float = 0.0, access_s: dict[str, float] | None = None) -> None:
+        """A call's leg takes a uniform draw from `latency_s`, or with `access_s` (peer id -> its access link's
+        one-way delay) the two ends' delays added: peer i to peer j takes access_s[i] + access_s[j] each way."""
         self.rng = rng
         self.latency_s = latency_s
+        self.access_s = access_s
         self.drop = drop
         self.nodes: dict[str, SimNode] = {}
         self._side: dict[str, int] = {}
@@ -94,7 +97,9 @@ class SimNetwork:
         sa, sb = self._side.get(a), self._side.get(b)
         return a == b or sa is None or sb is None or sa == sb
 
-    def _latency(self) -> float:
+    def _latency(self, a: str, b: str) -> float:
+        if self.access_s is not None:
+            return self.access_s.get(a, 0.0) + self.access_s.get(b, 0.0)
         lo, hi = self.latency_s
         return lo + (hi - lo) * self.rng.random()
 
@@ -119,7 +124,7 @@ class SimNetwork:
         node = self.nodes.get(endpoint)
         local = node is not None and node.peer_id == src
         if not local:
-            await asyncio.sleep(self._latency())
+            await asyncio.sleep(self._latency(src, node.peer_id if node is not None else endpoint))
         if node is None or not node.alive or not self.linked(src, node.peer_id):
             raise RpcUnavailable(f"UNAVAILABLE: {endpoint} unreachable")
         if not local and self.drop and self.rng.random() < self.drop:
@@ -134,7 +139,7 @@ class SimNetwork:
                 raise RpcUnavailable(f"UNAVAILABLE: {endpoint} went away mid-call") from None
             raise
         if not local:
-            await asyncio.sleep(self._latency())
+            await asyncio.sleep(self._latency(src, node.peer_id))
             if not node.alive or not self.linked(src, node.peer_id):
                 raise RpcUnavailable(f"UNAVAILABLE: the answer from {endpoint} was lost")
         for hook in list(self.answered):
