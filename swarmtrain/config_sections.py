@@ -425,6 +425,11 @@ class AveragingConfig:
     max_retries: int = 1
     """Further all-reduce attempts of a round after one that lost a reducer, each without the reducers that
     failed."""
+    max_voters: int = 32
+    """Most voters a round has: a commit names as the next round's voters at most this many of its serving
+    contributors, drawn by a rank every member computes from the session (round/committee.py), so that a
+    round's decision costs each member messages and certificates of a bounded size however large the swarm
+    (0 = every serving contributor). A majority of them must be live for a round to be decided."""
     contribution_window_s: float = 15.0
     """Seconds a reducer collects contributions to its shard after its round opens; later ones are left out
     of the mean. Must be shorter than `allreduce_timeout_s`."""
@@ -470,6 +475,7 @@ class AveragingConfig:
 
     def __post_init__(self) -> None:
         check(self.min_peers >= 1, "averaging.min_peers", "must be >= 1")
+        check(self.max_voters >= 0, "averaging.max_voters", "must be >= 0 (0 = every serving contributor)")
         check(self.contribution_window_s > 0, "averaging.contribution_window_s", "must be > 0")
         check(self.matchmaking_timeout_s > 0, "averaging.matchmaking_timeout_s", "must be > 0")
         check(self.allreduce_timeout_s > 0, "averaging.allreduce_timeout_s", "must be > 0")

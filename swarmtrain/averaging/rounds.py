@@ -23,6 +23,7 @@ from swarmtrain.compress import Codec
 from swarmtrain.diloco.averager import AverageResult, Delta, ShardedMean
 from swarmtrain.round.ballots import Value, Voter, session_ballot
 from swarmtrain.round.certificate import Retirement
+from swarmtrain.round.committee import committee
 from swarmtrain.round.group import Group
 from swarmtrain.round.messages import Contact
 from swarmtrain.rpc.averaging_wire import SessionKey
@@ -127,7 +128,8 @@ class RoundAverager:
         layout = layout_of(reduction.blobs, reduction.bounds, numel=reduction.bounds[-1][1], codec=self.codec.name,
                            gather=self.allreduce.gather, digests=reduction.digests)
         by_id = {m.peer_id: m for m in group.members}
-        next_voters = tuple(Voter(p, by_id[p].incarnation) for p in reduction.contributors if not by_id[p].client_mode)
+        serving = tuple(Voter(p, by_id[p].incarnation) for p in reduction.contributors if not by_id[p].client_mode)
+        next_voters = committee(serving, size=self.allreduce.cfg.max_voters, seed=reduction.key.session_id)
         value = Value(self.scope, group.round, reduction.key.session_id, base, reduction.contributors, next_voters,
                       layout, result="0" * 64)
         return value, Material(layout, list(reduction.blobs))

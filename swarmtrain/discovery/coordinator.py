@@ -12,6 +12,7 @@ from swarmtrain.config import RunConfig, public_dict
 from swarmtrain.discovery.protocol import Discovery, DiscoveryError, RunConflictError
 from swarmtrain.discovery.records import PeerRecord, RunRecord
 from swarmtrain.round.ballots import Genesis, Voter
+from swarmtrain.round.committee import committee
 
 __all__ = ["RunPublisher", "existing_run", "next_genesis", "scope_of", "with_run_nonce"]
 
@@ -57,10 +58,12 @@ def scope_of(record: PeerRecord) -> str | None:
     return None
 
 
-def next_genesis(peers: Sequence[PeerRecord], known: Mapping[str, Genesis], *, min_peers: int) -> dict[str, Genesis]:
+def next_genesis(peers: Sequence[PeerRecord], known: Mapping[str, Genesis], *, min_peers: int, max_voters: int = 0,
+                 run_nonce: str = "") -> dict[str, Genesis]:
     """`known` with a genesis for each scope that has none yet and at least `min_peers` serving peers at round 0:
-    those peers (with their incarnations) are the voters of its round 0. Once fixed, a genesis never changes:
-    two genesis voter sets for one round could each choose a value."""
+    those peers (with their incarnations), at most `max_voters` of them (round/committee.py, 0 = all), are the
+    voters of its round 0. Once fixed, a genesis never changes: two genesis voter sets for one round could each
+    choose a value."""
     out = dict(known)
     serving: dict[str, list[PeerRecord]] = {}
     for p in peers:
@@ -69,7 +72,8 @@ def next_genesis(peers: Sequence[PeerRecord], known: Mapping[str, Genesis], *, m
             serving.setdefault(scope, []).append(p)
     for scope, ps in sorted(serving.items()):
         if scope not in out and len(ps) >= min_peers:
-            out[scope] = Genesis(0, tuple(Voter(p.peer_id, p.incarnation) for p in sorted(ps, key=lambda p: p.peer_id)))
+            voters = tuple(Voter(p.peer_id, p.incarnation) for p in sorted(ps, key=lambda p: p.peer_id))
+            out[scope] = Genesis(0, committee(voters, size=max_voters, seed=f"{run_nonce}/{scope}/genesis"))
             log.info("scope %r: round 0's voters are %s", scope, [str(v) for v in out[scope].voters])
     return out
 
@@ -104,7 +108,8 @@ class RunPublisher:
     async def refresh(self) -> RunRecord:
         """One tick: read live peers; republish when the newest round moved (or to keep the record fresh)."""
         peers = await self._d.live_peers(timeout_s=self._interval_s * 2)
-        self.genesis = next_genesis(peers, self.genesis, min_peers=self._cfg.averaging.min_peers)
+        self.genesis = next_genesis(peers, self.genesis, min_peers=self._cfg.averaging.min_peers,
+                                    max_voters=self._cfg.averaging.max_voters, run_nonce=self._cfg.train.run_nonce)
         newest = max((p.round for p in peers), default=self.record.round)
         if newest != self.record.round:
             log.info("run %s: round %d -> %d (%d live peers)", self._d.run_id, self.record.round, newest, len(peers))

@@ -1,7 +1,7 @@
 """The outer round as pure code: its state machine (machine.py), heal decision (heal.py), the decision's
 ballots, quorums and values (ballots.py), a voter's acceptor state (acceptor.py), certificates and their chains
-(certificate.py), the consensus messages (messages.py), a round's group and its members (group.py), and the
-group's rule for material (rules.py).
+(certificate.py), the consensus messages (messages.py), a round's group and its members (group.py), the
+group's rule for material (rules.py), and the bounded set of voters a commit names (committee.py).
 
 No I/O, no threads, no clock but the one injected: the round driver (swarmtrain/driver) and the averaging
 services drive it.

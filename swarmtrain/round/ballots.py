@@ -241,8 +241,11 @@ class Value:
         if (not isinstance(contributors, list) or len(contributors) > MAX_VOTERS
                 or not all(isinstance(c, str) and 0 < len(c) <= MAX_ID_CHARS for c in contributors)):
             raise BallotError("value.contributors: malformed")
-        return cls(scope, round_, session, base, tuple(contributors),
-                   voters_from_json(raw.get("next_voters"), what="value.next_voters"),
+        next_voters = voters_from_json(raw.get("next_voters"), what="value.next_voters")
+        strangers = {v.peer_id for v in next_voters} - set(contributors)
+        if strangers:  # a round's voters are drawn from the contributors of the commit that names them
+            raise BallotError(f"value.next_voters: {sorted(strangers)[:3]} contributed nothing to the value")
+        return cls(scope, round_, session, base, tuple(contributors), next_voters,
                    MaterialLayout.from_json(raw.get("layout")), result)
 
     def canonical(self) -> bytes:

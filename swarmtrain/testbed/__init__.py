@@ -1,7 +1,9 @@
 """A WAN twin on one Linux machine: hosts as network namespaces on a shaped bridge (needs root).
 
 Map: shaping.py (rates, the htb tree, netem options) · netns.py (Testbed: namespaces, bridge,
-veths, processes inside hosts; teardown by name) · cpu.py (a host's CPU cap: a cgroup per host)
+veths, processes inside hosts; teardown by name) · delay.py (link delay in user space where the kernel
+has no netem: a forwarder between each host's veth and its TAP on the bridge)
+· cpu.py (a host's CPU cap: a cgroup per host)
 · counters.py (kernel byte counters per host) · rates.py (those counters sampled over time: peak link rates)
 · swarm.py (a coordinator and peers started inside the hosts, their JSON lines collected)
 · pipeline.py (a pipeline swarm in the hosts: PipelineLayout, PipelineSwarm; kill/restart a server).

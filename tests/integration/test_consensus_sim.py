@@ -170,3 +170,25 @@ def test_200_random_fault_schedules_keep_one_state_per_round_and_recover() -> No
     kinds = {f.kind for r in results for f in r.schedule.faults}
     assert kinds == {"crash", "freeze", "partition", "stale", "leave"}
     assert sum(r.rounds for r in results) > 200 * 5  # the swarms did train, round after round
+
+
+COMMITTEE_SEEDS = range(60_000, 60_040)
+
+
+def _run_with_three_voters(seed: int) -> SimResult:
+    schedule = Schedule.draw(seed, faults_until_s=SUITE_FAULTS_UNTIL_S)
+    result = run_schedule(dataclasses.replace(schedule, config=("averaging.max_voters=3",)))
+    result.ledger = None
+    return result
+
+
+def test_rounds_decided_by_three_voters_of_each_swarm_keep_one_state_and_recover() -> None:
+    """Each commit names 3 of its 5-9 contributors as the next round's voters (averaging.max_voters): under the
+    same random faults (crashes, freezes, partitions, stale reads, graceful leaves of voters), no round has two
+    states and every live peer commits soon after the faults stop."""
+    with ProcessPoolExecutor(max_workers=2, mp_context=multiprocessing.get_context("fork")) as pool:
+        results = list(pool.map(_run_with_three_voters, COMMITTEE_SEEDS, chunksize=5))
+    failed = [r.summary() for r in results if not r.ok]
+    assert not failed, failed
+    assert sum(r.rounds for r in results) > len(COMMITTEE_SEEDS) * 5
+    assert any(f.kind == "leave" for r in results for f in r.schedule.faults)

@@ -359,6 +359,15 @@ def test_value_from_json_refuses_a_malformed_layout(layout: dict[str, Any]) -> N
         Value.from_json(raw)
 
 
+def test_a_value_whose_voters_did_not_contribute_is_refused() -> None:
+    """A commit names the next round's voters among its own contributors (round/committee.py): a value that names
+    anyone else (a proposer making itself and its friends the voters) does not decode."""
+    raw = _value(next_voters=(Voter("a", 0), Voter("mallory", 0))).to_json()
+    with pytest.raises(BallotError, match="mallory"):
+        Value.from_json(raw)
+    assert Value.from_json(_value(next_voters=(Voter("c", 2),)).to_json()).next_voters == (Voter("c", 2),)
+
+
 @pytest.mark.parametrize("missing", ["scope", "round", "session", "base", "contributors"])
 def test_value_from_json_refuses_a_missing_field(missing: str) -> None:
     raw = _value().to_json()

@@ -51,7 +51,8 @@ def _digest(tag: str) -> str:
 def _value(round_index: int = ROUND, *, base: str = _digest("base"), result: str = _digest("result"),
            next_voters: Sequence[Voter] = V, scope: str = SCOPE, session: str = "sess") -> Value:
     layout = MaterialLayout(16, "fp32", False, (ShardDigest(0, 16, 64, _digest("shard")),))
-    return Value(scope, round_index, session, base, ("p0", "p1"), tuple(next_voters), layout, result)
+    contributors = tuple(dict.fromkeys(["p0", "p1", *(v.peer_id for v in next_voters)]))  # voters contributed
+    return Value(scope, round_index, session, base, contributors, tuple(next_voters), layout, result)
 
 
 def _grant(voter: Voter, value: Value, *, ballot: Ballot = BALLOT, run: str = RUN, signer: str | None = None,

@@ -85,6 +85,7 @@ class Schedule:
     checkpoint_every: int = 1
     numel: int = 32
     rules: str = "paxos"  # or "legacy": the voting rules before the decision was consensus (legacy.py)
+    config: tuple[str, ...] = ()  # overrides of the simulation's run config (SIM_RUN)
 
     @classmethod
     def draw(cls, seed: int, *, peers: tuple[int, int] = (5, 9), faults_until_s: float = 90.0,
@@ -167,7 +168,7 @@ async def _run(schedule: Schedule, root: Path) -> SimResult:
     loop = asyncio.get_running_loop()
     assert isinstance(loop, VirtualLoop)
     clock = loop.clock
-    cfg = sim_config()
+    cfg = sim_config(*schedule.config)
     rng = random.Random(schedule.seed * 7919 + 1)
     registry = SimRegistry(clock=clock.wall, rng=random.Random(schedule.seed * 31 + 7), key_seed=b"sim-keys")
     net = SimNetwork(rng=rng, drop=schedule.drop)
