@@ -9,8 +9,10 @@ and of the whole peer. Each figure's growth with N is fitted as a power law, N^k
 
 `kill`: N peers (default 16); in each of `--kills` rounds one peer that reduces a shard is SIGKILLed right after
 its reducer closed the shard (the agreement on the round's contributors is done, the means are being served),
-then restarted from its checkpoint. Reported: whether each of those rounds committed on every other peer, with
-one hash, and every aborted round of the run with its reason.
+then restarted from its checkpoint (one kill a round, the next once the round of the last committed). Reported:
+whether each of those rounds committed, with one hash and no aborted attempt, on every peer that was up through
+it (all but its victim and the last round's, which is still restarting), and every aborted round of the run with
+its reason.
 
   sudo .venv/bin/python benchmarks/scale.py sizes --peers 4 8 16 24
   sudo .venv/bin/python benchmarks/scale.py kill --peers 16 --kills 10
@@ -218,26 +220,30 @@ def kill(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 lambda x: isinstance(x, RoundEvent) and x.committed and x.round >= args.warm_rounds - 1,
                 timeout_s=WAIT_S, what="p0's warm rounds")
             victims = [f"p{1 + i % (n - 1)}" for i in range(args.kills)]
+            last = -1
             for victim in victims:
-                found = _watch_closed(run, victim, after_round=_latest_round(run), timeout_s=WAIT_S)
+                # one kill a round: the next in a round after the last kill's, once that one committed somewhere
+                found = _watch_closed(run, victim, after_round=max(last, _latest_round(run)), timeout_s=WAIT_S)
                 if found is None:
                     print(f"  {victim} closed no shard in time (or died): skipped", flush=True)
                     continue
                 r, shard = found
                 run.swarm.peers[victim].kill()
-                killed_at = time.monotonic()
                 print(f"[{time.strftime('%H:%M:%S')}] killed {victim}, reducer of shard {shard}, in round {r}",
                       flush=True)
                 run.restart(victim)
-                kills.append({"victim": victim, "round": r, "shard": shard, "at": killed_at})
-                # the next kill in a later round: wait until the round of this one is over somewhere
-                run.swarm.peers["p0"].wait_for(lambda x, r=r: isinstance(x, RoundEvent) and x.round >= r,
-                                               timeout_s=WAIT_S, what=f"p0's line for round {r}")
+                kills.append({"victim": victim, "round": r, "shard": shard,
+                              "restarting": kills[-1]["victim"] if kills else None})
+                last = r
+                run.swarm.peers["p0"].wait_for(
+                    lambda x, r=r: isinstance(x, RoundEvent) and x.committed and x.round >= r,
+                    timeout_s=WAIT_S, what=f"p0's commit of round {r}")
             result = finish_diloco(run, workload, timeout_s=args.timeout_s, before=before)
         finally:
             run.swarm.close()
     for k in kills:
-        others = [name for name in run.hosts if name != k["victim"]]
+        # the peers up through the round: not its victim, nor the last one, still restarting from its checkpoint
+        others = [name for name in run.hosts if name not in (k["victim"], k["restarting"])]
         outcome = {}
         for name in others:
             lines = [e for _, e in run.swarm.lines_of(name) if isinstance(e, RoundEvent) and e.round == k["round"]]
@@ -249,7 +255,6 @@ def kill(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                  aborted_attempts=sum(len(o["aborted_attempts"]) for o in outcome.values()),
                  abort_reasons=sorted({x for o in outcome.values() for x in o["aborted_attempts"]}),
                  hashes=len(hashes))
-        del k["at"]
     all_lines = [e for name in run.hosts for _, e in run.swarm.lines_of(name) if isinstance(e, RoundEvent)]
     ok = [k for k in kills if k["committed_on"] == k["others"] and k["aborted_attempts"] == 0 and k["hashes"] == 1]
     print(f"{len(ok)} of {len(kills)} rounds with a reducer killed committed on every other peer with one hash and "
