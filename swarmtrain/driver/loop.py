@@ -14,7 +14,8 @@ Each action:
 
 The round's electorate: its voters (the committed state's, or the scope's genesis from the run record when
 no commit fixes them), the retirements of those voters that their departure records prove, and where to
-reach them (the live records and the group). Every wait ends by a deadline on the event loop's clock.
+reach them (the group, and every record read: contacts.py). Every wait ends by a deadline on the event loop's
+clock.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from swarmtrain.averaging.rounds import Electorate
 from swarmtrain.config import RunConfig
 from swarmtrain.diloco.averager import AverageResult
 from swarmtrain.discovery import Discovery, DiscoveryError, PeerRecord
+from swarmtrain.driver.contacts import ContactBook
 from swarmtrain.driver.departures import announce_departure, announce_stored_retirements, departure_record
 from swarmtrain.driver.part import CommittedState, Part, RoundPlane, Trained, contacts_of
 from swarmtrain.driver.presence import Presence
@@ -88,6 +90,7 @@ class RoundDriver:
         self.machine = self._new_machine()
         self.pending: Trained | None = None  # the round trained and not committed yet
         self.peers: tuple[PeerRecord, ...] = ()  # the scope's live records, as last read
+        self.contacts = ContactBook()  # every endpoint read in the scope's records (a read can miss some)
         self._verified: dict[tuple[Voter, int], Retirement] = {}  # retirements checked once
 
     def _new_machine(self) -> RoundMachine:
@@ -261,8 +264,8 @@ class RoundDriver:
             log.info("round %d: every voter retired and none accepted a value; its last voter named %d successors",
                      round_index, len(successors))
             voters, retired = successors, await self._retirements(successors, round_index)
-        contacts = contacts_of([*self.peers, *extra])
-        return Electorate(tuple(voters), retired, contacts)
+        self.contacts.remember(contacts_of([*self.peers, *extra]).values())
+        return Electorate(tuple(voters), retired, self.contacts.all())
 
     async def _genesis_within(self, timeout_s: float) -> Genesis | None:
         deadline = self._loop_time() + timeout_s
@@ -306,6 +309,7 @@ class RoundDriver:
             return None
         self.presence.correct(self.discovery, peers)
         self.peers = tuple(p for p in peers if p.peer_id != self.peer_id)
+        self.contacts.remember(contacts_of(self.peers).values())
         await self._rejoin_dht_if_isolated()
         return self.peers
 
