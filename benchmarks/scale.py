@@ -62,6 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--name", default="scale")
     p.add_argument("--timeout-s", type=float, default=3600.0, help="deadline of one run")
     p.add_argument("--out", default="")
+    p.add_argument("--from-json", action="store_true", help="kill: no run, recompute --out's summary from its logs")
     return p.parse_args(argv)
 
 
@@ -241,35 +242,69 @@ def kill(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             result = finish_diloco(run, workload, timeout_s=args.timeout_s, before=before)
         finally:
             run.swarm.close()
+    lines = [(name, e) for name in run.hosts for _, e in run.swarm.lines_of(name) if isinstance(e, RoundEvent)]
+    out = summarize_kills(lines, kills)
+    out.update(peers=n, rounds_with_disagreeing_hashes=result["rounds_with_disagreeing_hashes"],
+               rounds_committed=result["rounds_committed"], val_loss=result["val_loss"])
+    return out
+
+
+def _late(reason: str) -> bool:
+    """A peer that reached the round after its window closed (a restarted one) or was left out of its group: it
+    heals or retries, and the round did not fail for it."""
+    return reason.startswith(("no group: late", "no group: not in leader"))
+
+
+def summarize_kills(lines: list[tuple[str, RoundEvent]], kills: list[dict[str, Any]]) -> dict[str, Any]:
+    """For each killed round: of the peers that reached it (a line for it; its victim aside), how many committed
+    it, with how many hashes, and how many ended an attempt at it for another reason than arriving late."""
     for k in kills:
-        # the peers up through the round: not its victim, nor the last one, still restarting from its checkpoint
-        others = [name for name in run.hosts if name not in (k["victim"], k["restarting"])]
-        outcome = {}
-        for name in others:
-            lines = [e for _, e in run.swarm.lines_of(name) if isinstance(e, RoundEvent) and e.round == k["round"]]
-            outcome[name] = {"committed": any(e.committed for e in lines),
-                             "aborted_attempts": [e.reason for e in lines if not e.committed]}
-        hashes = {e.hash for name in others for _, e in run.swarm.lines_of(name)
-                  if isinstance(e, RoundEvent) and e.round == k["round"] and e.committed}
-        k.update(committed_on=sum(o["committed"] for o in outcome.values()), others=len(others),
-                 aborted_attempts=sum(len(o["aborted_attempts"]) for o in outcome.values()),
-                 abort_reasons=sorted({x for o in outcome.values() for x in o["aborted_attempts"]}),
-                 hashes=len(hashes))
-    all_lines = [e for name in run.hosts for _, e in run.swarm.lines_of(name) if isinstance(e, RoundEvent)]
-    ok = [k for k in kills if k["committed_on"] == k["others"] and k["aborted_attempts"] == 0 and k["hashes"] == 1]
-    print(f"{len(ok)} of {len(kills)} rounds with a reducer killed committed on every other peer with one hash and "
-          f"no aborted attempt; rounds with disagreeing hashes: {result['rounds_with_disagreeing_hashes']}")
+        at = [(name, e) for name, e in lines if e.round == k["round"] and name != k["victim"]]
+        reached = {name for name, _ in at}
+        committed = {name for name, e in at if e.committed}
+        failed = [(name, e.reason) for name, e in at if not e.committed and not _late(e.reason)]
+        k.update(reached=len(reached), committed_on=len(committed), failed=failed,
+                 late=sum(1 for _, e in at if not e.committed and _late(e.reason)),
+                 hashes=len({e.hash for _, e in at if e.committed}),
+                 comm_s_median=statistics.median([e.comm_s for _, e in at if e.committed] or [0.0]))
+    ok = [k for k in kills if k["committed_on"] and not k["failed"] and k["hashes"] == 1]
+    killed = {k["round"] for k in kills}
+    quiet = [e.comm_s for _, e in lines if e.committed and e.round not in killed and e.round > 0]
+    quiet_s = statistics.median(quiet) if quiet else None
+    print(f"{len(ok)} of {len(kills)} rounds with a reducer killed committed with one hash and no peer's attempt at "
+          "them failing (peers that came late, restarting, heal or retry); time outside compute, median: "
+          f"{statistics.median([k['comm_s_median'] for k in kills]):.2f} s in those rounds, "
+          f"{'-' if quiet_s is None else f'{quiet_s:.2f}'} s in the others")
     for k in kills:
-        print(f"  round {k['round']}: {k['victim']} (shard {k['shard']}) killed; committed on "
-              f"{k['committed_on']}/{k['others']}, aborted attempts {k['aborted_attempts']} {k['abort_reasons']}")
-    return {"peers": n, "kills": kills, "rounds_ok": len(ok),
-            "aborted_lines": [(e.peer[:12], e.round, e.reason) for e in all_lines if not e.committed],
-            "rounds_with_disagreeing_hashes": result["rounds_with_disagreeing_hashes"],
-            "rounds_committed": result["rounds_committed"], "val_loss": result["val_loss"]}
+        print(f"  round {k['round']}: {k['victim']} (shard {k['shard']}) killed; {k['committed_on']} of the "
+              f"{k['reached']} other peers that reached it committed it ({k['hashes']} hash), {k['late']} late "
+              f"arrivals, failed attempts: {k['failed'] or 'none'}")
+    return {"kills": kills, "rounds_ok": len(ok), "comm_s_median_other_rounds": quiet_s,
+            "aborted_lines": [(name, e.round, e.reason) for name, e in lines if not e.committed]}
+
+
+def from_json(path: Path) -> dict[str, Any]:
+    """Recompute a kill run's summary from its results JSON and its peers' round lines (events.jsonl)."""
+    doc = json.loads(path.read_text())
+    events = path.parent / f"{path.stem}-runs" / "kill" / "logs" / "events.jsonl"
+    lines = []
+    for raw in events.read_text().splitlines():
+        d = json.loads(raw)
+        if d.get("event") == "round" and d["proc"].startswith("p"):
+            fields = {k: v for k, v in d.items() if k not in ("t_s", "proc", "event")}
+            fields["members"] = tuple(fields.get("members", ()))
+            lines.append((d["proc"], RoundEvent(**fields)))
+    doc.update(summarize_kills(lines, [{k: v for k, v in x.items() if k in ("victim", "round", "shard")}
+                                       for x in doc["kills"]]))
+    return doc
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.from_json:
+        out = Path(args.out or f"benchmarks/results/scale-{args.what}.json")
+        out.write_text(json.dumps(from_json(out), indent=1) + "\n")
+        return 0
     require_root()
     torch.set_num_threads(1)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
