@@ -16,8 +16,9 @@ one peer and round r (all times are unix seconds on the posting peer's clock):
 3. after close + `settle_s` (time for in-flight stores to land), every peer reads the entries;
    the eligible ones are those posted by the close, and the *leader* is the smallest eligible
    peer_id. A peer stops waiting early once every live peer announced at round r (or behind it)
-   has posted and they are at least `min_peers` (*early close*: a window costs nothing when the whole swarm is
-   there, and a lone peer still gives newcomers the whole window); a leader that finds
+   that beat within its last `STALE_BEATS` heartbeats has posted and they are at least `min_peers`
+   (*early close*: a window costs nothing when the whole swarm is there, and a lone peer still gives
+   newcomers the whole window); a leader that finds
    another leader's group for the attempt is late;
 4. the leader publishes a GroupRecord (signed by it) with the members it sees, sorted; every
    other peer waits (until `decision_timeout_s` after its settle) for a GroupRecord from the
@@ -59,9 +60,10 @@ from swarmtrain.config import AveragingConfig
 from swarmtrain.discovery import Discovery, DiscoveryError, GroupRecord, MatchEntry
 from swarmtrain.round.group import Group, Member
 
-__all__ = ["MatchOutcome", "Matchmaker"]
+__all__ = ["STALE_BEATS", "MatchOutcome", "Matchmaker"]
 
 log = logging.getLogger(__name__)
+STALE_BEATS = 3.0  # heartbeats a record may miss before early close stops waiting for its peer
 
 
 @dataclass(frozen=True)
@@ -89,9 +91,10 @@ class Matchmaker:
     def __init__(self, discovery: Discovery, *, min_peers: int, window_s: float, settle_s: float | None = None,
                  decision_timeout_s: float | None = None, io_timeout_s: float | None = None,
                  poll_s: float | None = None, commit_timeout_s: float | None = None,
-                 early_close: bool = True, role: str = "worker") -> None:
+                 early_close: bool = True, role: str = "worker", stale_after_s: float | None = None) -> None:
         """`role`: the peers (by their record's role) that average with this one: a round closes early
-        once all of them posted."""
+        once all of them posted. `stale_after_s`: a record whose last heartbeat is older than this is not waited
+        for (its peer died or froze; its record lives until it expires), None: every live record is."""
         if min_peers < 1:
             raise ValueError(f"min_peers must be >= 1, got {min_peers}")
         if window_s <= 0:
@@ -99,6 +102,7 @@ class Matchmaker:
         self._d = discovery
         self.early_close = early_close
         self.role = role
+        self.stale_after_s = stale_after_s
         self.min_peers = min_peers
         self.window_s = window_s
         self.settle_s = settle_s if settle_s is not None else 0.25 * window_s
@@ -114,9 +118,12 @@ class Matchmaker:
         self._first_open: dict[int, int] = {}  # round -> the first attempt not known to be over
 
     @classmethod
-    def from_config(cls, discovery: Discovery, cfg: AveragingConfig, *, role: str = "worker") -> Matchmaker:
+    def from_config(cls, discovery: Discovery, cfg: AveragingConfig, *, role: str = "worker",
+                    heartbeat_s: float | None = None) -> Matchmaker:
+        """`heartbeat_s`: how often peers beat; a record silent for STALE_BEATS of them is not waited for."""
         return cls(discovery, min_peers=cfg.min_peers, window_s=cfg.matchmaking_timeout_s,
-                   commit_timeout_s=cfg.allreduce_timeout_s, role=role)
+                   commit_timeout_s=cfg.allreduce_timeout_s, role=role,
+                   stale_after_s=None if heartbeat_s is None else STALE_BEATS * heartbeat_s)
 
     def _now(self) -> float:
         return self._d.now()
@@ -183,7 +190,11 @@ class Matchmaker:
         expected: set[str] = set()
         if self.early_close:
             peers = await self._d.live_peers(timeout_s=self.io_timeout_s)
-            expected = {p.peer_id for p in peers if p.round <= round_index and p.role == self.role}
+            # A crashed peer's record stays live until it expires: in a large swarm with churn there is nearly
+            # always one, and waiting for it would cost every round its whole window.
+            fresh_since = -float("inf") if self.stale_after_s is None else self._now() - self.stale_after_s
+            expected = {p.peer_id for p in peers if p.round <= round_index and p.role == self.role
+                        and p.heartbeat_at >= fresh_since}
         while True:
             entries = await self._entries(round_index, attempt, own)
             if self._now() >= close_at + self.settle_s:

@@ -88,7 +88,8 @@ class NetworkPlane:
         self.numel = sum(math.prod(s) for _, s in self.param_shapes)
         self.client_mode = cfg.discovery.client_mode
         self.node = RpcNode(cfg.rpc, peer_id=discovery.peer_id, serve=not self.client_mode)
-        self.matchmaker = Matchmaker.from_config(discovery, cfg.averaging, role=role)
+        self.matchmaker = Matchmaker.from_config(discovery, cfg.averaging, role=role,
+                                                 heartbeat_s=cfg.discovery.heartbeat_s)
         self.averager = NetworkAverager(self.node, run_id=cfg.train.run_id, run_nonce=cfg.train.run_nonce, codec=codec,
                                         cfg=cfg.averaging, identity=discovery.identity,
                                         key_binding=discovery.key_binding, numel=self.numel, scope=scope,

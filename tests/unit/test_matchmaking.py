@@ -230,6 +230,30 @@ def test_the_window_closes_early_once_every_peer_at_the_round_posted(newcomer_id
     assert late.group is None and late.retry_at > 0  # it waits the attempt out; it never forms a second group
 
 
+@pytest.mark.parametrize("stale_after_s", [5.0, None])
+def test_a_record_that_stopped_beating_is_not_waited_for(stale_after_s: float | None) -> None:
+    """A crashed peer's record stays live until it expires (here 30 s): with `stale_after_s` the others close the
+    window early without it once its last beat is older than that; without, they wait the whole window."""
+    async def main() -> tuple[list[MatchOutcome], float]:
+        reg, (a, b, dead) = _swarm(3)
+        for d in (a, b):
+            await _announce(d, 4)
+        await dead.announce(PeerRecord(run_id=RUN, peer_id=dead.peer_id, endpoint="127.0.0.1:1", round=4,
+                                       heartbeat_at=dead.now() - 20.0), timeout_s=1)  # last beat 20 s ago
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        outs = await asyncio.gather(*(Matchmaker(d, min_peers=2, window_s=3.0, stale_after_s=stale_after_s)
+                                      .form_group(4, _member(d, i)) for i, d in enumerate((a, b))))
+        return list(outs), loop.time() - t0
+
+    outs, elapsed_s = asyncio.run(main())
+    assert len({o.group for o in outs}) == 1 and outs[0].group is not None and len(outs[0].group.members) == 2
+    if stale_after_s is None:
+        assert elapsed_s >= 3.0  # the whole window, for a peer that will never post
+    else:
+        assert elapsed_s < 2.0, elapsed_s
+
+
 def test_a_lone_expected_peer_waits_the_whole_window_for_newcomers() -> None:
     """Early close needs min_peers expected peers: a peer alone at its round must not spin through attempts."""
     async def main() -> tuple[MatchOutcome, float]:

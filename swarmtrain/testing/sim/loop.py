@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import selectors
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from concurrent.futures import Executor
 from typing import Any, TypeVar, TypeVarTuple
 
-__all__ = ["SimDeadlock", "VirtualClock", "VirtualLoop"]
+__all__ = ["SimDeadlock", "VirtualClock", "VirtualLoop", "run_virtual"]
 
 T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
@@ -81,3 +81,15 @@ class VirtualLoop(asyncio.SelectorEventLoop):
         except BaseException as e:  # delivered to the awaiting task, as a thread's exception would be
             future.set_exception(e)
         return future
+
+
+def run_virtual(main: Callable[[], Coroutine[Any, Any, T]]) -> T:
+    """`main()` to completion on a fresh VirtualLoop; every task it left is cancelled and the loop closed."""
+    loop = VirtualLoop()
+    try:
+        return loop.run_until_complete(main())
+    finally:
+        for task in asyncio.all_tasks(loop):
+            task.cancel()
+        loop.run_until_complete(asyncio.sleep(0))
+        loop.close()

@@ -28,12 +28,12 @@ from swarmtrain.config import RunConfig, load_config
 from swarmtrain.discovery import InMemoryDiscovery
 from swarmtrain.discovery.coordinator import RunPublisher
 from swarmtrain.testing.sim.dht import SimRegistry
-from swarmtrain.testing.sim.loop import SimDeadlock, VirtualLoop
+from swarmtrain.testing.sim.loop import SimDeadlock, VirtualLoop, run_virtual
 from swarmtrain.testing.sim.network import SimNetwork, SimNode
 from swarmtrain.testing.sim.part import Ledger
 from swarmtrain.testing.sim.peer import SimPeer
 
-__all__ = ["Fault", "Schedule", "SimResult", "run_schedule", "sim_config"]
+__all__ = ["Fault", "Schedule", "SimResult", "fast_tmp", "run_schedule", "sim_config"]
 
 log = logging.getLogger(__name__)
 
@@ -146,20 +146,13 @@ class SimResult:
 
 def run_schedule(schedule: Schedule, *, directory: Path | None = None) -> SimResult:
     """Run one schedule on a fresh virtual loop (see the module docstring)."""
-    loop = VirtualLoop()
     random.seed(schedule.seed)  # what production code draws (retry jitter) follows the seed too
-    with tempfile.TemporaryDirectory(prefix="swarmtrain-sim-", dir=_fast_tmp()) as tmp:
+    with tempfile.TemporaryDirectory(prefix="swarmtrain-sim-", dir=fast_tmp()) as tmp:
         root = directory if directory is not None else Path(tmp)
-        try:
-            return loop.run_until_complete(_run(schedule, root))
-        finally:
-            for task in asyncio.all_tasks(loop):
-                task.cancel()
-            loop.run_until_complete(asyncio.sleep(0))
-            loop.close()
+        return run_virtual(lambda: _run(schedule, root))
 
 
-def _fast_tmp() -> str | None:
+def fast_tmp() -> str | None:
     shm = Path("/dev/shm")
     return str(shm) if shm.is_dir() else None
 

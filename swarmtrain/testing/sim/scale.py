@@ -25,30 +25,29 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from swarmtrain.config import RunConfig, load_config
+from swarmtrain.config import RunConfig
 from swarmtrain.discovery import InMemoryDiscovery
 from swarmtrain.discovery.coordinator import RunPublisher
 from swarmtrain.testing.sim.dht import SimRegistry
-from swarmtrain.testing.sim.loop import SimDeadlock, VirtualLoop
+from swarmtrain.testing.sim.loop import SimDeadlock, VirtualLoop, run_virtual
 from swarmtrain.testing.sim.network import SimNetwork
 from swarmtrain.testing.sim.part import Ledger
 from swarmtrain.testing.sim.peer import SimPeer
-from swarmtrain.testing.sim.run import check_safety
+from swarmtrain.testing.sim.run import check_safety, fast_tmp, sim_config
 
 __all__ = ["ScaleResult", "ScaleRun", "run_scale", "scale_config"]
 
-# Windows for internet round trips of up to 200 ms and DHT operations of several of them.
-SCALE_RUN = (
-    "train.run_id=sim", "train.run_nonce=0123456789abcdef", "rpc.run_key=simulation-key",
-    "averaging.min_peers=2", "averaging.matchmaking_timeout_s=5.0", "averaging.allreduce_timeout_s=20.0",
-    "averaging.contribution_window_s=3.0", "averaging.max_retries=1", "discovery.heartbeat_s=2.0",
-    "discovery.record_ttl_s=30.0", "discovery.max_clock_skew_s=20.0", "rpc.call_timeout_s=4.0",
-    "diloco.rounds=100000", "compress.codec=int8", "outer.lr=0.7", "outer.momentum=0.9",
+# The simulation tester's run, with windows for internet round trips of up to 200 ms and DHT operations of
+# several of them.
+SCALE_TIMING = (
+    "averaging.matchmaking_timeout_s=5.0", "averaging.allreduce_timeout_s=20.0",
+    "averaging.contribution_window_s=3.0", "discovery.heartbeat_s=2.0", "discovery.record_ttl_s=30.0",
+    "rpc.call_timeout_s=4.0",
 )
 
 
 def scale_config(*extra: str) -> RunConfig:
-    return load_config(overrides=[*SCALE_RUN, *extra])
+    return sim_config(*SCALE_TIMING, *extra)
 
 
 @dataclass(frozen=True)
@@ -111,16 +110,9 @@ def _quantile(xs: list[float], q: float) -> float | None:
 
 def run_scale(run: ScaleRun) -> ScaleResult:
     """Run `run` on a fresh virtual loop and measure it (see the module docstring)."""
-    loop = VirtualLoop()
     random.seed(run.seed)
-    with tempfile.TemporaryDirectory(prefix="swarmtrain-sim-scale-") as tmp:
-        try:
-            return loop.run_until_complete(_run(run, Path(tmp)))
-        finally:
-            for task in asyncio.all_tasks(loop):
-                task.cancel()
-            loop.run_until_complete(asyncio.sleep(0))
-            loop.close()
+    with tempfile.TemporaryDirectory(prefix="swarmtrain-sim-scale-", dir=fast_tmp()) as tmp:
+        return run_virtual(lambda: _run(run, Path(tmp)))
 
 
 async def _run(run: ScaleRun, root: Path) -> ScaleResult:
