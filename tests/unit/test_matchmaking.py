@@ -235,7 +235,7 @@ def test_a_record_that_stopped_beating_is_not_waited_for(stale_after_s: float | 
     """A crashed peer's record stays live until it expires (here 30 s): with `stale_after_s` the others close the
     window early without it once its last beat is older than that; without, they wait the whole window."""
     async def main() -> tuple[list[MatchOutcome], float]:
-        reg, (a, b, dead) = _swarm(3)
+        _, (a, b, dead) = _swarm(3)
         for d in (a, b):
             await _announce(d, 4)
         await dead.announce(PeerRecord(run_id=RUN, peer_id=dead.peer_id, endpoint="127.0.0.1:1", round=4,
