@@ -33,7 +33,7 @@ from swarmtrain.testing.sim.network import SimNetwork, SimNode
 from swarmtrain.testing.sim.part import Ledger
 from swarmtrain.testing.sim.peer import SimPeer
 
-__all__ = ["Fault", "Schedule", "SimResult", "fast_tmp", "run_schedule", "sim_config"]
+__all__ = ["Fault", "Schedule", "SimResult", "fast_tmp", "run_schedule", "sim_config", "start_coordinator"]
 
 log = logging.getLogger(__name__)
 
@@ -167,12 +167,7 @@ async def _run(schedule: Schedule, root: Path) -> SimResult:
     net = SimNetwork(rng=rng, drop=schedule.drop)
     ledger = Ledger()
     result = SimResult(schedule, ledger=ledger)
-    coordinator = InMemoryDiscovery(registry, run_id=cfg.train.run_id, record_ttl_s=3600.0, peer_id="coordinator",
-                                    run_key=cfg.rpc.run_key)
-    publisher = RunPublisher(coordinator, cfg)
-    await publisher.publish()
-    stop_publisher = asyncio.Event()
-    publishing = asyncio.ensure_future(publisher.serve(stop_publisher))
+    stop_publisher, publishing = await start_coordinator(registry, cfg)
     peers = [SimPeer(index=i, cfg=cfg, net=net, registry=registry, ledger=ledger, directory=root / f"p{i:02d}",
                      skew_s=schedule.skews_s[i], seed=schedule.seed, numel=schedule.numel, train_s=1.0,
                      checkpoint_every=schedule.checkpoint_every, dht_latency_s=0.005, rules=schedule.rules)
@@ -204,6 +199,16 @@ async def _run(schedule: Schedule, root: Path) -> SimResult:
     result.liveness += check_spinning(ledger, peers=[p.peer_id for p in peers], span_s=span_s)
     result.bugs = list(net.bugs)
     return result
+
+
+async def start_coordinator(registry: SimRegistry, cfg: RunConfig) -> tuple[asyncio.Event, asyncio.Future[None]]:
+    """The run's coordinator on the simulated DHT: publishes the run record and the genesis until the event."""
+    coordinator = InMemoryDiscovery(registry, run_id=cfg.train.run_id, record_ttl_s=3600.0, peer_id="coordinator",
+                                    run_key=cfg.rpc.run_key)
+    publisher = RunPublisher(coordinator, cfg)
+    await publisher.publish()
+    stop = asyncio.Event()
+    return stop, asyncio.ensure_future(publisher.serve(stop))
 
 
 def _attempt_span_s(cfg: RunConfig) -> float:

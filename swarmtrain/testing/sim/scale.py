@@ -26,14 +26,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from swarmtrain.config import RunConfig
-from swarmtrain.discovery import InMemoryDiscovery
-from swarmtrain.discovery.coordinator import RunPublisher
 from swarmtrain.testing.sim.dht import SimRegistry
 from swarmtrain.testing.sim.loop import SimDeadlock, VirtualLoop, run_virtual
 from swarmtrain.testing.sim.network import SimNetwork
 from swarmtrain.testing.sim.part import Ledger
 from swarmtrain.testing.sim.peer import SimPeer
-from swarmtrain.testing.sim.run import check_safety, fast_tmp, sim_config
+from swarmtrain.testing.sim.run import check_safety, fast_tmp, sim_config, start_coordinator
 
 __all__ = ["ScaleResult", "ScaleRun", "run_scale", "scale_config"]
 
@@ -127,12 +125,7 @@ async def _run(run: ScaleRun, root: Path) -> ScaleResult:
     net = SimNetwork(rng=rng, access_s=access)
     ledger = Ledger()
     result = ScaleResult(run)
-    coordinator = InMemoryDiscovery(registry, run_id=cfg.train.run_id, record_ttl_s=3600.0, peer_id="coordinator",
-                                    run_key=cfg.rpc.run_key)
-    publisher = RunPublisher(coordinator, cfg)
-    await publisher.publish()
-    stop = asyncio.Event()
-    publishing = asyncio.ensure_future(publisher.serve(stop))
+    stop, publishing = await start_coordinator(registry, cfg)
     numel = run.numel or 64 * run.peers
     peers = [SimPeer(index=i, cfg=cfg, net=net, registry=registry, ledger=ledger, directory=root / f"p{i:04d}",
                      skew_s=round(rng.uniform(-run.max_skew_s, run.max_skew_s), 3), seed=run.seed, numel=numel,
