@@ -51,6 +51,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     status = sub.add_parser("status", help="print the testbed's hosts, link rate and kernel byte counters (JSON)")
     status.add_argument("--name", default="swt", help=_NAME_HELP)
 
+    forward = sub.add_parser("forward", help="the user-space link delay of a testbed without netem (`up` starts it "
+                                             "inside the switch namespace; not for use by hand)")
+    forward.add_argument("--delay-ms", type=float, required=True, help="how long each frame is held, each way")
+    forward.add_argument("--port", type=_port_pair, action="append", required=True, metavar="DEV:TAP",
+                         help="a host's veth end and the TAP that stands for it on the bridge (repeatable)")
+    forward.add_argument("--stats", help="write the counters here as JSON every second")
+
     down = sub.add_parser("down", help="kill everything inside the testbed and delete it (idempotent)")
     group = down.add_mutually_exclusive_group()
     group.add_argument("--name", default="swt", help=_NAME_HELP)
@@ -65,6 +72,37 @@ def run(args: argparse.Namespace) -> int:
     except TestbedError as e:
         print(f"swarmtrain testbed {args.action}: error: {e}", file=sys.stderr)
         return 2
+
+
+def _port_pair(text: str) -> tuple[str, str]:
+    dev, sep, tap = text.partition(":")
+    if not sep or not dev or not tap:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected DEV:TAP (e.g. h0:t0)")
+    return dev, tap
+
+
+def _forward(args: argparse.Namespace) -> int:
+    """The delay forwarder (testbed/delay.py) in the foreground: READY once its ports are open, then until a
+    signal; nothing more goes to stdout (whoever started it may have stopped reading)."""
+    import signal
+
+    from swarmtrain.testbed import TestbedError
+    from swarmtrain.testbed.delay import Forwarder
+
+    if not 0 <= args.delay_ms <= 10_000:
+        raise TestbedError(f"--delay-ms {args.delay_ms:g}: must be in [0, 10000]")
+    try:
+        forwarder = Forwarder(args.port, delay_s=args.delay_ms / 1e3)
+    except OSError as e:
+        raise TestbedError(f"cannot open the forwarder's ports: {e}") from e
+    signal.signal(signal.SIGTERM, lambda *_: forwarder.stop())
+    signal.signal(signal.SIGINT, lambda *_: forwarder.stop())
+    print("READY", flush=True)
+    try:
+        forwarder.run(stats_path=args.stats)
+    finally:
+        forwarder.close()
+    return 0
 
 
 def _up(args: argparse.Namespace) -> int:
@@ -179,4 +217,4 @@ def _down(args: argparse.Namespace) -> int:
     return 0
 
 
-_ACTIONS = {"up": _up, "run": _run, "status": _status, "down": _down}
+_ACTIONS = {"up": _up, "run": _run, "status": _status, "forward": _forward, "down": _down}

@@ -16,31 +16,27 @@ handles about rate / 64 KiB frames a second per direction instead of rate / MTU.
 each direction is a FIFO. Frames the next device will not take (its queue full) are dropped and counted, as
 a router does.
 
-Run as `python -m swarmtrain.testbed.delay --delay-ms D --port hI:tI ...` inside the switch namespace; it
-prints `READY` once every port is open, writes its counters as JSON to `--stats` every second, and runs until
-SIGTERM or SIGINT.
+`swarmtrain testbed forward --delay-ms D --port hI:tI ...` runs it inside the switch namespace (`Testbed.up`
+starts it): it prints `READY` once every port is open, writes its counters as JSON to `--stats` every second,
+and runs until SIGTERM or SIGINT.
 """
 
 from __future__ import annotations
 
-import argparse
 import collections
-import contextlib
 import errno
 import fcntl
 import json
 import os
 import resource
 import selectors
-import signal
 import socket
 import struct
-import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
-__all__ = ["DelayLine", "Forwarder", "PortStats", "main", "open_port_socket", "open_tap"]
+__all__ = ["DelayLine", "Forwarder", "PortStats", "open_port_socket", "open_tap"]
 
 # linux/if_tun.h, linux/if_packet.h, linux/if_ether.h
 TUNSETIFF = 0x400454CA
@@ -169,6 +165,7 @@ class Forwarder:
         except OSError:
             self.close()
             raise
+        self._stopping = False
         self._selector = selectors.DefaultSelector()
         for port in self.ports:
             self._selector.register(port.sock.fileno(), selectors.EVENT_READ, (port, "up"))
@@ -179,10 +176,14 @@ class Forwarder:
             port.close()
         self.ports.clear()
 
-    def run(self, *, stop: Sequence[bool], stats_path: str | None = None) -> None:
-        """Forward until `stop[0]` is set (by a signal handler), writing counters to `stats_path` every second."""
+    def stop(self) -> None:
+        """End `run` within a second (safe from a signal handler)."""
+        self._stopping = True
+
+    def run(self, *, stats_path: str | None = None) -> None:
+        """Forward until `stop()`, writing counters to `stats_path` every second and once more at the end."""
         next_stats = time.monotonic()
-        while not stop[0]:
+        while not self._stopping:
             now = time.monotonic()
             due = [d for p in self.ports for d in (p.up.next_due(), p.down.next_due()) if d is not None]
             timeout = max(0.0, min(due) - now) if due else STATS_EVERY_S
@@ -195,6 +196,8 @@ class Forwarder:
             if stats_path is not None and now >= next_stats:
                 self.write_stats(stats_path)
                 next_stats = now + STATS_EVERY_S
+        if stats_path is not None:
+            self.write_stats(stats_path)
 
     def _take(self, port: _Port, direction: str) -> None:
         line, stats = (port.up, port.stats.up) if direction == "up" else (port.down, port.stats.down)
@@ -215,9 +218,9 @@ class Forwarder:
             self._send(port.stats.down, frame, port.sock.send)
 
     @staticmethod
-    def _send(stats: DirectionStats, frame: bytes, write: object) -> None:
+    def _send(stats: DirectionStats, frame: bytes, write: Callable[[bytes], object]) -> None:
         try:
-            write(frame)  # type: ignore[operator]
+            write(frame)
         except OSError as e:
             # A full queue (ENOBUFS, EAGAIN) or a frame the device will not carry: the link drops it.
             if e.errno not in (errno.ENOBUFS, errno.EAGAIN, errno.EMSGSIZE, errno.EINVAL, errno.ENETDOWN):
@@ -237,47 +240,3 @@ class Forwarder:
         with open(tmp, "w") as f:
             json.dump(self.stats(), f)
         os.replace(tmp, path)
-
-
-def _parse_port(text: str) -> tuple[str, str]:
-    dev, sep, tap = text.partition(":")
-    if not sep or not dev or not tap:
-        raise argparse.ArgumentTypeError(f"--port {text!r}: expected DEV:TAP (e.g. h0:t0)")
-    return dev, tap
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m swarmtrain.testbed.delay", description=__doc__.splitlines()[0])
-    parser.add_argument("--delay-ms", type=float, required=True, help="how long each frame is held, each way")
-    parser.add_argument("--port", type=_parse_port, action="append", required=True, metavar="DEV:TAP",
-                        help="a host's veth end and the TAP that stands for it on the bridge (repeatable)")
-    parser.add_argument("--stats", help="write the counters here as JSON every second")
-    args = parser.parse_args(argv)
-    if not 0 <= args.delay_ms <= 10_000:
-        parser.error(f"--delay-ms {args.delay_ms}: must be in [0, 10000]")
-    try:
-        forwarder = Forwarder(args.port, delay_s=args.delay_ms / 1e3)
-    except OSError as e:
-        print(f"delay forwarder: cannot open its ports: {e}", file=sys.stderr, flush=True)
-        return 2
-    stop = [False]
-
-    def on_signal(signum: int, frame: object) -> None:
-        stop[0] = True
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    print("READY", flush=True)
-    with contextlib.suppress(OSError):  # whoever started it may have stopped reading
-        sys.stdout.close()
-    try:
-        forwarder.run(stop=stop, stats_path=args.stats)
-    finally:
-        if args.stats is not None:
-            forwarder.write_stats(args.stats)
-        forwarder.close()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -236,7 +236,7 @@ class Testbed:
 
     def _start_forwarder(self) -> None:
         """The delay forwarder in the switch namespace (delay.py); returns once it holds every port."""
-        argv = [sys.executable, "-m", "swarmtrain.testbed.delay", "--delay-ms", f"{self.link.delay_ms:g}",
+        argv = [sys.executable, "-m", "swarmtrain", "testbed", "forward", "--delay-ms", f"{self.link.delay_ms:g}",
                 "--stats", forwarder_stats_path(self.name)]
         for h in self.hosts:
             argv += ["--port", f"{h.switch_port}:{tap_of(h)}"]

@@ -1,10 +1,12 @@
-"""The user-space delay line of the testbed's forwarder: order, release times, its byte limit, its arguments."""
+"""The user-space delay line of the testbed's forwarder: order, release times, its byte limit; the arguments of
+`swarmtrain testbed forward`, which runs it."""
 
 from __future__ import annotations
 
 import pytest
 
-from swarmtrain.testbed.delay import DelayLine, main
+from swarmtrain.daemon.cli import main
+from swarmtrain.testbed.delay import DelayLine
 
 
 def test_frames_leave_in_order_each_after_the_delay() -> None:
@@ -45,7 +47,9 @@ def test_a_zero_delay_releases_at_once_and_a_negative_one_is_refused() -> None:
 ])
 def test_the_forwarder_refuses_bad_arguments_by_name(argv: list[str], message: str,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as e:
-        main(argv)
-    assert e.value.code == 2
+    try:
+        code = main(["testbed", "forward", *argv])
+    except SystemExit as e:  # argparse's own refusals
+        code = e.code
+    assert code == 2
     assert message in capsys.readouterr().err
