@@ -148,17 +148,16 @@ class StandIns:
             # refusing at once spares the other contributors' uploads, and the member, which asks stand-in after
             # stand-in, a wait for all of them per stand-in (about 1.5 s each in a loaded group of 16).
             lost = key.reducers[shard] if 0 <= shard < len(key.reducers) else None
-            first: dict[str, Blob | BaseException] = {}
-            if lost in contributors and lost != self.peer_id and lost in by_id:
+            held: dict[str, Blob | BaseException] = {}
+            if lost in contributors and lost != self.peer_id:  # contributors are group members (checked in serve)
                 try:
-                    first[lost] = await self._contribution(key, shard, by_id[lost], numel, deadline)
+                    held[lost] = await self._contribution(key, shard, by_id[lost], numel, deadline)
                 except (RpcError, Rejected, CodecError, TimeoutError) as e:
                     raise Rejected(f"cannot reduce shard {shard} again: {lost}: {e}", kind="aborted") from e
-            rest = [c for c in contributors if c not in first]
-            fetched = await asyncio.gather(*(self._contribution(key, shard, by_id[c], numel, deadline)
-                                             for c in rest), return_exceptions=True)
-            first.update(zip(rest, fetched, strict=True))
-            got = [first[c] for c in contributors]
+            rest = [c for c in contributors if c not in held]
+            held.update(zip(rest, await asyncio.gather(*(self._contribution(key, shard, by_id[c], numel, deadline)
+                                                         for c in rest), return_exceptions=True), strict=True))
+            got = [held[c] for c in contributors]
             failed = {c: r for c, r in zip(contributors, got, strict=True) if isinstance(r, BaseException)}
             unexpected = [r for r in failed.values() if not isinstance(r, (RpcError, Rejected, CodecError,
                                                                            TimeoutError))]

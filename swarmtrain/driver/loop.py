@@ -264,7 +264,7 @@ class RoundDriver:
             log.info("round %d: every voter retired and none accepted a value; its last voter named %d successors",
                      round_index, len(successors))
             voters, retired = successors, await self._retirements(successors, round_index)
-        self.contacts.remember(contacts_of([*self.peers, *extra]).values())
+        self.contacts.remember(contacts_of(extra).values())  # the live records were remembered as they were read
         return Electorate(tuple(voters), retired, self.contacts.all())
 
     async def _genesis_within(self, timeout_s: float) -> Genesis | None:
