@@ -47,7 +47,7 @@ class NolocoOuter:
             # the pull first: φ_i − mean(φ) is a small difference, exact when the group agrees
             u = (p - mean_phi[lo:hi].to(torch.float32)).add_(mean_delta[lo:hi].to(torch.float32))
             b.mul_(self.momentum).add_(u)
-            p.add_(b, alpha=-self.lr)
+            p.sub_(b.mul(self.lr))  # separately rounded, as the DiLoCo outer step (diloco/outer.py)
 
 
 @dataclass
@@ -72,12 +72,13 @@ def group_mean(own_delta: torch.Tensor, own_phi: torch.Tensor, parts: Sequence[t
     n = own_phi.numel()
     own_delta, own_phi = own_delta.reshape(-1).to(torch.float32), own_phi.reshape(-1).to(torch.float32)
     bound = clip * float(own_delta.norm()) if clip > 0 else 0.0
-    out = GroupMean(delta=own_delta.clone(), phi=torch.zeros(n))
+    out = GroupMean(delta=own_delta.clone(), phi=torch.zeros(n, device=own_phi.device))
     pull = out.phi  # Σ (φ_partner − φ_own), then the mean pull; φ's mean is φ_own plus it
     spreads = []
     own_norm = float(own_phi.norm())
     for name, delta, phi in parts:
-        delta, phi = delta.reshape(-1).to(torch.float32, copy=True), phi.reshape(-1).to(torch.float32)
+        delta = delta.reshape(-1).to(device=own_phi.device, dtype=torch.float32, copy=True)
+        phi = phi.reshape(-1).to(device=own_phi.device, dtype=torch.float32)
         if delta.numel() != n or phi.numel() != n:
             out.dropped[name] = f"sent {delta.numel()} and {phi.numel()} values, not {n}"
             continue

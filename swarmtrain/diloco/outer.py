@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterable
 import blake3
 import torch
 
+from swarmtrain.compress.staging import host_chunks
 from swarmtrain.config import OuterConfig
 
 __all__ = ["OuterOptimizer", "count_non_finite"]
@@ -19,16 +20,22 @@ class OuterOptimizer:
     """`torch.optim.SGD(lr, momentum, nesterov, dampening=0, weight_decay=0)` on one flat fp32 vector.
 
     Written out rather than wrapping `torch.optim.SGD` so that the only state is one explicit
-    momentum buffer (a flat tensor that checkpoints and state transfer can carry as-is). A zero
-    buffer reproduces torch's first step (which sets buf = grad).
+    momentum buffer (a flat tensor on θ's device that checkpoints and state transfer can carry as-is). A
+    zero buffer reproduces torch's first step (which sets buf = grad).
+
+    Every operation is one correctly rounded fp32 multiply or add (never `add(x, alpha=a)`, which a CPU's
+    vector unit or a GPU's compiler may fuse into one FMA and round once): the result is the same bits on
+    any IEEE machine, so a peer whose round runs on a GPU and one whose round runs on a CPU agree on θ_global.
     """
 
-    def __init__(self, cfg: OuterConfig, *, numel: int) -> None:
+    def __init__(self, cfg: OuterConfig, *, numel: int, device: torch.device | str = "cpu") -> None:
         if numel < 1:
             raise ValueError(f"OuterOptimizer: numel must be >= 1, got {numel}")
         self.cfg = cfg
         self.numel = numel
-        self.momentum_buffer: torch.Tensor | None = torch.zeros(numel) if cfg.momentum > 0 else None
+        self.device = torch.device(device)
+        self.momentum_buffer: torch.Tensor | None = (torch.zeros(numel, device=self.device) if cfg.momentum > 0
+                                                     else None)
 
     def step(self, theta: torch.Tensor, grad: torch.Tensor) -> None:
         """θ ← θ − lr·(g + μ·buf) for Nesterov (buf ← μ·buf + g first), θ ← θ − lr·buf for heavy ball."""
@@ -97,15 +104,19 @@ class OuterOptimizer:
             if into is not None:
                 t, b = t.clone(), None if b is None else b.clone()
             if b is None:
-                update = g
+                step = g.mul(self.cfg.lr)
             else:
                 b.mul_(self.cfg.momentum).add_(g)
-                update = g.add(b, alpha=self.cfg.momentum) if self.cfg.nesterov else b
-            t.add_(update, alpha=-self.cfg.lr)
+                step = b.mul(self.cfg.momentum).add_(g) if self.cfg.nesterov else b.mul(self.cfg.lr)
+                if self.cfg.nesterov:
+                    step.mul_(self.cfg.lr)
+            t.sub_(step)  # θ − lr·(g + μ·buf): each product and sum rounded on its own
             if into is not None:
-                into[0].update(t.detach().cpu().numpy().data.cast("B"))
+                for chunk in host_chunks(t):
+                    into[0].update(chunk)
                 if b is not None and into[1] is not None:
-                    into[1].update(b.detach().cpu().numpy().data.cast("B"))
+                    for chunk in host_chunks(b):
+                        into[1].update(chunk)
 
     def preview(self, theta: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         """θ after `step(theta, grad)`, as a new tensor; neither `theta` nor the momentum buffer change."""
@@ -130,7 +141,7 @@ class OuterOptimizer:
         if buf is None or buf.shape != (self.numel,):
             got = None if buf is None else tuple(buf.shape)
             raise ValueError(f"outer momentum buffer must have shape ({self.numel},), got {got}")
-        self.momentum_buffer = buf.detach().to(torch.float32).clone()
+        self.momentum_buffer = buf.detach().to(device=self.device, dtype=torch.float32, copy=True)
 
 
 def count_non_finite(t: torch.Tensor) -> int:

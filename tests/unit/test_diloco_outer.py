@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 import torch
 
@@ -46,10 +47,37 @@ def test_one_nesterov_step_by_hand_and_sign_of_delta() -> None:
     theta = theta_global.clone()
     opt.step(theta, delta)
     # First step: buf = Δ; Nesterov update = Δ + 0.9·buf = 1.9·Δ; θ ← θ − 0.7·1.9·Δ (moves towards θ_local, past it).
-    expected = theta_global - 0.7 * 1.9 * delta
-    torch.testing.assert_close(theta, expected, rtol=0, atol=1e-7)
+    # Exact in float64; the fp32 step rounds 0.9, 0.7 and three results: within 4 units of the last place.
+    expected = theta_global.double() - 0.7 * 1.9 * delta.double()
+    torch.testing.assert_close(theta.double(), expected, rtol=4 * 2**-24, atol=0)
     assert theta[0] < theta_global[0] and theta[1] > theta_global[1]
-    torch.testing.assert_close(theta, _torch_sgd(theta_global, [delta], opt.cfg), rtol=0, atol=1e-7)
+    torch.testing.assert_close(theta, _torch_sgd(theta_global, [delta], opt.cfg), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("cfg", [OuterConfig(lr=0.7, momentum=0.9, nesterov=True),
+                                 OuterConfig(lr=0.3, momentum=0.8, nesterov=False),
+                                 OuterConfig(lr=0.3, momentum=0.0, nesterov=False)])
+def test_the_outer_step_is_separately_rounded_fp32_operations(cfg: OuterConfig) -> None:
+    """The bits any IEEE machine computes: each multiply and add rounded on its own (numpy's float32 scalars),
+    never fused into one FMA (which a CPU's vector unit or a GPU's compiler may do for `add(x, alpha=a)`): a
+    peer whose round runs on a GPU and one whose round runs on a CPU must agree on θ_global to the bit."""
+    gen = torch.Generator().manual_seed(3)
+    theta = torch.randn(1031, generator=gen)
+    grads = [torch.randn(1031, generator=gen) * 1e-3 for _ in range(3)]
+    ref_theta = theta.numpy().copy()
+    ref_buf = np.zeros_like(ref_theta)
+    mu, lr = np.float32(cfg.momentum), np.float32(cfg.lr)
+    opt = OuterOptimizer(cfg, numel=theta.numel())
+    for g in grads:
+        opt.step(theta, g)
+        for i, gi in enumerate(g.numpy()):
+            if cfg.momentum > 0:
+                ref_buf[i] = np.float32(ref_buf[i] * mu) + gi
+                update = gi + np.float32(ref_buf[i] * mu) if cfg.nesterov else ref_buf[i]
+            else:
+                update = gi
+            ref_theta[i] = ref_theta[i] - np.float32(update * lr)
+    assert np.array_equal(theta.numpy().view(np.int32), ref_theta.view(np.int32))
 
 
 def test_plain_sgd_lr1_lands_on_the_mean_of_the_workers() -> None:
@@ -112,7 +140,7 @@ def test_an_outer_step_over_several_slices_is_bit_identical_to_one_pass(nesterov
     for grad in grads:
         opt.step(ours, grad)
         buf.mul_(0.9).add_(grad)
-        ref.add_(grad.add(buf, alpha=0.9) if nesterov else buf, alpha=-0.7)
+        ref.sub_((grad.add(buf.mul(0.9)) if nesterov else buf).mul(0.7))  # one pass, each operation rounded
     assert torch.equal(ours, ref) and torch.equal(opt.momentum_buffer, buf)
     bad = grads[0].clone()
     bad[-1] = float("nan")  # in the last slice
