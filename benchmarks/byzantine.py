@@ -39,11 +39,12 @@ def _arm(job: dict[str, Any]) -> dict[str, Any]:
     from swarmtrain.config import load_config
     from swarmtrain.data import load_corpus
     from swarmtrain.diloco.simulation import simulate_diloco
+    from swarmtrain.diloco.worker import round_device_of
 
     torch.set_num_threads(1)
     cfg = load_config(overrides=[*job["overrides"], f"averaging.aggregator={json.dumps(job['aggregator'])}"])
     corpus = load_corpus(cfg.data)
-    codec = codec_from_config(cfg.compress, seed=cfg.train.seed)
+    codec = codec_from_config(cfg.compress, seed=cfg.train.seed, device=round_device_of(cfg))
     group = InProcessGroup(codec, num_workers=job["workers"],
                            aggregation=Aggregation(cfg.averaging.aggregator, cfg.averaging.trim))
     average_all = group.average_all

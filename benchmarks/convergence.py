@@ -112,6 +112,7 @@ def run_job(job: Job) -> dict[str, Any]:
     from swarmtrain.data.evaluation import bits_per_byte, bytes_per_token
     from swarmtrain.data.tokenizer import load_tokenizer
     from swarmtrain.diloco.simulation import simulate_ddp, simulate_diloco
+    from swarmtrain.diloco.worker import round_device_of
 
     arm = job.arm
     overrides = [*job.overrides, f"train.seed={job.seed}", f"diloco.inner_steps={arm.inner_steps}",
@@ -128,7 +129,7 @@ def run_job(job: Job) -> dict[str, Any]:
         result = simulate_ddp(cfg, train_tokens=corpus.train, val_tokens=corpus.val, num_workers=job.workers,
                               wire_codec=get_codec("fp32"), **start)
     else:
-        codec = codec_from_config(cfg.compress, seed=job.seed)
+        codec = codec_from_config(cfg.compress, seed=job.seed, device=round_device_of(cfg))
         group = InProcessGroup(codec, num_workers=job.workers,
                                aggregation=Aggregation(gather=cfg.averaging.gathers(codec.name)))
         result = simulate_diloco(cfg, train_tokens=corpus.train, val_tokens=corpus.val, num_workers=job.workers,

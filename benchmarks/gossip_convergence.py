@@ -40,6 +40,7 @@ def run_arm(job: tuple[str, int, list[str]]) -> dict[str, Any]:
     from swarmtrain.data import load_corpus
     from swarmtrain.diloco.gossip_simulation import simulate_noloco
     from swarmtrain.diloco.simulation import simulate_ddp, simulate_diloco
+    from swarmtrain.diloco.worker import round_device_of
 
     mode, workers, overrides = job
     if mode.startswith("noloco"):
@@ -58,7 +59,7 @@ def run_arm(job: tuple[str, int, list[str]]) -> dict[str, Any]:
     if mode == "ddp":
         result = simulate_ddp(cfg, wire_codec=get_codec("fp32"), **data)
     else:
-        codec = codec_from_config(cfg.compress, seed=cfg.train.seed)
+        codec = codec_from_config(cfg.compress, seed=cfg.train.seed, device=round_device_of(cfg))
         if mode == "diloco":
             result = simulate_diloco(cfg, average_all=InProcessGroup(codec, num_workers=workers).average_all,
                                      codec=codec, **data)

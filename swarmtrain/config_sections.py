@@ -39,6 +39,7 @@ COMBINES = ("auto", "reencode", "gather")  # averaging.combine
 AVERAGING_MODES = ("allreduce", "gossip")  # averaging.mode
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")  # train.precision
 PARALLELS = ("ddp", "fsdp")  # train.parallel
+ROUND_DEVICES = ("train", "cpu")  # train.round_device
 
 # The outer step that goes with a codec where it is not the sections' defaults: a config that names the codec
 # gets these for the keys it leaves unset (config.from_dict). The sparse codec's is SparseLoCo's: the
@@ -83,6 +84,13 @@ class TrainConfig:
     model: `ddp` (each rank holds all of it; gradients averaged) or `fsdp` (FSDP2: each rank holds 1/N of the
     weights, gradients and inner optimizer moments; rank 0 also keeps θ_local, θ_global and the outer
     momentum whole). One process has nothing to share: it trains alone either way."""
+    round_device: str = "train"
+    """Where a peer keeps θ_global, the outer momentum and the error-feedback residual, and runs the round's
+    arithmetic (Δ, the codec's encode and decode, the reducer's sums, the outer step): `train` (on the device it
+    trains on: on a GPU the round stays there, through the CUDA kernels, and only encoded bytes cross to the
+    host) or `cpu` (in host memory: on a GPU short of memory, it spares 8 bytes per parameter there, 12 with
+    error feedback). Either way θ_global is bit-identical to every other peer's
+    (docs/architecture.md#where-the-round-runs)."""
     run_nonce: str = ""
     """This run among all runs of the same `run_id` (`[A-Za-z0-9._-]`, at most 64): peers refuse a
     checkpoint or a donor's state of another nonce, naming both. Empty: the coordinator draws a random
@@ -100,6 +108,8 @@ class TrainConfig:
         check(self.memory_budget_mb >= 0, "train.memory_budget_mb", "must be >= 0 (0 = no limit)")
         check(self.precision in PRECISIONS, "train.precision", f"{self.precision!r} is not one of {PRECISIONS}")
         check(self.parallel in PARALLELS, "train.parallel", f"{self.parallel!r} is not one of {PARALLELS}")
+        check(self.round_device in ROUND_DEVICES, "train.round_device",
+              f"{self.round_device!r} is not one of {ROUND_DEVICES}")
 
 
 @dataclass(frozen=True)

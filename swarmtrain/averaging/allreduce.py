@@ -212,7 +212,9 @@ class AllReduce:
             if len(parts) != len(agreed):
                 raise CodecError(f"bundle of shard {j} holds {len(parts)} contributions, {len(agreed)} agreed")
             async with turn:
-                if not scratch:
+                if not scratch and self.codec.device.type != "cpu":  # a GPU-resident round checks it there
+                    scratch.append(torch.empty(largest, dtype=torch.float32, device=self.codec.device))
+                elif not scratch:
                     scratch_view.append(self.buffers.take(4 * largest))
                     scratch.append(torch.frombuffer(scratch_view[0], dtype=torch.float32) if largest
                                    else torch.empty(0))

@@ -64,7 +64,7 @@ class InProcessGroup:
         k = self.num_workers
         total_in = sum(len(e) for e in accepted)
         if self.aggregation.gather:
-            mean = mean_of_gathered(self.codec, accepted, out=torch.empty(numel))
+            mean = mean_of_gathered(self.codec, accepted, out=torch.empty(numel, device=self.codec.device))
             return [
                 AverageResult(
                     round=round_index, committed=True, mean=mean, members=members,
@@ -76,9 +76,10 @@ class InProcessGroup:
                 for e in encoded
             ]
         if self.aggregation.trimmed(len(accepted)):
-            acc = aggregate_encoded(self.codec, accepted, self.aggregation, out=torch.empty(numel))
+            acc = aggregate_encoded(self.codec, accepted, self.aggregation,
+                                    out=torch.empty(numel, device=self.codec.device))
         else:  # the mean as simulations always took it (the golden trajectory pins its bits)
-            acc = torch.zeros(numel, dtype=torch.float32)
+            acc = torch.zeros(numel, dtype=torch.float32, device=self.codec.device)
             for data in accepted:
                 self.codec.decode_accumulate(data, acc)
             acc.div_(len(accepted))

@@ -105,7 +105,7 @@ def check_shard(codec: Codec, layout: MaterialLayout, shard: int, blob: Blob) ->
     if not layout.gather:
         codec.validate(blob, numel=s.hi - s.lo)
         return
-    out = torch.empty(s.hi - s.lo, dtype=torch.float32)
+    out = torch.empty(s.hi - s.lo, dtype=torch.float32, device=codec.device)
     mean_of_gathered(codec, unpack_bundle(blob, max_parts=1 << 16), out=out)
     if out.numel() and not bool(torch.isfinite(out).all()):
         raise CodecError(f"shard {shard} of the material averages to NaN or Inf")
@@ -131,7 +131,7 @@ def sharded_mean(material: Material, codec: Codec) -> ShardedMean:
             shards.append(MeanShard(s.lo, s.hi, functools.partial(_decode_into, codec, blob),
                                     pieces=functools.partial(codec.decode_pieces, blob, numel=s.hi - s.lo,
                                                              checked=True)))
-    return ShardedMean(layout.numel, tuple(shards))
+    return ShardedMean(layout.numel, tuple(shards), device=torch.device(codec.device))
 
 
 def _decode_into(codec: Codec, blob: Blob, out: object) -> None:

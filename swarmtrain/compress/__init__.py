@@ -5,7 +5,7 @@ quant.py: the reference int8/int4 math (the contract for kernels/). codecs.py: t
 and int8/int4 codecs. zstd_stage.py: the optional zstd stage. registry.py: get_codec and friends.
 kernels/: fused CPU and CUDA kernels.
 sparse.py: the reference chunked top-k sparsification (the contract of its kernels). sparse_codec.py: the
-sparse codec built on it.
+sparse codec built on it. staging.py: device tensors to host bytes through pinned, reused buffers.
 """
 
 from swarmtrain.compress.codec import Codec, CodecError, CodecOptionError

@@ -29,6 +29,7 @@ class Codec(Protocol):
     """
 
     name: str
+    device: torch.device  # where it quantizes and decodes: `decode_accumulate`'s `out` lives there
     # A flat tensor cut at multiples of `alignment` elements encodes piece by piece exactly as the
     # whole does (the quantization blocks line up), so shards of an all-reduce lose what the
     # whole-tensor round trip says they lose: error feedback depends on it.

@@ -14,6 +14,7 @@ import torch
 
 from swarmtrain.compress import quant
 from swarmtrain.compress.codec import CodecError, CodecOptionError
+from swarmtrain.compress.staging import arena, host_bytes
 from swarmtrain.compress.wire import (
     DTYPE_CODES,
     MAX_BLOCK_SIZE,
@@ -88,9 +89,9 @@ def _all_finite(t: torch.Tensor) -> bool:
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
-    """Flat byte view of a tensor's memory on the host (one device-to-host copy when on a GPU)."""
-    t = t.detach().contiguous().cpu().view(-1)
-    return t.view(torch.uint8).numpy().data if t.numel() else memoryview(b"")
+    """Flat byte view of a tensor's memory on the host: in place on the CPU; from a GPU, one copy into this
+    thread's page-locked staging arena, valid until the encode's `staging.arena()` block ends."""
+    return host_bytes(t)
 
 
 class _Codec(abc.ABC):
@@ -116,13 +117,14 @@ class _Codec(abc.ABC):
             what = tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__
             raise CodecError(f"{self.name}: cannot encode {what}; expected a float32/16, bfloat16 or float64 tensor")
         x = tensor.detach().to(self.device, torch.float32).reshape(-1)
-        parts, flags, block_size = self._encode_payload(x)
-        if self.zstd_level:
-            parts = [memoryview(zstd_compress(b"".join(parts), level=self.zstd_level))]
-            flags |= Flags.ZSTD
-        header = Header(self.codec_id, flags, tensor.dtype, block_size, tuple(tensor.shape),
-                        sum(p.nbytes for p in parts))
-        return frame(header, parts)
+        with arena():  # a GPU's parts are staged in page-locked memory until they are framed
+            parts, flags, block_size = self._encode_payload(x)
+            if self.zstd_level:
+                parts = [memoryview(zstd_compress(b"".join(parts), level=self.zstd_level))]
+                flags |= Flags.ZSTD
+            header = Header(self.codec_id, flags, tensor.dtype, block_size, tuple(tensor.shape),
+                            sum(p.nbytes for p in parts))
+            return frame(header, parts)
 
     @abc.abstractmethod
     def _encode_payload(self, x: torch.Tensor) -> tuple[list[memoryview], Flags, int]: ...
@@ -136,16 +138,17 @@ class _Codec(abc.ABC):
             return self.encode(read(0, numel))
         pieces: list[list[memoryview]] = []
         flags, block_size = Flags(0), 0
-        for lo in range(0, numel, step):
-            x = read(lo, min(numel, lo + step))
-            if x.dtype != torch.float32 or x.dim() != 1 or x.numel() != min(numel, lo + step) - lo:
-                raise CodecError(f"{self.name}: encode_from read {x.dtype} {tuple(x.shape)} for values "
-                                 f"[{lo}, {min(numel, lo + step)}); expected that many flat float32 values")
-            parts, flags, block_size = self._encode_payload(x.detach().to(self.device))
-            pieces.append(parts)
-        parts = [part for kind in zip(*pieces, strict=True) for part in kind]  # each kind of part, in order
-        header = Header(self.codec_id, flags, torch.float32, block_size, (numel,), sum(p.nbytes for p in parts))
-        return frame(header, parts)
+        with arena():
+            for lo in range(0, numel, step):
+                x = read(lo, min(numel, lo + step))
+                if x.dtype != torch.float32 or x.dim() != 1 or x.numel() != min(numel, lo + step) - lo:
+                    raise CodecError(f"{self.name}: encode_from read {x.dtype} {tuple(x.shape)} for values "
+                                     f"[{lo}, {min(numel, lo + step)}); expected that many flat float32 values")
+                parts, flags, block_size = self._encode_payload(x.detach().to(self.device))
+                pieces.append(parts)
+            parts = [part for kind in zip(*pieces, strict=True) for part in kind]  # each kind of part, in order
+            header = Header(self.codec_id, flags, torch.float32, block_size, (numel,), sum(p.nbytes for p in parts))
+            return frame(header, parts)
 
     def _piece(self, piece: int) -> int:
         """Values per piece for encode_from (a multiple of the codec's alignment), 0 = read it whole."""

@@ -15,6 +15,7 @@ import torch
 from swarmtrain.compress import sparse
 from swarmtrain.compress.codec import CodecError, CodecOptionError
 from swarmtrain.compress.codecs import _Buffer, _Codec, _view, quant_backend
+from swarmtrain.compress.staging import host_bytes
 from swarmtrain.compress.wire import CodecId, DecodeLimits, Flags, Header, parse
 
 __all__ = ["SparseCodec", "sparse_k"]
@@ -62,9 +63,8 @@ class SparseCodec(_Codec):
 
     def _encode_payload(self, x: torch.Tensor) -> tuple[list[memoryview], Flags, int]:
         body = self._kernels.sparse_encode(x, chunk=self.chunk, k=self.k, bits=self.bits)
-        body = body.cpu() if body.device.type != "cpu" else body
         prefix = memoryview(_PREFIX.pack(self.bits, 0, 0, self.k))
-        return [prefix, body.numpy().data if body.numel() else memoryview(b"")], Flags(0), self.chunk
+        return [prefix, host_bytes(body)], Flags(0), self.chunk  # from a GPU, through the page-locked arena
 
     # -- decode ------------------------------------------------------------------------------
     def _open(self, data: _Buffer, *, numel: int | None = None, verify: bool = True) -> tuple[Header, _Buffer]:

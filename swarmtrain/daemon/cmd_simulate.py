@@ -56,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
     from swarmtrain.compress import codec_from_config, get_codec
     from swarmtrain.data import load_corpus
     from swarmtrain.diloco.simulation import RoundRecord, simulate_ddp, simulate_diloco
+    from swarmtrain.diloco.worker import round_device_of
 
     if args.workers < 1:
         print(f"swarmtrain simulate: error: --workers must be >= 1, got {args.workers}", file=sys.stderr)
@@ -83,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(cfg.train.threads)
     try:
         corpus = load_corpus(cfg.data)
-        codec = codec_from_config(cfg.compress, seed=cfg.train.seed)
+        codec = codec_from_config(cfg.compress, seed=cfg.train.seed,  # on the device the workers' rounds run on
+                                  device=round_device_of(cfg))
     except ValueError as e:  # CorpusError, CodecOptionError
         print(f"swarmtrain simulate: error: {e}", file=sys.stderr)
         return 2

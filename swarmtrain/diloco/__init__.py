@@ -13,6 +13,7 @@ island.py      several local ranks (one process group) behind one peer: join, br
 island_steps.py  rank 0's IslandWorker leads the inner steps, IslandFollowers mirror them; RankSlice data
 eager.py       the eager estimate's scale: how much of a peer's own Δ to expect in the swarm's mean
 fragments.py   streaming fragments: θ cut by transformer block, one part synced per round
+spans.py       what a round syncs (all of θ, or one fragment): its Δ, eager estimate, outer step and digest
 precision.py   how an inner step computes: autocast dtype, fp16's gradient scaler, micro-batches
 worker_state.py  a worker's resumable state (what a checkpoint holds)
 noloco.py      NoLoCo's outer step and the group means it takes

@@ -10,6 +10,8 @@ import torch
 
 from swarmtrain.round.certificate import Certificate
 
+_CPU = torch.device("cpu")
+
 __all__ = ["AverageResult", "Averager", "Delta", "DeltaSource", "MeanShard", "ShardedMean", "mean_tensor", "reader"]
 
 
@@ -39,6 +41,7 @@ class ShardedMean:
 
     numel: int
     shards: tuple[MeanShard, ...]
+    device: torch.device = _CPU  # where its shards decode (the codec's device)
 
     def __post_init__(self) -> None:
         at = 0
@@ -53,7 +56,7 @@ class ShardedMean:
         """(offset, values) pieces covering the mean in order; the values live in a scratch vector that
         the next piece overwrites, so a caller uses each before asking for the next."""
         whole = [s.hi - s.lo for s in self.shards if s.pieces is None]
-        scratch = torch.empty(max(whole, default=0), dtype=torch.float32)
+        scratch = torch.empty(max(whole, default=0), dtype=torch.float32, device=self.device)
         for s in self.shards:
             if s.pieces is not None:
                 for at, values in s.pieces():
@@ -64,8 +67,8 @@ class ShardedMean:
             yield s.lo, out
 
     def tensor(self) -> torch.Tensor:
-        """The whole mean as a new flat fp32 vector (a model-sized allocation)."""
-        out = torch.empty(self.numel, dtype=torch.float32)
+        """The whole mean as a new flat fp32 vector on its device (a model-sized allocation)."""
+        out = torch.empty(self.numel, dtype=torch.float32, device=self.device)
         for s in self.shards:
             s.decode(out[s.lo:s.hi])
         return out
@@ -124,7 +127,7 @@ class DeltaSource(Protocol):
     def numel(self) -> int: ...
 
     def read(self, lo: int, hi: int) -> torch.Tensor:
-        """Values [lo, hi) as a flat fp32 CPU tensor."""
+        """Values [lo, hi) as a flat fp32 tensor (on the round's device)."""
         ...
 
 
@@ -136,7 +139,7 @@ def reader(delta: Delta) -> Callable[[int, int], torch.Tensor]:
     if isinstance(delta, torch.Tensor):
         if delta.dim() != 1 or delta.dtype != torch.float32:
             raise ValueError(f"delta must be a flat float32 tensor, got {delta.dtype} {tuple(delta.shape)}")
-        flat = delta.detach().cpu().contiguous()
+        flat = delta.detach().contiguous()  # where it is: the codec moves each piece to its own device
         return lambda lo, hi: flat[lo:hi]
     return delta.read
 

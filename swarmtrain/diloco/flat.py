@@ -10,6 +10,8 @@ from collections.abc import Callable, Iterable, Sequence
 import blake3
 import torch
 
+from swarmtrain.compress.staging import host_chunks
+
 __all__ = ["PseudoGradient", "assign_flat", "combine_digest", "flat_hash", "flatten", "param_shapes", "pseudo_gradient",
            "snapshot", "state_digest", "tensor_digest"]
 
@@ -19,18 +21,19 @@ def param_shapes(module: torch.nn.Module) -> list[tuple[str, tuple[int, ...]]]:
     return [(name, tuple(p.shape)) for name, p in module.named_parameters()]
 
 
-def flatten(params: Iterable[torch.Tensor]) -> torch.Tensor:
-    """Concatenate `params` (any device/dtype) into a new flat fp32 CPU vector."""
-    parts = [p.detach().reshape(-1).to(device="cpu", dtype=torch.float32) for p in params]
+def flatten(params: Iterable[torch.Tensor], *, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Concatenate `params` (any device/dtype) into a new flat fp32 vector on `device`."""
+    parts = [p.detach().reshape(-1).to(device=device, dtype=torch.float32) for p in params]
     if not parts:
         raise ValueError("flatten: no parameters given")
     return torch.cat(parts)
 
 
-def snapshot(params: Iterable[torch.Tensor], *, pin: bool) -> torch.Tensor:
-    """θ_global's storage: a flat fp32 CPU copy of `params`, page-locked when `pin` (for fast H2D copies)."""
-    flat = flatten(params)
-    return flat.pin_memory() if pin else flat
+def snapshot(params: Iterable[torch.Tensor], *, device: torch.device, pin: bool) -> torch.Tensor:
+    """θ_global's storage: a flat fp32 copy of `params` on `device` (the round's device); in host memory, page-locked
+    when `pin` (for fast copies to a GPU that trains)."""
+    flat = flatten(params, device=device)
+    return flat.pin_memory() if pin and flat.device.type == "cpu" else flat
 
 
 def assign_flat(flat: torch.Tensor, params: Sequence[torch.Tensor]) -> None:
@@ -62,7 +65,7 @@ def pseudo_gradient(theta_global: torch.Tensor, params: Iterable[torch.Tensor]) 
 class PseudoGradient:
     """Δ = θ_global − θ_local read a slice at a time, never held as one model-sized vector.
 
-    `read(lo, hi)` returns a new fp32 CPU vector equal to `pseudo_gradient(θ_global, params)[lo:hi]`
+    `read(lo, hi)` returns a new fp32 vector on θ_global's device equal to `pseudo_gradient(θ_global, params)[lo:hi]`
     to the bit (each value is the same one fp32 subtraction). The source is only valid while neither
     θ_global nor the parameters change: `version()` (a counter the owner bumps at every change) is
     taken here and checked at every read, and a read after a change raises instead of mixing weights.
@@ -88,13 +91,14 @@ class PseudoGradient:
             raise IndexError(f"PseudoGradient.read: [{lo}, {hi}) is not within [0, {self.numel()})")
         if self._version() != self._taken_at:
             raise RuntimeError("PseudoGradient.read: θ_global or θ_local changed since this Δ was taken")
-        out = self._theta[lo:hi].detach().to(device="cpu", dtype=torch.float32, copy=True)
+        device = self._theta.device
+        out = self._theta[lo:hi].detach().to(dtype=torch.float32, copy=True)
         start = 0
         for p, end in zip(self._params, self._ends, strict=True):
             a, b = max(lo, start), min(hi, end)
             if a < b:
                 out[a - lo:b - lo].sub_(p.detach().reshape(-1)[a - start:b - start]
-                                        .to(device="cpu", dtype=torch.float32))
+                                        .to(device=device, dtype=torch.float32))
             if end >= hi:
                 break
             start = end
@@ -105,13 +109,21 @@ def flat_hash(flat: torch.Tensor) -> str:
     """Hex sha256 of a flat fp32 vector's bytes: equal hashes mean bit-identical weights."""
     if flat.dtype != torch.float32 or flat.dim() != 1:
         raise ValueError(f"flat_hash needs a 1-D fp32 tensor, got {flat.dtype} with shape {tuple(flat.shape)}")
-    # hashlib reads the array's buffer in place (no copy of θ) and releases the GIL while it hashes.
-    return hashlib.sha256(flat.detach().cpu().contiguous().numpy().data).hexdigest()
+    # hashlib reads a CPU array's buffer in place (no copy of θ) and releases the GIL while it hashes; a GPU's
+    # θ streams through one page-locked buffer a slice at a time.
+    h = hashlib.sha256()
+    for chunk in host_chunks(flat):
+        h.update(chunk)
+    return h.hexdigest()
 
 
 def tensor_digest(t: torch.Tensor) -> bytes:
-    """BLAKE3 of a flat fp32 vector's bytes (one part of a state digest)."""
-    return blake3.blake3(t.detach().cpu().contiguous().numpy().data.cast("B")).digest()
+    """BLAKE3 of a flat fp32 vector's bytes (one part of a state digest), on any device: a GPU's vector is
+    hashed a slice at a time as it reaches the host."""
+    h = blake3.blake3()
+    for chunk in host_chunks(t):
+        h.update(chunk)
+    return h.digest()
 
 
 def combine_digest(round_index: int, numel: int, theta: bytes, momentum: bytes | None,

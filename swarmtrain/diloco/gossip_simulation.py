@@ -74,7 +74,7 @@ def simulate_noloco(
     avg = cfg.averaging
     workers = [sim_worker(cfg, train_tokens, index=k, num_workers=num_workers, batch_size=cfg.data.batch_size,
                           codec=None, init_theta=init_theta, start_step=start_step) for k in range(num_workers)]
-    weights_codec = get_codec(avg.gossip_weights_codec)
+    weights_codec = get_codec(avg.gossip_weights_codec, device=codec.device)
     outers = [NolocoOuter(lr=avg.gossip_lr, momentum=avg.gossip_momentum, buffer=_buffer(w)) for w in workers]
     names = [f"w{k}" for k in range(num_workers)]
     val = sim_val_batches(cfg, val_tokens)

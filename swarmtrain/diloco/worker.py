@@ -8,13 +8,12 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
-import blake3
 import torch
 from torch import nn
 
 from swarmtrain.compress.codec import Codec
 from swarmtrain.config import RunConfig
-from swarmtrain.diloco.averager import Averager, AverageResult, Delta, ShardedMean, mean_tensor
+from swarmtrain.diloco.averager import Averager, AverageResult, Delta, ShardedMean
 from swarmtrain.diloco.eager import EagerScale, dot_with_mean
 from swarmtrain.diloco.flat import (
     PseudoGradient,
@@ -22,11 +21,10 @@ from swarmtrain.diloco.flat import (
     combine_digest,
     flat_hash,
     flatten,
-    pseudo_gradient,
     snapshot,
     state_digest,
 )
-from swarmtrain.diloco.fragments import Ranges, fragment_params, fragment_ranges, gather, scatter_
+from swarmtrain.diloco.fragments import Ranges, fragment_params, fragment_ranges
 from swarmtrain.diloco.inner import (
     build_inner_optimizer,
     lr_factor,
@@ -35,14 +33,29 @@ from swarmtrain.diloco.inner import (
 from swarmtrain.diloco.outer import STEP_SLICE, OuterOptimizer, count_non_finite
 from swarmtrain.diloco.pace import RoundBudget
 from swarmtrain.diloco.precision import Precision, forward_backward
+from swarmtrain.diloco.spans import Fragment, Span, Whole
 from swarmtrain.diloco.steps import BatchStream, Carry, DeltaError, InnerStats, InnerStep, RoundReport
 from swarmtrain.diloco.worker_state import load_worker_state, save_worker_state
 from swarmtrain.round.ballots import Voter
 
 __all__ = ["BatchStream", "Carry", "DeltaError", "DilocoWorker", "InnerStats", "InnerStep", "RoundReport",
-           "resolve_device"]
+           "resolve_device", "resolve_round_device", "round_device_of"]
 
 log = logging.getLogger(__name__)
+
+
+def resolve_round_device(name: str, device: torch.device) -> torch.device:
+    """`train.round_device` -> where θ_global and the round's arithmetic live: `train` = the training `device`."""
+    if name == "train":
+        return device
+    if name == "cpu":
+        return torch.device("cpu")
+    raise ValueError(f"train.round_device: {name!r} is not 'train' or 'cpu'")
+
+
+def round_device_of(cfg: RunConfig) -> torch.device:
+    """Where a one-process worker of `cfg` runs its round (build its codec there)."""
+    return resolve_round_device(cfg.train.round_device, resolve_device(cfg.train.device))
 
 
 def resolve_device(name: str) -> torch.device:
@@ -95,15 +108,19 @@ class DilocoWorker:
         self.after_round = after_round
         self.on_step = on_step
         self.total_inner_steps = cfg.diloco.rounds * cfg.diloco.round_steps
-        self.theta_global = snapshot(self.params, pin=self.device.type == "cuda")
+        # θ_global, the outer momentum and the residual live where the round runs (train.round_device): on the
+        # training GPU, Δ, the codec and the outer step run there and only encoded bytes cross to the host.
+        self.round_device = resolve_round_device(cfg.train.round_device, self.device)
+        self.theta_global = snapshot(self.params, device=self.round_device, pin=self.device.type == "cuda")
         self.numel = self.theta_global.numel()
         # Streaming DiLoCo (diloco.fragments > 1): round r syncs fragment r mod P; None = all of θ (classic)
         self.fragments = fragment_ranges(self.model, cfg.diloco.fragments) if cfg.diloco.fragments > 1 else None
-        # Each fragment's parameters: a round reads and writes its fragment of θ_local there only
-        self._fragment_params = [fragment_params(self.params, f) for f in self.fragments or []]
-        self.outer = OuterOptimizer(cfg.outer, numel=self.numel)
+        # What each round syncs (diloco/spans.py): all of θ, or round r's fragment, whose parameters alone it reads
+        self._spans: list[Span] = ([Whole(self.params, self.numel)] if self.fragments is None
+                                   else [Fragment(f, fragment_params(self.params, f)) for f in self.fragments])
+        self.outer = OuterOptimizer(cfg.outer, numel=self.numel, device=self.round_device)
         if cfg.averaging.mode == "gossip" and self.outer.momentum_buffer is None:  # NoLoCo's b lives there
-            self.outer.momentum_buffer = torch.zeros(self.numel)
+            self.outer.momentum_buffer = torch.zeros(self.numel, device=self.round_device)
         self.inner = build_inner_optimizer(self.model, cfg.inner)
         self.round = 0
         # Who decides the next round (round/ballots.py): the voters θ_global's commit named; empty before one (genesis).
@@ -120,8 +137,11 @@ class DilocoWorker:
         self.global_lock = threading.Lock()
         if cfg.compress.error_feedback and codec is None:
             raise ValueError("compress.error_feedback needs the codec the averager uses (codec=None given)")
+        if codec is not None and torch.device(codec.device) != self.round_device:
+            raise ValueError(f"the codec runs on {codec.device} but this worker's round runs on {self.round_device} "
+                             f"(train.round_device={cfg.train.round_device!r}): build the codec on the round's device")
         self.codec = codec
-        self.residual = torch.zeros(self.numel) if cfg.compress.error_feedback else None
+        self.residual = torch.zeros(self.numel, device=self.round_device) if cfg.compress.error_feedback else None
         self._pending_residual: torch.Tensor | None = None
         self._eager = EagerScale()  # diloco.overlap: λ of the eager estimate, fitted from committed rounds
         self._rng_state = torch.Generator().manual_seed(rng_seed).get_state()
@@ -257,21 +277,18 @@ class DilocoWorker:
         """The flat ranges this round syncs (diloco.fragments > 1), None for all of θ."""
         return None if self.fragments is None else self.fragments[self.round % len(self.fragments)]
 
-    def _fragment_local(self) -> list[torch.Tensor]:
-        """The parameters that hold this round's fragment of θ_local (with diloco.fragments)."""
-        return self._fragment_params[self.round % len(self._fragment_params)]
+    def span(self) -> Span:
+        """What this round syncs: all of θ, or its fragment with diloco.fragments (diloco/spans.py)."""
+        return self._spans[self.round % len(self._spans)]
 
     def delta(self) -> torch.Tensor:
         """This round's contribution: Δ = θ_global − θ_local (+ β × the error-feedback residual), of this
         round's fragment only with diloco.fragments (the fragment's values, in order)."""
-        frag = self.fragment()
-        if frag is None:
-            d = pseudo_gradient(self.theta_global, self.params)
-        else:  # the same fp32 subtraction per value, on the fragment's parameters only
-            d = gather(self.theta_global, frag).sub_(flatten(self._fragment_local()))
+        span = self.span()
+        d = span.delta(self.theta_global)
         if self.residual is not None:
             assert self.codec is not None
-            residual = self.residual if frag is None else gather(self.residual, frag)
+            residual = span.part(self.residual)
             decay = self.cfg.compress.error_feedback_decay
             if decay == 1.0:
                 d += residual
@@ -286,10 +303,10 @@ class DilocoWorker:
         is just their difference (no error-feedback residual, no fragments), so that no model-sized Δ
         is held while the round averages; `delta()` otherwise. Valid until θ_global or θ_local change
         (an inner step, an outer step, a heal): a read after that raises."""
-        if self.residual is not None or self.fragments is not None:
+        span = self.span()
+        if self.residual is not None or not isinstance(span, Whole):
             return self.delta()
-        return PseudoGradient(self.theta_global, self.params,
-                              version=lambda: (self._theta_version, self._local_version))
+        return span.source(self.theta_global, version=lambda: (self._theta_version, self._local_version))
 
     def send_overlapped(self) -> tuple[torch.Tensor, Carry]:
         """`diloco.overlap`: this round's Δ, and θ_local moved to where θ_global lands if the mean is
@@ -307,18 +324,11 @@ class DilocoWorker:
         if problem:
             raise DeltaError(problem)
         sent = self.own_contribution(delta)
-        guess = sent * self.eager_scale()
-        frag = self.fragment()
-        if frag is None:
-            since = flatten(self.params)
-            estimate = self.outer.preview(self.theta_global.detach().cpu(), guess)
-            self._set_local(estimate)
-            carry = Carry(base=estimate, on_abort=since, sent=sent)
-        else:  # the fragment moves to its estimate; the others go on from where they are
-            estimate = self._fragment_outer(frag).preview(gather(self.theta_global.detach().cpu(), frag), guess)
-            params = self._fragment_local()
-            carry = Carry(base=estimate, on_abort=flatten(params), sent=sent)
-            self._set_params(params, estimate)
+        span = self.span()  # its part of θ_local moves to the estimate; a fragment's others go on where they are
+        on_abort = span.local(self.round_device)
+        estimate = span.estimate(self.outer, self.theta_global, sent * self.eager_scale())
+        self._set_params(span.params, estimate)
+        carry = Carry(base=estimate, on_abort=on_abort, sent=sent)
         self._sent_early, self.round_step = True, 0
         return delta, carry
 
@@ -340,16 +350,9 @@ class DilocoWorker:
         own = 1.0 / max(1, len(self.voters)) if gathered else 1.0
         return own if self.cfg.diloco.eager == "own" else self._eager.value(own)
 
-    def _fragment_outer(self, frag: Ranges) -> OuterOptimizer:
-        """An outer optimizer over one fragment whose momentum buffer is a gathered copy of the fragment's."""
-        outer = OuterOptimizer(self.cfg.outer, numel=sum(hi - lo for lo, hi in frag))
-        if self.outer.momentum_buffer is not None:
-            outer.momentum_buffer = gather(self.outer.momentum_buffer, frag)
-        return outer
-
     def has_local_progress(self) -> bool:
         """Whether θ_local holds progress not yet in θ_global (trained since the last commit/heal)."""
-        return not torch.equal(flatten(self.params), self.theta_global.detach().cpu())
+        return not torch.equal(flatten(self.params, device=self.round_device), self.theta_global)
 
     def apply(self, result: AverageResult, *, carry: Carry | None = None) -> bool:
         """Apply a round's outcome; returns whether an outer step was taken.
@@ -361,23 +364,16 @@ class DilocoWorker:
         """
         if result.round != self.round:
             raise ValueError(f"averaging result is for round {result.round}, this worker is at round {self.round}")
-        frag = self.fragment()
-        params = self._fragment_local() if frag is not None else self.params  # this round's, before it moves on
-        size = self.numel if frag is None else sum(hi - lo for lo, hi in frag)
-        if carry is not None and not carry.base.shape == carry.on_abort.shape == (size,):
+        span = self.span()  # this round's, before it moves on
+        if carry is not None and not carry.base.shape == carry.on_abort.shape == (span.size,):
             raise ValueError(f"apply: carry has shapes {tuple(carry.base.shape)}/{tuple(carry.on_abort.shape)}, "
-                             f"need ({size},)")
+                             f"need ({span.size},)")
         if result.committed:
             if result.mean is None:
                 raise ValueError(f"round {result.round} committed without a mean pseudo-gradient")
-            mean = result.mean if frag is None else mean_tensor(result.mean).reshape(-1)
+            mean = result.mean
             with self.global_lock:
-                if isinstance(mean, ShardedMean):  # decoded shard by shard, never whole
-                    self.outer.step_pieces(self.theta_global, mean.pieces)
-                elif frag is None:
-                    self.outer.step(self.theta_global, mean.reshape(-1))
-                else:
-                    self._step_fragment(frag, mean)
+                span.step(self.outer, self.theta_global, mean)
                 self._theta_version += 1
                 if result.certificate is not None:
                     self.voters = result.certificate.value.next_voters
@@ -385,24 +381,20 @@ class DilocoWorker:
             if carry is not None and carry.sent is not None:
                 self._eager.observe(carry.sent, dot_with_mean(carry.sent, mean))
             if self._pending_residual is not None:
-                if frag is None:
-                    self.residual = self._pending_residual
-                else:
-                    assert self.residual is not None
-                    scatter_(self.residual, frag, self._pending_residual)
+                assert self.residual is not None
+                self.residual = span.adopt(self.residual, self._pending_residual)
             if carry is None:  # overlapped, the steps taken since Δ was sent were already the new round's
                 self.round_step = 0
         elif carry is None:
             log.warning("round %d aborted (%s): keeping θ_global, dropping local progress", result.round, result.reason)
         self._pending_residual = None
         self._sent_early = False
-        if frag is not None:
-            self._settle_fragment(frag, params, result.committed, carry)
-        elif carry is None:
-            self._set_local(self.theta_global)
-        else:  # the inner steps since Δ was sent, on top of the new θ_global (or back where Δ was taken)
-            base = self.theta_global.detach().cpu() if result.committed else carry.on_abort
-            self._set_local(base + (flatten(self.params) - carry.base))
+        # θ_local over the span restarts from θ_global; overlapped, the inner steps since Δ was sent go on top of
+        # the new θ_global (or back where Δ was taken); a fragment's others keep their local progress
+        theta = span.part(self.theta_global)
+        if carry is not None:
+            theta = (theta if result.committed else carry.on_abort) + (span.local(self.round_device) - carry.base)
+        self._set_params(span.params, theta)
         if self.after_round is not None:
             self.after_round(self)
         return result.committed
@@ -418,25 +410,6 @@ class DilocoWorker:
         self._set_local(self.theta_global)
         if self.after_round is not None:
             self.after_round(self)
-
-    def _step_fragment(self, frag: Ranges, mean: torch.Tensor) -> None:
-        """The outer step on one fragment of θ_global and of the momentum buffer."""
-        outer = self._fragment_outer(frag)
-        theta = gather(self.theta_global, frag)
-        outer.step(theta, mean)
-        scatter_(self.theta_global, frag, theta)
-        if outer.momentum_buffer is not None:
-            assert self.outer.momentum_buffer is not None
-            scatter_(self.outer.momentum_buffer, frag, outer.momentum_buffer)
-
-    def _settle_fragment(self, frag: Ranges, params: Sequence[torch.Tensor], committed: bool,
-                         carry: Carry | None) -> None:
-        """θ_local after a fragment's round: its fragment (`params`) restarts from θ_global (plus, overlapped,
-        the steps taken since Δ was sent); the other fragments keep their local progress."""
-        theta = gather(self.theta_global.detach().cpu(), frag)
-        if carry is not None:
-            theta = (theta if committed else carry.on_abort) + (flatten(params) - carry.base)
-        self._set_params(params, theta)
 
     def run_round(self, averager: Averager) -> RoundReport:
         """Inner steps, then average Δ through `averager`, then apply the outcome."""
@@ -470,7 +443,7 @@ class DilocoWorker:
 
     def evaluate_global(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float:
         """Mean loss of θ_global (θ_local differs from it under `diloco.overlap`); θ_local is restored."""
-        local = flatten(self.params)
+        local = flatten(self.params, device=self.device)
         self._set_local(self.theta_global)
         try:
             return self.evaluate(batches)
@@ -504,7 +477,7 @@ class DilocoWorker:
         cached = self._digest
         if cached is not None and cached[0] == version:
             return cached[1]
-        digest = state_digest(self.round, self.theta_global.detach().cpu(), self.outer.momentum_buffer, self.voters)
+        digest = state_digest(self.round, self.theta_global, self.outer.momentum_buffer, self.voters)
         self._digest = (version, digest)
         return digest
 
@@ -512,21 +485,7 @@ class DilocoWorker:
         """The digest of the committed state that `apply` of a commit with `mean` (naming `next_voters`) would
         leave, θ_global and the momentum untouched: the same slices through the same outer step, hashed as
         they are made (no model-sized copy)."""
-        frag = self.fragment()
-        if frag is not None:
-            return self._preview_fragment(frag, mean_tensor(mean).reshape(-1), next_voters)
-        pieces = mean.pieces if isinstance(mean, ShardedMean) else (lambda: iter([(0, mean.reshape(-1))]))
-        theta_digest, momentum_digest = self.outer.preview_pieces(self.theta_global, pieces)
-        return combine_digest(self.round + 1, self.numel, theta_digest, momentum_digest, next_voters)
-
-    def _preview_fragment(self, frag: Ranges, mean: torch.Tensor, next_voters: Sequence[Voter]) -> str:
-        outer = self._fragment_outer(frag)
-        theta = gather(self.theta_global.detach().cpu(), frag)
-        outer.step(theta, mean)
-        buf = self.outer.momentum_buffer
-        theta_digest = _digest_replaced(self.theta_global.detach().cpu(), frag, theta)
-        momentum_digest = None if buf is None or outer.momentum_buffer is None else \
-            _digest_replaced(buf, frag, outer.momentum_buffer)
+        theta_digest, momentum_digest = self.span().preview(self.outer, self.theta_global, mean)
         return combine_digest(self.round + 1, self.numel, theta_digest, momentum_digest, next_voters)
 
     def adopt_global(self, *, round_index: int, theta_global: torch.Tensor, outer_momentum: torch.Tensor | None,
@@ -542,7 +501,7 @@ class DilocoWorker:
             raise ValueError(f"adopt_global: θ_global has shape {tuple(theta_global.shape)}, need ({self.numel},)")
         if round_index < 0:
             raise ValueError(f"adopt_global: round must be >= 0, got {round_index}")
-        progress = flatten(self.params) - self.theta_global.detach().cpu() if keep_progress else None
+        progress = flatten(self.params, device=self.round_device) - self.theta_global if keep_progress else None
         with self.global_lock:
             self.theta_global.copy_(theta_global.detach().to(torch.float32).reshape(-1))
             self._theta_version += 1
@@ -552,7 +511,7 @@ class DilocoWorker:
             self.round, self._sent_early = round_index, False
             self.voters = tuple(voters)
         self._pending_residual = None
-        self._set_local(self.theta_global if progress is None else self.theta_global.detach().cpu() + progress)
+        self._set_local(self.theta_global if progress is None else self.theta_global + progress)
 
     def discard_pending_residual(self) -> None:
         """The Δ just taken is not in the mean about to be applied: what the codec lost of it is no residual."""
@@ -582,17 +541,3 @@ class DilocoWorker:
         """Restore a `state_dict()`; raises ValueError naming what does not fit this worker."""
         load_worker_state(self, tensors, meta)
 
-
-def _digest_replaced(flat: torch.Tensor, frag: Ranges, values: torch.Tensor) -> bytes:
-    """`tensor_digest` of `flat` with its `frag` ranges replaced by `values` (their concatenation), streamed:
-    what a fragment's outer step leaves, without a model-sized copy."""
-    h = blake3.blake3()
-    at = taken = 0
-    for lo, hi in sorted(frag):
-        if lo > at:
-            h.update(flat[at:lo].contiguous().numpy().data.cast("B"))
-        h.update(values[taken:taken + hi - lo].contiguous().numpy().data.cast("B"))
-        taken, at = taken + hi - lo, hi
-    if at < flat.numel():
-        h.update(flat[at:].contiguous().numpy().data.cast("B"))
-    return h.digest()

@@ -35,7 +35,8 @@ def save_worker_state(worker: DilocoWorker, *, copy: bool = True) -> tuple[dict[
         return t.clone() if copy else t
 
     tensors: dict[str, torch.Tensor] = {
-        "theta_global": own(worker.theta_global.detach().cpu()),
+        "theta_global": own(worker.theta_global.detach()) if worker.theta_global.device.type == "cpu"
+        else worker.theta_global.detach().cpu(),
         "rng.cpu": worker._rng_state.clone(),
     }
     if copy or any(p.device.type != "cpu" or p.dtype != torch.float32 for p in worker.params):
@@ -66,6 +67,12 @@ def load_worker_state(worker: DilocoWorker, tensors: dict[str, torch.Tensor], me
     for key in ("theta_global", "rng.cpu"):
         if key not in tensors:
             raise ValueError(f"worker state is missing tensor {key!r}")
+    if worker.residual is not None:
+        if "ef.residual" not in tensors:
+            raise ValueError("worker state has no error-feedback residual but compress.error_feedback is on")
+        if tensors["ef.residual"].shape != (worker.numel,):
+            raise ValueError(f"worker state's error-feedback residual has shape {tuple(tensors['ef.residual'].shape)}, "
+                             f"need ({worker.numel},)")
     eager = EagerScale()  # a checkpoint written before the eager estimate was fitted: fitted again from here
     if "eager" in meta:
         eager.load_state(meta["eager"])  # checked before anything of this worker changes
@@ -80,9 +87,8 @@ def load_worker_state(worker: DilocoWorker, tensors: dict[str, torch.Tensor], me
     worker._set_local(local)
     worker.outer.load_state_tensors({k[len("outer."):]: v for k, v in tensors.items() if k.startswith("outer.")})
     if worker.residual is not None:
-        if "ef.residual" not in tensors:
-            raise ValueError("worker state has no error-feedback residual but compress.error_feedback is on")
-        worker.residual = tensors["ef.residual"].clone()
+        worker.residual = tensors["ef.residual"].detach().to(device=worker.round_device, dtype=torch.float32,
+                                                            copy=True)
     load_optimizer_state(worker.inner, tensors, meta["inner_optimizer"], prefix="inner.")
     if meta["data"] is not None:
         if not hasattr(worker.batches, "load_state_dict"):

@@ -93,9 +93,9 @@ class GossipDriver:
         self.node, self.mailbox, self.client = node, mailbox, GossipClient(node, run_id=cfg.train.run_id)
         self.discovery, self.fetch_state, self.emit, self.changed = discovery, fetch_state, emit, changed
         avg = cfg.averaging
-        self.weights_codec = get_codec(avg.gossip_weights_codec)
         buf = self.worker.outer.momentum_buffer
         assert buf is not None, "a gossip worker allocates NoLoCo's momentum buffer (diloco/worker.py)"
+        self.weights_codec = get_codec(avg.gossip_weights_codec, device=buf.device)  # where the round runs
         self.outer = NolocoOuter(lr=avg.gossip_lr, momentum=avg.gossip_momentum, buffer=buf)
         self.last_spread: float | None = None
         self._last_roster: tuple[PeerRecord, ...] = ()

@@ -14,7 +14,8 @@ LOCAL_SECTIONS = ("discovery", "rpc", "checkpoint")
 # Single keys a peer owns in the run's sections (data.shard_index: which slot of a sharded run it reads;
 # how it computes, which changes neither the data order nor what θ is).
 LOCAL_KEYS: dict[str, tuple[str, ...]] = {"train": ("device", "threads", "memory_budget_mb", "precision", "compile",
-                                                    "activation_checkpointing", "parallel"),
+                                                    "activation_checkpointing", "parallel",
+                                                    "round_device"),
                                           "data": ("shard_index", "micro_batch_size")}
 # Single keys of a peer's own sections that the run decides (rpc.tls: a TLS peer and a plain one cannot talk).
 RUN_KEYS: dict[str, tuple[str, ...]] = {"rpc": ("tls",)}

@@ -30,7 +30,7 @@ from swarmtrain.diloco.flat import param_shapes
 from swarmtrain.diloco.island import Island, IslandLost
 from swarmtrain.diloco.island_steps import PING_S, IslandWorker
 from swarmtrain.diloco.pace import Pace
-from swarmtrain.diloco.worker import InnerStep
+from swarmtrain.diloco.worker import InnerStep, resolve_round_device
 from swarmtrain.discovery import Discovery, Heartbeat, PeerRecord
 from swarmtrain.driver.gossip import KEEP_ROUNDS, GossipDriver
 from swarmtrain.driver.loop import (
@@ -142,7 +142,9 @@ class Peer:
         t, ranks = self.tally, self.island.world_size if self.island is not None else 1
         t.tokens_per_step = self.cfg.data.batch_size * self.cfg.data.seq_len * ranks
         t.peer, t.role = discovery.peer_id, "worker"
-        codec = codec_from_config(self.cfg.compress, seed=peer_seed(self.cfg.train.seed + 2, discovery.peer_id))
+        trains_on = self.island.device if self.island is not None else resolve_device(self.cfg.train.device)
+        codec = codec_from_config(self.cfg.compress, seed=peer_seed(self.cfg.train.seed + 2, discovery.peer_id),
+                                  device=resolve_round_device(self.cfg.train.round_device, trains_on))
         worker = await asyncio.to_thread(self._build_worker, discovery.peer_id, codec)
         certificates = _resume(worker, loaded) if loaded is not None else []
         # Only now: a peer leaves with a checkpoint of its worker, and one whose checkpoint did not

@@ -3,7 +3,8 @@ fuzz.py, RoleSwarm in roles.py: pipeline roles in one process); imported by test
 cluster.py (the in-process cluster), faults.py (FaultPlan, CrashPlan), state_faults.py (faults of state transfer),
 procs.py (real subprocesses for system tests), pipeline.py (an in-process pipeline swarm), dashboard.py (synthetic
 dashboards, headless Chromium), wait.py (deadline-bound waits), layers.py (the package layers and their checker),
-sim/ (the deterministic simulation tester of the round's consensus).
+sim/ (the deterministic simulation tester of the round's consensus), rounds.py (rounds without training, on any
+device: a swarm that mixes GPU and CPU rounds).
 """
 
 from swarmtrain.testing.faults import CrashPlan, FaultPlan
