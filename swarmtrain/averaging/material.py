@@ -131,7 +131,7 @@ def sharded_mean(material: Material, codec: Codec) -> ShardedMean:
             shards.append(MeanShard(s.lo, s.hi, functools.partial(_decode_into, codec, blob),
                                     pieces=functools.partial(codec.decode_pieces, blob, numel=s.hi - s.lo,
                                                              checked=True)))
-    return ShardedMean(layout.numel, tuple(shards), device=torch.device(codec.device))
+    return ShardedMean(layout.numel, tuple(shards), device=torch.device(codec.device), key=layout_key(layout))
 
 
 def _decode_into(codec: Codec, blob: Blob, out: object) -> None:

@@ -12,7 +12,8 @@ from swarmtrain.round.certificate import Certificate
 
 _CPU = torch.device("cpu")
 
-__all__ = ["AverageResult", "Averager", "Delta", "DeltaSource", "MeanShard", "ShardedMean", "mean_tensor", "reader"]
+__all__ = ["AverageResult", "Averager", "Delta", "DeltaSource", "MeanShard", "Previews", "ShardedMean", "mean_tensor",
+           "reader"]
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,9 @@ class ShardedMean:
     numel: int
     shards: tuple[MeanShard, ...]
     device: torch.device = _CPU  # where its shards decode (the codec's device)
+    # Names the values: equal keys, equal means (the material's layout key, a digest of its shards' digests);
+    # "" = unnamed. A worker previews a named mean once per state (a voter is asked about one value many times).
+    key: str = ""
 
     def __post_init__(self) -> None:
         at = 0
@@ -72,6 +76,33 @@ class ShardedMean:
         for s in self.shards:
             s.decode(out[s.lo:s.hi])
         return out
+
+
+class Previews:
+    """The digests of θ_global and the momentum after the outer step with a named mean (`ShardedMean.key`),
+    remembered for one state: a voter asked about one value many times (by each proposer, at each attempt)
+    pays for one outer step. `state` names the state the step starts from (e.g. its version and round); a new
+    state forgets the old one's previews. An unnamed mean is previewed every time."""
+
+    def __init__(self, *, keep: int = 8) -> None:
+        self.keep = keep
+        self._state: object = None
+        self._known: dict[str, tuple[bytes, bytes | None]] = {}
+
+    def __len__(self) -> int:
+        return len(self._known)
+
+    def get(self, state: object, mean: torch.Tensor | ShardedMean,
+            compute: Callable[[], tuple[bytes, bytes | None]]) -> tuple[bytes, bytes | None]:
+        key = mean.key if isinstance(mean, ShardedMean) else ""
+        if not key:
+            return compute()
+        if state != self._state or (len(self._known) >= self.keep and key not in self._known):
+            self._state, self._known = state, {}
+        known = self._known.get(key)
+        if known is None:
+            known = self._known[key] = compute()
+        return known
 
 
 @overload

@@ -13,7 +13,7 @@ from torch import nn
 
 from swarmtrain.compress.codec import Codec
 from swarmtrain.config import RunConfig
-from swarmtrain.diloco.averager import Averager, AverageResult, Delta, ShardedMean
+from swarmtrain.diloco.averager import Averager, AverageResult, Delta, Previews, ShardedMean
 from swarmtrain.diloco.eager import EagerScale, dot_with_mean
 from swarmtrain.diloco.flat import (
     PseudoGradient,
@@ -42,6 +42,8 @@ __all__ = ["BatchStream", "Carry", "DeltaError", "DilocoWorker", "InnerStats", "
            "resolve_device", "resolve_round_device", "round_device_of"]
 
 log = logging.getLogger(__name__)
+
+PREVIEWS_KEPT = 8  # named means whose outer step's digests a worker remembers for its current state
 
 
 def resolve_round_device(name: str, device: torch.device) -> torch.device:
@@ -131,6 +133,7 @@ class DilocoWorker:
         self._hash: tuple[int, str] | None = None  # (θ_global version, its hash): hashed once per change
         self._digest: tuple[int, str] | None = None  # (θ_global version, the state digest): likewise
         self._theta_version = 0
+        self._previews = Previews(keep=PREVIEWS_KEPT)  # outer steps previewed from this state, by the mean's key
         self._local_version = 0  # changes with every change of θ_local (an inner step, an assignment)
         # Held while θ_global, the outer momentum, the round and the members change together (an outer
         # step, a heal, a resume): a reader holding it sees one committed state (e.g. a peer serving it).
@@ -485,7 +488,8 @@ class DilocoWorker:
         """The digest of the committed state that `apply` of a commit with `mean` (naming `next_voters`) would
         leave, θ_global and the momentum untouched: the same slices through the same outer step, hashed as
         they are made (no model-sized copy)."""
-        theta_digest, momentum_digest = self.span().preview(self.outer, self.theta_global, mean)
+        theta_digest, momentum_digest = self._previews.get(
+            (self._theta_version, self.round), mean, lambda: self.span().preview(self.outer, self.theta_global, mean))
         return combine_digest(self.round + 1, self.numel, theta_digest, momentum_digest, next_voters)
 
     def adopt_global(self, *, round_index: int, theta_global: torch.Tensor, outer_momentum: torch.Tensor | None,

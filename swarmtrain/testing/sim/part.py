@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from swarmtrain.config import OuterConfig
-from swarmtrain.diloco.averager import AverageResult, ShardedMean
+from swarmtrain.diloco.averager import AverageResult, Previews, ShardedMean
 from swarmtrain.diloco.flat import combine_digest, state_digest
 from swarmtrain.diloco.outer import OuterOptimizer
 from swarmtrain.driver.part import CommittedState, Trained
@@ -62,6 +62,7 @@ class SimPart:
         self.version = 0
         self.trained_rounds = 0
         self._digest = ""
+        self._previews = Previews()  # as a worker's: a named mean previewed once per state
         self._resume()
 
     # ------------------------------------------------------------------ state
@@ -123,7 +124,7 @@ class SimPart:
         return ""
 
     async def preview(self, mean: ShardedMean, next_voters: tuple[Voter, ...]) -> str:
-        ht, hm = self.outer.preview_pieces(self.theta, mean.pieces)
+        ht, hm = self._previews.get(self.version, mean, lambda: self.outer.preview_pieces(self.theta, mean.pieces))
         return combine_digest(self._round + 1, self.numel, ht, hm, next_voters)
 
     async def apply(self, result: AverageResult, *, own: Trained | None, comm_s: float = 0.0) -> None:
