@@ -440,6 +440,11 @@ class AveragingConfig:
     contributors, drawn by a rank every member computes from the session (round/committee.py), so that a
     round's decision costs each member messages and certificates of a bounded size however large the swarm
     (0 = every serving contributor). A majority of them must be live for a round to be decided."""
+    max_reducers: int = 32
+    """Most reducers a round's attempt has: with more serving members, each attempt's shards go to this many of
+    them, drawn by a rank every member computes from the group (round/committee.py), and a reducer found dead is
+    replaced by the next in rank at the retry. Every member then pushes, asks and pulls this many shards
+    however large the group, and at most this many peers can fail an attempt (0 = every serving member)."""
     contribution_window_s: float = 15.0
     """Seconds a reducer collects contributions to its shard after its round opens; later ones are left out
     of the mean. Must be shorter than `allreduce_timeout_s`."""
@@ -486,6 +491,7 @@ class AveragingConfig:
     def __post_init__(self) -> None:
         check(self.min_peers >= 1, "averaging.min_peers", "must be >= 1")
         check(self.max_voters >= 0, "averaging.max_voters", "must be >= 0 (0 = every serving contributor)")
+        check(self.max_reducers >= 0, "averaging.max_reducers", "must be >= 0 (0 = every serving member)")
         check(self.contribution_window_s > 0, "averaging.contribution_window_s", "must be > 0")
         check(self.matchmaking_timeout_s > 0, "averaging.matchmaking_timeout_s", "must be > 0")
         check(self.allreduce_timeout_s > 0, "averaging.allreduce_timeout_s", "must be > 0")

@@ -2,7 +2,8 @@
 shard of the mean over the agreed contributors), or says why not. Whether the round commits that material
 is decided afterwards by the round's voters (deciding.py); nothing here commits anything.
 
-One round, attempt k, reducers R_k (the group's non-client members minus those this member saw die):
+One round, attempt k, reducers R_k (the group's non-client members minus those this member saw die; with more
+than `averaging.max_reducers` of them, that many drawn by a rank of the group every member computes):
   1. push: shard j of this member's encoded Δ streams to reducer j (shard sizes by bandwidth);
   2. agree: ask every reducer for its contributors S_j (fixed when its window closed) and take
      C = ∩ S_j in group order — every member that hears from all reducers computes the same C;
@@ -35,6 +36,7 @@ from swarmtrain.averaging.transport import ReduceTransport
 from swarmtrain.compress import Codec, CodecError
 from swarmtrain.config import AveragingConfig
 from swarmtrain.diloco.averager import Delta, reader
+from swarmtrain.round.committee import drawn
 from swarmtrain.round.group import Group, Member
 from swarmtrain.round.rules import has_quorum
 from swarmtrain.rpc.averaging_wire import PushHeader, SessionKey
@@ -97,7 +99,8 @@ class AllReduce:
         dead: set[str] = set()
         outcome = _Attempt(reason="no attempt ran")
         for attempt in range(self.cfg.max_retries + 1):
-            reducers = tuple(m for m in group.reducers if m.peer_id not in dead)
+            reducers = drawn(tuple(m for m in group.reducers if m.peer_id not in dead), size=self.cfg.max_reducers,
+                             seed=f"reducers\0{group.group_id}", name=lambda m: m.peer_id)
             if not reducers:
                 outcome = _Attempt(dead=dead, reason="no live reducer left")
                 break

@@ -13,11 +13,30 @@ is drawn every round.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from swarmtrain.round.ballots import Voter
 
-__all__ = ["committee"]
+__all__ = ["committee", "drawn"]
+
+T = TypeVar("T")
+
+
+def drawn(items: Sequence[T], *, size: int, seed: str, name: Callable[[T], str]) -> tuple[T, ...]:
+    """`items` when they are at most `size` (or `size` is 0), else the `size` of them whose `name` hashed with
+    `seed` ranks lowest, in their given order: the same on every peer that knows `items` and `seed`, and, with
+    some of `items` left out, the next-ranked one in each one's place."""
+    if size < 0:
+        raise ValueError(f"drawn: size must be >= 0, got {size}")
+    if size == 0 or len(items) <= size:
+        return tuple(items)
+
+    def rank(i: int) -> bytes:
+        return hashlib.sha256(f"{seed}\0{name(items[i])}".encode()).digest()
+
+    chosen = set(sorted(range(len(items)), key=rank)[:size])
+    return tuple(item for i, item in enumerate(items) if i in chosen)
 
 
 def committee(voters: Sequence[Voter], *, size: int, seed: str) -> tuple[Voter, ...]:
@@ -25,11 +44,4 @@ def committee(voters: Sequence[Voter], *, size: int, seed: str) -> tuple[Voter, 
     ranks lowest, in their given order."""
     if size < 0:
         raise ValueError(f"committee: size must be >= 0, got {size}")
-    if size == 0 or len(voters) <= size:
-        return tuple(voters)
-
-    def rank(v: Voter) -> bytes:
-        return hashlib.sha256(f"{seed}\0{v.peer_id}\0{v.incarnation}".encode()).digest()
-
-    chosen = set(sorted(voters, key=rank)[:size])
-    return tuple(v for v in voters if v in chosen)
+    return drawn(voters, size=size, seed=seed, name=lambda v: f"{v.peer_id}\0{v.incarnation}")

@@ -149,3 +149,62 @@ def test_a_leaving_reducer_drains_until_its_group_pulled_the_means() -> None:
         assert swarm.averagers["a"].drain(timeout_s=20) == ()
         results = {n: f.result(timeout=30) for n, f in futures.items()}
         _committed_same(results, reference_mean(deltas, NAMES, _equal_bounds(4)), NAMES)
+
+
+def _drawn_reducers(swarm: Swarm, names: list[str], size: int) -> list[str]:
+    """The reducers a group of `names` on `swarm` draws for its first attempt, in group order."""
+    from allreduce_swarm import RUN_ID
+
+    from swarmtrain.round.committee import drawn
+    from swarmtrain.round.group import Group, Member
+
+    group = Group(RUN_ID, 0, tuple(Member(n, swarm.nodes[n].endpoint) for n in names))
+    return [m.peer_id for m in drawn(group.members, size=size, seed=f"reducers\0{group.group_id}",
+                                     name=lambda m: m.peer_id)]
+
+
+def _ranked(swarm: Swarm, names: list[str]) -> list[str]:
+    """Every member of the group of `names` in the order of its reducer rank."""
+    import hashlib
+
+    from allreduce_swarm import RUN_ID
+
+    from swarmtrain.round.group import Group, Member
+
+    group = Group(RUN_ID, 0, tuple(Member(n, swarm.nodes[n].endpoint) for n in names))
+    return sorted(names, key=lambda n: hashlib.sha256(f"reducers\0{group.group_id}\0{n}".encode()).digest())
+
+
+def test_a_large_group_reduces_through_a_bounded_draw_of_reducers_and_replaces_a_dead_one() -> None:
+    """With more serving members than averaging.max_reducers, an attempt's shards go to that many, drawn by a rank
+    every member computes from the group; a dead one is replaced by the next in rank at the retry, and the
+    committed mean is still the reference's, bit for bit, over every contributor."""
+    import dataclasses
+
+    from allreduce_swarm import AVG
+
+    names = ["a", "b", "c", "d", "e", "f"]
+    avg = dataclasses.replace(AVG, max_reducers=2)
+    with Swarm(names, avg=avg) as swarm:
+        first = _drawn_reducers(swarm, names, 2)
+        deltas = deltas_for(names, NUMEL)
+        results = swarm.average(0, deltas)
+        _committed_same(results, reference_mean(deltas, names, _equal_bounds(2)), names)
+        sessions = {n: len(swarm.averagers[n].registry._sessions) for n in names}
+        assert {n for n, k in sessions.items() if k} == set(first), sessions  # the drawn two alone reduced
+    # one of the drawn reducers dies when asked for its contributors: the retry draws the next in rank
+    plan = CrashPlan()
+    with Swarm(names, avg=avg, fault_hook=plan) as swarm:
+        victim = _drawn_reducers(swarm, names, 2)[0]
+        plan.crash(peer=victim, round=0, call="contributors")
+        plan.nodes = swarm.nodes
+        deltas = deltas_for(names, NUMEL)
+        results = swarm.average(0, deltas)
+        assert plan.crashed and not results[victim].committed
+        survivors = {n: r for n, r in results.items() if n != victim}
+        contributors = [n for n in names if n != victim]
+        _committed_same(survivors, reference_mean(deltas, contributors, _equal_bounds(2)), contributors)
+        assert all(victim in r.failed for r in survivors.values())
+        rank = [n for n in _ranked(swarm, names) if n != victim]  # the group's rank, the dead one left out
+        reduced = {n for n in contributors if swarm.averagers[n].registry._sessions}
+        assert reduced == set(rank[:2])  # the other drawn reducer, and the next in rank in the victim's place

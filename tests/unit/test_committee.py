@@ -49,3 +49,18 @@ def test_the_genesis_is_cut_to_max_voters_too() -> None:
     cut = next_genesis(peers, {}, min_peers=2, max_voters=3, run_nonce="n")
     assert len(whole[""].voters) == 10
     assert len(cut[""].voters) == 3 and set(cut[""].voters) <= set(whole[""].voters)
+
+
+def test_a_draw_keeps_the_given_order_and_puts_the_next_in_rank_in_a_left_out_one_s_place() -> None:
+    from swarmtrain.round.committee import drawn
+
+    items = [f"p{i:02d}" for i in range(20)]
+    four = drawn(items, size=4, seed="s", name=str)
+    assert len(four) == 4 and list(four) == [i for i in items if i in four]  # a subset, in the given order
+    assert drawn(items, size=4, seed="s", name=str) == four and drawn(items, size=4, seed="t", name=str) != four
+    assert drawn(items, size=0, seed="s", name=str) == tuple(items) == drawn(items, size=20, seed="s", name=str)
+    five = drawn(items, size=5, seed="s", name=str)
+    without = drawn([i for i in items if i != four[0]], size=4, seed="s", name=str)
+    assert set(without) == set(five) - {four[0]}  # the fifth in rank took the left-out one's place
+    with pytest.raises(ValueError, match="size"):
+        drawn(items, size=-1, seed="s", name=str)
