@@ -14,12 +14,14 @@ one peer and round r (all times are unix seconds on the posting peer's clock):
    `posted_at` (the *anchor*) and closes at anchor + `window_s`; an entry posted after the close is
    late as in 1.;
 3. after close + `settle_s` (time for in-flight stores to land), every peer reads the entries;
-   the eligible ones are those posted by the close, and the *leader* is the smallest eligible
-   peer_id. A peer stops waiting early once every live peer announced at round r (or behind it)
-   that beat within its last `STALE_BEATS` heartbeats has posted and they are at least `min_peers`
-   (*early close*: a window costs nothing when the whole swarm is there, and a lone peer still gives
-   newcomers the whole window); a leader that finds
-   another leader's group for the attempt is late;
+   the eligible ones are those posted by the close, and the *leader* is the smallest eligible peer_id;
+   a peer below it passes over a leader whose record stopped beating (silent for `STALE_BEATS`
+   heartbeats: it died after posting), and then the smallest id whose record beats leads, without
+   the silent ones. A peer stops waiting early once every live peer
+   announced at round r (or behind it) that beat within its last `STALE_BEATS` heartbeats has posted
+   and they are at least `min_peers` (*early close*: a window costs nothing when the whole swarm is
+   there, and a lone peer still gives newcomers the whole window); a leader that finds another
+   leader's group for the attempt is late;
 4. the leader publishes a GroupRecord (signed by it) with the members it sees, sorted; every
    other peer waits (until `decision_timeout_s` after its settle) for a GroupRecord from the
    leader *it* computed and adopts exactly that member list, or nothing.
@@ -175,7 +177,24 @@ class Matchmaker:
         leader_id = agreeing[0].member.peer_id
         if leader_id == self._d.peer_id:
             return await self._lead(round_index, attempt, agreeing, close_at)
-        return await self._follow(round_index, attempt, leader_id, close_at)
+        return await self._follow(round_index, attempt, leader_id, close_at, agreeing)
+
+    async def _stale(self, *, after_s: float = 0.0) -> tuple[set[str], dict[str, float]]:
+        """The other peers whose records stopped beating (the last beat older than `stale_after_s`), read `after_s`
+        from now, and every live record's last beat: a follower's leader among them died after posting its entry
+        (`_follow`). Nobody without `stale_after_s`, or when the roster cannot be read (every entry then counts,
+        as before)."""
+        if self.stale_after_s is None:
+            return set(), {}
+        if after_s > 0:
+            await asyncio.sleep(after_s)
+        try:
+            peers = await self._d.live_peers(timeout_s=self.io_timeout_s)
+        except (DiscoveryError, TimeoutError):
+            return set(), {}
+        since = self._now() - self.stale_after_s
+        beats = {p.peer_id: p.heartbeat_at for p in peers}
+        return {p for p, at in beats.items() if at < since and p != self._d.peer_id}, beats
 
     async def _await_close(self, round_index: int, attempt: int, own: MatchEntry,
                            close_at: float) -> list[MatchEntry]:
@@ -276,23 +295,55 @@ class Matchmaker:
                               attempt=attempt, retry_at=close_at + self.attempt_span_s)
         return self._adopt(record)
 
-    async def _follow(self, round_index: int, attempt: int, leader_id: str, close_at: float) -> MatchOutcome:
+    async def _follow(self, round_index: int, attempt: int, leader_id: str, close_at: float,
+                      agreeing: Sequence[MatchEntry]) -> MatchOutcome:
+        """The group `leader_id` publishes. While it has not, the roster is read (`_stale`), and again when the
+        leader's last beat seen would turn stale: a leader whose record stopped beating died after posting, and
+        the smallest id of `agreeing` whose record beats takes its place (leads, if it is this peer, without the
+        silent ones; else is followed). A group that comes at once costs no read's wait: the reads run beside
+        the group's."""
         deadline = close_at + self.settle_s + self.decision_timeout_s
-        while True:
-            try:
-                groups = await self._d.round_groups(round_index, attempt, timeout_s=self.io_timeout_s)
-            except (DiscoveryError, TimeoutError) as e:
-                log.warning("round %d: reading the group failed (%s); retrying until the deadline", round_index, e)
-                groups = ()
-            for record in groups:
-                if record.leader_id == leader_id:
-                    return self._adopt(record)
-            if self._now() >= deadline:
-                others = sorted(g.leader_id for g in groups)
-                return self._skip(round_index, leader_id, f"leader {leader_id} published no group by the deadline"
-                                  + (f" (groups seen from {others} ignored)" if others else ""),
-                                  attempt=attempt, retry_at=close_at + self.attempt_span_s)
-            await asyncio.sleep(self.poll_s)
+        me = self._d.peer_id
+        stale: asyncio.Future[tuple[set[str], dict[str, float]]] | None = (
+            None if self.stale_after_s is None else asyncio.ensure_future(self._stale()))
+        try:
+            while True:
+                try:
+                    groups = await self._d.round_groups(round_index, attempt, timeout_s=self.io_timeout_s)
+                except (DiscoveryError, TimeoutError) as e:
+                    log.warning("round %d: reading the group failed (%s); retrying until the deadline", round_index,
+                                e)
+                    groups = ()
+                for record in groups:
+                    if record.leader_id == leader_id:
+                        return self._adopt(record)
+                if stale is not None and stale.done():
+                    silent, beats = stale.result()
+                    assert self.stale_after_s is not None
+                    # read again when the leader's last beat seen turns stale (if it beats meanwhile, its group is
+                    # due anyway); a leader with no record is taken as live, as before
+                    due_s = beats.get(leader_id, self._now()) + self.stale_after_s - self._now()
+                    stale = asyncio.ensure_future(self._stale(after_s=max(self.poll_s, due_s + self.poll_s)))
+                    if leader_id in silent:
+                        alive = [e for e in agreeing if e.member.peer_id not in silent]  # this peer's among them
+                        log.info("round %d attempt %d: leader %s stopped beating; %s takes its place", round_index,
+                                 attempt, leader_id, alive[0].member.peer_id)
+                        leader_id = alive[0].member.peer_id
+                        if leader_id == me:
+                            return await self._lead(round_index, attempt, alive, close_at)
+                        # the new leader learns of the death when this peer does, give or take a read: it gets
+                        # the decision time a leader gets from its close (the attempt's span allows for it)
+                        deadline = max(deadline, self._now() + self.decision_timeout_s)
+                        continue
+                if self._now() >= deadline:
+                    others = sorted(g.leader_id for g in groups)
+                    return self._skip(round_index, leader_id, f"leader {leader_id} published no group by the deadline"
+                                      + (f" (groups seen from {others} ignored)" if others else ""),
+                                      attempt=attempt, retry_at=close_at + self.attempt_span_s)
+                await asyncio.sleep(self.poll_s)
+        finally:
+            if stale is not None and not stale.done():
+                stale.cancel()
 
     def _adopt(self, record: GroupRecord) -> MatchOutcome:
         ids = [m.peer_id for m in record.members]

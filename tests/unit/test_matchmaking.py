@@ -354,3 +354,32 @@ def test_a_peer_just_after_the_close_waits_for_the_leaders_decision_instead_of_w
     assert alone.group is None and "too few" in alone.reason
     assert not joined.late and joined.attempt == 1 and joined.group is not None, joined.reason
     assert again.group == joined.group and len(joined.group.members) == 2
+
+
+@pytest.mark.parametrize(("stale_after_s", "silent_s"), [(5.0, 20.0), (5.0, 4.2), (None, 20.0)])
+def test_a_leader_that_died_after_posting_is_passed_over(stale_after_s: float | None, silent_s: float) -> None:
+    """The smallest id posted its entry and died: its record's last beat is `silent_s` old when the others start
+    (4.2 s: it stops beating, by `stale_after_s`, only while they wait for its group). With `stale_after_s` the
+    others stop waiting for its group and leave it out of theirs; the next smallest leads. Without, they wait
+    for the dead leader's group until the decision is due, and the attempt is lost."""
+    async def main() -> list[MatchOutcome]:
+        reg = InMemoryRegistry()
+        dead = InMemoryDiscovery(reg, run_id=RUN, record_ttl_s=30, peer_id="aaa")
+        live = [InMemoryDiscovery(reg, run_id=RUN, record_ttl_s=30, peer_id=p) for p in ("bbb", "ccc", "ddd")]
+        for d in live:
+            await _announce(d, 4)
+        await dead.announce(PeerRecord(run_id=RUN, peer_id="aaa", endpoint="127.0.0.1:1", round=4,
+                                       heartbeat_at=dead.now() - silent_s), timeout_s=1)
+        await dead.post_entry(MatchEntry(run_id=RUN, round=4, member=_member(dead, 0), posted_at=dead.now()),
+                              keep_s=60, timeout_s=1)
+        return list(await asyncio.gather(*(
+            Matchmaker(d, min_peers=2, window_s=WINDOW_S, decision_timeout_s=3.0, stale_after_s=stale_after_s)
+            .form_group(4, _member(d, i + 1)) for i, d in enumerate(live))))
+
+    outs = asyncio.run(main())
+    if stale_after_s is None:
+        assert all(o.group is None and o.leader_id == "aaa" and "published no group" in o.reason for o in outs)
+        return
+    groups = {o.group for o in outs}
+    assert len(groups) == 1 and outs[0].group is not None, [o.reason for o in outs]
+    assert [m.peer_id for m in outs[0].group.members] == ["bbb", "ccc", "ddd"] and outs[0].leader_id == "bbb"
