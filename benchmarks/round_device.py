@@ -27,10 +27,11 @@ from typing import Any
 import torch
 
 from swarmtrain.averaging.aggregate import Aggregation, aggregate_encoded
+from swarmtrain.averaging.material import Material, layout_of, sharded_mean
 from swarmtrain.averaging.reducer import shard_bounds
 from swarmtrain.compress import codec_from_config
 from swarmtrain.config import load_config
-from swarmtrain.diloco.averager import AverageResult, MeanShard, ShardedMean, reader
+from swarmtrain.diloco.averager import AverageResult, reader
 from swarmtrain.diloco.flat import assign_flat
 from swarmtrain.diloco.worker import DilocoWorker, resolve_round_device
 from swarmtrain.models import build_model
@@ -81,10 +82,8 @@ class Arm:
             return out
 
         def apply(blobs: list[bytes]) -> None:
-            shards = tuple(MeanShard(lo, hi, functools.partial(_decode_into, codec, blob),
-                                     pieces=functools.partial(codec.decode_pieces, blob, numel=hi - lo, checked=True))
-                           for blob, (lo, hi) in zip(blobs, self.bounds, strict=True))
-            mean = ShardedMean(w.numel, shards, device=self.round_device)
+            layout = layout_of(blobs, self.bounds, numel=w.numel, codec=codec.name, gather=False)
+            mean = sharded_mean(Material(layout, list(blobs)), codec)  # as a peer holds the round's material
             w.apply(AverageResult(round=w.round, committed=True, mean=mean, members=("a",) * members))
 
         t_encode, pushes = _timed(self.device, encode)
@@ -98,10 +97,6 @@ class Arm:
 
 def _at(read: Callable[[int, int], torch.Tensor], lo: int, a: int, b: int) -> torch.Tensor:
     return read(lo + a, lo + b)
-
-
-def _decode_into(codec: Any, blob: bytes, out: torch.Tensor) -> None:
-    codec.decode_accumulate(blob, out.zero_())
 
 
 def main() -> None:

@@ -13,10 +13,11 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
+from typing import Protocol
 
 import torch
 
-__all__ = ["CHUNK_BYTES", "arena", "host_bytes", "host_chunks"]
+__all__ = ["CHUNK_BYTES", "Hasher", "arena", "hash_into", "host_bytes", "host_chunks"]
 
 CHUNK_BYTES = 1 << 24  # bytes per slice streamed by host_chunks (16 MiB)
 
@@ -116,3 +117,21 @@ def host_chunks(t: torch.Tensor, *, chunk_bytes: int = CHUNK_BYTES) -> Iterator[
             out = buf[:part.numel()]
             out.copy_(part)
             yield out.numpy().data
+
+
+class Hasher(Protocol):
+    """What `hash_into` feeds: hashlib's and blake3's objects."""
+
+    def update(self, data: memoryview, /) -> object: ...
+
+
+def hash_into(h: Hasher, t: torch.Tensor) -> None:
+    """`h.update` with `t`'s bytes (contiguous, in order), from any device: a CPU tensor's in place, a device
+    tensor's through `host_chunks` (θ_global on a GPU is never copied to the host whole)."""
+    if t.device.type == "cpu":  # one view, no generator: the outer step hashes many small slices
+        flat = t.detach().contiguous().view(-1)
+        if flat.numel():
+            h.update(flat.view(torch.uint8).numpy().data)
+        return
+    for chunk in host_chunks(t):
+        h.update(chunk)

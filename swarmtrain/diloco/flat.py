@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable, Sequence
 import blake3
 import torch
 
-from swarmtrain.compress.staging import host_chunks
+from swarmtrain.compress.staging import hash_into
 
 __all__ = ["PseudoGradient", "assign_flat", "combine_digest", "flat_hash", "flatten", "param_shapes", "pseudo_gradient",
            "snapshot", "state_digest", "tensor_digest"]
@@ -112,8 +112,7 @@ def flat_hash(flat: torch.Tensor) -> str:
     # hashlib reads a CPU array's buffer in place (no copy of θ) and releases the GIL while it hashes; a GPU's
     # θ streams through one page-locked buffer a slice at a time.
     h = hashlib.sha256()
-    for chunk in host_chunks(flat):
-        h.update(chunk)
+    hash_into(h, flat)
     return h.hexdigest()
 
 
@@ -121,8 +120,7 @@ def tensor_digest(t: torch.Tensor) -> bytes:
     """BLAKE3 of a flat fp32 vector's bytes (one part of a state digest), on any device: a GPU's vector is
     hashed a slice at a time as it reaches the host."""
     h = blake3.blake3()
-    for chunk in host_chunks(t):
-        h.update(chunk)
+    hash_into(h, t)
     return h.digest()
 
 

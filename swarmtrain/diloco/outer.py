@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterable
 import blake3
 import torch
 
-from swarmtrain.compress.staging import host_chunks
+from swarmtrain.compress.staging import hash_into
 from swarmtrain.config import OuterConfig
 
 __all__ = ["OuterOptimizer", "count_non_finite"]
@@ -112,9 +112,9 @@ class OuterOptimizer:
                     step.mul_(self.cfg.lr)
             t.sub_(step)  # θ − lr·(g + μ·buf): each product and sum rounded on its own
             if into is not None:
-                _hash_into(into[0], t)
+                hash_into(into[0], t)
                 if b is not None and into[1] is not None:
-                    _hash_into(into[1], b)
+                    hash_into(into[1], b)
 
     def preview(self, theta: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         """θ after `step(theta, grad)`, as a new tensor; neither `theta` nor the momentum buffer change."""
@@ -140,15 +140,6 @@ class OuterOptimizer:
             got = None if buf is None else tuple(buf.shape)
             raise ValueError(f"outer momentum buffer must have shape ({self.numel},), got {got}")
         self.momentum_buffer = buf.detach().to(device=self.device, dtype=torch.float32, copy=True)
-
-
-def _hash_into(h: blake3.blake3, t: torch.Tensor) -> None:
-    """`h.update` with a slice's bytes: a CPU copy's in place, a device's through page-locked staging."""
-    if t.device.type == "cpu":
-        h.update(t.numpy().data.cast("B"))  # a contiguous clone of one slice
-        return
-    for chunk in host_chunks(t):
-        h.update(chunk)
 
 
 def count_non_finite(t: torch.Tensor) -> int:

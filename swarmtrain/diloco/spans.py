@@ -17,7 +17,7 @@ from typing import Protocol
 import blake3
 import torch
 
-from swarmtrain.compress.staging import host_chunks
+from swarmtrain.compress.staging import hash_into
 from swarmtrain.diloco.averager import ShardedMean, mean_tensor
 from swarmtrain.diloco.flat import PseudoGradient, flatten, pseudo_gradient
 from swarmtrain.diloco.fragments import Ranges, gather, scatter_
@@ -165,7 +165,6 @@ def _digest_replaced(flat: torch.Tensor, ranges: Ranges, values: torch.Tensor) -
     if at < flat.numel():
         parts.append(flat[at:])
     for part in parts:
-        for chunk in host_chunks(part):
-            h.update(chunk)
+        hash_into(h, part)
     return h.digest()
 

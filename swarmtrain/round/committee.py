@@ -42,6 +42,4 @@ def drawn(items: Sequence[T], *, size: int, seed: str, name: Callable[[T], str])
 def committee(voters: Sequence[Voter], *, size: int, seed: str) -> tuple[Voter, ...]:
     """`voters` when they are at most `size` (or `size` is 0), else the `size` of them whose hash with `seed`
     ranks lowest, in their given order."""
-    if size < 0:
-        raise ValueError(f"committee: size must be >= 0, got {size}")
     return drawn(voters, size=size, seed=seed, name=lambda v: f"{v.peer_id}\0{v.incarnation}")

@@ -19,11 +19,12 @@ from dataclasses import dataclass
 import torch
 
 from swarmtrain.averaging.aggregate import Aggregation, aggregate_encoded
+from swarmtrain.averaging.material import Material, layout_of, sharded_mean
 from swarmtrain.averaging.reducer import shard_bounds
 from swarmtrain.compress import codec_from_config
 from swarmtrain.compress.codec import Codec
 from swarmtrain.config import RunConfig
-from swarmtrain.diloco.averager import AverageResult, MeanShard, ShardedMean, reader
+from swarmtrain.diloco.averager import AverageResult, ShardedMean, reader
 from swarmtrain.diloco.flat import assign_flat
 from swarmtrain.diloco.worker import DilocoWorker
 from swarmtrain.models import build_model
@@ -79,18 +80,13 @@ def _mean(reducer: Codec, pushes: list[list[bytes]], bounds: list[tuple[int, int
 
 
 def _sharded(codec: Codec, blobs: list[bytes], bounds: list[tuple[int, int]], numel: int) -> ShardedMean:
-    shards = tuple(MeanShard(lo, hi, functools.partial(_decode_into, codec, blob),
-                             pieces=functools.partial(codec.decode_pieces, blob, numel=hi - lo, checked=True))
-                   for blob, (lo, hi) in zip(blobs, bounds, strict=True))
-    return ShardedMean(numel, shards, device=torch.device(codec.device))
+    """The mean the reducers' blobs stand for, as a peer holds a round's material (averaging/material.py)."""
+    layout = layout_of(blobs, bounds, numel=numel, codec=codec.name, gather=False)
+    return sharded_mean(Material(layout, list(blobs)), codec)
 
 
 def _shifted(read: Callable[[int, int], torch.Tensor], lo: int, a: int, b: int) -> torch.Tensor:
     return read(lo + a, lo + b)
-
-
-def _decode_into(codec: Codec, blob: bytes, out: torch.Tensor) -> None:
-    codec.decode_accumulate(blob, out.zero_())
 
 
 def replay_rounds(cfg: RunConfig, seats: Sequence[Seat], *, rounds: int, reducer_device: str = "cpu",
