@@ -9,7 +9,8 @@ adds, inside the same process and event loop:
     than STALL_CAPTURE_S overdue, so the report says what held the loop;
   * a wrapper around `swarmtrain.diloco.worker.flat_hash` that times every θ_global hash and notes
     whether it ran on the event-loop thread;
-  * peak RSS (VmHWM) of the peer process at exit.
+  * peak RSS (VmHWM) of the peer process at exit;
+  * at its first round line, its threads (by name, numbers folded) and the event loops running in it.
 The parent also samples the RSS of each peer's whole process group (its DHT daemon and p2pd too),
 times `flat_hash` on a tensor of the model's size, and checks that every round committed on both
 peers carries one θ_global hash. Lag is summarised from READY to the last round line, split into
@@ -309,6 +310,20 @@ def _peak_rss_bytes() -> dict[str, int]:
             "ru_maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
+def thread_census() -> dict[str, Any]:
+    """The process's threads now: Python threads by name (numbers folded: "stage_0", "stage_1" -> "stage_N"),
+    OS threads (/proc/self/task: native ones too), and how many asyncio event loops are running."""
+    import gc
+
+    names: dict[str, int] = {}
+    for t in threading.enumerate():
+        name = re.sub(r"\d+", "N", t.name)
+        names[name] = names.get(name, 0) + 1
+    loops = sum(1 for o in gc.get_objects() if isinstance(o, asyncio.AbstractEventLoop) and o.is_running())
+    return {"python_threads": dict(sorted(names.items())), "os_threads": len(os.listdir("/proc/self/task")),
+            "event_loops": loops}
+
+
 def probed_peer_main(argv: Sequence[str]) -> int:
     """`peer_cost.py _probed-peer REPORT.json PEER_ARGS...`: `swarmtrain peer PEER_ARGS` with the probes."""
     import uvloop
@@ -327,6 +342,7 @@ def probed_peer_main(argv: Sequence[str]) -> int:
     args = build_parser().parse_args(["peer", *peer_args])
     local = config_from_args(args, extra=cmd_peer.local_overrides(args))
     lines: list[tuple[float, str, dict[str, Any]]] = []
+    census: list[dict[str, Any]] = []
 
     class TimedWriter(EventWriter):
         def ready(self, info: dict[str, Any]) -> None:
@@ -334,6 +350,8 @@ def probed_peer_main(argv: Sequence[str]) -> int:
             super().ready(info)
 
         def emit(self, event: Any) -> None:
+            if event.event == "round" and not census:
+                census.append(thread_census())
             lines.append((time.monotonic(), event.event, {"round": getattr(event, "round", None),
                                                           "committed": getattr(event, "committed", None)}))
             super().emit(event)
@@ -369,7 +387,8 @@ def probed_peer_main(argv: Sequence[str]) -> int:
         report = {"pid": os.getpid(), "rc": rc, "error": error, "lines": lines, "lag": probe.samples,
                   "stalls": probe.stalls, "census": probe.census.samples if probe.census else None, "heap": probe.heap,
                   "rss_timeline": probe.rss, "hash_calls": hashes.calls, "rss": _peak_rss_bytes(),
-                  "num_params": worker.numel if worker is not None else None}
+                  "num_params": worker.numel if worker is not None else None,
+                  "threads": census[0] if census else None}
         report_path.write_text(json.dumps(report))
     return rc
 
@@ -606,7 +625,7 @@ def peer_figures(report: dict[str, Any], *, group_peak_rss_bytes: int) -> dict[s
         **lag_figures(report), **rss_figures(report, group_peak_rss_bytes=group_peak_rss_bytes),
         "hashes": hash_figures(report, committed=len(committed)),
         "rounds_committed": committed, "rounds_aborted": [r["round"] for r in rounds if not r["committed"]],
-        "rc": report["rc"], "error": report["error"],
+        "rc": report["rc"], "error": report["error"], "threads_at_first_round": report.get("threads"),
     }
 
 
@@ -689,6 +708,10 @@ def print_table(peers: dict[str, dict[str, Any]], agree: dict[str, Any], bench: 
             print(f"  {c['stalls']:3d} x, {c['total_ms'] / 1e3:6.2f} s in all, max {c['max_ms'] / 1e3:5.2f} s: {cause}")
     print(f"flat_hash of {bench['bytes'] / 1e6:.0f} MB in the benchmark process: {bench['seconds_best']:.3f} s best, "
           f"{bench['seconds_median']:.3f} s median ({bench['gb_per_s']} GB/s)")
+    for name, f in peers.items():
+        t = f["threads_at_first_round"] or {}
+        print(f"{name} at its first round: {t.get('event_loops')} event loop(s), {t.get('os_threads')} OS threads, "
+              f"Python threads {t.get('python_threads')}")
     print(f"rounds committed on both peers: {agree['rounds_committed_on_all_peers']}; "
           f"one hash per round: {agree['all_agree']}")
 

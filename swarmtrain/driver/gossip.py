@@ -106,14 +106,6 @@ class GossipDriver:
     def peer_id(self) -> str:
         return self.discovery.peer_id
 
-    async def _on_node(self, coro: Coroutine[Any, Any, T]) -> T:
-        try:
-            future = asyncio.run_coroutine_threadsafe(coro, self.node.loop)
-        except RuntimeError:  # the node's loop is gone: this peer's data plane was closed under it
-            coro.close()
-            raise
-        return await asyncio.wrap_future(future)
-
     async def run(self, stop: asyncio.Event) -> str:
         """Train and gossip until the run's rounds are done ("done") or `stop` is set ("signal")."""
         await self._catch_up(await self._roster())
@@ -174,7 +166,7 @@ class GossipDriver:
             await self.part.resync(problem)
             return None
         own = await asyncio.to_thread(self._encode, round_index, delta)
-        await self._on_node(self.mailbox.publish(own))
+        await self.node.call(self.mailbox.publish(own))
         roster = self._last_roster = await self._roster()
         records = {p.peer_id: p for p in roster}
         drawn = gossip_partners(records, self.peer_id, round_index=round_index,
@@ -184,7 +176,7 @@ class GossipDriver:
         deadline = time.monotonic() + self.cfg.averaging.gossip_timeout_s
         max_bytes = 2 * (len(own.delta) + len(own.weights)) + (1 << 20)
         waiting = time.monotonic()
-        fetched = await asyncio.gather(*(self._on_node(self.client.get_part(
+        fetched = await asyncio.gather(*(self.node.call(self.client.get_part(
             records[p].endpoint, round_index=round_index, numel=worker.numel, max_bytes=max_bytes,
             deadline=deadline)) for p in partners), return_exceptions=True)
         wait_s = time.monotonic() - waiting

@@ -1,9 +1,10 @@
 """The peer's network services: a hivemind DHT for control, and per averaging scope a data plane (an RpcNode
 serving the all-reduce, the round's decision and state transfer).
 
-`NetworkPlane` is the round driver's plane (driver/part.py) of a real peer: matchmaking runs on the peer's
-event loop, where its discovery lives; the all-reduce, the decision and the voter run on the node's loop
-(a thread of its own), awaited from the peer's.
+`NetworkPlane` is the round driver's plane (driver/part.py) of a real peer. Its node runs on the peer's one
+event loop, beside the peer's discovery, matchmaking and heartbeat: the all-reduce, the decision, the voter
+and state transfer are awaited directly, and compute (codecs, checks, hashing, the outer step) goes to
+threads.
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ import contextlib
 import dataclasses
 import functools
 import math
-from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch
 
@@ -37,7 +38,7 @@ from swarmtrain.round.group import Member
 from swarmtrain.round.messages import Contact
 from swarmtrain.rpc.errors import RpcError
 from swarmtrain.rpc.node import RpcNode
-from swarmtrain.sync.transfer import StateServer, StateSnapshot, fetch_state, fetch_state_parallel
+from swarmtrain.sync.transfer import StateServer, StateSnapshot, fetch_state_async, fetch_state_parallel_async
 
 __all__ = ["NetworkPlane", "NetworkServices"]
 
@@ -62,7 +63,7 @@ class NetworkServices:
                              round_now=round_now)
         if before_start is not None:
             before_start(plane.node)
-        await asyncio.to_thread(plane.start)
+        await plane.open()
         return plane
 
     async def visible_maddrs(self, discovery: Discovery) -> list[str]:
@@ -104,8 +105,9 @@ class NetworkPlane:
         self._match_timeout_s = 4 * a.matchmaking_timeout_s + 4 * r.call_timeout_s + 2.0
         self._fetch_timeout_s = 4 * max(r.call_timeout_s, a.allreduce_timeout_s)
 
-    def start(self) -> None:
-        self.node.start(timeout_s=self.cfg.rpc.call_timeout_s + 10.0)
+    async def open(self) -> None:
+        """Serve on the running event loop (the peer's)."""
+        await self.node.open()
         self.averager.started()
 
     @property
@@ -115,10 +117,6 @@ class NetworkPlane:
     @property
     def incarnation(self) -> int:
         return self.averager.voter.state.incarnation
-
-    async def _on_node(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Await `coro` on the node's loop from the peer's."""
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.node.loop))
 
     # ------------------------------------------------------------------ the part's hooks
 
@@ -169,36 +167,35 @@ class NetworkPlane:
                       preview: Preview) -> AverageResult:
         assert outcome.group is not None
         await asyncio.to_thread(round_heap)  # what the inner steps freed goes back before the all-reduce allocates
-        result = await self._on_node(self.averager.average_async(outcome.group, delta, base=base,
+        result = await self.node.call(self.averager.average_async(outcome.group, delta, base=base,
                                                                  electorate=electorate, preview=preview))
         # Inner steps come next, the peak of the peer's memory: idle buffers are not kept through them.
         if self.node.running:
-            with contextlib.suppress(RuntimeError):  # closed between the check and the call
-                self.node.loop.call_soon_threadsafe(self.node.buffers.release_idle)
+            self.node.buffers.release_idle()
         sent, received = self.averager.take_bytes()
         return _with_bytes(result, sent, received)
 
     async def learn(self, round_index: int, electorate: Electorate, *, others: Sequence[Contact]) -> AverageResult:
         averager = self.averager.averager
-        outcome = await self._on_node(averager.learn(round_index, electorate, others=others,
+        outcome = await self.node.call(averager.learn(round_index, electorate, others=others,
                                                      timeout_s=2 * self.cfg.rpc.call_timeout_s))
         return result_of(round_index, outcome, self.codec)
 
     async def certificates(self, peer: Contact, *, from_round: int) -> tuple[Certificate, ...]:
         transport = self.averager.decider.transport
         try:
-            return await self._on_node(transport.certificates(peer, scope=self.scope, from_round=from_round,
+            return await self.node.call(transport.certificates(peer, scope=self.scope, from_round=from_round,
                                                               timeout_s=self.cfg.rpc.call_timeout_s))
         except (RpcError, TimeoutError, ValueError):
             return ()
 
     async def advanced(self, round_index: int, *, keep_from: int | None = None) -> None:
-        await self._on_node(self.averager.voter.advanced(round_index, keep_from=keep_from))
+        await self.node.call(self.averager.voter.advanced(round_index, keep_from=keep_from))
 
     async def keep_certificate(self, cert: Certificate) -> None:
         async def keep() -> None:
             self.averager.voter.certificates.add(cert)
-        await self._on_node(keep())
+        await self.node.call(keep())
 
     async def retire(self, current_round: int, *, successors: Sequence[Voter] = ()) -> list[Retirement]:
         voter = self.averager.voter
@@ -206,7 +203,7 @@ class NetworkPlane:
         async def retire() -> list[Retirement]:
             await voter.retire(current_round=current_round, successors=successors)
             return voter.retirements()
-        return await self._on_node(retire())
+        return await self.node.call(retire())
 
     def retirements(self) -> list[Retirement]:
         return self.averager.voter.retirements()
@@ -237,11 +234,10 @@ class NetworkPlane:
         shapes = self.param_shapes if param_shapes is None else list(param_shapes)
         expected = {name: shape for name, shape in shapes}
         if len(endpoints) > 1:
-            snap, served = await asyncio.to_thread(fetch_state_parallel, self.node, endpoints,
-                                                   run_id=self.cfg.train.run_id, expected_shapes=expected,
-                                                   timeout_s=self._fetch_timeout_s)
+            snap, served = await fetch_state_parallel_async(self.node, endpoints, run_id=self.cfg.train.run_id,
+                                                            expected_shapes=expected, timeout_s=self._fetch_timeout_s)
         else:
-            snap = await asyncio.to_thread(fetch_state, self.node, endpoints, run_id=self.cfg.train.run_id,
+            snap = await fetch_state_async(self.node, endpoints, run_id=self.cfg.train.run_id,
                                            expected_shapes=expected, timeout_s=self._fetch_timeout_s)
             served = tuple(endpoints)
         who = ", ".join(served)
@@ -264,8 +260,8 @@ class NetworkPlane:
         if self.node.running:
             # Serve the means this peer reduced until its group has them (bounded), then stop.
             with contextlib.suppress(Exception):
-                await self._on_node(self.averager.drain_async(timeout_s=self.cfg.averaging.contribution_window_s))
-        await asyncio.to_thread(self.node.close)
+                await self.node.call(self.averager.drain_async(timeout_s=self.cfg.averaging.contribution_window_s))
+        await self.node.aclose()
         await asyncio.to_thread(self.averager.close)
 
 

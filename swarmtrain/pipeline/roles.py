@@ -59,7 +59,7 @@ class TrainerRole(RoleBase):
         self.trainer = PipelineTrainer(self.node, ends, cfg, servers=lambda: self._servers,
                                        hints=lambda: self._hints)
         # Applied between steps (settle): a step's micro-batches use the ends' weights throughout.
-        rounds = self.rounds = self._rounds(ends, self.plane, scoped, stage=-1, still=contextlib.nullcontext,
+        rounds = self.rounds = self._rounds(ends, self.plane, scoped, stage=-1, moving=contextlib.nullcontext,
                                             apply_now=False, role="trainer")
         await rounds.join()
         rounds.start()
@@ -100,8 +100,7 @@ class TrainerRole(RoleBase):
             if stop.is_set():
                 return "signal"
             idx, targets = next(self._batches)
-            step = asyncio.run_coroutine_threadsafe(self.trainer.step_async(idx, targets), self.node.loop)
-            report = await asyncio.wrap_future(step)
+            report = await self.node.call(self.trainer.step_async(idx, targets))
             self.writer.emit(StepEvent(step=report.step, loss=None if report.lost == report.microbatches
                                        else report.loss, samples=report.samples, microbatches=report.microbatches,
                                        rerouted=report.rerouted, lost=report.lost,

@@ -1,4 +1,4 @@
-"""One peer's gRPC runtime: an event-loop thread, the grpc.aio server, channels, call auth, byte counters."""
+"""One peer's gRPC runtime: the grpc.aio server and channels on one event loop, call auth, byte counters."""
 
 from __future__ import annotations
 
@@ -141,15 +141,17 @@ def _denying(handler: grpc.RpcMethodHandler, why: str) -> grpc.RpcMethodHandler:
 class _Loop:
     loop: asyncio.AbstractEventLoop
     thread: threading.Thread
-    stop: asyncio.Event
+    stop: asyncio.Event | None  # set to end the node's own loop thread; None: the node runs on its opener's loop
 
 
 class RpcNode:
-    """A peer's data-plane runtime. Register services with `add_service` before `start()`.
+    """A peer's data-plane runtime. Register services with `add_service` before it starts.
 
-    The node runs its own uvloop event-loop thread; library code submits coroutines with `run()`
-    (a blocking facade with a deadline) or schedules them from that loop. `serve=False` is client
-    mode: no server, outbound calls only.
+    `await open()` runs the node on the caller's event loop: a peer process's one loop serves its calls,
+    its matchmaking and its heartbeat, and compute goes to threads. `start()` runs it on a uvloop thread of
+    its own instead, for synchronous callers (tests, benchmarks, the blocking facades). Either way `call(coro)`
+    awaits work on the node's loop from any loop, and `run(coro)` blocks for it from a thread other than the
+    node's. `serve=False` is client mode: no server, outbound calls only.
     """
 
     def __init__(self, cfg: RpcConfig, *, peer_id: str, serve: bool = True) -> None:
@@ -185,8 +187,22 @@ class RpcNode:
             raise RuntimeError("RpcNode.add_service: the node already started")
         self._registrations.append(register)
 
+    async def open(self) -> str:
+        """Start on the running event loop (the server too unless client mode); returns the endpoint or ''."""
+        if self._loop is not None:
+            raise RuntimeError("RpcNode.open: already started")
+        self._loop = _Loop(asyncio.get_running_loop(), threading.current_thread(), None)
+        if self.serve:
+            try:
+                self._endpoint = await self._start_server()
+            except BaseException:
+                self._loop = None
+                await self._shutdown()
+                raise
+        return self._endpoint
+
     def start(self, *, timeout_s: float = 10.0) -> str:
-        """Start the loop thread (and the server unless client mode); returns the endpoint or ''."""
+        """Start a loop thread of its own (and the server unless client mode); returns the endpoint or ''."""
         if self._loop is not None:
             raise RuntimeError("RpcNode.start: already started")
         ready: concurrent.futures.Future[_Loop] = concurrent.futures.Future()
@@ -241,11 +257,34 @@ class RpcNode:
             await ch.close()
         self._channels.clear()
 
-    def close(self, *, timeout_s: float = 10.0) -> None:
-        """Stop the server, close channels and join the loop thread."""
+    async def aclose(self, *, timeout_s: float = 10.0) -> None:
+        """Stop the server and close channels (and join the loop thread of a started node), from any loop."""
         if self._loop is None:
             return
+        if self._loop.stop is not None:
+            await asyncio.to_thread(self.close, timeout_s=timeout_s)
+            return
         lp, self._loop = self._loop, None
+        if lp.loop is asyncio.get_running_loop():
+            await asyncio.wait_for(self._shutdown(), timeout_s)
+        else:
+            await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(
+                asyncio.wait_for(self._shutdown(), timeout_s), lp.loop))
+
+    def close(self, *, timeout_s: float = 10.0) -> None:
+        """Stop the server, close channels and join the loop thread. A node opened on a loop is closed from
+        another thread here, or with `await aclose()` on its loop."""
+        if self._loop is None:
+            return
+        lp = self._loop
+        if lp.stop is None:
+            if _on_loop(lp.loop):
+                raise RuntimeError(f"RpcNode.close of {self.peer_id} on its own loop: await aclose() instead")
+            self._loop = None
+            if not lp.loop.is_closed():  # a closed loop took its server and channels with it
+                asyncio.run_coroutine_threadsafe(self._shutdown(), lp.loop).result(timeout=timeout_s)
+            return
+        self._loop = None
         lp.loop.call_soon_threadsafe(lp.stop.set)
         lp.thread.join(timeout=timeout_s)
         if lp.thread.is_alive():
@@ -275,9 +314,30 @@ class RpcNode:
             raise RuntimeError("RpcNode: not started")
         return self._loop.loop
 
+    async def call(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Await `coro` on the node's loop: directly when the caller runs on it, else handed over to it."""
+        try:
+            loop = self.loop
+        except RuntimeError:
+            coro.close()
+            raise
+        if loop is asyncio.get_running_loop():
+            return await coro
+        try:
+            future = asyncio.run_coroutine_threadsafe(coro, loop)
+        except RuntimeError:  # the node's loop is gone: the node was closed under the caller
+            coro.close()
+            raise
+        return await asyncio.wrap_future(future)
+
     def run(self, coro: Coroutine[Any, Any, T], *, timeout_s: float) -> T:
-        """Run `coro` on the node's loop and block for its result (cancelled after `timeout_s`)."""
-        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        """Run `coro` on the node's loop and block for its result (cancelled after `timeout_s`), from a thread
+        other than the loop's (on the loop itself it would wait for itself: RuntimeError)."""
+        loop = self.loop
+        if _on_loop(loop):
+            coro.close()
+            raise RuntimeError(f"RpcNode.run on {self.peer_id}'s own loop would block it: await node.call() there")
+        fut = asyncio.run_coroutine_threadsafe(coro, loop)
         try:
             return fut.result(timeout=timeout_s)
         except concurrent.futures.TimeoutError:
@@ -324,6 +384,13 @@ class RpcNode:
                 attempt += 1
                 log.info("%s: %s; retry %d/%d in %.2fs", what, e, attempt, self.cfg.retries, delay_s)
                 await asyncio.sleep(delay_s)
+
+
+def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
 
 
 def peer_of(context: aio.ServicerContext) -> str:

@@ -25,7 +25,8 @@ from swarmtrain.round.ballots import Voter, voters_from_json, voters_to_json
 from swarmtrain.rpc.node import RpcError, RpcNode
 from swarmtrain.rpc.state_wire import StateBlob, StateClient, serve_state
 
-__all__ = ["LiveState", "StateServer", "StateSnapshot", "StateTransferError", "fetch_state", "fetch_state_parallel",
+__all__ = ["LiveState", "StateServer", "StateSnapshot", "StateTransferError", "fetch_state", "fetch_state_async",
+           "fetch_state_parallel", "fetch_state_parallel_async",
            "split_ranges", "state_size_limit"]
 
 log = logging.getLogger(__name__)
@@ -248,9 +249,19 @@ def state_size_limit(shapes: Mapping[str, Sequence[int]]) -> int:
 def fetch_state(node: RpcNode, endpoints: Sequence[str], *, run_id: str, min_round: int = 0,
                 expected_shapes: Mapping[str, Sequence[int]] | None = None, max_bytes: int | None = None,
                 timeout_s: float = 120.0) -> StateSnapshot:
+    """Blocking `fetch_state_async`, from a thread other than the node's loop."""
+    return node.run(fetch_state_async(node, endpoints, run_id=run_id, min_round=min_round,
+                                      expected_shapes=expected_shapes, max_bytes=max_bytes, timeout_s=timeout_s),
+                    timeout_s=timeout_s + 10.0)
+
+
+async def fetch_state_async(node: RpcNode, endpoints: Sequence[str], *, run_id: str, min_round: int = 0,
+                            expected_shapes: Mapping[str, Sequence[int]] | None = None, max_bytes: int | None = None,
+                            timeout_s: float = 120.0) -> StateSnapshot:
     """Download and verify the state from the first of `endpoints` (newest first, say) that serves a
     valid one at round >= `min_round`; StateTransferError when none does within `timeout_s`. A state
-    may take `max_bytes`, by default what one of `expected_shapes` can take (`state_size_limit`)."""
+    may take `max_bytes`, by default what one of `expected_shapes` can take (`state_size_limit`).
+    Awaited from any loop; the download runs on the node's and the checks in a thread."""
     max_bytes = _max_bytes(max_bytes, expected_shapes)
     client = StateClient(node)
     deadline = time.monotonic() + timeout_s
@@ -260,12 +271,13 @@ def fetch_state(node: RpcNode, endpoints: Sequence[str], *, run_id: str, min_rou
             errors.append(f"{endpoint}: no time left")
             continue
         try:
-            state = node.run(client.get_state(endpoint, run_id=run_id, max_bytes=max_bytes, deadline=deadline),
-                             timeout_s=max(deadline - time.monotonic(), 0.0) + 5.0)
-            snapshot = decode_snapshot(state, expected_shapes=expected_shapes)
+            state = await asyncio.wait_for(
+                node.call(client.get_state(endpoint, run_id=run_id, max_bytes=max_bytes, deadline=deadline)),
+                max(deadline - time.monotonic(), 0.0) + 5.0)
+            snapshot = await asyncio.to_thread(decode_snapshot, state, expected_shapes=expected_shapes)
         except (RpcError, StateTransferError, TimeoutError) as e:
-            log.warning("state transfer from %s failed: %s", endpoint, e)
-            errors.append(f"{endpoint}: {e}")
+            log.warning("state transfer from %s failed: %s", endpoint, e or "no answer in time")
+            errors.append(f"{endpoint}: {e or 'no answer in time'}")
             continue
         if snapshot.round < min_round:
             errors.append(f"{endpoint}: at round {snapshot.round} < {min_round}")
@@ -284,6 +296,15 @@ def _max_bytes(max_bytes: int | None, expected_shapes: Mapping[str, Sequence[int
 def fetch_state_parallel(node: RpcNode, endpoints: Sequence[str], *, run_id: str,
                          expected_shapes: Mapping[str, Sequence[int]] | None = None, max_bytes: int | None = None,
                          timeout_s: float = 120.0) -> tuple[StateSnapshot, tuple[str, ...]]:
+    """Blocking `fetch_state_parallel_async`, from a thread other than the node's loop."""
+    return node.run(fetch_state_parallel_async(node, endpoints, run_id=run_id, expected_shapes=expected_shapes,
+                                               max_bytes=max_bytes, timeout_s=timeout_s), timeout_s=timeout_s + 10.0)
+
+
+async def fetch_state_parallel_async(node: RpcNode, endpoints: Sequence[str], *, run_id: str,
+                                     expected_shapes: Mapping[str, Sequence[int]] | None = None,
+                                     max_bytes: int | None = None,
+                                     timeout_s: float = 120.0) -> tuple[StateSnapshot, tuple[str, ...]]:
     """The state most of `endpoints` serve, a range from each: (the verified snapshot, the endpoints
     that served it). Each donor is first asked for its header (sha256 and size of the blob it
     serves); the blob that most of them serve (at least two) is split into one range per donor,
@@ -291,11 +312,14 @@ def fetch_state_parallel(node: RpcNode, endpoints: Sequence[str], *, run_id: str
     whole blob must hash to the header's sha256: one donor serving other bytes fails the download
     (StateTransferError), and the caller goes on one donor at a time."""
     deadline = time.monotonic() + timeout_s
-    state, served = node.run(_download_ranges(StateClient(node), list(endpoints), run_id=run_id,
-                                              max_bytes=_max_bytes(max_bytes, expected_shapes), deadline=deadline),
-                             timeout_s=timeout_s + 5.0)
     try:
-        snapshot = decode_snapshot(state, expected_shapes=expected_shapes)
+        state, served = await asyncio.wait_for(node.call(_download_ranges(
+            StateClient(node), list(endpoints), run_id=run_id, max_bytes=_max_bytes(max_bytes, expected_shapes),
+            deadline=deadline)), timeout_s + 5.0)
+    except TimeoutError:
+        raise TimeoutError(f"state transfer from {', '.join(endpoints)} took longer than {timeout_s:.1f}s") from None
+    try:
+        snapshot = await asyncio.to_thread(decode_snapshot, state, expected_shapes=expected_shapes)
     except StateTransferError as e:
         raise StateTransferError(f"{e}: a range from one of {', '.join(served)} is not the state its header "
                                  "announces") from None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from pathlib import Path
 
 import pytest
@@ -106,6 +107,33 @@ def test_stop_checkpoints_and_a_restarted_peer_resumes_with_its_id(tmp_path: Pat
         finally:
             await again.aclose("signal")
         assert isinstance(log2.events()[0], ReadyLine)
+
+    asyncio.run(main())
+
+
+def test_a_peers_data_plane_serves_on_the_peers_own_event_loop(tmp_path: Path) -> None:
+    """One loop per process: the node's server and channels run on the loop the peer runs on, with no thread of
+    their own, and a blocking call from that loop is refused instead of waiting for itself."""
+
+    async def main() -> None:
+        services = LoopbackServices()
+        await publish_run(services.registry, [*RUN, "averaging.min_peers=1"])
+        before = {t.ident for t in threading.enumerate()}
+        peer = Peer(peer_config(tmp_path / "p"), writer=EventWriter(EventLog()), services=services)
+        await peer.start()
+        try:
+            assert peer.plane is not None
+            node = peer.plane.node
+            assert node.running and node.loop is asyncio.get_running_loop()
+            started = [t.name for t in threading.enumerate() if t.ident not in before]
+            assert not [name for name in started if name.startswith("rpc-")], started
+            state, served = await peer.plane.fetch_state([peer.endpoint])  # served and fetched on this one loop
+            assert served == (peer.endpoint,) and state.round == 0
+            with pytest.raises(RuntimeError, match="would block it"):
+                node.run(asyncio.sleep(0), timeout_s=1.0)
+        finally:
+            await peer.aclose("signal")
+        assert not node.running
 
     asyncio.run(main())
 
