@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +58,6 @@ from swarmtrain.round.group import Member
 from swarmtrain.rpc.gossip_wire import GossipMailbox, serve_gossip
 from swarmtrain.rpc.node import RpcNode
 from swarmtrain.sync.checkpoint import (
-    DirectoryClaim,
     LoadedCheckpoint,
     load_latest_checkpoint,
 )
@@ -65,7 +66,7 @@ from swarmtrain.telemetry.tally import Tally
 from swarmtrain.trust import resolve_run_key
 from swarmtrain.trust.identity import verifier
 
-__all__ = ["Peer", "PeerError", "PeerServices", "merge_run_config"]
+__all__ = ["Peer", "PeerError", "PeerParts", "PeerServices", "merge_run_config"]
 
 log = logging.getLogger(__name__)
 
@@ -80,10 +81,27 @@ def _resume(worker: DilocoWorker, loaded: LoadedCheckpoint) -> list[Certificate]
     return certificates
 
 
+@dataclass(frozen=True)
+class PeerParts:
+    """A started peer: every part built, none missing (`Peer.start` builds them in this order)."""
+
+    discovery: Discovery
+    worker: DilocoWorker
+    plane: NetworkPlane
+    presence: Presence
+    part: WorkerPart
+    driver: RoundDriver
+    heartbeat: Heartbeat
+    gossip: GossipDriver | None  # averaging.mode = "gossip": the rounds are its, not the driver's
+
+
 class Peer:
     """One DiLoCo peer of a swarm. `await start()`, `await run(stop)`, `await aclose(reason)`.
 
-    `on_step` sees every inner step, on the training thread (the console progress display)."""
+    `start` builds the peer's parts (`parts`, a PeerParts, once all are up); what it opens on the way (the
+    directory claim, the DHT, the data plane, the island's keepalive) is closed on leaving in the reverse
+    order, also when a start fails half-way. `on_step` sees every inner step, on the training thread (the
+    console progress display)."""
 
     def __init__(self, local: RunConfig, *, writer: EventWriter, services: PeerServices,
                  local_overrides: Sequence[str] = (), coordinator_id: str | None = None,
@@ -93,22 +111,15 @@ class Peer:
         self.island = island
         self._island_lost = asyncio.Event()  # a rank of the island died or hung while this one was not training
         self._island_error = ""
-        self._keepalive: asyncio.Task[None] | None = None
         self.services = services
         self.writer = writer
         self.on_step = on_step
         self.local_overrides = tuple(local_overrides)
         self.coordinator_id = coordinator_id
         self.cfg: RunConfig = local
-        self.discovery: Discovery | None = None
-        self.worker: DilocoWorker | None = None
-        self.plane: NetworkPlane | None = None
-        self.part: WorkerPart | None = None
-        self.driver: RoundDriver | None = None
-        self.gossip: GossipDriver | None = None  # averaging.mode = "gossip": the rounds are its, not the driver's
-        self._mailbox: GossipMailbox | None = None
-        self.heartbeat: Heartbeat | None = None
-        self.presence: Presence | None = None
+        self.parts: PeerParts | None = None
+        self._opened = contextlib.AsyncExitStack()  # what start opened, closed in reverse on leaving
+        self._peer_id = ""
         self.pace = Pace(local.diloco)
         self.val_batches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._val_bytes_per_token = 1.0  # of the validation text: val_loss in bits per byte
@@ -116,18 +127,58 @@ class Peer:
         self.phase = "starting"
         self._beat_task: asyncio.Task[None] | None = None
         self._departure: asyncio.Future[bool] | None = None  # retirements of an earlier run, being announced
-        self._claim: DirectoryClaim | None = None
+        self._reason = ""  # why it leaves (the leave line, the island's ranks)
+        self._left_with: Path | None = None  # the checkpoint written on leaving
         self.tally, self.metrics = Tally(), ""  # its work so far (record stats, /metrics at `metrics`: host:port)
         writer.listeners.append(self.tally.observe)
+
+    # The parts, None before `start` has built them all (the status snapshot, tests, benchmarks).
+    @property
+    def discovery(self) -> Discovery | None:
+        return self.parts.discovery if self.parts else None
+
+    @property
+    def worker(self) -> DilocoWorker | None:
+        return self.parts.worker if self.parts else None
+
+    @property
+    def plane(self) -> NetworkPlane | None:
+        return self.parts.plane if self.parts else None
+
+    @property
+    def part(self) -> WorkerPart | None:
+        return self.parts.part if self.parts else None
+
+    @property
+    def driver(self) -> RoundDriver | None:
+        return self.parts.driver if self.parts else None
+
+    @property
+    def presence(self) -> Presence | None:
+        return self.parts.presence if self.parts else None
+
+    @property
+    def gossip(self) -> GossipDriver | None:
+        return self.parts.gossip if self.parts else None
+
+    def _started(self) -> PeerParts:
+        if self.parts is None:
+            raise PeerError("the peer has not started (await start() first)")
+        return self.parts
 
     # ------------------------------------------------------------------ start
 
     async def start(self) -> dict[str, Any]:
         """Bring every service up in order; returns the READY payload (also printed)."""
-        self._claim, dcfg = claim_peer_directory(self.local)
+        opened = self._opened
+        claim, dcfg = claim_peer_directory(self.local)
+        if claim is not None:
+            opened.callback(claim.release)
+        opened.push_async_callback(self._stop_island)  # told to stop even when no setup reached them
         discovery = await self.services.open_discovery(dcfg, run_id=self.local.train.run_id,
                                                        run_key=resolve_run_key(self.local.rpc.run_key))
-        self.discovery = discovery
+        opened.push_async_callback(discovery.aclose)
+        self._peer_id = discovery.peer_id
         record = await fetch_run_record(discovery, self.local, coordinator_id=self.coordinator_id,
                                         timeout_s=RUN_FETCH_TIMEOUT_S)
         # Resolved against this peer's own files: a model or tokenizer that differs from the run's is refused
@@ -147,25 +198,33 @@ class Peer:
                                   device=resolve_round_device(self.cfg.train.round_device, trains_on))
         worker = await asyncio.to_thread(self._build_worker, discovery.peer_id, codec)
         certificates = _resume(worker, loaded) if loaded is not None else []
-        # Only now: a peer leaves with a checkpoint of its worker, and one whose checkpoint did not
-        # load must not write a fresh state over the run's newest.
-        self.worker = worker
+        # Only now: a peer leaves with a leave line of its worker (and, once its part is up, a checkpoint), and
+        # one whose checkpoint did not load must not write a fresh state over the run's newest.
+        opened.push_async_callback(self._leave_line, worker)  # after the data plane closed: its bytes are final
         if isinstance(worker, IslandWorker):
-            self._keepalive = asyncio.ensure_future(self._keep_island(worker))
+            keepalive = asyncio.ensure_future(self._keep_island(worker))
+            opened.callback(keepalive.cancel)
         gossip = self.cfg.averaging.mode == "gossip"
+        mailboxes: list[GossipMailbox] = []
         plane = await self.services.open_data_plane(self.cfg, discovery=discovery, codec=codec,
                                                     param_shapes=param_shapes(worker.model), scope="",
                                                     role="worker", round_now=lambda: worker.round,
-                                                    before_start=self._serve_gossip if gossip else None)
-        self.plane, self.endpoint = plane, plane.endpoint
-        self.presence = Presence(self.cfg.discovery, run_id=self.cfg.train.run_id,
-                                 clock=asyncio.get_running_loop().time)
-        self.part = part = WorkerPart(self.cfg, worker=worker, writer=self.writer, pace=self.pace,
-                                      val_batches=self.val_batches, peer_id=lambda: discovery.peer_id,
-                                      member=self._member, prematch=plane.prematch, announce=self._beat_soon,
-                                      now=discovery.now, alone_s=self.presence.alone_s, certificates=certificates,
-                                      resumed_at=worker.round if loaded is not None else None,
-                                      val_bytes_per_token=self._val_bytes_per_token, io=lambda: discovery.io)
+                                                    before_start=functools.partial(self._serve_gossip, mailboxes)
+                                                    if gossip else None)
+        opened.push_async_callback(plane.aclose)  # drains first: serves the means its group still needs
+        self.endpoint = plane.endpoint
+
+        def member(round_index: int, steps_per_s: float) -> Member:
+            return Member(peer_id=discovery.peer_id, endpoint=self.endpoint,
+                          client_mode=self.cfg.discovery.client_mode, steps_per_s=steps_per_s, lag_s=self.pace.lag_s,
+                          state_hash=worker.digest(), incarnation=plane.incarnation)
+
+        presence = Presence(self.cfg.discovery, run_id=self.cfg.train.run_id, clock=asyncio.get_running_loop().time)
+        part = WorkerPart(self.cfg, worker=worker, writer=self.writer, pace=self.pace, val_batches=self.val_batches,
+                          peer_id=lambda: discovery.peer_id, member=member, prematch=plane.prematch,
+                          announce=self._beat_soon, now=discovery.now, alone_s=presence.alone_s,
+                          certificates=certificates, resumed_at=worker.round if loaded is not None else None,
+                          val_bytes_per_token=self._val_bytes_per_token, io=lambda: discovery.io)
         plane.attach(part.outcome_of)
         plane.serve_state(part.committed)
         for cert in certificates:  # resumed with the checkpoint: learners and peers behind are shown them again
@@ -173,19 +232,21 @@ class Peer:
         run = f"{self.cfg.train.run_id}/{self.cfg.train.run_nonce}"
         genesis = GenesisReader(discovery, coordinator_id=record.coordinator_id, scope="",
                                 timeout_s=self.cfg.rpc.call_timeout_s)
-        self.driver = RoundDriver(part=part, plane=plane, discovery=discovery, cfg=self.cfg, role="worker",
-                                  member=lambda trained: self._member(trained.round, trained.steps_per_s), run=run,
-                                  verify=verifier(discovery.key_binding), presence=self.presence, genesis=genesis,
-                                  emit=self.writer.emit, changed=self._beat_soon, overlap=self.cfg.diloco.overlap)
+        driver = RoundDriver(part=part, plane=plane, discovery=discovery, cfg=self.cfg, role="worker",
+                             member=lambda trained: member(trained.round, trained.steps_per_s), run=run,
+                             verify=verifier(discovery.key_binding), presence=presence, genesis=genesis,
+                             emit=self.writer.emit, changed=self._beat_soon, overlap=self.cfg.diloco.overlap)
+        gossiper = None
         if gossip:
-            assert self._mailbox is not None
-            self.gossip = GossipDriver(part=part, cfg=self.cfg, codec=codec, node=plane.node, mailbox=self._mailbox,
-                                       discovery=discovery, fetch_state=plane.fetch_state, emit=self.writer.emit,
-                                       changed=self._beat_soon)
-        self.heartbeat = Heartbeat(discovery, current=self._record, heartbeat_s=self.cfg.discovery.heartbeat_s,
-                                   now=discovery.now, timeout_s=self.cfg.rpc.call_timeout_s)
-        await self.heartbeat.start()
-        if self.gossip is None:  # a leave killed between storing its retirement and announcing it: announced now
+            gossiper = GossipDriver(part=part, cfg=self.cfg, codec=codec, node=plane.node, mailbox=mailboxes[0],
+                                    discovery=discovery, fetch_state=plane.fetch_state, emit=self.writer.emit,
+                                    changed=self._beat_soon)
+        heartbeat = Heartbeat(discovery, current=self._record, heartbeat_s=self.cfg.discovery.heartbeat_s,
+                              now=discovery.now, timeout_s=self.cfg.rpc.call_timeout_s)
+        self.parts = PeerParts(discovery=discovery, worker=worker, plane=plane, presence=presence, part=part,
+                               driver=driver, heartbeat=heartbeat, gossip=gossiper)
+        await heartbeat.start()
+        if gossiper is None:  # a leave killed between storing its retirement and announcing it: announced now
             self._departure = asyncio.ensure_future(announce_stored_retirements(
                 discovery, {"": plane.retirements()}, cfg=self.cfg))
         info = {"peer_id": discovery.peer_id, "endpoint": self.endpoint, "run_id": self.cfg.train.run_id,
@@ -196,9 +257,10 @@ class Peer:
         self.phase = "training"
         return info
 
-    def _serve_gossip(self, node: RpcNode) -> None:
-        self._mailbox = GossipMailbox(node, run_id=self.cfg.train.run_id, keep=KEEP_ROUNDS)
-        serve_gossip(node, self._mailbox)
+    def _serve_gossip(self, mailboxes: list[GossipMailbox], node: RpcNode) -> None:
+        mailbox = GossipMailbox(node, run_id=self.cfg.train.run_id, keep=KEEP_ROUNDS)
+        serve_gossip(node, mailbox)
+        mailboxes.append(mailbox)
 
     def _build_worker(self, peer_id: str, codec: Codec) -> DilocoWorker:
         cfg = self.cfg
@@ -250,21 +312,15 @@ class Peer:
                             f"{self.cfg.model.fingerprint[:12]}); use another --checkpoint-dir")
         return loaded
 
-    def _member(self, round_index: int, steps_per_s: float) -> Member:
-        assert self.plane is not None and self.worker is not None
-        return Member(peer_id=self._peer_id, endpoint=self.endpoint, client_mode=self.cfg.discovery.client_mode,
-                      steps_per_s=steps_per_s, lag_s=self.pace.lag_s, state_hash=self.worker.digest(),
-                      incarnation=self.plane.incarnation)
-
     def _record(self) -> PeerRecord:
-        assert self.discovery is not None and self.part is not None and self.plane is not None
-        round_index, digest = self.part.announced
-        return PeerRecord(run_id=self.cfg.train.run_id, peer_id=self.discovery.peer_id,
+        parts = self._started()
+        round_index, digest = parts.part.announced
+        return PeerRecord(run_id=self.cfg.train.run_id, peer_id=self._peer_id,
                           endpoint="" if self.cfg.discovery.client_mode else self.endpoint, role="worker",
                           client_mode=self.cfg.discovery.client_mode, round=round_index, state_hash=digest,
-                          shard_index=self.cfg.data.shard_index, round_ends_at=self.part.round_ends_at,
-                          clock_offset_s=self.presence.clock_offset_s if self.presence else 0.0,
-                          stats=self.tally.stats(), incarnation=self.plane.incarnation)
+                          shard_index=self.cfg.data.shard_index, round_ends_at=parts.part.round_ends_at,
+                          clock_offset_s=parts.presence.clock_offset_s, stats=self.tally.stats(),
+                          incarnation=parts.plane.incarnation)
 
     def _beat_soon(self) -> None:
         """Publish the peer record in the background: a DHT store (~0.1 s) must not hold up the next round."""
@@ -273,10 +329,10 @@ class Peer:
         async def beat() -> None:
             if previous is not None:
                 await previous  # records land in the order they were made
-            if self.heartbeat is None:
+            if self.parts is None:
                 return
             try:
-                await self.heartbeat.beat()
+                await self.parts.heartbeat.beat()
             except Exception as e:  # the periodic beat retries; a failed early beat only delays visibility
                 log.warning("peer record refresh failed: %s", e)
 
@@ -302,63 +358,54 @@ class Peer:
         raise IslandLost(self._island_error)
 
     async def _rounds(self, stop: asyncio.Event) -> str:
-        assert self.driver is not None and self.part is not None
-        if self.gossip is not None:
-            return await self.gossip.run(stop)
+        parts = self._started()
+        if parts.gossip is not None:
+            return await parts.gossip.run(stop)
         if self.cfg.diloco.overlap:
-            return await run_overlapped(self.driver, self.part, stop)
-        return await self.driver.run(stop)
+            return await run_overlapped(parts.driver, parts.part, stop)
+        return await parts.driver.run(stop)
 
     # ------------------------------------------------------------------ stop
 
     async def aclose(self, reason: str) -> None:
-        """Leave: the voter retires (stored, then announced), the record is withdrawn, a checkpoint written, the
-        data plane drained and closed, the DHT stopped. The DHT is stopped and the directory released whatever
-        fails before (a process whose DHT child outlives it never exits: multiprocessing joins it)."""
-        self.phase = "leaving"
+        """Leave: the voter retires (stored, then announced), the record is withdrawn, a checkpoint written; then
+        what start opened closes in reverse: the data plane drained and closed (the leave line), the island's
+        ranks told to stop, the DHT stopped, the directory released, whatever fails before (a process whose DHT
+        child outlives it never exits: multiprocessing joins it)."""
+        self.phase, self._reason = "leaving", reason
         try:
-            await self._leave(reason)
+            if self.parts is not None:
+                await self._leave(self.parts)
         finally:
-            await self._stop_island(reason)
-            if self.discovery is not None:
-                await self.discovery.aclose()
-            if self._claim is not None:
-                self._claim.release()
+            await self._opened.aclose()
             self.phase = "stopped"
 
-    async def _leave(self, reason: str) -> None:
-        path: Path | None = None
-        if self.driver is not None and self.heartbeat is not None and self.gossip is None:
+    async def _leave(self, parts: PeerParts) -> None:
+        if parts.gossip is None:
             with contextlib.suppress(Exception):  # best effort: retiring below is what must happen
-                await self.driver.hand_over()  # its record stays up meanwhile: proposers find its voter
+                await parts.driver.hand_over()  # its record stays up meanwhile: proposers find its voter
         if self._beat_task is not None:
             await self._beat_task  # a record stored after the withdrawal would announce a departed peer
-        if self.heartbeat is not None:
-            await self.heartbeat.aclose(withdraw=True)
+        await parts.heartbeat.aclose(withdraw=True)
         if self._departure is not None:
             self._departure.cancel()  # the record below names those retirements too, and it must be the last
-        if self.driver is not None and self.discovery is not None and self.gossip is None:
-            await self._announce_departure()  # gossip has no voters to retire
-        if self.part is not None:
-            try:
-                path = await self.part.checkpoint()
-            except Exception as e:
-                log.error("checkpoint on leave failed: %s", e)
-        sent = received = 0
-        if self.plane is not None:
-            await self.plane.aclose()  # drains first: serves the means its group still needs
-            sent, received = self.plane.unreported_bytes()
-        if self.worker is not None:
-            self.writer.emit(LeaveEvent(round=self.worker.round, reason=reason, hash=self.worker.digest(),
-                                        peer=self._peer_id, checkpoint=str(path or ""), bytes_sent=sent,
-                                        bytes_received=received))
+        if parts.gossip is None:
+            await self._announce_departure(parts)  # gossip has no voters to retire
+        try:
+            self._left_with = await parts.part.checkpoint()
+        except Exception as e:
+            log.error("checkpoint on leave failed: %s", e)
 
-    async def _stop_island(self, reason: str) -> None:
+    async def _leave_line(self, worker: DilocoWorker) -> None:
+        sent, received = self.parts.plane.unreported_bytes() if self.parts is not None else (0, 0)
+        self.writer.emit(LeaveEvent(round=worker.round, reason=self._reason, hash=worker.digest(), peer=self._peer_id,
+                                    checkpoint=str(self._left_with or ""), bytes_sent=sent, bytes_received=received))
+
+    async def _stop_island(self) -> None:
         """The island's other ranks exit: told so after the leave (or before their setup, when none came)."""
-        if self._keepalive is not None:
-            self._keepalive.cancel()
         if self.island is None:
             return
+        reason = self._reason
         worker = self.worker if isinstance(self.worker, IslandWorker) else None
         try:
             if worker is not None:
@@ -368,23 +415,18 @@ class Peer:
         except IslandLost as e:
             log.warning("could not stop the island's other ranks: %s", e)
 
-    async def _announce_departure(self) -> None:
+    async def _announce_departure(self, parts: PeerParts) -> None:
         """This peer's voter retires for good (stored before anything is announced), then the departure record
         says so: the rounds it would have voted in are counted without it."""
-        assert self.driver is not None and self.discovery is not None
         try:
-            retirements = await self.driver.retire()
+            retirements = await parts.driver.retire()
             record = departure_record(run_id=self.cfg.train.run_id, peer_id=self._peer_id,
-                                      retirements={"": retirements}, now=self.discovery.now())
-            await announce_departure(self.discovery, record, cfg=self.cfg)
+                                      retirements={"": retirements}, now=parts.discovery.now())
+            await announce_departure(parts.discovery, record, cfg=self.cfg)
         except Exception as e:  # best effort: without it the others count this voter until a commit drops it
             log.warning("could not announce this peer's departure: %s", e)
 
     # ------------------------------------------------------------------ status
-
-    @property
-    def _peer_id(self) -> str:
-        return self.discovery.peer_id if self.discovery is not None else ""
 
     def snapshot(self) -> StatusSnapshot:
         w, part = self.worker, self.part
