@@ -12,8 +12,8 @@ or as soon as another holder announced (its record's `round_ends_at`) that its s
 holders of a stage serve different shares of the trainers' micro-batches, so they step at different rates,
 and waiting for each to reach H steps would spread their entries past the matchmaking window. The later ones
 send a Δ of fewer steps instead. A holder alone in its part does not try. Δ is taken between two inner steps
-(on the stepping thread, the weights still); a holder given `hold` (a server the trainers route nothing to:
-stopped, or avoided for a while) takes it itself, under `hold`, once another holder's steps of the round are
+(on the stepping thread, the weights still); a holder given `still` (a server the trainers route nothing to:
+stopped, or avoided for a while) takes it itself, under `still`, once another holder's steps of the round are
 over, so that it neither blocks the others nor goes stale.
 
 Overlap. Inner steps go on while the round averages; the commit moves θ_local by what θ_global moved,
@@ -63,19 +63,19 @@ class _Part:
     """A pipeline part as the round driver's part (driver/part.py); see the module docstring."""
 
     def __init__(self, params: Sequence[torch.Tensor], *, discovery: Discovery, cfg: RunConfig, stage: int,
-                 still: Callable[[], AbstractContextManager[object]],
+                 moving: Callable[[], AbstractContextManager[object]],
                  emit: Callable[[StageRoundEvent | HealEvent], None], apply_now: bool,
-                 on_heal: Callable[[int], None] | None, hold: Callable[[], AbstractContextManager[object]] | None,
+                 on_heal: Callable[[int], None] | None, still: Callable[[], AbstractContextManager[object]] | None,
                  clock: Callable[[], float]) -> None:
         self.params = list(params)
         self.discovery = discovery
         self.cfg = cfg
         self.stage = stage
-        self.still = still
+        self.moving = moving
         self.emit = emit
         self.apply_now = apply_now
         self.on_heal = on_heal
-        self.hold = hold
+        self.still = still
         self.clock = clock
         self.theta = flatten(self.params)
         self.outer = OuterOptimizer(cfg.outer, numel=self.theta.numel())
@@ -171,7 +171,7 @@ class _Part:
                 await self._look()
                 if any(p.round > self._round for p in self.others):
                     raise Behind(f"the part's holders are past round {self._round}")
-                if self._claimed is None and self.hold is not None:
+                if self._claimed is None and self.still is not None:
                     await asyncio.to_thread(self._held_claim)
                 if self._claimed is not None:
                     return self._claimed
@@ -186,12 +186,12 @@ class _Part:
                 self._want = False
 
     def _held_claim(self) -> None:
-        """An idle holder's own claim, under `hold` (its weights held still without an inner step)."""
-        assert self.hold is not None
+        """An idle holder's own claim, under `still` (its weights held still without an inner step)."""
+        assert self.still is not None
         with self._mu:
             if self._claimed is not None or not self._due():
                 return
-        with self.hold(), self._mu:
+        with self.still(), self._mu:
             if self._claimed is None and self._due():  # again: a step may have taken it meanwhile
                 self._claim()
 
@@ -236,7 +236,7 @@ class _Part:
         assert result.certificate is not None
         value = result.certificate.value
         mean = result.mean
-        with self.still():
+        with self.moving():
             with self._theta_lock:
                 if value.base != self._digest:
                     raise ValueError(f"part {self.name}: round {value.round}'s value was averaged from state "
@@ -269,7 +269,7 @@ class _Part:
 
     def _adopt(self, state: CommittedState) -> None:
         before = self._round
-        with self.still():
+        with self.moving():
             with self._theta_lock:
                 self.theta.copy_(state.theta_global)
                 self.outer.load_state_tensors({} if state.outer_momentum is None
@@ -297,7 +297,7 @@ class _Part:
 
     async def resync(self, reason: str) -> None:
         def resync() -> None:
-            with self.still():
+            with self.moving():
                 assign_flat(self.theta, self.params)
             with self._mu:
                 self.steps, self._busy = 0, False
@@ -359,23 +359,23 @@ class PartRounds:
     """Outer rounds of the part whose parameters are `params`, through `plane` (its matchmaking on `discovery`,
     the part's scoped view), driven by a RoundDriver.
 
-    `stepped()` after every inner step, on the thread that steps. `still()` holds the part's weights still
-    while a result is applied (a stage server: its compute lock). `hold()`, where given, holds them still to
-    take a Δ without a step (an idle holder; a trainer, which drives its own steps, gives none). With
-    `apply_now`, results are applied as soon as they are in (on a worker thread, inside `still()`); without,
-    only when the owner calls `settle()` (a trainer, between its steps). `join()` before the first step (a
-    heal check), `start()` to run the rounds, `aclose()` on leave. `on_heal(round)` runs inside `still()` after
-    a heal put θ_local at θ_global of `round`."""
+    `stepped()` after every inner step, on the thread that steps. `moving()` holds the calls off while a
+    result moves the part's weights (a stage server: its compute lock, counted as a step). `still()`, where
+    given, holds them still to take a Δ without a step (an idle holder; a trainer, which drives its own steps,
+    gives none). With `apply_now`, results are applied as soon as they are in (on a worker thread, inside
+    `moving()`); without, only when the owner calls `settle()` (a trainer, between its steps). `join()` before
+    the first step (a heal check), `start()` to run the rounds, `aclose()` on leave. `on_heal(round)` runs
+    inside `moving()` after a heal put θ_local at θ_global of `round`."""
 
     def __init__(self, params: Sequence[torch.Tensor], *, plane: RoundPlane, discovery: Discovery, cfg: RunConfig,
-                 stage: int, still: Callable[[], AbstractContextManager[object]],
+                 stage: int, moving: Callable[[], AbstractContextManager[object]],
                  emit: Callable[[StageRoundEvent | HealEvent], None], apply_now: bool, role: str, run: str,
                  verify: Verify, genesis: Callable[[], Awaitable[Genesis | None]], incarnation: Callable[[], int],
                  on_heal: Callable[[int], None] | None = None,
-                 hold: Callable[[], AbstractContextManager[object]] | None = None,
+                 still: Callable[[], AbstractContextManager[object]] | None = None,
                  changed: Callable[[], None] = lambda: None, clock: Callable[[], float] = time.monotonic) -> None:
-        self.part = _Part(params, discovery=discovery, cfg=cfg, stage=stage, still=still, emit=emit,
-                          apply_now=apply_now, on_heal=on_heal, hold=hold, clock=clock)
+        self.part = _Part(params, discovery=discovery, cfg=cfg, stage=stage, moving=moving, emit=emit,
+                          apply_now=apply_now, on_heal=on_heal, still=still, clock=clock)
         self.plane = plane
         self.discovery = discovery
         self.cfg = cfg

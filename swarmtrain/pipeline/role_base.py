@@ -134,15 +134,15 @@ class RoleBase(abc.ABC):
             param_shapes=param_shapes(part))
         return scoped, plane, nodes[0]
 
-    def _rounds(self, part: torch.nn.Module, plane: NetworkPlane, scoped: ScopedDiscovery, *, stage: int, still: Any,
-                apply_now: bool, role: str, on_heal: Any = None, hold: Any = None) -> PartRounds:
+    def _rounds(self, part: torch.nn.Module, plane: NetworkPlane, scoped: ScopedDiscovery, *, stage: int, moving: Any,
+                apply_now: bool, role: str, on_heal: Any = None, still: Any = None) -> PartRounds:
         cfg = self.cfg
         rounds = PartRounds(list(part.parameters()), plane=plane, discovery=scoped, cfg=cfg, stage=stage,
-                            still=still, emit=self.writer.emit, apply_now=apply_now, role=role,
+                            moving=moving, emit=self.writer.emit, apply_now=apply_now, role=role,
                             run=f"{cfg.train.run_id}/{cfg.train.run_nonce}", verify=verifier(scoped.key_binding),
                             genesis=GenesisReader(scoped, coordinator_id=self.coordinator, scope=plane.scope,
                                                   timeout_s=cfg.rpc.call_timeout_s),
-                            incarnation=lambda: plane.incarnation, on_heal=on_heal, hold=hold,
+                            incarnation=lambda: plane.incarnation, on_heal=on_heal, still=still,
                             changed=self._beat_soon)
         plane.attach(rounds.part.outcome_of, round_now=lambda: rounds.round)
         return rounds

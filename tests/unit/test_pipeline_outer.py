@@ -121,7 +121,7 @@ def _rounds(params: list[torch.Tensor], plane: ScriptedPlane, scoped: ScopedDisc
         return Genesis(0, NEXT)
 
     return PartRounds(params, plane=plane, discovery=scoped, cfg=cfg, stage=0,  # type: ignore[arg-type]
-                      still=contextlib.nullcontext, emit=events.append, apply_now=True, role="stage_server",
+                      moving=contextlib.nullcontext, emit=events.append, apply_now=True, role="stage_server",
                       run="r/n", verify=lambda *_: True, genesis=genesis, incarnation=lambda: 0, **kw)
 
 
@@ -278,7 +278,7 @@ def test_an_idle_holder_joins_the_round_its_part_waits_in_and_leaves_it_at_theta
         await _other(registry, round_ends_at=d.now() - 1.0)  # its steps of round 0 are over: it waits
         p = torch.tensor([1.0, 2.0])
         plane, events = ScriptedPlane(), []
-        rounds = _rounds([p], plane, scoped, events, hold=contextlib.nullcontext)
+        rounds = _rounds([p], plane, scoped, events, still=contextlib.nullcontext)
         await rounds.join()
         rounds.start()
         try:
