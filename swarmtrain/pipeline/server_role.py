@@ -3,8 +3,17 @@ its taking of lost stages.
 
 What a server holds of its stage (a `Holding`): the stage's blocks and their StageServer, the Pipeline
 handler, the part's data plane (one node serves its calls, the all-reduce and the part's state) and the
-part's outer rounds. With `pipeline.rebalance` it reads the live servers' records every
-`rebalance_period_s` and applies the rule of rebalance.py. When the rule moves it to stage s:
+part's outer rounds, opened (`_hold`) and closed (`_close`) as a unit.
+
+One decision loop (`_decide`) runs the server: at each look it reads the live servers' records once, and
+pure rules choose one of stay, move, rebuild or restore, carried out before the next look, so no two
+switches ever race. Its looks are due at three periods: the lost-stage look every `discovery.heartbeat_s`
+(at least a quarter of `lost_stage_grace_s`), the rebalancing look every `rebalance_period_s` (with
+`pipeline.rebalance`), and the refresh of the stage copies every `stage_copy_period_s` (with
+`pipeline.lost_stage = "checkpoint"`; a download that may take long, so it runs beside the loop). A lost
+stage comes first: a rebuild changes the records the rebalancing rule would read.
+
+Rebalancing applies the rule of rebalance.py. When the rule moves it to stage s:
 
 1. it builds stage s's blocks and takes the stage's θ_global and outer momentum from servers of s
    (through its current node), checked against the hash most of them announce at their newest round, as
@@ -19,9 +28,8 @@ part's outer rounds. With `pipeline.rebalance` it reads the live servers' record
 
 One `stage_move` line per move says why, with the figures it was decided on.
 
-Every `discovery.heartbeat_s` (at least a quarter of `lost_stage_grace_s`) it also looks for a stage
-left without a live server (lost.py): when the rule names it the taker (`pipeline.lost_stage =
-"neighbours"`), it builds the lost stage on a new node, starts it from the average of the two
+The lost-stage look finds a stage left without a live server (lost.py): when the rule names it the taker
+(`pipeline.lost_stage = "neighbours"`), it builds the lost stage on a new node, starts it from the average of the two
 neighbouring stages' θ_global (its own stage's and one taken from the other neighbour's servers,
 checked like a heal), at the lost stage's last announced round + 1, and switches to it as in steps
 2-3. With `pipeline.lost_stage = "checkpoint"` it keeps copies of its neighbouring stages' θ_global
@@ -49,18 +57,15 @@ from swarmtrain.driver.part import CommittedState
 from swarmtrain.peer.network import NetworkPlane
 from swarmtrain.peer.services import PeerError
 from swarmtrain.pipeline.cut import stage_blocks
+from swarmtrain.pipeline.decisions import Choice, Move, Rebuild, Restore, ServerRules, Stay, describe
 from swarmtrain.pipeline.lost import (
-    LiveServer,
     LostStageWatch,
-    choose_restorer,
-    choose_taker,
-    neighbours_of,
     weighted_average,
 )
 from swarmtrain.pipeline.memory import MB, server_bytes
 from swarmtrain.pipeline.outer import PartRounds
 from swarmtrain.pipeline.parts import Stage, build_stage
-from swarmtrain.pipeline.rebalance import Decision, Rebalancer, RebalanceRule, ServerLoad
+from swarmtrain.pipeline.rebalance import Decision, Rebalancer, RebalanceRule
 from swarmtrain.pipeline.role_base import RoleBase, fitting_stages, least_served_stage
 from swarmtrain.pipeline.server import StageServer, StageStats
 from swarmtrain.pipeline.service import StageHandler, serve_stage
@@ -70,13 +75,21 @@ from swarmtrain.round.ballots import Voter
 from swarmtrain.rpc.node import RpcNode
 from swarmtrain.telemetry import LeaveEvent, StageMoveEvent, StageRebuildEvent, StageStepEvent
 
-__all__ = ["Holding", "StageServerRole", "server_loads"]
+__all__ = ["Holding", "StageServerRole"]
 
 log = logging.getLogger(__name__)
 
 _TAKE_TRIES = 3  # a stage may commit a round while its state is taken: the hash read then no longer matches
 _DRAIN_POLL_S = 0.05
-_FROM_COPY = "copy"  # _may_take's plan: restore the lost stage from this server's copy of it
+
+
+@dataclass
+class _Look:
+    """One kind of look of the decision loop, due every `period_s`."""
+
+    name: str
+    period_s: float
+    due: float  # time.monotonic()
 
 
 @dataclass
@@ -94,12 +107,6 @@ class Holding:
     last_step: tuple[int, float] = field(default=(0, 0.0))  # (step, monotonic) of its previous stage_step line
 
 
-def server_loads(peers: Sequence[PeerRecord], stages: int) -> list[ServerLoad]:
-    """What the rebalancing rule reads of the live stage servers' records."""
-    return [ServerLoad(p.peer_id, p.stage, p.service_s, p.busy, p.stage_since) for p in peers
-            if p.role == "stage_server" and 0 <= p.stage < stages]
-
-
 class StageServerRole(RoleBase):
     role = "stage_server"
 
@@ -111,11 +118,8 @@ class StageServerRole(RoleBase):
         self.handler: StageHandler | None = None
         self.moves = 0
         self._leaving: list[Holding] = []  # moved from, still answering backwards
-        self._rebalancing: asyncio.Task[None] | None = None
-        self._watching: asyncio.Task[None] | None = None
-        self._copying: asyncio.Task[None] | None = None
+        self._deciding: asyncio.Task[None] | None = None  # the decision loop
         self.copies: StageCopies | None = None  # pipeline.lost_stage = "checkpoint": made at start
-        self._switching = asyncio.Lock()  # one move or rebuild at a time
 
     async def start(self) -> dict[str, Any]:
         discovery = await self._join()
@@ -136,12 +140,9 @@ class StageServerRole(RoleBase):
         await holding.rounds.join()  # the stage's θ_global if its servers are past round 0
         await self._announce()
         holding.rounds.start()
-        if pipe.rebalance:
-            self._rebalancing = asyncio.create_task(self._rebalance(fitting), name=f"rebalance-{discovery.peer_id}")
-        self._watching = asyncio.create_task(self._watch_lost(fitting), name=f"lost-stages-{discovery.peer_id}")
         if pipe.lost_stage == "checkpoint":
             self.copies = StageCopies(cfg.model, stages=pipe.stages, max_donors=cfg.rpc.state_donors)
-            self._copying = asyncio.create_task(self._keep_copies(), name=f"stage-copies-{discovery.peer_id}")
+        self._deciding = asyncio.create_task(self._decide(fitting), name=f"stage-server-{discovery.peer_id}")
         blocks = stage_blocks(n_layer, pipe.stages)[self.stage]
         info = {"role": "server", "peer_id": discovery.peer_id, "endpoint": holding.node.endpoint,
                 "run_id": cfg.train.run_id, "stage": self.stage, "blocks": [blocks.start, blocks.stop],
@@ -174,8 +175,8 @@ class StageServerRole(RoleBase):
         scoped, plane, node = await self._open_plane(part, scope=f"stage{stage}", role="stage_server", serve=serve,
                                                      member=lambda p: p.role == "stage_server" and p.stage == stage)
         h = cfg.diloco.inner_steps
-        rounds = self._rounds(part, plane, scoped, stage=stage, still=server.moving, apply_now=True,
-                              role="stage_server", hold=server.still,
+        rounds = self._rounds(part, plane, scoped, stage=stage, moving=server.moving, apply_now=True,
+                              role="stage_server", still=server.still,
                               on_heal=lambda r: server.resume_at(max(r * h, resume_step)))
         cell.append(Holding(stage, part, server, handlers[0], plane, node, rounds, since=self.discovery.now(),
                             last_step=(resume_step, time.monotonic())))
@@ -207,39 +208,69 @@ class StageServerRole(RoleBase):
                                         forwards=stats.forwards, backwards=stats.backwards, refused=stats.refused,
                                         peer=self.discovery.peer_id if self.discovery else "", at=time.time()))
 
-    # -- rebalancing ---------------------------------------------------------------------------------
-    async def _rebalance(self, fitting: Sequence[int]) -> None:
+    # -- the decision loop ---------------------------------------------------------------------------
+    async def _decide(self, fitting: Sequence[int]) -> None:
+        """Look, choose, carry out, until the server leaves (see the module docstring)."""
         assert self.discovery is not None
-        cfg, pipe = self.cfg, self.cfg.pipeline
+        discovery, cfg, pipe = self.discovery, self.cfg, self.cfg.pipeline
         blocks = [len(b) for b in stage_blocks(cfg.model.shape_value("n_layer"), pipe.stages)]
-        rule = RebalanceRule(margin=pipe.rebalance_margin, cooldown_s=pipe.rebalance_cooldown_s,
-                             observe_s=pipe.rebalance_observe_s)
-        me = self.discovery.peer_id
-        rebalancer = Rebalancer(rule, me=me, blocks=blocks)
-        while True:
-            await asyncio.sleep(pipe.rebalance_period_s)
-            try:
-                peers = await self.discovery.live_peers(timeout_s=cfg.rpc.call_timeout_s)
-            except Exception as e:  # a slow control plane: look again next period
-                log.warning("rebalancing: could not list the stage servers (%s)", e)
-                continue
-            own = self._record()  # its own figures as of now, not as of its last beat
-            loads = server_loads([own, *(p for p in peers if p.peer_id != me)], pipe.stages)
-            decision = rebalancer.decide(loads, now=self.discovery.now())
-            log.debug("rebalancing: %s", decision.reason)
-            if decision.move_to is None:
-                continue
-            if decision.move_to not in fitting:
-                log.warning("rebalancing calls this server to stage %d, which does not fit train.memory_budget_mb "
-                            "(stages that fit: %s); it stays", decision.move_to, list(fitting))
-                continue
-            try:
-                async with self._switching:
-                    if self.stage == decision.source:  # not moved meanwhile (taking a lost stage)
-                        await self._move(decision)
-            except (PeerError, OSError, RuntimeError, ValueError) as e:  # a node that would not start, a torn transfer
-                log.warning("rebalancing: the move to stage %d failed (%s); staying on stage %s", decision.move_to,
-                            e, self.stage)
+        rebalancer = Rebalancer(RebalanceRule(margin=pipe.rebalance_margin, cooldown_s=pipe.rebalance_cooldown_s,
+                                              observe_s=pipe.rebalance_observe_s), me=discovery.peer_id, blocks=blocks)
+        rules = ServerRules(me=discovery.peer_id, stages=pipe.stages, blocks=blocks, fitting=fitting,
+                            lost_stage=pipe.lost_stage, rebalancer=rebalancer if pipe.rebalance else None,
+                            watch=LostStageWatch(stages=pipe.stages, grace_s=pipe.lost_stage_grace_s))
+        now = time.monotonic()
+        # A lost-stage look is a DHT read; a quarter of the grace is soon enough, and keeps the reads off the hot path
+        lost_s = max(cfg.discovery.heartbeat_s, pipe.lost_stage_grace_s / 4)
+        looks = [_Look("lost", lost_s, now + lost_s)]
+        if pipe.rebalance:
+            looks.append(_Look("rebalance", pipe.rebalance_period_s, now + pipe.rebalance_period_s))
+        if self.copies is not None:  # the first soon after start, once the records have gone round
+            looks.append(_Look("copies", pipe.stage_copy_period_s,
+                               now + min(pipe.stage_copy_period_s, 2 * cfg.discovery.heartbeat_s)))
+        refresh: asyncio.Task[None] | None = None
+        try:
+            while True:
+                await asyncio.sleep(max(min(look.due for look in looks) - time.monotonic(), 0.0))
+                now = time.monotonic()
+                due = {look.name for look in looks if look.due <= now}
+                for look in looks:
+                    if look.name in due:
+                        look.due = now + look.period_s
+                try:
+                    peers = await discovery.live_peers(timeout_s=cfg.rpc.call_timeout_s)
+                except Exception as e:  # a slow control plane: look again at the next look
+                    log.warning("stage server: could not list the live servers (%s)", e)
+                    continue
+                if "copies" in due and (refresh is None or refresh.done()):
+                    refresh = asyncio.create_task(self._refresh_copies(peers))
+                records = (self._record(), *(p for p in peers if p.peer_id != discovery.peer_id))  # its own: as of now
+                choice = rules.choose(due, records, now=discovery.now())
+                for warning in rules.warnings:
+                    log.warning("%s", warning)
+                rules.warnings.clear()
+                await self._carry_out(choice)
+        finally:
+            if refresh is not None:
+                refresh.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await refresh
+
+    async def _carry_out(self, choice: Choice) -> None:
+        """Switch as `choice` says; a switch that fails leaves the server on its stage (or back on it)."""
+        try:
+            match choice:
+                case Stay(why):
+                    if why:
+                        log.debug("rebalancing: %s", why)
+                case Move(decision):
+                    await self._move(decision)
+                case Restore(lost, lost_s, round_):
+                    await self._restore(lost, lost_s=lost_s, round_=round_)
+                case Rebuild(lost, pair, records, lost_s, round_):
+                    await self._rebuild(lost, pair, records, lost_s=lost_s, round_=round_)
+        except (PeerError, OSError, RuntimeError, ValueError) as e:  # a node that would not start, a torn transfer
+            log.warning("%s failed (%s); staying on stage %s", describe(choice), e, self.stage)
 
     async def _move(self, d: Decision) -> None:
         """Take stage `d.move_to`'s state, switch to it, drain the old stage, close it (see the module doc)."""
@@ -353,109 +384,20 @@ class StageServerRole(RoleBase):
         await asyncio.to_thread(holding.handler.close)
 
     # -- lost stages --------------------------------------------------------------------------------
-    async def _watch_lost(self, fitting: Sequence[int]) -> None:
-        """Look for stages without a live server; take one when the rule names this server."""
-        assert self.discovery is not None
-        cfg, pipe = self.cfg, self.cfg.pipeline
-        blocks = [len(b) for b in stage_blocks(cfg.model.shape_value("n_layer"), pipe.stages)]
-        watch = LostStageWatch(stages=pipe.stages, grace_s=pipe.lost_stage_grace_s)
-        me = self.discovery.peer_id
-        told: set[tuple[int, str]] = set()  # what was logged already, per stage
-        # A look is a DHT read; a quarter of the grace is soon enough, and keeps the reads off the hot path.
-        period_s = max(cfg.discovery.heartbeat_s, pipe.lost_stage_grace_s / 4)
-        while True:
-            await asyncio.sleep(period_s)
-            try:
-                peers = await self.discovery.live_peers(timeout_s=cfg.rpc.call_timeout_s)
-            except Exception as e:  # a slow control plane: look again next beat
-                log.warning("lost stages: could not list the stage servers (%s)", e)
-                continue
-            records = [self._record(), *(p for p in peers if p.peer_id != me)]
-            live = [LiveServer(p.peer_id, p.stage, p.round, p.copies) for p in records
-                    if p.role == "stage_server" and 0 <= p.stage < pipe.stages]
-            now = self.discovery.now()
-            for lost in watch.observe(live, now=now):
-                empty_s = watch.empty_for_s(lost, now=now)
-                plan, why = self._may_take(lost, live, blocks=blocks, fitting=fitting)
-                if plan is None:
-                    if why and (lost, why) not in told:
-                        told.add((lost, why))
-                        log.warning("stage %d has had no live server for %.1f s: %s", lost, empty_s, why)
-                    continue
-                seen_on = self.stage
-                try:
-                    async with self._switching:
-                        if self.stage == seen_on and plan == _FROM_COPY:  # not moved meanwhile (rebalancing)
-                            await self._restore(lost, lost_s=empty_s, round_=watch.last_round[lost] + 1)
-                        elif self.stage == seen_on and isinstance(plan, tuple):
-                            await self._rebuild(lost, plan, records, lost_s=empty_s,
-                                                round_=watch.last_round[lost] + 1)
-                # a node that would not start, a torn transfer
-                except (PeerError, OSError, RuntimeError, ValueError) as e:
-                    log.warning("lost stages: rebuilding stage %d failed (%s); staying on stage %s", lost, e,
-                                self.stage)
-                break  # the records change with a rebuild: look again next beat
-
-    def _may_take(self, lost: int, live: Sequence[LiveServer], *, blocks: Sequence[int],
-                  fitting: Sequence[int]) -> tuple[tuple[int, int] | str | None, str]:
-        """How this server rebuilds `lost`: from the two neighbouring stages it names, or `_FROM_COPY`; or None
-        and what to log ("" = nothing: another server takes it)."""
-        assert self.discovery is not None
-        method = self.cfg.pipeline.lost_stage
-        if method == "off":
-            return None, "pipeline.lost_stage = off: it stays unserved until a server joins it"
-        if method == "checkpoint":
-            return self._may_restore(lost, live, fitting=fitting)
-        taker = choose_taker(live, lost=lost)
-        if taker is None:
-            return None, "no other stage has a server to spare: it stays unserved until a server joins it"
-        if taker != self.discovery.peer_id:
-            return None, ""
-        pair, why = neighbours_of(lost, blocks=blocks)
-        if pair is None:
-            return None, f"{why}; it stays unserved until a server joins it"
-        if lost not in fitting:
-            return None, (f"this server would take it, but it does not fit train.memory_budget_mb (stages that fit: "
-                          f"{list(fitting)}); it stays unserved until a server joins it")
-        return pair, ""
-
-    def _may_restore(self, lost: int, live: Sequence[LiveServer], *,
-                     fitting: Sequence[int]) -> tuple[str | None, str]:
-        """`_may_take` for `lost_stage = "checkpoint"`: the server with the freshest copy restores the stage."""
-        assert self.discovery is not None
-        chosen = choose_restorer(live, lost=lost)
-        if chosen is None:
-            return None, ("no server that its stage can spare holds a copy of it: it stays unserved until a server "
-                          "joins it")
-        if chosen[0] != self.discovery.peer_id:
-            return None, ""
-        if lost not in fitting:
-            return None, (f"this server holds the freshest copy, but the stage does not fit train.memory_budget_mb "
-                          f"(stages that fit: {list(fitting)}); it stays unserved until a server joins it")
-        return _FROM_COPY, ""
-
-    async def _keep_copies(self) -> None:
-        """Refresh the copies of the neighbouring stages every `stage_copy_period_s` (the first soon after start,
-        once the records have gone round)."""
-        assert self.discovery is not None and self.copies is not None
-        cfg, copies = self.cfg, self.copies
-        wait_s = min(cfg.pipeline.stage_copy_period_s, 2 * cfg.discovery.heartbeat_s)
-        while True:
-            await asyncio.sleep(wait_s)
-            wait_s = cfg.pipeline.stage_copy_period_s
-            holding = self.holding
-            if holding is None:
-                continue
-            # Not under `_switching`: a download may take long on a slow link, and a lost stage is not to wait
-            # for it. A move meanwhile closes the plane (the download fails) or leaves copies of the old
-            # neighbours, which the next refresh drops; each copy stays a verified state of its stage.
-            try:
-                peers = await self.discovery.live_peers(timeout_s=cfg.rpc.call_timeout_s)
-                for c in await copies.refresh(own_stage=holding.stage, plane=holding.plane, records=peers):
-                    log.info("kept a copy of stage %d at round %d (%s) from %s", c.stage, c.round,
-                             c.state_hash[:12], c.source)
-            except Exception as e:  # a slow control plane or a torn transfer: the old copies stay, look again later
-                log.warning("stage copies: could not refresh them (%s)", e)
+    async def _refresh_copies(self, peers: Sequence[PeerRecord]) -> None:
+        """Refresh the copies of the neighbouring stages from the servers in `peers` (beside the decision loop: a
+        download may take long on a slow link, and a lost stage is not to wait for it). A switch meanwhile closes
+        the plane (the download fails) or leaves copies of the old neighbours, which the next refresh drops; each
+        copy stays a verified state of its stage."""
+        holding, copies = self.holding, self.copies
+        if holding is None or copies is None:
+            return
+        try:
+            for c in await copies.refresh(own_stage=holding.stage, plane=holding.plane, records=peers):
+                log.info("kept a copy of stage %d at round %d (%s) from %s", c.stage, c.round, c.state_hash[:12],
+                         c.source)
+        except Exception as e:  # a torn transfer: the old copies stay, refreshed at the next look
+            log.warning("stage copies: could not refresh them (%s)", e)
 
     async def _restore(self, lost: int, *, lost_s: float, round_: int) -> None:
         """Start stage `lost` from this server's copy of it at round `round_` and switch to it (as a move does)."""
@@ -522,11 +464,10 @@ class StageServerRole(RoleBase):
         return "signal"
 
     async def aclose(self, reason: str) -> None:
-        for task in (self._rebalancing, self._watching, self._copying):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        if self._deciding is not None:
+            self._deciding.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._deciding
         for holding in list(self._leaving):
             await self._close(holding)
         self._leaving.clear()

@@ -7,8 +7,8 @@ import pytest
 
 from swarmtrain.config import ConfigError, load_config
 from swarmtrain.discovery import PeerRecord
+from swarmtrain.pipeline.decisions import server_loads
 from swarmtrain.pipeline.rebalance import Rebalancer, RebalanceRule, ServerLoad, plan_move
-from swarmtrain.pipeline.server_role import server_loads
 
 pytestmark = pytest.mark.unit
 
