@@ -331,9 +331,9 @@ def probed_peer_main(argv: Sequence[str]) -> int:
     from swarmtrain.daemon import cmd_peer
     from swarmtrain.daemon.cli import build_parser
     from swarmtrain.daemon.options import config_from_args
-    from swarmtrain.peer import Peer
-    from swarmtrain.peer import process as peer_process
     from swarmtrain.peer.network import NetworkServices
+    from swarmtrain.roles import Peer
+    from swarmtrain.roles import process as peer_process
     from swarmtrain.telemetry import EventWriter
 
     report_path, peer_args = Path(argv[0]), list(argv[1:])

@@ -152,7 +152,7 @@ def _windows(steps: list[Any], width: int) -> list[float]:
 
 def baseline_rss_mb() -> float:
     """Peak RSS of a process that imports what a stage server imports and builds no model."""
-    code = ("import swarmtrain.pipeline.roles, swarmtrain.peer.network, torch, os; "
+    code = ("import swarmtrain.roles.trainer, swarmtrain.peer.network, torch, os; "
             "print(open(f'/proc/{os.getpid()}/status').read())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     return next(int(x.split()[1]) / 1024 for x in out.splitlines() if x.startswith("VmHWM:"))

@@ -45,7 +45,7 @@ import torch  # noqa: E402
 from swarmtrain.config import RunConfig, load_config  # noqa: E402
 from swarmtrain.data import eval_batches, load_corpus  # noqa: E402
 from swarmtrain.pipeline.parts import assemble  # noqa: E402
-from swarmtrain.pipeline.roles import StageServerRole, TrainerRole  # noqa: E402
+from swarmtrain.roles import StageServerRole, TrainerRole  # noqa: E402
 from swarmtrain.telemetry import StageRebuildEvent, StepEvent  # noqa: E402
 from swarmtrain.testing.roles import RoleSwarm  # noqa: E402
 

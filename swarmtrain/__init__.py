@@ -9,8 +9,9 @@ sharding) · compress/ (codecs, kernels) · models/ (GPT, Llama, transformers mo
 training-state bytes) · diloco/ (the outer loop, pure torch) · discovery/ (hivemind DHT) · rpc/ (gRPC) ·
 sync/ (state transfer, checkpoints, export) · averaging/ (matchmaking, all-reduce, the round's decision) ·
 telemetry/ (event lines, counters, StatusSnapshot, console progress) · driver/ (the round driver) · process/
-(stop signals, child processes) · peer/ (the peer daemon: composition root, round loops, network services) ·
-pipeline/ (SWARM pipelines and their roles) · testbed/ (network-namespace WAN twin; needs root) · dashboard/
+(stop signals, child processes) · peer/ (what roles are composed from: the worker's part, round loops, network
+services) · pipeline/ (SWARM pipelines: compute, routing, rules) · roles/ (the DiLoCo worker, the stage server,
+the trainer; a role as a process) · testbed/ (network-namespace WAN twin; needs root) · dashboard/
 (HTTP page, JSON API, /metrics) · daemon/ (the CLI, config reference) · __main__.py (`python -m swarmtrain`) ·
 testing/ (test helpers; never imported by the library).
 """

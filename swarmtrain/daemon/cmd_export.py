@@ -8,7 +8,7 @@ import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from swarmtrain.peer.root import Peer
+    from swarmtrain.roles.worker import Peer
 
 HELP = "write a checkpoint's model as a Hugging Face directory (config.json, model.safetensors, tokenizer)"
 

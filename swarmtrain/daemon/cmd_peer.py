@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from swarmtrain.daemon.options import add_config_options, add_insecure_option
 
 if TYPE_CHECKING:
-    from swarmtrain.peer.root import Peer
+    from swarmtrain.roles.worker import Peer
 
 HELP = ("join a run as a DiLoCo peer (or a pipeline stage server or trainer): prints READY {json}, then one JSON "
         "line per round (per step)")
@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
     from swarmtrain.daemon.options import config_from_args, exposure_error
     from swarmtrain.diloco.island import IslandLost, island_env
     from swarmtrain.peer import PeerError
-    from swarmtrain.peer.process import run_peer_process
+    from swarmtrain.roles.process import run_peer_process
     from swarmtrain.telemetry.console import ConsoleProgress
 
     local = config_from_args(args, extra=local_overrides(args))
@@ -149,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
 
         return launch_island(_without_nproc(args._argv), nproc=nproc)
     if args.role != "worker":
-        from swarmtrain.pipeline.process import run_pipeline_process
+        from swarmtrain.roles.process import run_pipeline_process
 
         try:
             return run_pipeline_process(local, role=args.role, stage=args.stage, local_overrides=args.overrides,

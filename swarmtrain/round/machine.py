@@ -1,6 +1,6 @@
 """The outer round as one state machine: pure code, an injected clock, no I/O.
 
-The peer daemon (peer/root.py, and peer/overlap.py under `diloco.overlap`) asks `next()` for an
+The DiLoCo worker role (roles/worker.py, and peer/overlap.py under `diloco.overlap`) asks `next()` for an
 action, performs it (inner steps, matchmaking and the all-reduce, a state download, a wait) and
 reports how it went through one event method; the machine decides what comes next. Its phases:
 

@@ -13,8 +13,8 @@ from swarmtrain.compress import Codec
 from swarmtrain.config import DiscoveryConfig, RunConfig, load_config
 from swarmtrain.discovery import Discovery, InMemoryDiscovery, InMemoryRegistry
 from swarmtrain.discovery.coordinator import RunPublisher
-from swarmtrain.peer import Peer
 from swarmtrain.peer.network import NetworkPlane, NetworkServices
+from swarmtrain.roles import Peer
 from swarmtrain.rpc.errors import RpcUnavailable
 from swarmtrain.rpc.node import RpcNode
 from swarmtrain.telemetry.events import HealEvent, Line, RoundEvent, parse_line

@@ -31,8 +31,10 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("averaging",),  # matchmaking, the all-reduce, the round's decision
     ("telemetry",),
     ("driver", "process"),  # the round driver; OS processes (signals, children)
-    ("peer",),  # the DiLoCo worker role and the services every role is composed from
-    ("pipeline", "testbed", "dashboard"),  # pipeline roles, the namespace testbed, the HTTP dashboard
+    ("peer",),  # the services every role is composed from
+    ("pipeline",),  # pipelined models: compute, routing, the stage server's rules
+    ("roles",),  # the DiLoCo worker, the stage server, the trainer; a role as a process
+    ("testbed", "dashboard"),  # the namespace testbed, the HTTP dashboard
     ("daemon",),  # the CLI
     ("__main__", "testing"),
 )
@@ -46,7 +48,7 @@ class Edge:
 
     source: str
     target: str
-    module: str  # the importing file, relative to the package root (e.g. "peer/root.py")
+    module: str  # the importing file, relative to the package root (e.g. "roles/worker.py")
     line: int
 
 

@@ -12,8 +12,8 @@ from typing import Any, TypeVar
 import torch
 
 from swarmtrain.config import RunConfig
-from swarmtrain.pipeline.roles import StageServerRole, TrainerRole
-from swarmtrain.pipeline.server_role import Holding
+from swarmtrain.roles import StageServerRole, TrainerRole
+from swarmtrain.roles.stage_server import Holding
 from swarmtrain.rpc.faults import FaultHook, FaultSite
 from swarmtrain.telemetry import EventWriter, StepEvent
 from swarmtrain.testing.cluster import EventLog, LoopbackServices, publish_run

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from swarmtrain.config import RunConfig, load_config
 from swarmtrain.discovery import InMemoryDiscovery, InMemoryRegistry, PeerRecord
-from swarmtrain.peer import Peer
+from swarmtrain.roles import Peer
 from swarmtrain.telemetry import EventWriter
 from swarmtrain.testing.cluster import TINY_RUN, EventLog, LoopbackServices, publish_run, run_peer, story
 

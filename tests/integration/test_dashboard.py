@@ -21,7 +21,7 @@ from swarmtrain.config import load_config
 from swarmtrain.dashboard import Collector, Dashboard, History
 from swarmtrain.discovery import InMemoryDiscovery, PeerRecord
 from swarmtrain.discovery.stats import PeerStats
-from swarmtrain.peer import Peer
+from swarmtrain.roles import Peer
 from swarmtrain.telemetry import EventWriter, RoundEvent
 from swarmtrain.telemetry.prometheus import PeerCollector, serve_metrics
 from swarmtrain.testing.cluster import TINY_RUN, EventLog, LoopbackServices, publish_run, run_peer

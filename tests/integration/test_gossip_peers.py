@@ -14,7 +14,7 @@ import torch
 from peer_harness import RUN, peers_of, until
 
 from swarmtrain.driver.gossip import GossipDriver
-from swarmtrain.peer import Peer
+from swarmtrain.roles import Peer
 from swarmtrain.rpc.gossip_wire import GossipPart
 from swarmtrain.telemetry import HealEvent, RoundEvent
 from swarmtrain.testing.cluster import EventLog, LoopbackServices, publish_run, run_peer, story

@@ -25,8 +25,9 @@ from peer_harness import (
 from swarmtrain.config import ConfigError, load_config
 from swarmtrain.data import ShardedBatches, load_corpus
 from swarmtrain.discovery import InMemoryDiscovery, PeerRecord
-from swarmtrain.peer import Peer, merge_run_config
-from swarmtrain.peer.root import PeerError
+from swarmtrain.peer import merge_run_config
+from swarmtrain.peer.services import PeerError
+from swarmtrain.roles import Peer
 from swarmtrain.sync.checkpoint import load_latest_checkpoint
 from swarmtrain.telemetry import EventWriter, HealEvent, LeaveEvent, ReadyLine
 from swarmtrain.testing.cluster import (

@@ -20,7 +20,7 @@ from peer_harness import RUN, live_records, peer_config, peers_of, until
 from swarmtrain.averaging.transport import ReduceTransport
 from swarmtrain.diloco.worker import InnerStats
 from swarmtrain.discovery import InMemoryDiscovery, PeerRecord
-from swarmtrain.peer import Peer
+from swarmtrain.roles import Peer
 from swarmtrain.round.group import Member
 from swarmtrain.rpc.averaging_wire import PushHeader, SessionKey
 from swarmtrain.telemetry import EventWriter

@@ -17,8 +17,8 @@ from peer_harness import RUN, peer_config, run_alone_then_stop, run_started_apar
 
 from swarmtrain.diloco import DilocoWorker
 from swarmtrain.diloco.flat import flatten
-from swarmtrain.peer import Peer
 from swarmtrain.peer.part import WorkerPart
+from swarmtrain.roles import Peer
 from swarmtrain.telemetry import EventWriter, HealEvent, LeaveEvent
 from swarmtrain.testing.cluster import (
     EventLog,

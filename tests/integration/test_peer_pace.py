@@ -16,7 +16,7 @@ from peer_harness import RUN, peer_config, until
 
 from swarmtrain.diloco.pace import PACE_MAX_STEPS_FACTOR
 from swarmtrain.discovery import InMemoryDiscovery, InMemoryRegistry
-from swarmtrain.peer import Peer
+from swarmtrain.roles import Peer
 from swarmtrain.round.group import Member
 from swarmtrain.telemetry import EventWriter, HealEvent, RoundEvent
 from swarmtrain.testing.cluster import (

@@ -116,7 +116,7 @@ def test_a_lost_last_stage_is_not_rebuilt_and_its_microbatches_are_reported_lost
         caplog: pytest.LogCaptureFixture) -> None:
     """The last stage has one neighbour: the taker says why it does not rebuild it, and the trainer, after
     `stage_wait_s`, reports each micro-batch lost with the stage in its reason."""
-    caplog.set_level(logging.WARNING, logger="swarmtrain.pipeline.server_role")
+    caplog.set_level(logging.WARNING, logger="swarmtrain.roles.stage_server")
 
     async def main() -> list[StepEvent]:
         run = [*RUN, "pipeline.stage_wait_s=1"]

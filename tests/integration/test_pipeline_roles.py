@@ -14,7 +14,8 @@ import torch
 from swarmtrain.config import load_config
 from swarmtrain.diloco.flat import state_digest
 from swarmtrain.discovery import PeerRecord
-from swarmtrain.pipeline.roles import StageServerRole, TrainerRole, least_served_stage
+from swarmtrain.pipeline.placement import least_served_stage
+from swarmtrain.roles import StageServerRole, TrainerRole
 from swarmtrain.telemetry import (
     EventWriter,
     HealEvent,

@@ -19,7 +19,7 @@ import pytest
 
 from swarmtrain.config import load_config, to_dict
 from swarmtrain.discovery import GroupRecord, InMemoryDiscovery, MatchEntry, PeerRecord, RunRecord
-from swarmtrain.peer import Peer
+from swarmtrain.roles import Peer
 from swarmtrain.round.group import Member
 from swarmtrain.sync.transfer import StateSnapshot
 from swarmtrain.telemetry import EventWriter, HealEvent

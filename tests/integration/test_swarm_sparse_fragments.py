@@ -11,7 +11,7 @@ import pytest
 
 from swarmtrain.config import load_config
 from swarmtrain.models import build_model
-from swarmtrain.peer import Peer
+from swarmtrain.roles import Peer
 from swarmtrain.telemetry import EventWriter
 from swarmtrain.testing.cluster import (
     TINY_RUN,

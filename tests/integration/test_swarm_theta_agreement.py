@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from swarmtrain.config import load_config
-from swarmtrain.peer import Peer
+from swarmtrain.roles import Peer
 from swarmtrain.telemetry import EventWriter, HealEvent
 from swarmtrain.testing.cluster import (
     TINY_RUN,

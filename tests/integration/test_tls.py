@@ -15,7 +15,7 @@ from allreduce_swarm import RPC, Swarm, check_rounds, deltas_for, reference_mean
 
 from swarmtrain.averaging.reducer import shard_bounds
 from swarmtrain.config import load_config
-from swarmtrain.peer import Peer
+from swarmtrain.roles import Peer
 from swarmtrain.rpc import bulk
 from swarmtrain.rpc.errors import RpcError, RpcRejected
 from swarmtrain.rpc.node import RpcNode

@@ -15,7 +15,7 @@ import pytest
 from swarmtrain.config import load_config
 from swarmtrain.dashboard import Collector, Dashboard, History
 from swarmtrain.discovery import InMemoryDiscovery
-from swarmtrain.peer import Peer
+from swarmtrain.roles import Peer
 from swarmtrain.telemetry import EventWriter
 from swarmtrain.testing.cluster import TINY_RUN, EventLog, LoopbackServices, publish_run, run_peer
 from swarmtrain.testing.dashboard import chromium, fill_history, rendered, synthetic_peers

@@ -81,7 +81,7 @@ def test_a_peer_adopts_its_first_estimate_whole_then_corrects_by_halves_past_a_d
 
 
 def test_a_peer_is_settled_only_while_its_last_estimate_was_within_the_dead_band() -> None:
-    # the peer reads the others every heartbeat until settled (peer/root.py), then only at round boundaries
+    # the peer reads the others every heartbeat until settled (roles/worker.py), then only at round boundaries
     r = _Reads("ab")
     swarm_at = 1000.0
     assert not r.p.settled  # no estimate yet

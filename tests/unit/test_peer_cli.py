@@ -67,7 +67,7 @@ def test_peer_progress_flag_and_its_terminal_default(argv: list[str], tty: bool,
 @pytest.mark.parametrize("flag", ["--progress", "--no-progress"])
 def test_peer_progress_goes_to_stderr_only_when_on(flag: str, monkeypatch: pytest.MonkeyPatch,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
-    import swarmtrain.peer.process
+    import swarmtrain.roles.process
     from swarmtrain.daemon import cmd_peer
     from swarmtrain.telemetry import EventWriter, LeaveEvent
     from swarmtrain.telemetry.console import ConsoleEventWriter, ConsoleProgress
@@ -79,7 +79,7 @@ def test_peer_progress_goes_to_stderr_only_when_on(flag: str, monkeypatch: pytes
         writer.emit(LeaveEvent(round=3, reason="done"))
         return 0
 
-    monkeypatch.setattr(swarmtrain.peer.process, "run_peer_process", fake_run_peer_process)
+    monkeypatch.setattr(swarmtrain.roles.process, "run_peer_process", fake_run_peer_process)
     args = build_parser().parse_args(["peer", "--join", "/ip4/127.0.0.1/tcp/1/p2p/QmX", flag])
     assert cmd_peer.run(args) == 0
     out, err = capsys.readouterr()

@@ -1,10 +1,10 @@
-"""The peer daemon's composition root: discovery -> run config -> worker -> data plane -> round driver, and the
-start and stop order around them.
+"""The DiLoCo worker role, the peer daemon's composition root: discovery -> run config -> worker -> data plane ->
+round driver, and the start and stop order around them.
 
 Start: DHT node -> the run config from the coordinator's record -> worker (model, data, resume from
 checkpoint) -> gRPC server (all-reduce, the round's decision, state transfer) -> heartbeat -> READY. The
 rounds are the round driver's (driver/loop.py) with the worker as its part (peer/part.py); with
-`diloco.overlap` the average runs during the next round's inner steps (overlap.py). Stop (a signal via
+`diloco.overlap` the average runs during the next round's inner steps (peer/overlap.py). Stop (a signal via
 process.py, rounds done or an error): the voter retires and the departure is announced, the peer record
 withdrawn, a checkpoint written, the data plane drained and closed, the DHT stopped.
 """
@@ -43,16 +43,15 @@ from swarmtrain.driver.loop import (
 )
 from swarmtrain.driver.presence import Presence
 from swarmtrain.models import build_model
-from swarmtrain.models.spec import check_run
-from swarmtrain.peer.config import merge_run_config
 from swarmtrain.peer.data import choose_shard, peer_batches, peer_seed, saved_slot
 from swarmtrain.peer.island import island_batches, setup_of
-from swarmtrain.peer.joining import RUN_FETCH_TIMEOUT_S, GenesisReader, claim_peer_directory, fetch_run_record
+from swarmtrain.peer.joining import GenesisReader
 from swarmtrain.peer.memory import check_worker_budget
 from swarmtrain.peer.network import NetworkPlane
 from swarmtrain.peer.overlap import run_overlapped
 from swarmtrain.peer.part import WorkerPart
 from swarmtrain.peer.services import PeerError, PeerServices
+from swarmtrain.roles.base import RoleBase
 from swarmtrain.round.certificate import Certificate
 from swarmtrain.round.group import Member
 from swarmtrain.rpc.gossip_wire import GossipMailbox, serve_gossip
@@ -62,11 +61,9 @@ from swarmtrain.sync.checkpoint import (
     load_latest_checkpoint,
 )
 from swarmtrain.telemetry import EventWriter, LeaveEvent, StatusSnapshot
-from swarmtrain.telemetry.tally import Tally
-from swarmtrain.trust import resolve_run_key
 from swarmtrain.trust.identity import verifier
 
-__all__ = ["Peer", "PeerError", "PeerParts", "PeerServices", "merge_run_config"]
+__all__ = ["Peer", "PeerParts"]
 
 log = logging.getLogger(__name__)
 
@@ -95,31 +92,27 @@ class PeerParts:
     gossip: GossipDriver | None  # averaging.mode = "gossip": the rounds are its, not the driver's
 
 
-class Peer:
-    """One DiLoCo peer of a swarm. `await start()`, `await run(stop)`, `await aclose(reason)`.
+class Peer(RoleBase):
+    """One DiLoCo peer of a swarm (the role "worker"). `await start()`, `await run(stop)`, `await aclose(reason)`.
 
     `start` builds the peer's parts (`parts`, a PeerParts, once all are up); what it opens on the way (the
     directory claim, the DHT, the data plane, the island's keepalive) is closed on leaving in the reverse
     order, also when a start fails half-way. `on_step` sees every inner step, on the training thread (the
     console progress display)."""
 
+    role = "worker"
+
     def __init__(self, local: RunConfig, *, writer: EventWriter, services: PeerServices,
                  local_overrides: Sequence[str] = (), coordinator_id: str | None = None,
                  on_step: Callable[[InnerStep], None] | None = None, island: Island | None = None) -> None:
         """`island`: this process is rank 0 of a local island (peer/island.py); its worker leads the others."""
-        self.local = local
+        super().__init__(local, writer=writer, services=services, local_overrides=local_overrides,
+                         coordinator_id=coordinator_id)
         self.island = island
         self._island_lost = asyncio.Event()  # a rank of the island died or hung while this one was not training
         self._island_error = ""
-        self.services = services
-        self.writer = writer
         self.on_step = on_step
-        self.local_overrides = tuple(local_overrides)
-        self.coordinator_id = coordinator_id
-        self.cfg: RunConfig = local
         self.parts: PeerParts | None = None
-        self._opened = contextlib.AsyncExitStack()  # what start opened, closed in reverse on leaving
-        self._peer_id = ""
         self.pace = Pace(local.diloco)
         self.val_batches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._val_bytes_per_token = 1.0  # of the validation text: val_loss in bits per byte
@@ -129,8 +122,6 @@ class Peer:
         self._departure: asyncio.Future[bool] | None = None  # retirements of an earlier run, being announced
         self._reason = ""  # why it leaves (the leave line, the island's ranks)
         self._left_with: Path | None = None  # the checkpoint written on leaving
-        self.tally, self.metrics = Tally(), ""  # its work so far (record stats, /metrics at `metrics`: host:port)
-        writer.listeners.append(self.tally.observe)
 
     # The parts, None before `start` has built them all (the status snapshot, tests, benchmarks).
     @property
@@ -171,28 +162,16 @@ class Peer:
     async def start(self) -> dict[str, Any]:
         """Bring every service up in order; returns the READY payload (also printed)."""
         opened = self._opened
-        claim, dcfg = claim_peer_directory(self.local)
-        if claim is not None:
-            opened.callback(claim.release)
         opened.push_async_callback(self._stop_island)  # told to stop even when no setup reached them
-        discovery = await self.services.open_discovery(dcfg, run_id=self.local.train.run_id,
-                                                       run_key=resolve_run_key(self.local.rpc.run_key))
-        opened.push_async_callback(discovery.aclose)
-        self._peer_id = discovery.peer_id
-        record = await fetch_run_record(discovery, self.local, coordinator_id=self.coordinator_id,
-                                        timeout_s=RUN_FETCH_TIMEOUT_S)
         # Resolved against this peer's own files: a model or tokenizer that differs from the run's is refused
-        self.cfg = check_run(merge_run_config(record.run_config(), self.local, local_overrides=self.local_overrides))
+        discovery, record = await self._join()
         check_worker_budget(self.cfg)
-        if self.cfg.train.threads:
-            torch.set_num_threads(self.cfg.train.threads)
         loaded = self._load_checkpoint()
         self.cfg = await choose_shard(self.cfg, discovery, saved=saved_slot(
             loaded.meta.get("worker") if loaded else None, num_shards=self.cfg.data.num_shards))
         self.pace = Pace(self.cfg.diloco)
-        t, ranks = self.tally, self.island.world_size if self.island is not None else 1
-        t.tokens_per_step = self.cfg.data.batch_size * self.cfg.data.seq_len * ranks
-        t.peer, t.role = discovery.peer_id, "worker"
+        ranks = self.island.world_size if self.island is not None else 1
+        self.tally.tokens_per_step = self.cfg.data.batch_size * self.cfg.data.seq_len * ranks
         trains_on = self.island.device if self.island is not None else resolve_device(self.cfg.train.device)
         codec = codec_from_config(self.cfg.compress, seed=peer_seed(self.cfg.train.seed + 2, discovery.peer_id),
                                   device=resolve_round_device(self.cfg.train.round_device, trains_on))

@@ -1,6 +1,7 @@
-"""`swarmtrain peer` as a process: one Peer on uvloop, SIGTERM/SIGINT leave at the next round boundary.
+"""`swarmtrain peer` as a process: one role on uvloop (a DiLoCo Peer, a stage server or a trainer), SIGTERM/SIGINT
+leave (a Peer at the next round boundary).
 
-The leave then checkpoints and closes the DHT node within `discovery.shutdown_timeout_s` + 3 s (killed
+A Peer's leave then checkpoints and closes the DHT node within `discovery.shutdown_timeout_s` + 3 s (killed
 if it does not answer). A second signal kills this process's children (DHT, p2pd) and exits at once with
 128 + the signal number, without a checkpoint.
 """
@@ -10,17 +11,18 @@ from __future__ import annotations
 import asyncio
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
 
 from swarmtrain.config import RunConfig
-from swarmtrain.peer.root import Peer
 from swarmtrain.process.signals import StopSignals
+from swarmtrain.roles.base import RoleBase
+from swarmtrain.roles.stage_server import StageServerRole
+from swarmtrain.roles.trainer import TrainerRole
+from swarmtrain.roles.worker import Peer
 from swarmtrain.telemetry import EventWriter
 from swarmtrain.telemetry.console import ConsoleEventWriter, ConsoleProgress
 from swarmtrain.telemetry.prometheus import serve_metrics
-from swarmtrain.telemetry.tally import Tally
 
-__all__ = ["Role", "run_peer_process", "run_role", "serve_role_metrics"]
+__all__ = ["run_peer_process", "run_pipeline_process", "run_role", "serve_role_metrics"]
 
 
 def run_peer_process(local: RunConfig, *, local_overrides: Sequence[str] = (), coordinator_id: str | None = None,
@@ -56,12 +58,25 @@ def run_peer_process(local: RunConfig, *, local_overrides: Sequence[str] = (), c
     return status
 
 
-class Measured(Protocol):
-    tally: Tally
-    metrics: str
+def run_pipeline_process(local: RunConfig, *, role: str, stage: int | None = None,
+                         local_overrides: Sequence[str] = (), coordinator_id: str | None = None,
+                         metrics: tuple[str, int] | None = None) -> int:
+    """`swarmtrain peer --role server|trainer`: a stage server (`role="server"`) or a trainer until done or
+    signalled; 0 on a clean leave."""
+    import uvloop
+
+    from swarmtrain.peer.network import NetworkServices
+
+    writer = EventWriter(sys.stdout)
+    kw = {"writer": writer, "services": NetworkServices(), "local_overrides": local_overrides,
+          "coordinator_id": coordinator_id}
+    runner_role = StageServerRole(local, stage=stage, **kw) if role == "server" else TrainerRole(local, **kw)
+    serve_role_metrics(runner_role, metrics)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(run_role(runner_role, leaving="leaving"))
 
 
-def serve_role_metrics(role: Measured, metrics: tuple[str, int] | None) -> None:
+def serve_role_metrics(role: RoleBase, metrics: tuple[str, int] | None) -> None:
     """Serve `role`'s tally as Prometheus metrics at `metrics` (host, port), before it starts (its READY line
     then names the endpoint)."""
     if metrics is not None:
@@ -69,17 +84,7 @@ def serve_role_metrics(role: Measured, metrics: tuple[str, int] | None) -> None:
         role.metrics = f"{host}:{serve_metrics(role.tally, port=port, host=host)}"
 
 
-class Role(Protocol):
-    """What runs as a process: a DiLoCo peer, a pipeline stage server or trainer."""
-
-    async def start(self) -> dict[str, Any]: ...
-
-    async def run(self, stop: asyncio.Event) -> str: ...
-
-    async def aclose(self, reason: str) -> None: ...
-
-
-async def run_role(role: Role, *, leaving: str) -> int:
+async def run_role(role: RoleBase, *, leaving: str) -> int:
     """Start `role`, run it until it ends or a signal sets its stop (`leaving` is logged), always close it."""
     stop = asyncio.Event()
     # Never uninstalled: a second signal must work until the process is gone (interpreter exit included).

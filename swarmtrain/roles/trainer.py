@@ -1,8 +1,8 @@
 """`swarmtrain peer --role server|trainer`: a pipeline stage server or trainer as a daemon.
 
 Both join like a DiLoCo peer (the DHT, the run record of the coordinator `--join` names, the run's
-config with the peer's own sections) and announce a peer record by heartbeat (role_base.py). A server
-holds one stage (server_role.py: `--stage K`, else the stage with the fewest servers per block), starts
+config with the peer's own sections: base.py) and announce a peer record by heartbeat (part_role.py). A server
+holds one stage (stage_server.py: `--stage K`, else the stage with the fewest servers per block), starts
 from its stage's θ_global when the stage's servers are past round 0 (a `heal` line), serves it until
 signalled, printing a `stage_step` line per inner step, and with `pipeline.rebalance` moves to the
 bottleneck stage (rebalance.py). A trainer reads the run's data, lists the live servers from their
@@ -25,18 +25,18 @@ from swarmtrain.data import load_corpus
 from swarmtrain.discovery import PeerRecord
 from swarmtrain.peer.data import peer_batches
 from swarmtrain.pipeline.parts import build_ends
-from swarmtrain.pipeline.role_base import RoleBase, least_served_stage, servers_of
+from swarmtrain.pipeline.placement import servers_of
 from swarmtrain.pipeline.routing import Server
-from swarmtrain.pipeline.server_role import StageServerRole
 from swarmtrain.pipeline.trainer import PipelineTrainer
+from swarmtrain.roles.part_role import PartRole
 from swarmtrain.telemetry import LeaveEvent, StepEvent
 
-__all__ = ["StageServerRole", "TrainerRole", "least_served_stage", "servers_of"]
+__all__ = ["TrainerRole"]
 
 log = logging.getLogger(__name__)
 
 
-class TrainerRole(RoleBase):
+class TrainerRole(PartRole):
     role = "trainer"
 
     def __init__(self, local: RunConfig, **kw: Any) -> None:
@@ -48,7 +48,7 @@ class TrainerRole(RoleBase):
         self._lister: asyncio.Task[None] | None = None
 
     async def start(self) -> dict[str, Any]:
-        discovery = await self._join()
+        discovery = await self._join_pipeline()
         cfg = self.cfg
         ends = await asyncio.to_thread(build_ends, cfg.model, seed=cfg.train.seed)
         corpus = await asyncio.to_thread(load_corpus, cfg.data)

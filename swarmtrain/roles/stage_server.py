@@ -65,12 +65,13 @@ from swarmtrain.pipeline.lost import (
 from swarmtrain.pipeline.memory import MB, server_bytes
 from swarmtrain.pipeline.outer import PartRounds
 from swarmtrain.pipeline.parts import Stage, build_stage
+from swarmtrain.pipeline.placement import fitting_stages, least_served_stage
 from swarmtrain.pipeline.rebalance import Decision, Rebalancer, RebalanceRule
-from swarmtrain.pipeline.role_base import RoleBase, fitting_stages, least_served_stage
 from swarmtrain.pipeline.server import StageServer, StageStats
 from swarmtrain.pipeline.service import StageHandler, serve_stage
 from swarmtrain.pipeline.stage_copies import StageCopies, fetch_stage_state
 from swarmtrain.pipeline.tensors import TensorCodec
+from swarmtrain.roles.part_role import PartRole
 from swarmtrain.round.ballots import Voter
 from swarmtrain.rpc.node import RpcNode
 from swarmtrain.telemetry import LeaveEvent, StageMoveEvent, StageRebuildEvent, StageStepEvent
@@ -107,7 +108,7 @@ class Holding:
     last_step: tuple[int, float] = field(default=(0, 0.0))  # (step, monotonic) of its previous stage_step line
 
 
-class StageServerRole(RoleBase):
+class StageServerRole(PartRole):
     role = "stage_server"
 
     def __init__(self, local: RunConfig, *, stage: int | None = None, **kw: Any) -> None:
@@ -122,7 +123,7 @@ class StageServerRole(RoleBase):
         self.copies: StageCopies | None = None  # pipeline.lost_stage = "checkpoint": made at start
 
     async def start(self) -> dict[str, Any]:
-        discovery = await self._join()
+        discovery = await self._join_pipeline()
         cfg, pipe = self.cfg, self.cfg.pipeline
         n_layer = cfg.model.shape_value("n_layer")
         fitting = fitting_stages(cfg)

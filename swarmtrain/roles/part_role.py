@@ -1,5 +1,5 @@
-"""What both pipeline roles share: joining the run, a part's data plane and outer rounds, the peer record's
-heartbeat; and reading the stage servers from the live peer records."""
+"""What both pipeline roles share: a part's data plane and outer rounds, the peer record's heartbeat, and
+leaving a part's scope (its voter retired, the departure record)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import abc
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -17,75 +16,26 @@ from swarmtrain.config import RunConfig
 from swarmtrain.diloco.flat import param_shapes
 from swarmtrain.discovery import Discovery, Heartbeat, PeerRecord, ScopedDiscovery
 from swarmtrain.driver.loop import announce_departure, departure_record
-from swarmtrain.models.spec import check_run
-from swarmtrain.peer.config import merge_run_config
 from swarmtrain.peer.data import peer_seed
-from swarmtrain.peer.joining import GenesisReader, claim_peer_directory, fetch_run_record
+from swarmtrain.peer.joining import GenesisReader
 from swarmtrain.peer.network import NetworkPlane
-from swarmtrain.peer.services import PeerError, PeerServices
-from swarmtrain.pipeline.cut import stage_blocks
-from swarmtrain.pipeline.memory import MB, server_bytes
+from swarmtrain.peer.services import PeerError
 from swarmtrain.pipeline.outer import PartRounds
-from swarmtrain.pipeline.routing import Server
+from swarmtrain.roles.base import RoleBase
 from swarmtrain.round.certificate import Retirement
 from swarmtrain.rpc.node import RpcNode
-from swarmtrain.sync.checkpoint import DirectoryClaim
-from swarmtrain.telemetry import EventWriter
-from swarmtrain.telemetry.tally import Tally
-from swarmtrain.trust import resolve_run_key
 from swarmtrain.trust.identity import verifier
 
-__all__ = ["RoleBase", "fitting_stages", "least_served_stage", "servers_of"]
+__all__ = ["PartRole"]
 
 log = logging.getLogger(__name__)
 
 
-def servers_of(peers: Sequence[PeerRecord], stages: int) -> tuple[list[Server], dict[Server, tuple[float, int]]]:
-    """The stage servers among live peer records, with the (latency, queue) each published."""
-    servers, hints = [], {}
-    for p in peers:
-        if p.role == "stage_server" and 0 <= p.stage < stages and p.endpoint:
-            s = Server(p.peer_id, p.endpoint, p.stage)
-            servers.append(s)
-            hints[s] = (p.latency_s, p.queue)
-    return servers, hints
+class PartRole(RoleBase):
+    """What a server and a trainer share: a part's data plane and rounds, the heartbeat."""
 
-
-def least_served_stage(peers: Sequence[PeerRecord], *, n_layer: int, stages: int,
-                       allowed: Sequence[int] | None = None) -> int:
-    """Of the `allowed` stages (default all), the one with the fewest live servers per block it holds (its
-    demand: every micro-batch passes every block once); the earliest on a tie."""
-    counts = [0] * stages
-    for s in servers_of(peers, stages)[0]:
-        counts[s.stage] += 1
-    sizes = [len(blocks) for blocks in stage_blocks(n_layer, stages)]
-    return min(range(stages) if allowed is None else allowed, key=lambda k: (counts[k] / sizes[k], k))
-
-
-def fitting_stages(cfg: RunConfig) -> list[int]:
-    """The stages whose training state fits this peer's `train.memory_budget_mb` (all without one)."""
-    need = server_bytes(cfg.model, cfg.pipeline, seq_len=cfg.data.seq_len)
-    budget = cfg.train.memory_budget_mb
-    fitting = [k for k, b in enumerate(need) if not budget or b <= budget * MB]
-    if not fitting:
-        raise PeerError(f"no stage fits train.memory_budget_mb={budget}: the smallest needs "
-                        f"{min(need) / MB:.0f} MB (docs/pipeline.md#memory); cut the model into more stages")
-    return fitting
-
-
-class RoleBase(abc.ABC):
-    """What a server and a trainer share: joining the run, a part's data plane and rounds, the heartbeat."""
-
-    role = ""
-
-    def __init__(self, local: RunConfig, *, writer: EventWriter, services: PeerServices,
-                 local_overrides: Sequence[str] = (), coordinator_id: str | None = None) -> None:
-        self.local = local
-        self.writer = writer
-        self.services = services
-        self.local_overrides = tuple(local_overrides)
-        self.coordinator_id = coordinator_id
-        self.cfg = local
+    def __init__(self, local: RunConfig, **kw: Any) -> None:
+        super().__init__(local, **kw)
         self.discovery: Discovery | None = None
         self.coordinator = ""  # the peer id that signed the run record (it fixes each scope's genesis)
         self.node: RpcNode | None = None  # the plane's: the role's calls, the all-reduce, its part's state
@@ -93,25 +43,14 @@ class RoleBase(abc.ABC):
         self.rounds: PartRounds | None = None
         self._retired: dict[str, list[Retirement]] = {}  # scope -> its voter's retirements (a departure record)
         self.heartbeat: Heartbeat | None = None
-        self._claim: DirectoryClaim | None = None
-        self.tally, self.metrics = Tally(), ""  # its work so far (record stats, /metrics at `metrics`: host:port)
-        writer.listeners.append(self.tally.observe)
 
-    async def _join(self) -> Discovery:
-        self._claim, dcfg = claim_peer_directory(self.local)
-        discovery = await self.services.open_discovery(dcfg, run_id=self.local.train.run_id,
-                                                       run_key=resolve_run_key(self.local.rpc.run_key))
-        self.discovery = discovery
-        record = await fetch_run_record(discovery, self.local, coordinator_id=self.coordinator_id)
-        self.coordinator = record.coordinator_id
-        # A part of another model (config.json, weights, tokenizer) must not join the stage's swarm
-        self.cfg = check_run(merge_run_config(record.run_config(), self.local, local_overrides=self.local_overrides))
+    async def _join_pipeline(self) -> Discovery:
+        discovery, record = await self._join()  # a part of another model must not join the stage's swarm
+        self.discovery, self.coordinator = discovery, record.coordinator_id
         if self.cfg.pipeline.stages < 1:
             raise PeerError(f"run {self.cfg.train.run_id!r} has no pipeline (pipeline.stages = 0): join it without "
                             "--role, as a DiLoCo worker")
-        if self.cfg.train.threads:
-            torch.set_num_threads(self.cfg.train.threads)
-        self.tally.seq_len, self.tally.peer, self.tally.role = self.cfg.data.seq_len, discovery.peer_id, self.role
+        self.tally.seq_len = self.cfg.data.seq_len
         return discovery
 
     async def _open_plane(self, part: torch.nn.Module, *, scope: str, member: Any, role: str,
@@ -193,7 +132,7 @@ class RoleBase(abc.ABC):
 
     async def aclose(self, reason: str) -> None:
         """Stop beating, withdraw the record, retire the part's voter, close the data plane, and whatever failed
-        before, the DHT node (a process whose DHT child outlives it never exits: multiprocessing joins it)."""
+        before, what joining opened (the DHT node, the directory claim)."""
         try:
             if self.heartbeat is not None:
                 await self.heartbeat.aclose(withdraw=True)
@@ -202,8 +141,5 @@ class RoleBase(abc.ABC):
             if self.plane is not None:
                 await self.plane.aclose()
         finally:
-            if self.discovery is not None:
-                await self.discovery.aclose()
-            if self._claim is not None:
-                self._claim.release()
+            await self._opened.aclose()
         log.info("%s left: %s", self.role, reason)
