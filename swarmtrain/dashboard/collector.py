@@ -138,7 +138,8 @@ class Collector:
                 "client_mode": r.client_mode, "round": r.round, "state_hash": r.state_hash,
                 "hash_agrees": r.state_hash == top_hash if r.round == top_round else None, "state": state,
                 "problems": s.problems, "heartbeat_age_s": round(max(0.0, now - r.heartbeat_at), 3),
-                "clock_offset_s": r.clock_offset_s, "latency_s": r.latency_s, "queue": r.queue,
+                "clock_offset_s": r.clock_offset_s, "latency_s": r.server.latency_s if r.server else 0.0,
+                "queue": r.server.queue if r.server else 0,
                 "bandwidth_bytes_per_s": last.bandwidth_bytes_per_s if last and not s.problems else 0.0,
                 "compute_utilization": st.compute_s / busy if st and busy > 0 and not s.problems else None,
                 "stats": st.to_json() if st else None})

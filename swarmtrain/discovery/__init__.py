@@ -1,6 +1,7 @@
 """The only importer of hivemind: typed signed records on the DHT, an in-memory twin for tests.
 
-records.py    RunRecord, PeerRecord, DepartureRecord, MatchEntry, GroupRecord: frozen, validated on decode
+records.py    RunRecord, PeerRecord (with a stage server's StageLoad), DepartureRecord, MatchEntry, GroupRecord:
+              frozen, validated on decode
 fields.py     the JSON codec of a record's fields, declared once on each field (`wire(reader)`)
 protocol.py   the Discovery protocol and RecordDirectory (typed records over owner-signed slots)
 memory.py     InMemoryRegistry + InMemoryDiscovery (no sockets)
@@ -24,6 +25,7 @@ from swarmtrain.discovery.records import (
     PeerRecord,
     RecordError,
     RunRecord,
+    StageLoad,
 )
 from swarmtrain.discovery.scoped import ScopedDiscovery
 
@@ -43,5 +45,6 @@ __all__ = [
     "RunConflictError",
     "RunRecord",
     "ScopedDiscovery",
+    "StageLoad",
     "estimate_clock_offset_s",
 ]

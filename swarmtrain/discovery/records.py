@@ -43,6 +43,7 @@ __all__ = [
     "Record",
     "RecordError",
     "RunRecord",
+    "StageLoad",
     "check_endpoint",
     "decode_record",
 ]
@@ -211,6 +212,55 @@ class RunRecord(Record):
 
 
 @dataclass(frozen=True)
+class StageLoad:
+    """A stage server's part of its peer record: its stage and how loaded it is (the rebalancing and lost-stage
+    rules read it, and the trainers route by it)."""
+
+    KIND: ClassVar[str] = "peer.server"
+    stage: int = wire(read_count)  # the pipeline stage it serves
+    latency_s: float = wire(read_optional_number, default=0.0)  # mean seconds per call (EWMA)
+    queue: int = wire(read_optional_count, default=0)  # calls waiting
+    # compute seconds per micro-batch, forward + backward (EWMA); 0 = unknown
+    service_s: float = wire(read_optional_number, default=0.0)
+    busy: float = wire(read_optional_number, default=0.0)  # fraction of its last window computing
+    stage_since: float = wire(read_optional_number, default=0.0)  # unix seconds it took its stage; 0 = unknown
+    # kept copies of other stages: (stage, round) each
+    copies: tuple[tuple[int, int], ...] = wire(_copies, default=(), write=lambda v: [list(c) for c in v],
+                                               omit=lambda v: not v)
+
+    def __post_init__(self) -> None:
+        k = self.KIND
+        if self.stage < 0:
+            raise field_error(k, "stage", f"expected an int >= 0, got {self.stage}")
+        if not math.isfinite(self.latency_s) or self.latency_s < 0 or self.queue < 0:
+            raise field_error(k, "latency_s", f"latency {self.latency_s} and queue {self.queue} must be >= 0")
+        if not math.isfinite(self.service_s) or self.service_s < 0:
+            raise field_error(k, "service_s", f"expected a finite number >= 0, got {self.service_s}")
+        if not 0 <= self.busy <= 1:
+            raise field_error(k, "busy", f"expected a fraction in [0, 1], got {self.busy}")
+        if not math.isfinite(self.stage_since) or self.stage_since < 0:
+            raise field_error(k, "stage_since", f"expected a finite number >= 0, got {self.stage_since}")
+        if len(self.copies) > MAX_STAGE_COPIES or any(s < 0 or r < 0 for s, r in self.copies):
+            raise field_error(k, "copies", f"expected at most {MAX_STAGE_COPIES} (stage, round) pairs of ints >= 0, "
+                                           f"got {list(self.copies)[:MAX_STAGE_COPIES + 1]}")
+
+    def to_json(self) -> dict[str, Any]:
+        return fields_to_json(self)
+
+    @classmethod
+    def from_json(cls, d: Any) -> StageLoad:
+        if not isinstance(d, Mapping):
+            raise RecordError(f"{cls.KIND}: expected an object, got {type(d).__name__}")
+        return cls(**fields_from_json(cls, cls.KIND, d))
+
+
+def _stage_load(kind: str, d: Mapping[str, Any], name: str) -> StageLoad | None:
+    if name not in d:
+        return None
+    return StageLoad.from_json(d[name])
+
+
+@dataclass(frozen=True)
 class PeerRecord(Record):
     """One live peer, refreshed by its heartbeat; gone once `heartbeat_at + record_ttl_s` passes."""
 
@@ -231,36 +281,16 @@ class PeerRecord(Record):
     round_ends_at: float = wire(read_optional_number, default=0.0)
     # its estimate of (swarm clock − its clock); 0 = none (discovery/clock.py)
     clock_offset_s: float = wire(read_signed_number, default=0.0)
-    stage: int = wire(read_index, default=-1)  # a stage_server's stage of the pipeline; -1 = none
-    latency_s: float = wire(read_optional_number, default=0.0)  # a stage_server's mean seconds per call (EWMA)
-    queue: int = wire(read_optional_count, default=0)  # a stage_server's calls waiting
-    # a stage_server's compute seconds per micro-batch, forward + backward (EWMA); 0 = unknown
-    service_s: float = wire(read_optional_number, default=0.0)
-    busy: float = wire(read_optional_number, default=0.0)  # a stage_server's fraction of its last window computing
-    stage_since: float = wire(read_optional_number, default=0.0)  # unix seconds it took its stage; 0 = unknown
-    # a stage_server's kept copies of other stages: (stage, round) each
-    copies: tuple[tuple[int, int], ...] = wire(_copies, default=(), write=lambda v: [list(c) for c in v],
-                                               omit=lambda v: not v)
+    server: StageLoad | None = wire(_stage_load, default=None, write=lambda v: v.to_json(), omit=lambda v: v is None)
     # its work so far, for the dashboard (absent in older peers' records)
     stats: PeerStats | None = wire(_stats, default=None, write=lambda v: v.to_json(), omit=lambda v: v is None)
     # of its voter in its scope (round/ballots.py): what a genesis lists it as
     incarnation: int = wire(read_optional_count, default=0)
 
     def __post_init__(self) -> None:
-        if self.stage < -1 or (self.role == "stage_server") != (self.stage >= 0):
-            raise field_error(self.KIND, "stage", f"{self.stage} does not fit role {self.role!r} (a stage_server has a "
-                                             "stage >= 0, nobody else one)")
-        if not math.isfinite(self.latency_s) or self.latency_s < 0 or self.queue < 0:
-            raise field_error(self.KIND, "latency_s", f"latency {self.latency_s} and queue {self.queue} must be >= 0")
-        if not math.isfinite(self.service_s) or self.service_s < 0:
-            raise field_error(self.KIND, "service_s", f"expected a finite number >= 0, got {self.service_s}")
-        if not 0 <= self.busy <= 1:
-            raise field_error(self.KIND, "busy", f"expected a fraction in [0, 1], got {self.busy}")
-        if not math.isfinite(self.stage_since) or self.stage_since < 0:
-            raise field_error(self.KIND, "stage_since", f"expected a finite number >= 0, got {self.stage_since}")
-        if len(self.copies) > MAX_STAGE_COPIES or any(k < 0 or r < 0 for k, r in self.copies):
-            raise field_error(self.KIND, "copies", f"expected at most {MAX_STAGE_COPIES} (stage, round) pairs "
-                                              f"of ints >= 0, got {list(self.copies)[:MAX_STAGE_COPIES + 1]}")
+        if (self.role == "stage_server") != (self.server is not None):
+            raise field_error(self.KIND, "server", f"{'none' if self.server is None else 'a stage'} does not fit role "
+                                              f"{self.role!r} (a stage_server names its stage and load, nobody else)")
         if not math.isfinite(self.clock_offset_s) or abs(self.clock_offset_s) > MAX_CLOCK_OFFSET_S:
             raise field_error(self.KIND, "clock_offset_s", f"expected a number within ±{MAX_CLOCK_OFFSET_S:.0f}, "
                                                       f"got {self.clock_offset_s}")
@@ -277,6 +307,16 @@ class PeerRecord(Record):
     @property
     def owner_id(self) -> str:
         return self.peer_id
+
+    @property
+    def stage(self) -> int:
+        """A stage server's stage; -1 for every other role."""
+        return self.server.stage if self.server is not None else -1
+
+    @property
+    def copies(self) -> tuple[tuple[int, int], ...]:
+        """A stage server's kept copies of other stages; () for every other role."""
+        return self.server.copies if self.server is not None else ()
 
     def to_member(self) -> Member:
         return Member(peer_id=self.peer_id, endpoint=self.endpoint, client_mode=self.client_mode,

@@ -73,8 +73,8 @@ def describe(choice: Choice) -> str:
 
 def server_loads(peers: Sequence[PeerRecord], stages: int) -> list[ServerLoad]:
     """What the rebalancing rule reads of the live stage servers' records."""
-    return [ServerLoad(p.peer_id, p.stage, p.service_s, p.busy, p.stage_since) for p in peers
-            if p.role == "stage_server" and 0 <= p.stage < stages]
+    return [ServerLoad(p.peer_id, s.stage, s.service_s, s.busy, s.stage_since) for p in peers
+            if (s := p.server) is not None and s.stage < stages]
 
 
 @dataclass

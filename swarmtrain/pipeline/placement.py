@@ -19,10 +19,10 @@ def servers_of(peers: Sequence[PeerRecord], stages: int) -> tuple[list[Server], 
     """The stage servers among live peer records, with the (latency, queue) each published."""
     servers, hints = [], {}
     for p in peers:
-        if p.role == "stage_server" and 0 <= p.stage < stages and p.endpoint:
-            s = Server(p.peer_id, p.endpoint, p.stage)
+        if p.server is not None and p.server.stage < stages and p.endpoint:
+            s = Server(p.peer_id, p.endpoint, p.server.stage)
             servers.append(s)
-            hints[s] = (p.latency_s, p.queue)
+            hints[s] = (p.server.latency_s, p.server.queue)
     return servers, hints
 
 

@@ -52,7 +52,7 @@ import torch
 
 from swarmtrain.config import RunConfig
 from swarmtrain.diloco.flat import param_shapes
-from swarmtrain.discovery import PeerRecord
+from swarmtrain.discovery import PeerRecord, StageLoad
 from swarmtrain.driver.part import CommittedState
 from swarmtrain.peer.network import NetworkPlane
 from swarmtrain.peer.services import PeerError
@@ -193,9 +193,10 @@ class StageServerRole(PartRole):
         assert self.discovery is not None and self.holding is not None
         h = self.holding
         return PeerRecord(run_id=self.cfg.train.run_id, peer_id=self.discovery.peer_id, endpoint=h.node.endpoint,
-                          role="stage_server", stage=h.stage, latency_s=h.handler.latency_s, queue=h.handler.waiting,
-                          service_s=h.handler.service_s, busy=h.handler.busy(self.cfg.pipeline.rebalance_period_s),
-                          stage_since=h.since, copies=self.copies.announced() if self.copies else (),
+                          role="stage_server", server=StageLoad(
+                              stage=h.stage, latency_s=h.handler.latency_s, queue=h.handler.waiting,
+                              service_s=h.handler.service_s, busy=h.handler.busy(self.cfg.pipeline.rebalance_period_s),
+                              stage_since=h.since, copies=self.copies.announced() if self.copies else ()),
                           **self._part_fields())
 
     def _on_step(self, holding: Holding, stats: StageStats) -> None:  # on the server's compute thread, weights still

@@ -13,7 +13,7 @@ import torch
 
 from swarmtrain.config import load_config
 from swarmtrain.diloco.flat import state_digest
-from swarmtrain.discovery import PeerRecord
+from swarmtrain.discovery import PeerRecord, StageLoad
 from swarmtrain.pipeline.placement import least_served_stage
 from swarmtrain.roles import StageServerRole, TrainerRole
 from swarmtrain.telemetry import (
@@ -46,7 +46,7 @@ def _local():
 def test_the_least_served_stage_counts_servers_per_block() -> None:
     def server(i: int, stage: int) -> PeerRecord:
         return PeerRecord(run_id="r", peer_id=f"p{i}", endpoint=f"127.0.0.1:{1000 + i}", role="stage_server",
-                          stage=stage)
+                          server=StageLoad(stage=stage))
 
     assert least_served_stage([], n_layer=3, stages=2) == 0
     # stage 0 holds 2 blocks, stage 1 one: one server on stage 0 still leaves stage 1 less served per block

@@ -21,6 +21,7 @@ from swarmtrain.discovery import (
     RecordError,
     RunConflictError,
     RunRecord,
+    StageLoad,
 )
 from swarmtrain.discovery.records import decode_record
 from swarmtrain.discovery.stats import PeerStats
@@ -59,18 +60,46 @@ def test_every_record_kind_round_trips_through_bytes() -> None:
 
 
 def test_a_peer_record_with_every_field_set_has_the_wire_form_of_every_field() -> None:
-    """The codec is derived from the fields' metadata: every field is on the wire under its own name (the two
-    that older peers never sent only when set), and reads back to the same record."""
+    """The codec is derived from the fields' metadata: every field is on the wire under its own name, a stage
+    server's load and a peer's stats as objects of their own (absent from the records of peers without them), and
+    reads back to the same record."""
     stats = PeerStats(rounds_committed=3, loss=2.5)
+    load = StageLoad(stage=2, latency_s=0.5, queue=3, service_s=0.75, busy=0.5, stage_since=5.5,
+                     copies=((1, 3), (3, 4)))
     r = PeerRecord(run_id=RUN, peer_id="s", endpoint="10.0.0.2:9", role="stage_server", client_mode=False, round=4,
                    state_hash="ab", throughput_tokens_per_s=1.5, bandwidth_bytes_per_s=2.5, heartbeat_at=3.5,
-                   shard_index=1, round_ends_at=4.5, clock_offset_s=-0.25, stage=2, latency_s=0.5, queue=3,
-                   service_s=0.75, busy=0.5, stage_since=5.5, copies=((1, 3), (3, 4)), stats=stats, incarnation=2)
+                   shard_index=1, round_ends_at=4.5, clock_offset_s=-0.25, server=load, stats=stats, incarnation=2)
     d = r.to_json()
     assert set(d) == {f.name for f in dataclasses.fields(PeerRecord)}
-    assert d["copies"] == [[1, 3], [3, 4]] and d["stats"] == stats.to_json() and d["clock_offset_s"] == -0.25
+    assert set(d["server"]) == {f.name for f in dataclasses.fields(StageLoad)}
+    assert d["server"]["copies"] == [[1, 3], [3, 4]] and d["stats"] == stats.to_json() and d["clock_offset_s"] == -0.25
     assert decode_record(PeerRecord, r.encode(), run_id=RUN, signer_id="s") == r
-    assert set(_peer("a", 1.0).to_json()) == {f.name for f in dataclasses.fields(PeerRecord)} - {"copies", "stats"}
+    assert (r.stage, r.copies) == (2, ((1, 3), (3, 4)))
+    worker = _peer("a", 1.0)
+    assert set(worker.to_json()) == {f.name for f in dataclasses.fields(PeerRecord)} - {"server", "stats"}
+    assert (worker.stage, worker.copies) == (-1, ())
+
+
+@pytest.mark.parametrize("server, match", [
+    (None, "peer.server: none does not fit role 'stage_server'"),
+    ({"stage": -1}, r"peer\.server\.stage"),
+    ({"stage": 0, "busy": 1.5}, r"peer\.server\.busy"),
+    ({"stage": 0, "latency_s": -1.0}, r"peer\.server\.latency_s"),
+    ({"stage": 0, "service_s": "fast"}, r"peer\.server\.service_s"),
+    ([0], r"peer\.server: expected an object"),
+])
+def test_a_stage_servers_malformed_load_is_rejected_naming_the_field(server: object, match: str) -> None:
+    good = PeerRecord(run_id=RUN, peer_id="s", endpoint="10.0.0.2:9", role="stage_server", server=StageLoad(stage=0))
+    d = {k: v for k, v in json.loads(good.encode()).items() if k != "server"}
+    if server is not None:
+        d["server"] = server
+    with pytest.raises(RecordError, match=match):
+        decode_record(PeerRecord, json.dumps(d).encode(), run_id=RUN, signer_id="s")
+
+
+def test_only_a_stage_server_names_a_stage() -> None:
+    with pytest.raises(RecordError, match="does not fit role 'worker'"):
+        PeerRecord(run_id=RUN, peer_id="w", endpoint="10.0.0.2:9", role="worker", server=StageLoad(stage=0))
 
 
 @pytest.mark.parametrize("mutate, match", [

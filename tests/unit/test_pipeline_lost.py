@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from swarmtrain.config import ConfigError, load_config
-from swarmtrain.discovery import PeerRecord
+from swarmtrain.discovery import PeerRecord, StageLoad
 from swarmtrain.discovery.records import RecordError
 from swarmtrain.pipeline.lost import (
     LiveServer,
@@ -155,11 +155,12 @@ def test_no_restorer_without_a_spare_server_holding_a_copy() -> None:
 
 
 def test_a_record_carries_its_copies_and_refuses_malformed_ones() -> None:
-    rec = PeerRecord(run_id="r", peer_id="a", endpoint="127.0.0.1:1", role="stage_server", stage=1,
-                     copies=((0, 4), (2, 5)))
+    rec = PeerRecord(run_id="r", peer_id="a", endpoint="127.0.0.1:1", role="stage_server",
+                     server=StageLoad(stage=1, copies=((0, 4), (2, 5))))
     assert PeerRecord.from_json(rec.to_json()).copies == ((0, 4), (2, 5))
-    plain = {k: v for k, v in rec.to_json().items() if k != "copies"}  # a record of an older peer
+    load = rec.to_json()["server"]
+    plain = {**rec.to_json(), "server": {k: v for k, v in load.items() if k != "copies"}}  # a server keeping none
     assert PeerRecord.from_json(plain).copies == ()
     for bad in ([[0]], [[0, "4"]], [[0, True]], "0,4", [[0, 4]] * 9, [[-1, 4]]):
-        with pytest.raises(RecordError, match=r"peer\.copies"):
-            PeerRecord.from_json({**rec.to_json(), "copies": bad})
+        with pytest.raises(RecordError, match=r"peer\.server\.copies"):
+            PeerRecord.from_json({**rec.to_json(), "server": {**load, "copies": bad}})

@@ -20,7 +20,14 @@ from swarmtrain.averaging.matchmaking import MatchOutcome
 from swarmtrain.config import RunConfig, load_config
 from swarmtrain.diloco.averager import AverageResult
 from swarmtrain.diloco.flat import state_digest
-from swarmtrain.discovery import InMemoryDiscovery, InMemoryRegistry, MatchEntry, PeerRecord, ScopedDiscovery
+from swarmtrain.discovery import (
+    InMemoryDiscovery,
+    InMemoryRegistry,
+    MatchEntry,
+    PeerRecord,
+    ScopedDiscovery,
+    StageLoad,
+)
 from swarmtrain.driver.part import CommittedState
 from swarmtrain.pipeline.outer import PartRounds
 from swarmtrain.round.ballots import Ballot, Genesis, MaterialLayout, ShardDigest, Value, Voter
@@ -110,7 +117,7 @@ async def _other(registry: InMemoryRegistry, **fields: object) -> InMemoryDiscov
     """Another server of stage 0, announced with `fields`."""
     d = InMemoryDiscovery(registry, run_id="r", record_ttl_s=60.0)
     await d.announce(PeerRecord(run_id="r", peer_id=d.peer_id, endpoint=f"127.0.0.1:{next(_PORTS)}",
-                                role="stage_server", stage=0, heartbeat_at=d.now(), **fields),  # type: ignore[arg-type]
+                                role="stage_server", server=StageLoad(stage=0), heartbeat_at=d.now(), **fields),  # type: ignore[arg-type]
                      timeout_s=1.0)
     return d
 

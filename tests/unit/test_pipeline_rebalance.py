@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from swarmtrain.config import ConfigError, load_config
-from swarmtrain.discovery import PeerRecord
+from swarmtrain.discovery import PeerRecord, StageLoad
 from swarmtrain.pipeline.decisions import server_loads
 from swarmtrain.pipeline.rebalance import Rebalancer, RebalanceRule, ServerLoad, plan_move
 
@@ -116,12 +116,12 @@ def test_speeds_are_per_block_and_unmeasured_servers_count_at_the_median() -> No
 
 
 def test_records_feed_the_rule() -> None:
-    peers = [PeerRecord(run_id="r", peer_id="a", endpoint="127.0.0.1:1", role="stage_server", stage=1,
-                        service_s=0.2, busy=0.5, stage_since=12.0),
+    peers = [PeerRecord(run_id="r", peer_id="a", endpoint="127.0.0.1:1", role="stage_server",
+                        server=StageLoad(stage=1, service_s=0.2, busy=0.5, stage_since=12.0)),
              PeerRecord(run_id="r", peer_id="t", endpoint="127.0.0.1:2", role="trainer")]
     assert server_loads(peers, stages=2) == [ServerLoad("a", 1, 0.2, 0.5, 12.0)]
-    back = PeerRecord.from_json(peers[0].to_json())
-    assert (back.service_s, back.busy, back.stage_since) == (0.2, 0.5, 12.0)
+    back = PeerRecord.from_json(peers[0].to_json()).server
+    assert back is not None and (back.service_s, back.busy, back.stage_since) == (0.2, 0.5, 12.0)
 
 
 @pytest.mark.parametrize(("override", "field"), [

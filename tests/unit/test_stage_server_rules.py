@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from swarmtrain.discovery import PeerRecord
+from swarmtrain.discovery import PeerRecord, StageLoad
 from swarmtrain.pipeline.decisions import Move, Rebuild, Restore, ServerRules, Stay, describe
 from swarmtrain.pipeline.lost import LostStageWatch
 from swarmtrain.pipeline.rebalance import Rebalancer, RebalanceRule
@@ -19,8 +19,8 @@ RULE = RebalanceRule(margin=0.25, cooldown_s=0.0, observe_s=0.0)
 
 def server(peer: str, stage: int, *, busy: float = 0.33, service_s: float = 0.1, round_: int = 4,
            copies: tuple[tuple[int, int], ...] = ()) -> PeerRecord:
-    return PeerRecord(run_id="r", peer_id=peer, endpoint="127.0.0.1:1", role="stage_server", stage=stage,
-                      service_s=service_s, busy=busy, round=round_, copies=copies)
+    return PeerRecord(run_id="r", peer_id=peer, endpoint="127.0.0.1:1", role="stage_server", round=round_,
+                      server=StageLoad(stage=stage, service_s=service_s, busy=busy, copies=copies))
 
 
 def rules(me: str, *, stages: int = 3, lost_stage: str = "neighbours", rebalance: bool = True,
