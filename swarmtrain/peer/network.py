@@ -40,11 +40,22 @@ from swarmtrain.rpc.errors import RpcError
 from swarmtrain.rpc.node import RpcNode
 from swarmtrain.sync.transfer import StateServer, StateSnapshot, fetch_state_async, fetch_state_parallel_async
 
-__all__ = ["NetworkPlane", "NetworkServices"]
+__all__ = ["NetworkPlane", "NetworkServices", "match_budget_s", "round_budget_s"]
 
 RUN_SECTIONS_THAT_MUST_MATCH = ("model", "outer", "compress")
 T = TypeVar("T")
 OutcomeOf = Callable[[Value, ShardedMean], Awaitable[str | None]]
+
+
+def match_budget_s(cfg: RunConfig) -> float:
+    """The most one round's matchmaking may take: up to four attempts, each a window and the calls around it."""
+    a, r = cfg.averaging, cfg.rpc
+    return 4 * a.matchmaking_timeout_s + 4 * r.call_timeout_s + 2.0
+
+
+def round_budget_s(cfg: RunConfig) -> float:
+    """The most a trained round may take to end: its matchmaking, then the all-reduce and the decision."""
+    return match_budget_s(cfg) + cfg.averaging.allreduce_timeout_s
 
 
 class NetworkServices:
@@ -102,7 +113,7 @@ class NetworkPlane:
         self._prematch: tuple[int, asyncio.Task[MatchOutcome]] | None = None
         self._outcome_of: OutcomeOf | None = None
         a, r = cfg.averaging, cfg.rpc
-        self._match_timeout_s = 4 * a.matchmaking_timeout_s + 4 * r.call_timeout_s + 2.0
+        self._match_timeout_s = match_budget_s(cfg)
         self._fetch_timeout_s = 4 * max(r.call_timeout_s, a.allreduce_timeout_s)
 
     async def open(self) -> None:

@@ -54,7 +54,7 @@ from swarmtrain.config import RunConfig
 from swarmtrain.diloco.flat import param_shapes
 from swarmtrain.discovery import PeerRecord, StageLoad
 from swarmtrain.driver.part import CommittedState
-from swarmtrain.peer.network import NetworkPlane
+from swarmtrain.peer.network import NetworkPlane, round_budget_s
 from swarmtrain.peer.services import PeerError
 from swarmtrain.pipeline.cut import stage_blocks
 from swarmtrain.pipeline.decisions import Choice, Move, Rebuild, Restore, ServerRules, Stay, describe
@@ -377,10 +377,8 @@ class StageServerRole(PartRole):
     async def _close(self, holding: Holding) -> None:
         """Finish the holding's round in flight (bounded), retire its voter (this server leaves the stage for
         good: the departure record says so), stop its node and its compute thread."""
-        a, r = self.cfg.averaging, self.cfg.rpc
         with contextlib.suppress(Exception):
-            await holding.rounds.finish(timeout_s=4 * a.matchmaking_timeout_s + 4 * r.call_timeout_s
-                                        + a.allreduce_timeout_s)
+            await holding.rounds.finish(timeout_s=round_budget_s(self.cfg))
         await self._retire(holding.plane.scope, holding.rounds)
         await holding.plane.aclose()
         await asyncio.to_thread(holding.handler.close)

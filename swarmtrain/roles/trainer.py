@@ -24,6 +24,7 @@ from swarmtrain.config import RunConfig
 from swarmtrain.data import load_corpus
 from swarmtrain.discovery import PeerRecord
 from swarmtrain.peer.data import peer_batches
+from swarmtrain.peer.network import round_budget_s
 from swarmtrain.pipeline.parts import build_ends
 from swarmtrain.pipeline.placement import servers_of
 from swarmtrain.pipeline.routing import Server
@@ -109,9 +110,8 @@ class TrainerRole(PartRole):
                                        at=time.time()))
             self.rounds.stepped()
             await self.rounds.settle()
-        a, r = self.cfg.averaging, self.cfg.rpc
         # The last round: the other trainers average it too (bounded: matchmaking, then the all-reduce).
-        await self.rounds.finish(timeout_s=4 * a.matchmaking_timeout_s + 4 * r.call_timeout_s + a.allreduce_timeout_s)
+        await self.rounds.finish(timeout_s=round_budget_s(self.cfg))
         return "done"
 
     async def aclose(self, reason: str) -> None:
