@@ -332,9 +332,14 @@ def probed_peer_main(argv: Sequence[str]) -> int:
     from swarmtrain.daemon.cli import build_parser
     from swarmtrain.daemon.options import config_from_args
     from swarmtrain.peer.network import NetworkServices
-    from swarmtrain.roles import Peer
-    from swarmtrain.roles import process as peer_process
     from swarmtrain.telemetry import EventWriter
+
+    try:
+        from swarmtrain.roles import Peer
+        from swarmtrain.roles import process as peer_process
+    except ImportError:  # a tree from before the roles package (a side-by-side run against an older commit)
+        from swarmtrain.peer import Peer  # type: ignore[attr-defined,no-redef]
+        from swarmtrain.peer import process as peer_process  # type: ignore[attr-defined,no-redef]
 
     report_path, peer_args = Path(argv[0]), list(argv[1:])
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
