@@ -17,11 +17,13 @@ one peer and round r (all times are unix seconds on the posting peer's clock):
    the eligible ones are those posted by the close, and the *leader* is the smallest eligible peer_id;
    a peer below it passes over a leader whose record stopped beating (silent for `STALE_BEATS`
    heartbeats: it died after posting), and then the smallest id whose record beats leads, without
-   the silent ones. A peer stops waiting early once every live peer
-   announced at round r (or behind it) that beat within its last `STALE_BEATS` heartbeats has posted
-   and they are at least `min_peers` (*early close*: a window costs nothing when the whole swarm is
-   there, and a lone peer still gives newcomers the whole window); a leader that finds another
-   leader's group for the attempt is late;
+   the silent ones. A peer stops waiting early once every live peer announced at round r (or behind it
+   with its inner steps ended by the close: it heals with them) that beat within its last `STALE_BEATS`
+   heartbeats has posted and they are at least `min_peers` (*early close*: a window costs nothing when
+   the whole swarm is there, and a lone peer still gives newcomers the whole window); a peer still
+   missing `OVERDUE_BEATS` heartbeats after the end of steps its record announced, and silent since that
+   end, is not waited for (it died before posting); a leader that finds another leader's group for the
+   attempt is late;
 4. the leader publishes a GroupRecord (signed by it) with the members it sees, sorted; every
    other peer waits (until `decision_timeout_s` after its settle) for a GroupRecord from the
    leader *it* computed and adopts exactly that member list, or nothing.
@@ -59,13 +61,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from swarmtrain.config import AveragingConfig
-from swarmtrain.discovery import Discovery, DiscoveryError, GroupRecord, MatchEntry
+from swarmtrain.discovery import Discovery, DiscoveryError, GroupRecord, MatchEntry, PeerRecord
 from swarmtrain.round.group import Group, Member
 
-__all__ = ["STALE_BEATS", "MatchOutcome", "Matchmaker"]
+__all__ = ["OVERDUE_BEATS", "STALE_BEATS", "MatchOutcome", "Matchmaker"]
 
 log = logging.getLogger(__name__)
 STALE_BEATS = 3.0  # heartbeats a record may miss before early close stops waiting for its peer
+# heartbeats after its announced end of steps an expected peer that has not posted is looked up again
+OVERDUE_BEATS = 1.5
 
 
 @dataclass(frozen=True)
@@ -93,10 +97,14 @@ class Matchmaker:
     def __init__(self, discovery: Discovery, *, min_peers: int, window_s: float, settle_s: float | None = None,
                  decision_timeout_s: float | None = None, io_timeout_s: float | None = None,
                  poll_s: float | None = None, commit_timeout_s: float | None = None,
-                 early_close: bool = True, role: str = "worker", stale_after_s: float | None = None) -> None:
+                 early_close: bool = True, role: str = "worker", stale_after_s: float | None = None,
+                 overdue_s: float | None = None) -> None:
         """`role`: the peers (by their record's role) that average with this one: a round closes early
         once all of them posted. `stale_after_s`: a record whose last heartbeat is older than this is not waited
-        for (its peer died or froze; its record lives until it expires), None: every live record is."""
+        for (its peer died or froze; its record lives until it expires), None: every live record is.
+        `overdue_s`: a peer that has not posted `overdue_s` after the end of its inner steps its record announced
+        is looked up again, and not waited for when it has not beaten since that end (it died before posting);
+        None: it is waited for until the close."""
         if min_peers < 1:
             raise ValueError(f"min_peers must be >= 1, got {min_peers}")
         if window_s <= 0:
@@ -105,6 +113,7 @@ class Matchmaker:
         self.early_close = early_close
         self.role = role
         self.stale_after_s = stale_after_s
+        self.overdue_s = overdue_s
         self.min_peers = min_peers
         self.window_s = window_s
         self.settle_s = settle_s if settle_s is not None else 0.25 * window_s
@@ -122,10 +131,12 @@ class Matchmaker:
     @classmethod
     def from_config(cls, discovery: Discovery, cfg: AveragingConfig, *, role: str = "worker",
                     heartbeat_s: float | None = None) -> Matchmaker:
-        """`heartbeat_s`: how often peers beat; a record silent for STALE_BEATS of them is not waited for."""
+        """`heartbeat_s`: how often peers beat; a record silent for STALE_BEATS of them is not waited for, nor one
+        that has not beaten since its inner steps ended OVERDUE_BEATS of them ago without posting."""
         return cls(discovery, min_peers=cfg.min_peers, window_s=cfg.matchmaking_timeout_s,
                    commit_timeout_s=cfg.allreduce_timeout_s, role=role,
-                   stale_after_s=None if heartbeat_s is None else STALE_BEATS * heartbeat_s)
+                   stale_after_s=None if heartbeat_s is None else STALE_BEATS * heartbeat_s,
+                   overdue_s=None if heartbeat_s is None else OVERDUE_BEATS * heartbeat_s)
 
     def _now(self) -> float:
         return self._d.now()
@@ -200,30 +211,60 @@ class Matchmaker:
                            close_at: float) -> list[MatchEntry]:
         """The attempt's entries after close + settle, or as soon as every peer expected at this round posted.
 
-        Expected: the live peers whose record says they are at `round_index` (they will average it)
-        or behind it (they are healing towards it: closing without them would make a rejoining peer
-        miss round after round). Closing early does not change who is eligible (posted by
-        `close_at`) or who leads; a peer that was not expected and posts after the leader published
-        simply is not in its group.
+        Expected: the live peers whose record says they are at `round_index` (they will average it), and
+        those behind it whose record says their inner steps ended by the close (they hold trained steps and
+        heal towards the round with them: closing without them would make such a peer miss round after
+        round). A peer behind without steps under way (one restarted from its checkpoint, announcing no
+        round end) must heal and train before it can post: it joins the next round at the swarm's pace, and
+        waiting for it would cost every round of a large swarm its whole window. Nor is a peer whose steps
+        end after the close by its own record: it could not post in time. Closing early does not
+        change who is eligible (posted by `close_at`) or who leads; a peer that was not expected and posts
+        after the leader published simply is not in its group.
+
+        A peer crashed just before its round ended looks like one about to post until its record goes stale
+        (longer than a window): in a large swarm with churn there is nearly always one. So an expected peer
+        still missing `overdue_s` after its announced end of steps is read again, and one that has not beaten
+        since that end is not waited for (a live peer beats while it trains and while it posts).
         """
-        expected: set[str] = set()
+        expected: dict[str, PeerRecord] = {}
         if self.early_close:
             peers = await self._d.live_peers(timeout_s=self.io_timeout_s)
             # A crashed peer's record stays live until it expires: in a large swarm with churn there is nearly
             # always one, and waiting for it would cost every round its whole window.
             fresh_since = -float("inf") if self.stale_after_s is None else self._now() - self.stale_after_s
-            expected = {p.peer_id for p in peers if p.round <= round_index and p.role == self.role
-                        and p.heartbeat_at >= fresh_since}
+            expected = {p.peer_id: p for p in peers if p.role == self.role and p.heartbeat_at >= fresh_since
+                        and p.round <= round_index and _may_post_by(p, round_index, close_at)}
+        looked_again: set[str] = set()
         while True:
             entries = await self._entries(round_index, attempt, own)
-            if self._now() >= close_at + self.settle_s:
+            now = self._now()
+            if now >= close_at + self.settle_s:
                 return entries
+            missing = set(expected) - {e.member.peer_id for e in entries}
             # Never early when the expected peers cannot make a group: the window is the time newcomers get.
-            if len(expected) >= self.min_peers and expected <= {e.member.peer_id for e in entries}:
+            if len(expected) >= self.min_peers and not missing:
                 log.debug("round %d attempt %d: all %d expected peers posted; closing early", round_index, attempt,
                           len(expected))
                 return entries
+            overdue = {p for p in missing - looked_again if self.overdue_s is not None
+                       and 0 < expected[p].round_ends_at < now - self.overdue_s}
+            if overdue:
+                looked_again |= overdue
+                for p in await self._silent_since_their_end({p: expected[p] for p in overdue}):
+                    log.debug("round %d attempt %d: %s has not beaten since its steps ended; not waiting for it",
+                              round_index, attempt, p)
+                    del expected[p]
+                continue
             await asyncio.sleep(max(0.0, min(self.poll_s, close_at + self.settle_s - self._now())))
+
+    async def _silent_since_their_end(self, overdue: dict[str, PeerRecord]) -> set[str]:
+        """Of the `overdue` peers (their records as read at the window's start), those whose record has not beaten
+        since the end of steps it announced, or is gone; none when the roster cannot be read."""
+        try:
+            now = {p.peer_id: p for p in await self._d.live_peers(timeout_s=self.io_timeout_s)}
+        except (DiscoveryError, TimeoutError):
+            return set()
+        return {p for p, was in overdue.items() if p not in now or now[p].heartbeat_at < was.round_ends_at}
 
     async def _find_attempt(self, round_index: int) -> int | MatchOutcome:
         """The attempt of `round_index` to enter, or the outcome that says why none can be entered now."""
@@ -393,6 +434,14 @@ def _agreeing(eligible: Sequence[MatchEntry]) -> tuple[str, list[MatchEntry]]:
     if 2 * top <= len(eligible):
         return "", []
     return group_hash, [e for e in eligible if e.member.state_hash == group_hash]
+
+
+def _may_post_by(p: PeerRecord, round_index: int, close_at: float) -> bool:
+    """Whether `p` (at `round_index` or behind it) may post for the round by `close_at`: a peer at the round unless
+    its announced end of steps comes after the close; one behind only with its steps ended by then."""
+    if p.round == round_index:
+        return p.round_ends_at <= close_at
+    return 0 < p.round_ends_at <= close_at
 
 
 def _close_at(entries: Sequence[MatchEntry], window_s: float) -> float:

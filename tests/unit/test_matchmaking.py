@@ -200,9 +200,9 @@ async def _match_all_fast(peers: list[InMemoryDiscovery], round_index: int) -> l
                                        for i, d in enumerate(peers))))
 
 
-async def _announce(d: InMemoryDiscovery, round_index: int) -> None:
+async def _announce(d: InMemoryDiscovery, round_index: int, *, round_ends_at: float = 0.0) -> None:
     await d.announce(PeerRecord(run_id=RUN, peer_id=d.peer_id, endpoint="127.0.0.1:1", round=round_index,
-                                heartbeat_at=d.now()), timeout_s=1)
+                                heartbeat_at=d.now(), round_ends_at=round_ends_at), timeout_s=1)
 
 
 @pytest.mark.parametrize("newcomer_id", ["zzz-newcomer", "aaa-newcomer"])  # follows / would lead
@@ -269,13 +269,17 @@ def test_a_lone_expected_peer_waits_the_whole_window_for_newcomers() -> None:
     assert elapsed_s >= 0.5  # the full window (a lower bound, so a slow box cannot fail it)
 
 
-def test_a_peer_behind_the_round_keeps_the_window_open_for_its_heal() -> None:
-    """A rejoining peer (record still at an older round) is expected: closing early would exclude it every round."""
+@pytest.mark.parametrize(("steps_ended", "waits"), [(True, True), (False, False)])
+def test_a_peer_behind_the_round_holds_the_window_only_with_its_steps_done(steps_ended: bool, waits: bool) -> None:
+    """A peer behind the round whose record says its inner steps ended holds trained steps and heals to the round
+    with them: it is expected (closing early would exclude it every round). One restarted from its checkpoint
+    announces no round end: it must heal and train first, and waiting for it costs the round its window."""
     async def main() -> tuple[list[MatchOutcome], float]:
-        _, (a, b, healing) = _swarm(3)
+        _, (a, b, behind) = _swarm(3)
         for d in (a, b):
             await _announce(d, 5)
-        await _announce(healing, 3)  # it will heal to round 5 and post; here it never does
+        # it would heal to round 5 and post; here it never does
+        await _announce(behind, 3, round_ends_at=behind.now() - 1.0 if steps_ended else 0.0)
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         outs = await asyncio.gather(*(Matchmaker(d, min_peers=2, window_s=0.5).form_group(5, _member(d, i))
@@ -284,7 +288,63 @@ def test_a_peer_behind_the_round_keeps_the_window_open_for_its_heal() -> None:
 
     outs, elapsed_s = asyncio.run(main())
     assert len({o.group for o in outs}) == 1 and outs[0].group is not None and len(outs[0].group.members) == 2
-    assert elapsed_s >= 0.5  # the whole window, waiting for the healing peer
+    assert (elapsed_s >= 0.5) == waits, elapsed_s  # the whole window only while waiting for it
+
+
+@pytest.mark.parametrize(("ends_in_s", "waits"), [(0.2, True), (5.0, False)])
+def test_a_peer_whose_steps_end_after_the_close_does_not_hold_the_window(ends_in_s: float, waits: bool) -> None:
+    """A peer at the round whose record says its inner steps end before the close is waited for; one whose steps
+    end after it could not post in time (a peer out of step with the swarm, or slower than its window)."""
+    async def main() -> tuple[list[MatchOutcome], float]:
+        _, (a, b, c) = _swarm(3)
+        for d in (a, b):
+            await _announce(d, 5)
+        await _announce(c, 5, round_ends_at=c.now() + ends_in_s)  # here it never posts
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        outs = await asyncio.gather(*(Matchmaker(d, min_peers=2, window_s=0.5).form_group(5, _member(d, i))
+                                      for i, d in enumerate((a, b))))
+        return list(outs), loop.time() - t0
+
+    outs, elapsed_s = asyncio.run(main())
+    assert len({o.group for o in outs}) == 1 and outs[0].group is not None and len(outs[0].group.members) == 2
+    assert (elapsed_s >= 0.5) == waits, elapsed_s
+
+
+@pytest.mark.parametrize(("beating", "waits"), [(True, True), (False, False)])
+def test_a_peer_silent_since_its_steps_ended_does_not_hold_the_window(beating: bool, waits: bool) -> None:
+    """A peer at the round whose record announced the end of its inner steps, and which has not posted well after
+    it: one that still beats is alive (slow, or posting) and is waited for; one silent since that end died before
+    posting, which its record shows only once it goes stale (longer than the window), and is not."""
+    async def main() -> tuple[list[MatchOutcome], float]:
+        _, (a, b, c) = _swarm(3)
+        for d in (a, b):
+            await _announce(d, 5)
+        ended = c.now() - 0.2  # its steps of round 5 ended: it should be posting now
+        last_beat = c.now() if beating else ended - 0.1  # the dead one's last beat came before that end
+        await c.announce(PeerRecord(run_id=RUN, peer_id=c.peer_id, endpoint="127.0.0.1:1", round=5,
+                                    heartbeat_at=last_beat, round_ends_at=ended), timeout_s=1)
+
+        async def beat() -> None:  # alive: its heartbeats go on while it (slowly) gets to posting
+            while True:
+                await asyncio.sleep(0.05)
+                await _announce(c, 5, round_ends_at=ended)
+
+        beats = asyncio.ensure_future(beat()) if beating else None
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        try:
+            outs = await asyncio.gather(*(Matchmaker(d, min_peers=2, window_s=0.8, stale_after_s=30.0,
+                                                     overdue_s=0.1).form_group(5, _member(d, i))
+                                          for i, d in enumerate((a, b))))
+        finally:
+            if beats is not None:
+                beats.cancel()
+        return list(outs), loop.time() - t0
+
+    outs, elapsed_s = asyncio.run(main())
+    assert len({o.group for o in outs}) == 1 and outs[0].group is not None and len(outs[0].group.members) == 2
+    assert (elapsed_s >= 0.8) == waits, elapsed_s
 
 
 def _hashed(d: InMemoryDiscovery, i: int, state_hash: str) -> Member:

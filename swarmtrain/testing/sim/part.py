@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import hashlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,7 +44,9 @@ class SimPart:
     """See the module docstring. `directory` is the peer's disk (what survives a crash)."""
 
     def __init__(self, *, peer_id: str, numel: int, outer: OuterConfig, directory: Path, seed: int,
-                 train_s: float, ledger: Ledger, checkpoint_every: int = 1) -> None:
+                 train_s: float, ledger: Ledger, checkpoint_every: int = 1,
+                 now: Callable[[], float] = lambda: 0.0) -> None:
+        """`now`: the swarm clock its record's round end is on."""
         self.peer_id = peer_id
         self.numel = numel
         self.outer_cfg = outer
@@ -53,6 +55,8 @@ class SimPart:
         self.train_s = train_s
         self.ledger = ledger
         self.checkpoint_every = checkpoint_every
+        self.now = now
+        self.round_ends_at = 0.0  # swarm clock: when its inner steps of its round end, as a worker announces it
         self.theta = torch.zeros(numel)
         self.outer = OuterOptimizer(outer, numel=numel)
         self._round = 0
@@ -109,6 +113,7 @@ class SimPart:
     # ------------------------------------------------------------------ the Part protocol
 
     async def train(self, stop: asyncio.Event) -> Trained | None:
+        self.round_ends_at = self.now() + self.train_s
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), timeout=self.train_s)
         if stop.is_set():

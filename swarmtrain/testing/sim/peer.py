@@ -18,7 +18,7 @@ from swarmtrain.averaging.aggregate import Aggregation
 from swarmtrain.averaging.allreduce import AllReduce
 from swarmtrain.averaging.deciding import Decider
 from swarmtrain.averaging.fetching import MaterialFetcher
-from swarmtrain.averaging.matchmaking import STALE_BEATS, Matchmaker, MatchOutcome
+from swarmtrain.averaging.matchmaking import OVERDUE_BEATS, STALE_BEATS, Matchmaker, MatchOutcome
 from swarmtrain.averaging.material import Material, MaterialStore, check_shard, sharded_mean
 from swarmtrain.averaging.reducer import ReducerRegistry, max_encoded_bytes
 from swarmtrain.averaging.rounds import Electorate, Preview, RoundAverager, result_of
@@ -175,7 +175,8 @@ class SimPeer:
                                  latency_s=self.dht_latency_s, thawed=self.net.thawed)
         codec = get_codec(cfg.compress.codec)
         part = SimPart(peer_id=self.peer_id, numel=self.numel, outer=cfg.outer, directory=self.directory,
-                       seed=self.seed, train_s=self.train_s, ledger=self.ledger, checkpoint_every=self.checkpoint_every)
+                       seed=self.seed, train_s=self.train_s, ledger=self.ledger, checkpoint_every=self.checkpoint_every,
+                       now=discovery.now)
         buffers = BufferPool(max_bytes=1 << 20)
         reducer = ReducerRegistry(peer_id=self.peer_id, run_id=cfg.train.run_id, codec=codec,
                                   window_s=a.contribution_window_s, open_wait_s=a.allreduce_timeout_s, buffers=buffers,
@@ -213,7 +214,8 @@ class SimPeer:
                                  scope="", decision_timeout_s=cfg.rpc.call_timeout_s * 2)
         matchmaker = Matchmaker(discovery, min_peers=a.min_peers, window_s=a.matchmaking_timeout_s,
                                 commit_timeout_s=a.allreduce_timeout_s, poll_s=0.1,
-                                stale_after_s=STALE_BEATS * cfg.discovery.heartbeat_s)
+                                stale_after_s=STALE_BEATS * cfg.discovery.heartbeat_s,
+                                overdue_s=OVERDUE_BEATS * cfg.discovery.heartbeat_s)
         plane = SimPlane(scope="", endpoint=self.endpoint, matchmaker=matchmaker, averager=averager, voter=voter,
                          states=SimStates(self.net, peer_id=self.peer_id), cfg=cfg)
         node = SimNode(self.peer_id, self.endpoint, reducer=reducer, voter=voter, state=part.committed)
@@ -224,7 +226,7 @@ class SimPeer:
         def record() -> PeerRecord:
             return PeerRecord(run_id=cfg.train.run_id, peer_id=self.peer_id, endpoint=self.endpoint, role="worker",
                               round=part.round, state_hash=part.digest, clock_offset_s=presence.clock_offset_s,
-                              incarnation=voter.state.incarnation)
+                              round_ends_at=part.round_ends_at, incarnation=voter.state.incarnation)
 
         heartbeat = Heartbeat(discovery, current=record, heartbeat_s=cfg.discovery.heartbeat_s, now=discovery.now,
                               timeout_s=cfg.rpc.call_timeout_s)
