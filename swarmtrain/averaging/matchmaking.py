@@ -102,9 +102,10 @@ class Matchmaker:
         """`role`: the peers (by their record's role) that average with this one: a round closes early
         once all of them posted. `stale_after_s`: a record whose last heartbeat is older than this is not waited
         for (its peer died or froze; its record lives until it expires), None: every live record is.
-        `overdue_s`: a peer that has not posted `overdue_s` after the end of its inner steps its record announced
-        is looked up again, and not waited for when it has not beaten since that end (it died before posting);
-        None: it is waited for until the close."""
+        `overdue_s`: a peer whose announced end of inner steps has passed without its entry, and which has not
+        beaten for `overdue_s` or ended its steps `overdue_s` ago, is read again, and not waited for when it has
+        not beaten for `overdue_s`, or since an end `overdue_s` ago (it died before posting); None: it is waited
+        for until the close."""
         if min_peers < 1:
             raise ValueError(f"min_peers must be >= 1, got {min_peers}")
         if window_s <= 0:
@@ -223,8 +224,9 @@ class Matchmaker:
 
         A peer crashed just before its round ended looks like one about to post until its record goes stale
         (longer than a window): in a large swarm with churn there is nearly always one. So an expected peer
-        still missing `overdue_s` after its announced end of steps is read again, and one that has not beaten
-        since that end is not waited for (a live peer beats while it trains and while it posts).
+        still missing after its announced end of steps, once it missed a beat or ended `overdue_s` ago, is read
+        again, and one that has not beaten for `overdue_s`, or since an end `overdue_s` ago, is not waited for (a
+        live peer beats every heartbeat while it trains and while it posts).
         """
         expected: dict[str, PeerRecord] = {}
         if self.early_close:
@@ -234,7 +236,7 @@ class Matchmaker:
             fresh_since = -float("inf") if self.stale_after_s is None else self._now() - self.stale_after_s
             expected = {p.peer_id: p for p in peers if p.role == self.role and p.heartbeat_at >= fresh_since
                         and p.round <= round_index and _may_post_by(p, round_index, close_at)}
-        looked_again: set[str] = set()
+        looked_at = -float("inf")  # when the missing peers' records were last read again
         while True:
             entries = await self._entries(round_index, attempt, own)
             now = self._now()
@@ -246,25 +248,31 @@ class Matchmaker:
                 log.debug("round %d attempt %d: all %d expected peers posted; closing early", round_index, attempt,
                           len(expected))
                 return entries
-            overdue = {p for p in missing - looked_again if self.overdue_s is not None
-                       and 0 < expected[p].round_ends_at < now - self.overdue_s}
-            if overdue:
-                looked_again |= overdue
-                for p in await self._silent_since_their_end({p: expected[p] for p in overdue}):
-                    log.debug("round %d attempt %d: %s has not beaten since its steps ended; not waiting for it",
+            if self.overdue_s is not None and now - looked_at >= self.overdue_s / 3 and any(
+                    _overdue(expected[p], now, self.overdue_s) for p in missing):
+                looked_at = now
+                for p in await self._silent({p: expected[p] for p in missing}, self.overdue_s):
+                    log.debug("round %d attempt %d: %s stopped beating at the end of its steps; not waiting for it",
                               round_index, attempt, p)
                     del expected[p]
                 continue
             await asyncio.sleep(max(0.0, min(self.poll_s, close_at + self.settle_s - self._now())))
 
-    async def _silent_since_their_end(self, overdue: dict[str, PeerRecord]) -> set[str]:
-        """Of the `overdue` peers (their records as read at the window's start), those whose record has not beaten
-        since the end of steps it announced, or is gone; none when the roster cannot be read."""
+    async def _silent(self, missing: dict[str, PeerRecord], overdue_s: float) -> set[str]:
+        """Of the `missing` peers (their records as read at the window's start), those whose steps ended and whose
+        record, read again now, is gone, has not beaten for `overdue_s`, or has not beaten since an end `overdue_s`
+        ago (a live peer beats every heartbeat); none when the roster cannot be read."""
         try:
-            now = {p.peer_id: p for p in await self._d.live_peers(timeout_s=self.io_timeout_s)}
+            read = {p.peer_id: p for p in await self._d.live_peers(timeout_s=self.io_timeout_s)}
         except (DiscoveryError, TimeoutError):
             return set()
-        return {p for p, was in overdue.items() if p not in now or now[p].heartbeat_at < was.round_ends_at}
+        now = self._now()
+
+        def silent(p: str, end: float) -> bool:
+            beat = read[p].heartbeat_at if p in read else -float("inf")
+            return beat < now - overdue_s or (beat < end < now - overdue_s)
+
+        return {p for p, was in missing.items() if 0 < was.round_ends_at < now and silent(p, was.round_ends_at)}
 
     async def _find_attempt(self, round_index: int) -> int | MatchOutcome:
         """The attempt of `round_index` to enter, or the outcome that says why none can be entered now."""
@@ -434,6 +442,11 @@ def _agreeing(eligible: Sequence[MatchEntry]) -> tuple[str, list[MatchEntry]]:
     if 2 * top <= len(eligible):
         return "", []
     return group_hash, [e for e in eligible if e.member.state_hash == group_hash]
+
+
+def _overdue(p: PeerRecord, now: float, overdue_s: float) -> bool:
+    """Whether `p` (not posted) is worth reading again: its steps ended, and it missed a beat or ended long ago."""
+    return 0 < p.round_ends_at < now and (p.heartbeat_at < now - overdue_s or p.round_ends_at < now - overdue_s)
 
 
 def _may_post_by(p: PeerRecord, round_index: int, close_at: float) -> bool:

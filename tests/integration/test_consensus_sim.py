@@ -37,9 +37,12 @@ def _lone_committer(rules: str) -> Schedule:
 def _whole_swarm_restart(rules: str) -> Schedule:
     """5 peers checkpointing every 3 rounds all crash at once and restart 3 s later, from checkpoints older than
     the rounds they voted in."""
-    faults = tuple(Fault(at=15.0, kind="crash", peer=i, down_s=3.0) for i in range(5))
-    return Schedule(seed=2, peers=5, skews_s=(0.0, 3.0, -3.0, 6.0, -6.0), faults=faults, faults_until_s=20.0,
-                    rules=rules, checkpoint_every=3)
+    faults = tuple(Fault(at=CRASH_AT_S, kind="crash", peer=i, down_s=3.0) for i in range(5))
+    return Schedule(seed=2, peers=5, skews_s=(0.0, 3.0, -3.0, 6.0, -6.0), faults=faults,
+                    faults_until_s=CRASH_AT_S + 5.0, rules=rules, checkpoint_every=3)
+
+
+CRASH_AT_S = 14.0  # round 7 committed by then, the newest checkpoint at round 6
 
 
 def test_the_tester_finds_the_lone_committer_wedge_on_the_legacy_rules_and_none_on_the_shipped_ones() -> None:
@@ -63,10 +66,10 @@ def test_a_whole_swarm_restarting_from_older_checkpoints_learns_the_rounds_it_re
     assert paxos.ok, paxos.summary()
     assert paxos.ledger is not None
     commits = paxos.ledger.commits
-    before = max(r for t, _, r, _, _ in commits if t < 15.0)
+    before = max(r for t, _, r, _, _ in commits if t < CRASH_AT_S)
     assert before >= paxos.rounds_at_faults_end  # the checkpoints were behind the rounds committed: a replay
-    chosen = {r: v for t, _, r, v, _ in commits if t < 15.0}
-    replayed = [(p, r, v) for t, p, r, v, _ in commits if t > 15.0 and r <= before]
+    chosen = {r: v for t, _, r, v, _ in commits if t < CRASH_AT_S}
+    replayed = [(p, r, v) for t, p, r, v, _ in commits if t > CRASH_AT_S and r <= before]
     assert replayed and all(chosen[r] == v for _, r, v in replayed), replayed  # learned, the same values
 
     legacy = run_schedule(_whole_swarm_restart("legacy"))
@@ -149,11 +152,18 @@ def test_a_round_whose_every_voter_retired_undecided_goes_on_with_the_successors
     assert result.ok and result.rounds > result.rounds_at_faults_end, result.summary()
 
 
+def _run_legacy(seed: int) -> SimResult:
+    result = run_schedule(dataclasses.replace(Schedule.draw(seed, faults_until_s=SUITE_FAULTS_UNTIL_S),
+                                              rules="legacy"))
+    result.ledger = None
+    return result
+
+
 def test_random_schedules_wedge_the_legacy_rules() -> None:
-    results = [run_schedule(dataclasses.replace(Schedule.draw(seed, faults_until_s=SUITE_FAULTS_UNTIL_S),
-                                                rules="legacy")) for seed in SUITE_SEEDS[:4]]
+    with ProcessPoolExecutor(max_workers=2, mp_context=multiprocessing.get_context("fork")) as pool:
+        results = list(pool.map(_run_legacy, SUITE_SEEDS[:8]))
     assert all(not r.safety for r in results)
-    assert sum(bool(r.liveness) for r in results) >= 2, [r.summary() for r in results]
+    assert sum(bool(r.liveness) for r in results) >= 3, [r.summary() for r in results]
 
 
 def _run(seed: int) -> SimResult:

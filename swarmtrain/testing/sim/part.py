@@ -1,5 +1,6 @@
 """The simulation tester's part: a small θ_global with the real outer optimizer, a seeded Δ per round after a
-(virtual) stretch of inner steps, and real checkpoints in the peer's directory (every `checkpoint_every`
+(virtual) stretch of inner steps (cut to end with the swarm's after a heal into a round under way, and announced
+in the record as a worker's), and real checkpoints in the peer's directory (every `checkpoint_every`
 rounds, as a worker writes them). Every commit and heal is written to the simulation's ledger, which the
 checker reads: one state per round, whoever holds it."""
 
@@ -57,6 +58,7 @@ class SimPart:
         self.checkpoint_every = checkpoint_every
         self.now = now
         self.round_ends_at = 0.0  # swarm clock: when its inner steps of its round end, as a worker announces it
+        self.join_by: tuple[int, float] | None = None  # (round healed into, swarm time the swarm's steps end)
         self.theta = torch.zeros(numel)
         self.outer = OuterOptimizer(outer, numel=numel)
         self._round = 0
@@ -113,16 +115,20 @@ class SimPart:
     # ------------------------------------------------------------------ the Part protocol
 
     async def train(self, stop: asyncio.Event) -> Trained | None:
-        self.round_ends_at = self.now() + self.train_s
+        train_s = self.train_s
+        join, self.join_by = self.join_by, None
+        if join is not None and join[0] == self._round:  # healed into a round under way: end with the swarm
+            train_s = min(train_s, max(0.0, join[1] - self.now()))
+        self.round_ends_at = self.now() + train_s
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), timeout=self.train_s)
+            await asyncio.wait_for(stop.wait(), timeout=train_s)
         if stop.is_set():
             return None
         self.trained_rounds += 1
         h = hashlib.sha256(f"{self.seed}|{self.peer_id}|{self._round}|{self.trained_rounds}".encode()).digest()
         g = torch.Generator().manual_seed(int.from_bytes(h[:8], "little"))
         delta = torch.randn(self.numel, generator=g) * 0.01 + 0.001 * self._round
-        return Trained(round=self._round, delta=delta, loss=float(delta.abs().mean()), compute_s=self.train_s,
+        return Trained(round=self._round, delta=delta, loss=float(delta.abs().mean()), compute_s=train_s,
                        steps=4)
 
     async def delta_problem(self, trained: Trained) -> str:
@@ -167,7 +173,8 @@ class SimPart:
         return None
 
     def joined(self, round_index: int, round_ends_at: float | None) -> None:
-        return None  # its rounds train a fixed time
+        """Healed into a round under way: its steps end with the swarm's, as a worker's do."""
+        self.join_by = None if round_ends_at is None else (round_index, round_ends_at)
 
     async def report(self, trained: Trained | None, result: AverageResult, *, comm_s: float) -> None:
         self.ledger.attempts.append((asyncio.get_running_loop().time(), self.peer_id,

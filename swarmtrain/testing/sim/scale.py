@@ -6,7 +6,9 @@ j takes access_i + access_j each way, so with the default 5-50 ms per access lin
 A DHT operation takes `dht_rtts` mean round trips (Kademlia's iterative lookup: about log(N)/3 hops of
 alpha-parallel queries). Links have no rate limit: the simulation's Δ is a few thousand values, and bytes are
 what the testbed measures. Churn: after each `train_s` stretch of virtual time every live peer crashes with
-probability `churn` (its process gone, its disk kept) and restarts `down_s` later from its checkpoint.
+probability `churn` (its process gone, its disk kept) and restarts `down_s` later from its checkpoint. Each
+peer's record announces when its inner steps end, and a peer healed into a round under way ends its steps
+with the swarm's, as a worker does.
 
 Measured from the ledger (every attempt, commit and heal of every peer): the rounds the swarm committed, the
 share of peers' round attempts that committed (an attempt that ended without a commit is a matchmaking attempt,
