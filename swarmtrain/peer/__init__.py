@@ -12,6 +12,7 @@ data.py      which slot of the data a peer reads
 config.py    the run's config merged with the settings a peer owns itself
 memory.py    `train.memory_budget_mb` against what a DiLoCo worker holds
 island.py    `--nproc-per-node N` and torchrun: the local ranks of one peer, started and joined
+building.py  the worker a DiLoCo role builds (model, data slice, validation text), the checkpoint it resumes from
 """
 
 from swarmtrain.peer.config import merge_run_config

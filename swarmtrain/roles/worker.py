@@ -22,11 +22,8 @@ from typing import Any
 
 import torch
 
-from swarmtrain.compress import Codec, codec_from_config
+from swarmtrain.compress import codec_from_config
 from swarmtrain.config import RunConfig
-from swarmtrain.data import eval_batches, load_corpus
-from swarmtrain.data.evaluation import bytes_per_token
-from swarmtrain.data.tokenizer import load_tokenizer
 from swarmtrain.diloco import DilocoWorker, resolve_device
 from swarmtrain.diloco.flat import param_shapes
 from swarmtrain.diloco.island import Island, IslandLost
@@ -42,9 +39,8 @@ from swarmtrain.driver.loop import (
     departure_record,
 )
 from swarmtrain.driver.presence import Presence
-from swarmtrain.models import build_model
-from swarmtrain.peer.data import choose_shard, peer_batches, peer_seed, saved_slot
-from swarmtrain.peer.island import island_batches, setup_of
+from swarmtrain.peer.building import build_worker, load_checkpoint, resume
+from swarmtrain.peer.data import choose_shard, peer_seed, saved_slot
 from swarmtrain.peer.joining import GenesisReader
 from swarmtrain.peer.memory import check_worker_budget
 from swarmtrain.peer.network import NetworkPlane
@@ -52,30 +48,15 @@ from swarmtrain.peer.overlap import run_overlapped
 from swarmtrain.peer.part import WorkerPart
 from swarmtrain.peer.services import PeerError, PeerServices
 from swarmtrain.roles.base import RoleBase
-from swarmtrain.round.certificate import Certificate
 from swarmtrain.round.group import Member
 from swarmtrain.rpc.gossip_wire import GossipMailbox, serve_gossip
 from swarmtrain.rpc.node import RpcNode
-from swarmtrain.sync.checkpoint import (
-    LoadedCheckpoint,
-    load_latest_checkpoint,
-)
 from swarmtrain.telemetry import EventWriter, LeaveEvent, StatusSnapshot
 from swarmtrain.trust.identity import verifier
 
 __all__ = ["Peer", "PeerParts"]
 
 log = logging.getLogger(__name__)
-
-
-def _resume(worker: DilocoWorker, loaded: LoadedCheckpoint) -> list[Certificate]:
-    try:
-        worker.load_state_dict(loaded.tensors, loaded.meta["worker"])
-        certificates = [Certificate.from_json(c) for c in loaded.meta.get("certificates", [])]
-    except (KeyError, ValueError) as e:
-        raise PeerError(f"{loaded.path}: checkpoint does not fit this run (model or data layout): {e}") from e
-    log.info("resumed from %s at round %d", loaded.path, worker.round)
-    return certificates
 
 
 @dataclass(frozen=True)
@@ -115,7 +96,6 @@ class Peer(RoleBase):
         self.parts: PeerParts | None = None
         self.pace = Pace(local.diloco)
         self.val_batches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._val_bytes_per_token = 1.0  # of the validation text: val_loss in bits per byte
         self.endpoint = ""
         self.phase = "starting"
         self._beat_task: asyncio.Task[None] | None = None
@@ -166,7 +146,7 @@ class Peer(RoleBase):
         # Resolved against this peer's own files: a model or tokenizer that differs from the run's is refused
         discovery, record = await self._join()
         check_worker_budget(self.cfg)
-        loaded = self._load_checkpoint()
+        loaded = load_checkpoint(self.cfg)
         self.cfg = await choose_shard(self.cfg, discovery, saved=saved_slot(
             loaded.meta.get("worker") if loaded else None, num_shards=self.cfg.data.num_shards))
         self.pace = Pace(self.cfg.diloco)
@@ -175,8 +155,10 @@ class Peer(RoleBase):
         trains_on = self.island.device if self.island is not None else resolve_device(self.cfg.train.device)
         codec = codec_from_config(self.cfg.compress, seed=peer_seed(self.cfg.train.seed + 2, discovery.peer_id),
                                   device=resolve_round_device(self.cfg.train.round_device, trains_on))
-        worker = await asyncio.to_thread(self._build_worker, discovery.peer_id, codec)
-        certificates = _resume(worker, loaded) if loaded is not None else []
+        built = await asyncio.to_thread(build_worker, self.cfg, peer_id=discovery.peer_id, codec=codec,
+                                        island=self.island, on_step=self.on_step)
+        worker, self.val_batches = built.worker, built.val_batches
+        certificates = resume(worker, loaded) if loaded is not None else []
         # Only now: a peer leaves with a leave line of its worker (and, once its part is up, a checkpoint), and
         # one whose checkpoint did not load must not write a fresh state over the run's newest.
         opened.push_async_callback(self._leave_line, worker)  # after the data plane closed: its bytes are final
@@ -203,7 +185,7 @@ class Peer(RoleBase):
                           peer_id=lambda: discovery.peer_id, member=member, prematch=plane.prematch,
                           announce=self._beat_soon, now=discovery.now, alone_s=presence.alone_s,
                           certificates=certificates, resumed_at=worker.round if loaded is not None else None,
-                          val_bytes_per_token=self._val_bytes_per_token, io=lambda: discovery.io)
+                          val_bytes_per_token=built.val_bytes_per_token, io=lambda: discovery.io)
         plane.attach(part.outcome_of)
         plane.serve_state(part.committed)
         for cert in certificates:  # resumed with the checkpoint: learners and peers behind are shown them again
@@ -241,25 +223,6 @@ class Peer(RoleBase):
         serve_gossip(node, mailbox)
         mailboxes.append(mailbox)
 
-    def _build_worker(self, peer_id: str, codec: Codec) -> DilocoWorker:
-        cfg = self.cfg
-        if self.island is not None:  # the other ranks build their model and data slice meanwhile
-            self.island.broadcast_object(("setup", setup_of(cfg, peer_id)))
-        corpus = load_corpus(cfg.data)
-        self.val_batches = eval_batches(corpus.val, batch_size=cfg.data.batch_size, seq_len=cfg.data.seq_len,
-                                        num_batches=cfg.diloco.eval_batches)
-        self._val_bytes_per_token = bytes_per_token(self.val_batches, load_tokenizer(cfg.data.tokenizer))
-        # every peer starts from the same θ
-        model = build_model(cfg.model, seed=cfg.train.seed, activation_checkpointing=cfg.train.activation_checkpointing)
-        rng_seed = peer_seed(cfg.train.seed + 1, peer_id)
-        if self.island is not None:
-            return IslandWorker(cfg, island=self.island, model=model,
-                                batches=island_batches(cfg, corpus.train, peer_id, self.island), codec=codec,
-                                rng_seed=rng_seed, on_step=self.on_step)
-        return DilocoWorker(cfg, model=model, batches=peer_batches(cfg, corpus.train, peer_id),
-                            device=resolve_device(cfg.train.device), codec=codec, rng_seed=rng_seed,
-                            on_step=self.on_step)
-
     async def _keep_island(self, worker: IslandWorker) -> None:
         """Between rounds, ping the island's other ranks; a rank found gone ends this peer's run (`run`)."""
         while True:
@@ -270,26 +233,6 @@ class Peer(RoleBase):
                 self._island_error = str(e)
                 self._island_lost.set()
                 return
-
-    def _load_checkpoint(self) -> LoadedCheckpoint | None:
-        """The newest good checkpoint in checkpoint.dir, if any; one of another run is an error."""
-        if not self.cfg.checkpoint.dir:
-            return None
-        loaded = load_latest_checkpoint(self.cfg.checkpoint.dir)
-        if loaded is None:
-            return None
-        if loaded.meta.get("run_id") != self.cfg.train.run_id:
-            raise PeerError(f"{loaded.path}: checkpoint is of run {loaded.meta.get('run_id')!r}, "
-                            f"not {self.cfg.train.run_id!r}; use another --checkpoint-dir")
-        if loaded.meta.get("run_nonce", "") != self.cfg.train.run_nonce:
-            raise PeerError(f"{loaded.path}: checkpoint is of another run of {self.cfg.train.run_id!r} (nonce "
-                            f"{loaded.meta.get('run_nonce', '')!r}, this run's is {self.cfg.train.run_nonce!r}); "
-                            "use another --checkpoint-dir")
-        saved = (loaded.meta.get("run_config") or {}).get("model", {}).get("fingerprint", "")
-        if saved and self.cfg.model.fingerprint and saved != self.cfg.model.fingerprint:
-            raise PeerError(f"{loaded.path}: checkpoint is of another model (fingerprint {saved[:12]}, this run's "
-                            f"{self.cfg.model.fingerprint[:12]}); use another --checkpoint-dir")
-        return loaded
 
     def _record(self) -> PeerRecord:
         parts = self._started()
