@@ -21,9 +21,8 @@ one peer and round r (all times are unix seconds on the posting peer's clock):
    with its inner steps ended by the close: it heals with them) that beat within its last `STALE_BEATS`
    heartbeats has posted and they are at least `min_peers` (*early close*: a window costs nothing when
    the whole swarm is there, and a lone peer still gives newcomers the whole window); a peer still
-   missing `OVERDUE_BEATS` heartbeats after the end of steps its record announced, and silent since that
-   end, is not waited for (it died before posting); a leader that finds another leader's group for the
-   attempt is late;
+   missing whose heartbeat has not moved for `OVERDUE_BEATS` heartbeats of the waiting peer's time is not
+   waited for (it died before posting); a leader that finds another leader's group for the attempt is late;
 4. the leader publishes a GroupRecord (signed by it) with the members it sees, sorted; every
    other peer waits (until `decision_timeout_s` after its settle) for a GroupRecord from the
    leader *it* computed and adopts exactly that member list, or nothing.
@@ -64,12 +63,18 @@ from swarmtrain.config import AveragingConfig
 from swarmtrain.discovery import Discovery, DiscoveryError, GroupRecord, MatchEntry, PeerRecord
 from swarmtrain.round.group import Group, Member
 
-__all__ = ["OVERDUE_BEATS", "STALE_BEATS", "MatchOutcome", "Matchmaker"]
+__all__ = ["OVERDUE_BEATS", "STALE_BEATS", "MatchOutcome", "Matchmaker", "overdue_after_s"]
 
 log = logging.getLogger(__name__)
 STALE_BEATS = 3.0  # heartbeats a record may miss before early close stops waiting for its peer
-# heartbeats after its announced end of steps an expected peer that has not posted is looked up again
+# heartbeats an expected peer that has not posted may miss while a window is open before it is not waited for
 OVERDUE_BEATS = 1.5
+MIN_OVERDUE_S = 1.0  # however fast peers beat: a loaded machine delays a beat by a few hundred ms
+
+
+def overdue_after_s(heartbeat_s: float) -> float:
+    """How long an expected peer's heartbeat may stand still while a window is open before it is not waited for."""
+    return max(OVERDUE_BEATS * heartbeat_s, MIN_OVERDUE_S)
 
 
 @dataclass(frozen=True)
@@ -98,14 +103,14 @@ class Matchmaker:
                  decision_timeout_s: float | None = None, io_timeout_s: float | None = None,
                  poll_s: float | None = None, commit_timeout_s: float | None = None,
                  early_close: bool = True, role: str = "worker", stale_after_s: float | None = None,
-                 overdue_s: float | None = None) -> None:
+                 overdue_s: float | None = None, clock_margin_s: float = 0.0) -> None:
         """`role`: the peers (by their record's role) that average with this one: a round closes early
         once all of them posted. `stale_after_s`: a record whose last heartbeat is older than this is not waited
         for (its peer died or froze; its record lives until it expires), None: every live record is.
-        `overdue_s`: a peer whose announced end of inner steps has passed without its entry, and which has not
-        beaten for `overdue_s` or ended its steps `overdue_s` ago, is read again, and not waited for when it has
-        not beaten for `overdue_s`, or since an end `overdue_s` ago (it died before posting); None: it is waited
-        for until the close."""
+        `overdue_s`: an expected peer that has not posted, and whose record shows no new heartbeat for `overdue_s`
+        of this peer's time, is not waited for (it died before posting); None: it is waited for until its record
+        goes stale. `clock_margin_s`: how far two peers' corrected clocks may disagree (a peer whose announced end
+        of steps comes after the close by more is not waited for)."""
         if min_peers < 1:
             raise ValueError(f"min_peers must be >= 1, got {min_peers}")
         if window_s <= 0:
@@ -115,6 +120,7 @@ class Matchmaker:
         self.role = role
         self.stale_after_s = stale_after_s
         self.overdue_s = overdue_s
+        self.clock_margin_s = clock_margin_s
         self.min_peers = min_peers
         self.window_s = window_s
         self.settle_s = settle_s if settle_s is not None else 0.25 * window_s
@@ -133,11 +139,12 @@ class Matchmaker:
     def from_config(cls, discovery: Discovery, cfg: AveragingConfig, *, role: str = "worker",
                     heartbeat_s: float | None = None) -> Matchmaker:
         """`heartbeat_s`: how often peers beat; a record silent for STALE_BEATS of them is not waited for, nor one
-        that has not beaten since its inner steps ended OVERDUE_BEATS of them ago without posting."""
+        whose heartbeat does not move for OVERDUE_BEATS of them (at least MIN_OVERDUE_S) while this peer waits."""
         return cls(discovery, min_peers=cfg.min_peers, window_s=cfg.matchmaking_timeout_s,
                    commit_timeout_s=cfg.allreduce_timeout_s, role=role,
                    stale_after_s=None if heartbeat_s is None else STALE_BEATS * heartbeat_s,
-                   overdue_s=None if heartbeat_s is None else OVERDUE_BEATS * heartbeat_s)
+                   overdue_s=None if heartbeat_s is None else overdue_after_s(heartbeat_s),
+                   clock_margin_s=0.0 if heartbeat_s is None else heartbeat_s)
 
     def _now(self) -> float:
         return self._d.now()
@@ -223,10 +230,12 @@ class Matchmaker:
         after the leader published simply is not in its group.
 
         A peer crashed just before its round ended looks like one about to post until its record goes stale
-        (longer than a window): in a large swarm with churn there is nearly always one. So an expected peer
-        still missing after its announced end of steps, once it missed a beat or ended `overdue_s` ago, is read
-        again, and one that has not beaten for `overdue_s`, or since an end `overdue_s` ago, is not waited for (a
-        live peer beats every heartbeat while it trains and while it posts).
+        (longer than a window): in a large swarm with churn there is nearly always one. So while expected peers
+        are missing their records are read again, and one whose heartbeat has not moved for `overdue_s` of this
+        peer's own time is not waited for (a live peer beats every heartbeat while it trains and while it
+        posts). Both sides of that test are on one clock each (its stamps, this peer's timer): clock skew cannot
+        make a live peer look silent. Whether a peer's steps end by the close compares two peers' clocks, which
+        agree within `clock_margin_s` once corrected (discovery/clock.py); the margin goes to the peer.
         """
         expected: dict[str, PeerRecord] = {}
         if self.early_close:
@@ -235,12 +244,13 @@ class Matchmaker:
             # always one, and waiting for it would cost every round its whole window.
             fresh_since = -float("inf") if self.stale_after_s is None else self._now() - self.stale_after_s
             expected = {p.peer_id: p for p in peers if p.role == self.role and p.heartbeat_at >= fresh_since
-                        and p.round <= round_index and _may_post_by(p, round_index, close_at)}
-        looked_at = -float("inf")  # when the missing peers' records were last read again
+                        and p.round <= round_index and _may_post_by(p, round_index, close_at + self.clock_margin_s)}
+        timer = asyncio.get_running_loop().time
+        beats = {p: (r.heartbeat_at, timer()) for p, r in expected.items()}  # its last beat, and since when seen
+        read_at = timer()
         while True:
             entries = await self._entries(round_index, attempt, own)
-            now = self._now()
-            if now >= close_at + self.settle_s:
+            if self._now() >= close_at + self.settle_s:
                 return entries
             missing = set(expected) - {e.member.peer_id for e in entries}
             # Never early when the expected peers cannot make a group: the window is the time newcomers get.
@@ -248,31 +258,34 @@ class Matchmaker:
                 log.debug("round %d attempt %d: all %d expected peers posted; closing early", round_index, attempt,
                           len(expected))
                 return entries
-            if self.overdue_s is not None and now - looked_at >= self.overdue_s / 3 and any(
-                    _overdue(expected[p], now, self.overdue_s) for p in missing):
-                looked_at = now
-                for p in await self._silent({p: expected[p] for p in missing}, self.overdue_s):
-                    log.debug("round %d attempt %d: %s stopped beating at the end of its steps; not waiting for it",
-                              round_index, attempt, p)
+            if self.overdue_s is not None and timer() - read_at >= self.overdue_s / 3 and any(
+                    timer() - beats[p][1] >= self.overdue_s for p in missing):
+                read_at = timer()
+                for p in await self._silent(missing, beats, self.overdue_s):
+                    log.debug("round %d attempt %d: %s has not beaten for %.1f s; not waiting for it", round_index,
+                              attempt, p, self.overdue_s)
                     del expected[p]
                 continue
             await asyncio.sleep(max(0.0, min(self.poll_s, close_at + self.settle_s - self._now())))
 
-    async def _silent(self, missing: dict[str, PeerRecord], overdue_s: float) -> set[str]:
-        """Of the `missing` peers (their records as read at the window's start), those whose steps ended and whose
-        record, read again now, is gone, has not beaten for `overdue_s`, or has not beaten since an end `overdue_s`
-        ago (a live peer beats every heartbeat); none when the roster cannot be read."""
+    async def _silent(self, missing: set[str], beats: dict[str, tuple[float, float]], overdue_s: float) -> set[str]:
+        """Of the `missing` peers, those whose record, read again now, is gone or still shows the heartbeat first
+        seen `overdue_s` ago or more (`beats`: peer -> its last beat, the loop time it was first seen; updated
+        for those that beat since); none when the roster cannot be read."""
         try:
             read = {p.peer_id: p for p in await self._d.live_peers(timeout_s=self.io_timeout_s)}
         except (DiscoveryError, TimeoutError):
             return set()
-        now = self._now()
-
-        def silent(p: str, end: float) -> bool:
-            beat = read[p].heartbeat_at if p in read else -float("inf")
-            return beat < now - overdue_s or (beat < end < now - overdue_s)
-
-        return {p for p, was in missing.items() if 0 < was.round_ends_at < now and silent(p, was.round_ends_at)}
+        now = asyncio.get_running_loop().time()
+        silent = set()
+        for p in missing:
+            if p not in read:
+                silent.add(p)
+            elif read[p].heartbeat_at != beats[p][0]:
+                beats[p] = (read[p].heartbeat_at, now)
+            elif now - beats[p][1] >= overdue_s:
+                silent.add(p)
+        return silent
 
     async def _find_attempt(self, round_index: int) -> int | MatchOutcome:
         """The attempt of `round_index` to enter, or the outcome that says why none can be entered now."""
@@ -442,11 +455,6 @@ def _agreeing(eligible: Sequence[MatchEntry]) -> tuple[str, list[MatchEntry]]:
     if 2 * top <= len(eligible):
         return "", []
     return group_hash, [e for e in eligible if e.member.state_hash == group_hash]
-
-
-def _overdue(p: PeerRecord, now: float, overdue_s: float) -> bool:
-    """Whether `p` (not posted) is worth reading again: its steps ended, and it missed a beat or ended long ago."""
-    return 0 < p.round_ends_at < now and (p.heartbeat_at < now - overdue_s or p.round_ends_at < now - overdue_s)
 
 
 def _may_post_by(p: PeerRecord, round_index: int, close_at: float) -> bool:

@@ -42,7 +42,7 @@ def _whole_swarm_restart(rules: str) -> Schedule:
                     faults_until_s=CRASH_AT_S + 5.0, rules=rules, checkpoint_every=3)
 
 
-CRASH_AT_S = 14.0  # round 7 committed by then, the newest checkpoint at round 6
+CRASH_AT_S = 16.0  # round 10 committed by then, the newest checkpoint at round 9 (the premise is asserted)
 
 
 def test_the_tester_finds_the_lone_committer_wedge_on_the_legacy_rules_and_none_on_the_shipped_ones() -> None:

@@ -312,23 +312,28 @@ def test_a_peer_whose_steps_end_after_the_close_does_not_hold_the_window(ends_in
 
 
 @pytest.mark.parametrize(("beating", "waits"), [(True, True), (False, False)])
-def test_a_peer_silent_since_its_steps_ended_does_not_hold_the_window(beating: bool, waits: bool) -> None:
-    """A peer at the round whose record announced the end of its inner steps, and which has not posted well after
-    it: one that still beats is alive (slow, or posting) and is waited for; one silent since that end died before
-    posting, which its record shows only once it goes stale (longer than the window), and is not."""
+def test_a_peer_whose_heartbeat_stands_still_does_not_hold_the_window(beating: bool, waits: bool) -> None:
+    """A peer at the round that has not posted: one that still beats is alive (slow, or posting) and is waited for;
+    one whose heartbeat stands still while the others wait died before posting, which its record would show only
+    once it goes stale (longer than the window), and is not. Its stamps are compared with each other, never with
+    the waiting peer's clock."""
     async def main() -> tuple[list[MatchOutcome], float]:
         _, (a, b, c) = _swarm(3)
         for d in (a, b):
             await _announce(d, 5)
-        ended = c.now() - 0.2  # its steps of round 5 ended: it should be posting now
-        last_beat = c.now() if beating else ended - 0.1  # the dead one's last beat came before that end
-        await c.announce(PeerRecord(run_id=RUN, peer_id=c.peer_id, endpoint="127.0.0.1:1", round=5,
-                                    heartbeat_at=last_beat, round_ends_at=ended), timeout_s=1)
+        # Its clock is 10 s off: behind when it lives (its beats look old), ahead when it died (its last one new).
+        skew_s = -10.0 if beating else 10.0
+
+        async def announce() -> None:
+            await c.announce(PeerRecord(run_id=RUN, peer_id=c.peer_id, endpoint="127.0.0.1:1", round=5,
+                                        heartbeat_at=c.now() + skew_s), timeout_s=1)  # no end announced
+
+        await announce()
 
         async def beat() -> None:  # alive: its heartbeats go on while it (slowly) gets to posting
             while True:
                 await asyncio.sleep(0.05)
-                await _announce(c, 5, round_ends_at=ended)
+                await announce()
 
         beats = asyncio.ensure_future(beat()) if beating else None
         loop = asyncio.get_running_loop()

@@ -18,7 +18,7 @@ from swarmtrain.averaging.aggregate import Aggregation
 from swarmtrain.averaging.allreduce import AllReduce
 from swarmtrain.averaging.deciding import Decider
 from swarmtrain.averaging.fetching import MaterialFetcher
-from swarmtrain.averaging.matchmaking import OVERDUE_BEATS, STALE_BEATS, Matchmaker, MatchOutcome
+from swarmtrain.averaging.matchmaking import STALE_BEATS, Matchmaker, MatchOutcome, overdue_after_s
 from swarmtrain.averaging.material import Material, MaterialStore, check_shard, sharded_mean
 from swarmtrain.averaging.reducer import ReducerRegistry, max_encoded_bytes
 from swarmtrain.averaging.rounds import Electorate, Preview, RoundAverager, result_of
@@ -215,7 +215,8 @@ class SimPeer:
         matchmaker = Matchmaker(discovery, min_peers=a.min_peers, window_s=a.matchmaking_timeout_s,
                                 commit_timeout_s=a.allreduce_timeout_s, poll_s=0.1,
                                 stale_after_s=STALE_BEATS * cfg.discovery.heartbeat_s,
-                                overdue_s=OVERDUE_BEATS * cfg.discovery.heartbeat_s)
+                                overdue_s=overdue_after_s(cfg.discovery.heartbeat_s),
+                                clock_margin_s=cfg.discovery.heartbeat_s)
         plane = SimPlane(scope="", endpoint=self.endpoint, matchmaker=matchmaker, averager=averager, voter=voter,
                          states=SimStates(self.net, peer_id=self.peer_id), cfg=cfg)
         node = SimNode(self.peer_id, self.endpoint, reducer=reducer, voter=voter, state=part.committed)
