@@ -22,7 +22,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 import torch
 
@@ -42,7 +42,6 @@ from swarmtrain.telemetry import HealEvent
 __all__ = ["KEEP_ROUNDS", "LAG_ROUNDS", "GossipDriver", "not_waited_for"]
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 KEEP_ROUNDS = 4  # rounds of parts a peer's mailbox keeps
 LAG_ROUNDS = KEEP_ROUNDS - 1  # rounds a peer may be behind its roster's median before it copies a peer
 

@@ -16,7 +16,6 @@ import functools
 import math
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
-from typing import TypeVar
 
 import torch
 
@@ -43,7 +42,6 @@ from swarmtrain.sync.transfer import StateServer, StateSnapshot, fetch_state_asy
 __all__ = ["NetworkPlane", "NetworkServices", "match_budget_s", "round_budget_s"]
 
 RUN_SECTIONS_THAT_MUST_MATCH = ("model", "outer", "compress")
-T = TypeVar("T")
 OutcomeOf = Callable[[Value, ShardedMean], Awaitable[str | None]]
 
 
@@ -179,7 +177,7 @@ class NetworkPlane:
         assert outcome.group is not None
         await asyncio.to_thread(round_heap)  # what the inner steps freed goes back before the all-reduce allocates
         result = await self.node.call(self.averager.average_async(outcome.group, delta, base=base,
-                                                                 electorate=electorate, preview=preview))
+                                                                  electorate=electorate, preview=preview))
         # Inner steps come next, the peak of the peer's memory: idle buffers are not kept through them.
         if self.node.running:
             self.node.buffers.release_idle()
@@ -189,14 +187,14 @@ class NetworkPlane:
     async def learn(self, round_index: int, electorate: Electorate, *, others: Sequence[Contact]) -> AverageResult:
         averager = self.averager.averager
         outcome = await self.node.call(averager.learn(round_index, electorate, others=others,
-                                                     timeout_s=2 * self.cfg.rpc.call_timeout_s))
+                                                      timeout_s=2 * self.cfg.rpc.call_timeout_s))
         return result_of(round_index, outcome, self.codec)
 
     async def certificates(self, peer: Contact, *, from_round: int) -> tuple[Certificate, ...]:
         transport = self.averager.decider.transport
         try:
             return await self.node.call(transport.certificates(peer, scope=self.scope, from_round=from_round,
-                                                              timeout_s=self.cfg.rpc.call_timeout_s))
+                                                               timeout_s=self.cfg.rpc.call_timeout_s))
         except (RpcError, TimeoutError, ValueError):
             return ()
 

@@ -269,17 +269,14 @@ def test_a_lone_expected_peer_waits_the_whole_window_for_newcomers() -> None:
     assert elapsed_s >= 0.5  # the full window (a lower bound, so a slow box cannot fail it)
 
 
-@pytest.mark.parametrize(("steps_ended", "waits"), [(True, True), (False, False)])
-def test_a_peer_behind_the_round_holds_the_window_only_with_its_steps_done(steps_ended: bool, waits: bool) -> None:
-    """A peer behind the round whose record says its inner steps ended holds trained steps and heals to the round
-    with them: it is expected (closing early would exclude it every round). One restarted from its checkpoint
-    announces no round end: it must heal and train first, and waiting for it costs the round its window."""
+def _window_with_a_silent_third(third_round: int, ends_in_s: float | None) -> tuple[list[MatchOutcome], float]:
+    """a and b at round 5 match it with a 0.5 s window; a third peer announces `third_round` and, unless None, the
+    end of its steps `ends_in_s` from now, and never posts. Their outcomes and how long they took."""
     async def main() -> tuple[list[MatchOutcome], float]:
-        _, (a, b, behind) = _swarm(3)
+        _, (a, b, third) = _swarm(3)
         for d in (a, b):
             await _announce(d, 5)
-        # it would heal to round 5 and post; here it never does
-        await _announce(behind, 3, round_ends_at=behind.now() - 1.0 if steps_ended else 0.0)
+        await _announce(third, third_round, round_ends_at=0.0 if ends_in_s is None else third.now() + ends_in_s)
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         outs = await asyncio.gather(*(Matchmaker(d, min_peers=2, window_s=0.5).form_group(5, _member(d, i))
@@ -288,6 +285,15 @@ def test_a_peer_behind_the_round_holds_the_window_only_with_its_steps_done(steps
 
     outs, elapsed_s = asyncio.run(main())
     assert len({o.group for o in outs}) == 1 and outs[0].group is not None and len(outs[0].group.members) == 2
+    return outs, elapsed_s
+
+
+@pytest.mark.parametrize(("steps_ended", "waits"), [(True, True), (False, False)])
+def test_a_peer_behind_the_round_holds_the_window_only_with_its_steps_done(steps_ended: bool, waits: bool) -> None:
+    """A peer behind the round whose record says its inner steps ended holds trained steps and heals to the round
+    with them: it is expected (closing early would exclude it every round). One restarted from its checkpoint
+    announces no round end: it must heal and train first, and waiting for it costs the round its window."""
+    _, elapsed_s = _window_with_a_silent_third(3, -1.0 if steps_ended else None)  # it would heal to 5 and post
     assert (elapsed_s >= 0.5) == waits, elapsed_s  # the whole window only while waiting for it
 
 
@@ -295,19 +301,7 @@ def test_a_peer_behind_the_round_holds_the_window_only_with_its_steps_done(steps
 def test_a_peer_whose_steps_end_after_the_close_does_not_hold_the_window(ends_in_s: float, waits: bool) -> None:
     """A peer at the round whose record says its inner steps end before the close is waited for; one whose steps
     end after it could not post in time (a peer out of step with the swarm, or slower than its window)."""
-    async def main() -> tuple[list[MatchOutcome], float]:
-        _, (a, b, c) = _swarm(3)
-        for d in (a, b):
-            await _announce(d, 5)
-        await _announce(c, 5, round_ends_at=c.now() + ends_in_s)  # here it never posts
-        loop = asyncio.get_running_loop()
-        t0 = loop.time()
-        outs = await asyncio.gather(*(Matchmaker(d, min_peers=2, window_s=0.5).form_group(5, _member(d, i))
-                                      for i, d in enumerate((a, b))))
-        return list(outs), loop.time() - t0
-
-    outs, elapsed_s = asyncio.run(main())
-    assert len({o.group for o in outs}) == 1 and outs[0].group is not None and len(outs[0].group.members) == 2
+    _, elapsed_s = _window_with_a_silent_third(5, ends_in_s)
     assert (elapsed_s >= 0.5) == waits, elapsed_s
 
 
