@@ -168,21 +168,21 @@ def _sorted_rows(block: torch.Tensor) -> list[torch.Tensor]:
 
 
 async def encoded_aggregate(codec: Codec, parts: Sequence[bytes | bytearray | memoryview], aggregation: Aggregation,
-                            *, numel: int, buffers: BufferPool) -> bytes:
-    """`aggregate_encoded` into a pooled fp32 accumulator, in a thread, encoded once (a reducer's mean), of
-    `parts` that each passed `Codec.validate` (pushes, as a reducer takes them). A cancelled wait keeps the
-    accumulator from the pool: its thread may still write into it. A codec on a GPU (a GPU-resident round) sums
-    into a vector there instead, and only the encoded mean comes back to the host."""
+                            *, numel: int, buffers: BufferPool) -> memoryview:
+    """`aggregate_encoded` into a pooled fp32 accumulator, in a thread, encoded once (a reducer's mean, framed
+    into lent pooled memory), of `parts` that each passed `Codec.validate` (pushes, as a reducer takes them). A
+    cancelled wait keeps the accumulator from the pool: its thread may still write into it. A codec on a GPU (a
+    GPU-resident round) sums into a vector there instead, and only the encoded mean comes back to the host."""
     if codec.device.type != "cpu":
         return await asyncio.to_thread(lambda: codec.encode(aggregate_encoded(
             codec, parts, aggregation, out=torch.empty(numel, dtype=torch.float32, device=codec.device),
-            checked=True)))
+            checked=True), into=buffers.lent))
     view = buffers.take(4 * numel)
     acc = [torch.frombuffer(view, dtype=torch.float32) if numel else torch.empty(0)]  # cleared before the give
     finished = False
     try:
         data = await asyncio.to_thread(lambda: codec.encode(aggregate_encoded(codec, parts, aggregation, out=acc[0],
-                                                                                     checked=True)))
+                                                                                     checked=True), into=buffers.lent))
         finished = True
     finally:
         acc.clear()

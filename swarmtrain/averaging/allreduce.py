@@ -32,7 +32,7 @@ import torch
 from swarmtrain.averaging.aggregate import mean_of_gathered, pack_bundle, unpack_bundle
 from swarmtrain.averaging.material import blob_digest
 from swarmtrain.averaging.reducer import ReducerRegistry, max_encoded_bytes, shard_bounds
-from swarmtrain.averaging.transport import ReduceTransport
+from swarmtrain.averaging.transport import Fetched, ReduceTransport
 from swarmtrain.compress import Codec, CodecError
 from swarmtrain.config import AveragingConfig
 from swarmtrain.diloco.averager import Delta, reader
@@ -133,12 +133,14 @@ class AllReduce:
         window_s = self.cfg.contribution_window_s
         push_deadline = min(deadline, t0 + window_s)
         shards = list(zip(reducers, bounds, strict=True))
-        own: dict[int, bytes] = {}  # this member's encoded shards: a gathering round adds them to the bundles
+        own: dict[int, Blob] = {}  # this member's encoded shards: a gathering round adds them to the bundles
         read = reader(delta)
 
         async def encode_and_push(j: int, reducer: Member, lo: int, hi: int) -> None:
             # Pipelined per shard; read a piece at a time (a Δ given as a source is never whole in fp32).
-            payload = await asyncio.to_thread(self.codec.encode_from, lambda a, b: read(lo + a, lo + b), hi - lo)
+            # Framed into pooled memory that goes back once the round lets go of it (no fresh pages per round).
+            payload = await asyncio.to_thread(lambda: self.codec.encode_from(lambda a, b: read(lo + a, lo + b),
+                                                                             hi - lo, into=self.buffers.lent))
             own[j] = payload
             self.registry.standins.keep_own(key, j, payload)  # for a stand-in reducing shard j again
             await self._push(key, j, reducer, payload, hi - lo, push_deadline)
@@ -170,7 +172,7 @@ class AllReduce:
         return _Attempt(reduction=Reduction(group, key, agreed, tuple(bounds), tuple(blobs), tuple(digests)))
 
     async def _pull(self, key: SessionKey, shards: list[tuple[Member, tuple[int, int]]], agreed: tuple[str, ...],
-                    own: dict[int, bytes], deadline: float) -> tuple[list[Blob], list[str]] | _Attempt:
+                    own: dict[int, Blob], deadline: float) -> tuple[list[Blob], list[str]] | _Attempt:
         """Every shard's material, checked: a mean the codec refuses (malformed, NaN or Inf) fails the attempt.
 
         Nothing model-sized is assembled: each shard is kept as its reducer sent it (a quarter of fp32 with
@@ -191,21 +193,18 @@ class AllReduce:
             if not _all_finite(out):
                 raise CodecError(f"the mean of shard {j} holds NaN or Inf")
 
-        def validated(blob: Blob, numel: int) -> str:
+        def validated(blob: Blob, numel: int, digest: str) -> str:
             self.codec.validate(blob, numel=numel)
-            return blob_digest(blob)
+            return digest or blob_digest(blob)
 
         async def fetch_and_check(j: int, reducer: Member, lo: int, hi: int) -> None:
             try:
-                data = await self._fetch(key, j, reducer, agreed, hi - lo, deadline)
+                got = await self._fetch(key, j, reducer, agreed, hi - lo, deadline)
             except (RpcError, Rejected, TimeoutError) as e:  # gone or refusing: another reducer stands in (standin.py)
-                data = await self._from_stand_in(key, j, tuple(m for m, _ in shards), agreed, hi - lo, deadline, e)
-            try:  # a pooled transport buffer goes back: keep a copy of the (encoded) bytes instead
-                owned = bytearray(data) if isinstance(data, memoryview) else data
-            finally:
-                self.transport.release(data)
+                got = await self._from_stand_in(key, j, tuple(m for m, _ in shards), agreed, hi - lo, deadline, e)
+            owned = got.data  # the transport's memory is ours: kept as it came, no copy
             if not self.gather:
-                digests[j] = await asyncio.to_thread(validated, owned, hi - lo)
+                digests[j] = await asyncio.to_thread(validated, owned, hi - lo, got.digest)
                 blobs[j] = owned
                 self.registry.standins.keep_copy(key, j, agreed, owned)
                 return
@@ -243,7 +242,7 @@ class AllReduce:
         return [blobs[j] for j in range(len(shards))], [digests[j] for j in range(len(shards))]
 
     async def _from_stand_in(self, key: SessionKey, shard: int, reducers: tuple[Member, ...], agreed: tuple[str, ...],
-                             numel: int, deadline: float, lost: BaseException) -> Blob:
+                             numel: int, deadline: float, lost: BaseException) -> Fetched:
         """Shard `shard` from the session's other reducers, in ring order after its own (the same order on every
         member, so that they all ask the same one first); re-raises `lost` when none can give it."""
         ring = [reducers[(shard + i) % len(reducers)] for i in range(1, len(reducers))]
@@ -251,28 +250,25 @@ class AllReduce:
             if asyncio.get_running_loop().time() >= deadline:
                 break
             try:
-                data = await self._fetch(key, shard, stand_in, agreed, numel, deadline)
+                got = await self._fetch(key, shard, stand_in, agreed, numel, deadline)
             except (RpcError, Rejected, TimeoutError) as e:
                 log.info("%s: %s cannot stand in for shard %d of round %d: %s", self.peer_id, stand_in.peer_id, shard,
                          key.round, e)
                 continue
             log.warning("%s: shard %d of round %d came from %s, standing in for %s (%s)", self.peer_id, shard,
                         key.round, stand_in.peer_id, reducers[shard].peer_id, lost)
-            return data
+            return got
         raise lost
 
     async def fetch_contribution(self, member: Member, key: SessionKey, shard: int, numel: int,
-                                 deadline: float) -> bytes:
+                                 deadline: float) -> Blob:
         """`member`'s own encoded shard `shard` of session `key` (a stand-in reducing it again): a fetch that names
         no contributors."""
-        data = await self.transport.fetch(member, key, shard, (), max_bytes=max_encoded_bytes(numel),
-                                          deadline=deadline)
-        try:
-            return bytes(data)
-        finally:
-            self.transport.release(data)
+        got = await self.transport.fetch(member, key, shard, (), max_bytes=max_encoded_bytes(numel),
+                                         deadline=deadline)
+        return got.data
 
-    async def _push(self, key: SessionKey, shard: int, reducer: Member, payload: bytes, numel: int,
+    async def _push(self, key: SessionKey, shard: int, reducer: Member, payload: Blob, numel: int,
                     deadline: float) -> None:
         header = PushHeader(key, self.peer_id, shard, numel, len(payload), self.codec.name)
         try:
@@ -285,7 +281,7 @@ class AllReduce:
                         reducer.peer_id, e)
 
     async def _fetch(self, key: SessionKey, shard: int, reducer: Member, agreed: tuple[str, ...], numel: int,
-                     deadline: float) -> Blob:
+                     deadline: float) -> Fetched:
         parts = len(agreed) if self.gather else 1
         return await self.transport.fetch(reducer, key, shard, agreed,
                                           max_bytes=parts * (max_encoded_bytes(numel) + 8) + 8, deadline=deadline)

@@ -78,7 +78,7 @@ class _Session:
     rejected: dict[str, str] = field(default_factory=dict)
     closed: asyncio.Event = field(default_factory=asyncio.Event)
     contributors: tuple[str, ...] = ()
-    means: dict[tuple[str, ...], bytes] = field(default_factory=dict)
+    means: dict[tuple[str, ...], bytes | memoryview] = field(default_factory=dict)
     scratch: list[memoryview] = field(default_factory=list)  # pooled memory behind `received`
     fetched: set[str] = field(default_factory=set)  # members that pulled a mean: a leaving peer waits for them
     mean_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -305,7 +305,7 @@ class ReducerRegistry:
         return s.contributors
 
     async def mean(self, key: SessionKey, shard: int, contributors: tuple[str, ...], *,
-                   peer: str) -> bytes | bytearray:
+                   peer: str) -> bytes | bytearray | memoryview:
         """Shard `shard`'s mean over `contributors`; for another reducer's shard, as its stand-in (standin.py);
         naming no contributors, this member's own encoded shard, for a reducer of the session reducing it again."""
         if not contributors:

@@ -39,7 +39,7 @@ __all__ = ["ContributionSource", "StandIns"]
 
 log = logging.getLogger(__name__)
 
-Blob = bytes | bytearray  # a memoryview is copied before it is kept: a pooled buffer goes back
+Blob = bytes | bytearray | memoryview  # a memoryview is its holder's memory (lent pool memory goes back by itself)
 MAX_SETS_PER_SHARD = 4  # contributor sets one shard is reduced again over (honest members all ask for one)
 # How a stand-in fetches a member's own encoded shard: (member, key, shard, numel, loop-clock deadline) -> bytes.
 ContributionSource = Callable[[Member, SessionKey, int, int, float], Awaitable[Blob]]

@@ -10,32 +10,39 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 from typing import Protocol
 
 from swarmtrain.round.group import Member
 from swarmtrain.rpc.averaging_wire import PushHeader, ReducerSink, SessionKey
 from swarmtrain.rpc.errors import Rejected, RpcRejected
 
-__all__ = ["GrpcReduceTransport", "ReduceTransport"]
+__all__ = ["Fetched", "GrpcReduceTransport", "Payload", "ReduceTransport"]
 
 Payload = bytes | bytearray | memoryview
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """A fetched mean: its bytes, which are the caller's (pooled memory goes back by itself once nothing refers
+    to it), and their digest as a round's material names it (averaging/material.blob_digest) where the
+    transport took it on the way ("" where not: the caller takes it)."""
+
+    data: Payload
+    digest: str = ""
 
 
 class ReduceTransport(Protocol):
     """A member's calls to the reducers of its round; errors are the rpc layer's (RpcUnavailable, RpcTimeout,
     RpcRejected) or `Rejected` from its own reducer."""
 
-    async def push(self, reducer: Member, header: PushHeader, payload: bytes, *, deadline: float) -> None: ...
+    async def push(self, reducer: Member, header: PushHeader, payload: Payload, *, deadline: float) -> None: ...
 
     async def contributors(self, reducer: Member, key: SessionKey, shard: int, *,
                            deadline: float) -> tuple[str, ...]: ...
 
     async def fetch(self, reducer: Member, key: SessionKey, shard: int, contributors: tuple[str, ...], *,
-                    max_bytes: int, deadline: float) -> Payload: ...
-
-    def release(self, data: Payload) -> None:
-        """Give a fetched payload's buffer back once it is copied or decoded."""
-        ...
+                    max_bytes: int, deadline: float) -> Fetched: ...
 
 
 def _monotonic(deadline: float) -> float:
@@ -56,7 +63,7 @@ class GrpcReduceTransport:
         self.local = local
         self.peer_id = peer_id
 
-    async def push(self, reducer: Member, header: PushHeader, payload: bytes, *, deadline: float) -> None:
+    async def push(self, reducer: Member, header: PushHeader, payload: Payload, *, deadline: float) -> None:
         if reducer.peer_id == self.peer_id:
             await asyncio.wait_for(self.local.check_push(header, peer=self.peer_id), timeout=_left(deadline))
             if len(payload) != header.total_bytes:
@@ -75,16 +82,15 @@ class GrpcReduceTransport:
                                               shard, deadline=_monotonic(deadline))
 
     async def fetch(self, reducer: Member, key: SessionKey, shard: int, contributors: tuple[str, ...], *,
-                    max_bytes: int, deadline: float) -> Payload:
+                    max_bytes: int, deadline: float) -> Fetched:
         if reducer.peer_id == self.peer_id:
             data = await asyncio.wait_for(self.local.mean(key, shard, contributors, peer=self.peer_id),
                                           timeout=_left(deadline))
             if len(data) > max_bytes:
                 raise RpcRejected("INVALID_REPLY", f"own mean of shard {shard} has {len(data)} bytes, max {max_bytes}")
             await self.local.delivered(key, shard, peer=self.peer_id)
-            return data
-        return await self.client.fetch(reducer.endpoint, reducer.peer_id, key, shard,  # type: ignore[attr-defined]
-                                       contributors, max_bytes=max_bytes, deadline=_monotonic(deadline))
-
-    def release(self, data: Payload) -> None:
-        self.client.release(data)  # type: ignore[attr-defined]
+            return Fetched(data)
+        data, digest = await self.client.fetch(reducer.endpoint, reducer.peer_id,  # type: ignore[attr-defined]
+                                               key, shard, contributors, max_bytes=max_bytes,
+                                               deadline=_monotonic(deadline))
+        return Fetched(data, digest.hex())

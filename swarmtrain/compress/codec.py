@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Protocol, runtime_checkable
+from typing import Protocol, overload, runtime_checkable
 
 import torch
 
-__all__ = ["Codec", "CodecError", "CodecOptionError"]
+__all__ = ["Allocator", "Codec", "CodecError", "CodecOptionError"]
+
+Allocator = Callable[[int], memoryview]  # n -> n writable bytes the caller owns (e.g. pooled memory)
 
 
 class CodecError(ValueError):
@@ -35,9 +37,25 @@ class Codec(Protocol):
     # whole-tensor round trip says they lose: error feedback depends on it.
     alignment: int
 
+    @overload
     def encode(self, tensor: torch.Tensor) -> bytes: ...
 
-    def encode_from(self, read: Callable[[int, int], torch.Tensor], numel: int) -> bytes:
+    @overload
+    def encode(self, tensor: torch.Tensor, *, into: Allocator) -> memoryview: ...
+
+    def encode(self, tensor: torch.Tensor, *, into: Allocator | None = None) -> bytes | memoryview:
+        """The encoded message: new bytes, or with `into` the same bytes written into memory it gives (one
+        round's pushes and means in reused buffers, not fresh pages each round)."""
+        ...
+
+    @overload
+    def encode_from(self, read: Callable[[int, int], torch.Tensor], numel: int) -> bytes: ...
+
+    @overload
+    def encode_from(self, read: Callable[[int, int], torch.Tensor], numel: int, *, into: Allocator) -> memoryview: ...
+
+    def encode_from(self, read: Callable[[int, int], torch.Tensor], numel: int, *,
+                    into: Allocator | None = None) -> bytes | memoryview:
         """`encode(read(0, numel))` to the bit, for a flat fp32 source read a piece at a time."""
         ...
 

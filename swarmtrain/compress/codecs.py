@@ -8,12 +8,12 @@ import math
 import threading
 import warnings
 from collections.abc import Callable, Iterator
-from typing import ClassVar
+from typing import ClassVar, overload
 
 import torch
 
 from swarmtrain.compress import quant
-from swarmtrain.compress.codec import CodecError, CodecOptionError
+from swarmtrain.compress.codec import Allocator, CodecError, CodecOptionError
 from swarmtrain.compress.staging import arena, host_bytes
 from swarmtrain.compress.wire import (
     DTYPE_CODES,
@@ -112,7 +112,13 @@ class _Codec(abc.ABC):
         return f"{type(self).__name__}(name={self.name!r}, zstd_level={self.zstd_level}, device={self.device})"
 
     # -- encode ------------------------------------------------------------------------------
-    def encode(self, tensor: torch.Tensor) -> bytes:
+    @overload
+    def encode(self, tensor: torch.Tensor) -> bytes: ...
+
+    @overload
+    def encode(self, tensor: torch.Tensor, *, into: Allocator) -> memoryview: ...
+
+    def encode(self, tensor: torch.Tensor, *, into: Allocator | None = None) -> bytes | memoryview:
         if not isinstance(tensor, torch.Tensor) or tensor.dtype not in DTYPE_CODES:
             what = tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__
             raise CodecError(f"{self.name}: cannot encode {what}; expected a float32/16, bfloat16 or float64 tensor")
@@ -124,18 +130,27 @@ class _Codec(abc.ABC):
                 flags |= Flags.ZSTD
             header = Header(self.codec_id, flags, tensor.dtype, block_size, tuple(tensor.shape),
                             sum(p.nbytes for p in parts))
-            return frame(header, parts)
+            return frame(header, parts, into=into)
 
     @abc.abstractmethod
     def _encode_payload(self, x: torch.Tensor) -> tuple[list[memoryview], Flags, int]: ...
 
-    def encode_from(self, read: Callable[[int, int], torch.Tensor], numel: int, *, piece: int = ENCODE_PIECE) -> bytes:
+    @overload
+    def encode_from(self, read: Callable[[int, int], torch.Tensor], numel: int, *,
+                    piece: int = ENCODE_PIECE) -> bytes: ...
+
+    @overload
+    def encode_from(self, read: Callable[[int, int], torch.Tensor], numel: int, *, piece: int = ENCODE_PIECE,
+                    into: Allocator) -> memoryview: ...
+
+    def encode_from(self, read: Callable[[int, int], torch.Tensor], numel: int, *, piece: int = ENCODE_PIECE,
+                    into: Allocator | None = None) -> bytes | memoryview:
         """`encode(read(0, numel))` to the bit for a flat fp32 source read `piece` values at a time, so
         that encoding a shard never holds it whole in fp32. Codecs whose payload is not the pieces'
         payloads laid end to end (zstd, stochastic rounding, sparse) read the source once, whole."""
         step = self._piece(piece)
         if step <= 0 or numel <= step:
-            return self.encode(read(0, numel))
+            return self.encode(read(0, numel)) if into is None else self.encode(read(0, numel), into=into)
         pieces: list[list[memoryview]] = []
         flags, block_size = Flags(0), 0
         with arena():
@@ -148,7 +163,7 @@ class _Codec(abc.ABC):
                 pieces.append(parts)
             parts = [part for kind in zip(*pieces, strict=True) for part in kind]  # each kind of part, in order
             header = Header(self.codec_id, flags, torch.float32, block_size, (numel,), sum(p.nbytes for p in parts))
-            return frame(header, parts)
+            return frame(header, parts, into=into)
 
     def _piece(self, piece: int) -> int:
         """Values per piece for encode_from (a multiple of the codec's alignment), 0 = read it whole."""

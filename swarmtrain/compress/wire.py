@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import struct
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum, IntFlag
 
+import numpy as np
 import torch
 import xxhash
 
@@ -103,8 +104,10 @@ class Header:
         return HEADER_SIZE_BYTES + 8 * len(self.shape)
 
 
-def frame(header: Header, payload: Sequence[memoryview]) -> bytes:
-    """Joins header, shape and payload parts (flat byte buffers) into one message with its checksum."""
+def frame(header: Header, payload: Sequence[memoryview], *,
+          into: Callable[[int], memoryview] | None = None) -> bytes | memoryview:
+    """Joins header, shape and payload parts (flat byte buffers) into one message with its checksum: new bytes,
+    or written into `into(size)` (memory the caller reuses; the parts are copied without the GIL)."""
     if len(header.shape) > MAX_NDIM:
         raise CodecError(f"tensor has {len(header.shape)} dims; the wire format allows at most {MAX_NDIM}")
     size = sum(p.nbytes for p in payload)
@@ -116,7 +119,16 @@ def frame(header: Header, payload: Sequence[memoryview]) -> bytes:
     for part in payload:
         h.update(part)
     struct.pack_into("<Q", fixed, _CHECKSUM_OFFSET, h.intdigest())
-    return b"".join([fixed, shape_bytes, *payload])
+    if into is None:
+        return b"".join([fixed, shape_bytes, *payload])
+    out = into(len(fixed) + len(shape_bytes) + size)
+    at = 0
+    for part in (memoryview(fixed), memoryview(shape_bytes), *payload):
+        n = part.nbytes
+        if n:
+            np.copyto(np.frombuffer(out, dtype=np.uint8, count=n, offset=at), np.frombuffer(part, dtype=np.uint8))
+        at += n
+    return out
 
 
 def _pack_fixed(header: Header, *, checksum: int) -> bytes:

@@ -55,7 +55,8 @@ class AveragingClient:
             raise translate(e) from None
         return ticket
 
-    async def push(self, endpoint: str, target: str, header: PushHeader, payload: bytes, *, deadline: float) -> None:
+    async def push(self, endpoint: str, target: str, header: PushHeader, payload: bytes | bytearray | memoryview, *,
+                   deadline: float) -> None:
         """Send `payload` (its size may differ from header.total_bytes only under fault injection)."""
         h = header
         wire_header = pb.PushHeader(session=h.session.to_wire(), sender=h.sender, shard=h.shard, numel=h.numel,
@@ -75,8 +76,8 @@ class AveragingClient:
 
         await self.node.retrying(once, endpoint=endpoint, deadline=deadline, what=f"push shard {h.shard} to {target}")
 
-    async def _grpc_push(self, endpoint: str, target: str, wire_header: bytes, payload: bytes, *,
-                         deadline: float) -> None:
+    async def _grpc_push(self, endpoint: str, target: str, wire_header: bytes,
+                         payload: bytes | bytearray | memoryview, *, deadline: float) -> None:
         first_prefix = frames.encode_bytes_field(1, len(wire_header)) + wire_header
         step = self.node.cfg.chunk_bytes
         mac = await mac_of(self.node.secret.payloads, b"push", wire_header, payload)
@@ -111,12 +112,13 @@ class AveragingClient:
                                         what=f"contributors of shard {shard} from {target}")
 
     async def fetch(self, endpoint: str, target: str, key: SessionKey, shard: int, contributors: tuple[str, ...], *,
-                    max_bytes: int, deadline: float) -> bytearray | memoryview:
-        """The encoded mean of `shard` over `contributors`; RpcRejected if it is bigger than `max_bytes`
-        or does not add up to the size it declared. `release()` it once decoded."""
+                    max_bytes: int, deadline: float) -> tuple[bytearray | memoryview, bytes]:
+        """The encoded mean of `shard` over `contributors` (the caller's memory) and, from the bulk port, its
+        digest (trust/payloads.payload_digest; b"" from a gRPC stream); RpcRejected if it is bigger than
+        `max_bytes` or does not add up to the size it declared."""
         request = pb.FetchRequest(session=key.to_wire(), shard=shard, contributors=list(contributors))
 
-        async def once() -> bytearray | memoryview:
+        async def once() -> tuple[bytearray | memoryview, bytes]:
             if self._bulk:
                 ticket = await self._ticket("fetch", endpoint, request, deadline)
                 if not 0 <= ticket.total_bytes <= max_bytes:
@@ -124,20 +126,17 @@ class AveragingClient:
                                              f"max {max_bytes}")
                 if ticket.port:
                     proof = self.node.ticket_proof(ticket.token)
-                    return await bulk.download(bulk.host_of(endpoint), ticket.port, ticket.token, proof,
-                                               mac_key=self.node.secret.payloads,
-                                               size_bytes=ticket.total_bytes, deadline=deadline,
-                                               what=f"mean of shard {shard}", counters=self.node.counters,
-                                               peer=target, pool=self.node.buffers, tls=self.node.bulk_tls)
-            return await self._grpc_fetch(endpoint, target, request, shard, max_bytes=max_bytes, deadline=deadline)
+                    got = await bulk.download(bulk.host_of(endpoint), ticket.port, ticket.token, proof,
+                                              mac_key=self.node.secret.payloads,
+                                              size_bytes=ticket.total_bytes, deadline=deadline,
+                                              what=f"mean of shard {shard}", counters=self.node.counters,
+                                              peer=target, pool=self.node.buffers, tls=self.node.bulk_tls)
+                    return got.view, got.digest
+            return await self._grpc_fetch(endpoint, target, request, shard, max_bytes=max_bytes,
+                                          deadline=deadline), b""
 
         return await self.node.retrying(once, endpoint=endpoint, deadline=deadline,
                                         what=f"fetch shard {shard} from {target}")
-
-    def release(self, data: bytes | bytearray | memoryview) -> None:
-        """Hand a fetched mean's buffer back for reuse; nothing may refer to its memory any more."""
-        if isinstance(data, memoryview):
-            self.node.buffers.give(data)
 
     async def _grpc_fetch(self, endpoint: str, target: str, request: pb.FetchRequest, shard: int, *,
                           max_bytes: int, deadline: float) -> bytearray:

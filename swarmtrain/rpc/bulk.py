@@ -12,10 +12,14 @@ run's tickets key) of the token and the peer id the ticket was issued to: a toke
 useless to anyone else. The server answers a status (u8 code index into CODES, u32 length, utf-8
 message). A bad token or proof is answered UNAUTHENTICATED, logged, and the connection closed.
 Upload: on OK the client streams the ticket's size in bytes, then their MAC (keyed BLAKE3 under the
-run's payloads key, over the token and the bytes; rpc/payload_macs.py), and half-closes; the server reads
-them into a buffer of exactly that size (EOF before it: truncated; bytes after the MAC: oversized), checks
-the MAC, hands the buffer to the ticket's consumer and answers a final status. Download: on OK the server
-sends u64 size, the bytes and their MAC, then closes. A payload altered on the way fails its MAC.
+run's payloads key, over the token and the bytes' BLAKE3 digest; trust/payloads.py), and half-closes; the
+server reads them into a buffer of exactly that size (EOF before it: truncated; bytes after the MAC:
+oversized), checks the MAC, hands the buffer to the ticket's consumer and answers a final status. Download:
+on OK the server sends u64 size, the bytes and their MAC, then closes; the client's bytes land in pooled
+memory that is its own (it goes back to the pool when nothing refers to it), with their digest. A payload
+altered on the way fails its MAC. The MAC covers the digest so that one pass over the bytes per side gives
+the MAC and the digest a round's material is named by, and a mean offered to several members at once is
+digested once.
 Every read and write runs under the ticket's deadline, the hello under `hello_timeout_s` (at most
 BULK_HELLO_TIMEOUT_S).
 
@@ -40,24 +44,26 @@ import struct
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
+
+from blake3 import blake3
 
 from swarmtrain.rpc.buffers import BufferPool
 from swarmtrain.rpc.errors import Rejected, RpcRejected, RpcTimeout, RpcUnavailable, status_name
 from swarmtrain.rpc.links import Link, RawLink, open_tls
-from swarmtrain.rpc.payload_macs import mac_of, mac_ok
-from swarmtrain.trust.payloads import MAC_BYTES
+from swarmtrain.rpc.payload_macs import digest_of
+from swarmtrain.trust.payloads import MAC_BYTES, check_payload_mac, payload_mac
 from swarmtrain.trust.tls import TLS_NAME
 
 if TYPE_CHECKING:
     from swarmtrain.rpc.node import ByteCounters
 
 __all__ = ["BULK_HELLO_TIMEOUT_S", "CODES", "MAC_BYTES", "MAGIC", "PROOF_BYTES", "TOKEN_BYTES", "BulkRefused",
-           "BulkServer", "check_hello", "download", "host_of", "ticket_proof", "upload"]
+           "BulkServer", "Downloaded", "check_hello", "download", "host_of", "ticket_proof", "upload"]
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"STB2"
+MAGIC = b"STB3"  # 3: the MAC covers the payload's digest
 TOKEN_BYTES = 16
 PROOF_BYTES = 16
 BULK_HELLO_TIMEOUT_S = 2.0  # a member's hello follows its ticket call at once
@@ -71,6 +77,7 @@ _STATUS = struct.Struct("!BI")
 _SIZE = struct.Struct("!Q")
 _MAX_MESSAGE_BYTES = 4096
 _ACCEPT_BACKOFF_S = (0.05, 1.0)  # after a failed accept (out of file descriptors): first and longest wait
+_HASH_STEP = 1 << 20  # bytes hashed at a time while a payload moves (in the cache, on the loop)
 _DRAIN_BYTES = 1 << 20  # read (and drop) at most this much after a refusal, so the refusal is not lost to a reset
 _DRAIN_SCRATCH = memoryview(bytearray(1 << 16))  # shared by every drain: what is read there is dropped
 
@@ -84,6 +91,28 @@ class BulkRefused(Exception):
         super().__init__(message)
         self.code = code
 
+
+
+class Downloaded(NamedTuple):
+    """A download's bytes (the caller's own: pooled memory that goes back by itself once unreferenced) and their
+    BLAKE3 digest (trust/payloads.payload_digest), checked against the sender's MAC."""
+
+    view: memoryview
+    digest: bytes
+
+
+class _Digest:
+    """The digest of one payload offered to several downloads at once, taken once: `data` is held so that its
+    id cannot name another object while tickets for it are open."""
+
+    def __init__(self, data: bytes | bytearray | memoryview) -> None:
+        self.data = data
+        self.users = 0
+        self.task: asyncio.Task[bytes] | None = None
+
+
+def _bulk_mac(key: bytes, token: bytes, digest: bytes) -> bytes:
+    return payload_mac(key, b"bulk", token, digest)
 
 
 class _Eof(ConnectionError):
@@ -153,6 +182,32 @@ async def _recv_into(link: Link, view: memoryview) -> int:
     return got
 
 
+async def _recv_hashed(link: Link, view: memoryview) -> tuple[int, bytes]:
+    """`_recv_into`, hashing the bytes (trust/payloads.payload_digest) a MiB at a time as they arrive, while
+    they are still in the cache: the receiver's one pass over them is the copy out of the socket."""
+    hasher, got, hashed = blake3(), 0, 0
+    while got < len(view):
+        n = await link.recv_into(view[got:])
+        if n == 0:
+            break
+        got += n
+        if got - hashed >= _HASH_STEP:
+            hasher.update(view[hashed:got])
+            hashed = got
+    hasher.update(view[hashed:got])
+    return got, hasher.digest()
+
+
+async def _send_hashed(link: Link, data: bytes | bytearray | memoryview) -> bytes:
+    """Send `data`, hashing each MiB just before it goes (`_recv_hashed`'s counterpart); returns the digest."""
+    hasher, view = blake3(), memoryview(data).cast("B")
+    for lo in range(0, len(view), _HASH_STEP):
+        piece = view[lo:lo + _HASH_STEP]
+        hasher.update(piece)
+        await link.sendall(piece)
+    return hasher.digest()
+
+
 async def _send_status(link: Link, code: str, message: str = "", tail: bytes = b"") -> None:
     text = message.encode()[:_MAX_MESSAGE_BYTES]
     await link.sendall(_STATUS.pack(CODES.index(code), len(text)) + text + tail)
@@ -190,6 +245,7 @@ class BulkServer:
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
         self._transfers: set[asyncio.Task[None]] = set()
+        self._digests: dict[int, _Digest] = {}  # id(offered data) -> its digest, while tickets for it are open
         self.port = 0
 
     async def start(self, host: str, port: int) -> int:
@@ -213,6 +269,8 @@ class BulkServer:
         for ticket in self._tickets.values():
             if ticket.expiry is not None:
                 ticket.expiry.cancel()
+        for ticket in list(self._tickets.values()):
+            self._forget_digest(ticket)
         self._tickets.clear()
         self._tickets_of.clear()
         if self._transfers and grace_s > 0:
@@ -227,10 +285,34 @@ class BulkServer:
         memory is reused once `consume` returns: copy what you keep."""
         return self._issue(_Ticket(peer, what, size_bytes, deadline, consume=consume))
 
-    def offer_download(self, *, peer: str, what: str, data: bytes | bytearray, deadline: float,
+    def offer_download(self, *, peer: str, what: str, data: bytes | bytearray | memoryview, deadline: float,
                        on_sent: Callable[[], Awaitable[None]] | None = None) -> bytes:
-        """A token for `peer` to receive `data` once; `on_sent()` runs when the bytes are out."""
-        return self._issue(_Ticket(peer, what, len(data), deadline, data=data, on_sent=on_sent))
+        """A token for `peer` to receive `data` once; `on_sent()` runs when the bytes are out. The same `data`
+        offered to several peers at once is digested once."""
+        token = self._issue(_Ticket(peer, what, len(data), deadline, data=data, on_sent=on_sent))
+        memo = self._digests.get(id(data))
+        if memo is None or memo.data is not data:
+            memo = self._digests[id(data)] = _Digest(data)
+        memo.users += 1
+        return token
+
+    def _digest(self, data: bytes | bytearray | memoryview) -> asyncio.Task[bytes]:
+        memo = self._digests.get(id(data))
+        if memo is None or memo.data is not data:  # not offered through offer_download: digested on its own
+            return asyncio.get_running_loop().create_task(digest_of(data))
+        if memo.task is None:
+            memo.task = asyncio.get_running_loop().create_task(digest_of(data))
+        return memo.task
+
+    def _forget_digest(self, ticket: _Ticket) -> None:
+        """A download ticket is done (sent, failed or void): its payload's digest goes with its last ticket."""
+        if ticket.data is None:
+            return
+        memo = self._digests.get(id(ticket.data))
+        if memo is not None and memo.data is ticket.data:
+            memo.users -= 1
+            if memo.users <= 0:
+                del self._digests[id(ticket.data)]
 
     def _issue(self, ticket: _Ticket) -> bytes:
         if self._listener is None:
@@ -249,11 +331,13 @@ class BulkServer:
             self._void(oldest)
         return token
 
-    def _void(self, token: bytes) -> _Ticket | None:
+    def _void(self, token: bytes, *, claimed: bool = False) -> _Ticket | None:
         """Forget `token` (expired, claimed, or crowded out by its caller's newer ones)."""
         ticket = self._tickets.pop(token, None)
         if ticket is None:
             return None
+        if not claimed:
+            self._forget_digest(ticket)
         if ticket.expiry is not None:
             ticket.expiry.cancel()
         mine = self._tickets_of.get(ticket.peer)
@@ -308,6 +392,7 @@ class BulkServer:
                     hello = bytes(await _recv_exact(link, len(MAGIC) + TOKEN_BYTES + PROOF_BYTES))
                 ticket = self._claim(hello)
                 self._unauthenticated.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
+                self._forget_digest_after(ticket)
                 if self._running_of[ticket.peer] >= MAX_TRANSFERS_PER_PEER:
                     raise BulkRefused("RESOURCE_EXHAUSTED", f"{ticket.peer} already runs {MAX_TRANSFERS_PER_PEER} "
                                                             "transfers here")
@@ -352,17 +437,24 @@ class BulkServer:
             return None if ticket is None else ticket.peer
 
         token = check_hello(hello, key=self._ticket_key, issued_to=issued_to)
-        ticket = self._void(token)
+        ticket = self._void(token, claimed=True)
         assert ticket is not None  # check_hello found it just now, on this loop
         ticket.token = token
         return ticket
+
+    def _forget_digest_after(self, ticket: _Ticket) -> None:
+        """A claimed download's digest is forgotten when its transfer ends, however it ends."""
+        if ticket.data is not None:
+            task = asyncio.current_task()
+            assert task is not None
+            task.add_done_callback(lambda _: self._forget_digest(ticket))
 
     async def _receive(self, link: Link, ticket: _Ticket) -> None:
         assert ticket.consume is not None
         await _send_status(link, "OK")
         view = self.pool.take(ticket.size_bytes)
         try:
-            got = await _recv_into(link, view)
+            got, digest = await _recv_hashed(link, view)
             self.counters.add_received(ticket.peer, got)
             if got < ticket.size_bytes:
                 raise BulkRefused("INVALID_ARGUMENT",
@@ -373,7 +465,7 @@ class BulkServer:
             if await link.recv_into(memoryview(bytearray(1))):
                 raise BulkRefused("RESOURCE_EXHAUSTED", f"{ticket.what} carries more than the {ticket.size_bytes} "
                                                         "bytes it declared")
-            if not await mac_ok(self._payload_key, bytes(mac), b"bulk", ticket.token, view):
+            if not check_payload_mac(self._payload_key, bytes(mac), b"bulk", ticket.token, digest):
                 raise BulkRefused("INVALID_ARGUMENT", f"{ticket.what}: its MAC is wrong (altered on the way?)")
             try:
                 await ticket.consume(view)
@@ -386,13 +478,9 @@ class BulkServer:
     async def _send(self, link: Link, ticket: _Ticket) -> None:
         assert ticket.data is not None
         await _send_status(link, "OK", tail=_SIZE.pack(ticket.size_bytes))
-        # hashed while it is sent
-        mac = asyncio.ensure_future(mac_of(self._payload_key, b"bulk", ticket.token, ticket.data))
-        try:
-            await link.sendall(memoryview(ticket.data))
-        finally:
-            await asyncio.wait({mac})
-        await link.sendall(mac.result())
+        digest = self._digest(ticket.data)  # hashed while it is sent (once for all its tickets)
+        await link.sendall(memoryview(ticket.data))
+        await link.sendall(_bulk_mac(self._payload_key, ticket.token, await asyncio.shield(digest)))
         self.counters.add_sent(ticket.peer, ticket.size_bytes)
         link.shutdown_write()
         if ticket.on_sent is not None:
@@ -452,39 +540,32 @@ async def upload(host: str, port: int, token: bytes, proof: bytes, payload: byte
                  tls: ssl.SSLContext | None = None) -> None:
     """Send `payload` against an upload ticket (with our `ticket_proof` of it) and its MAC under `mac_key`,
     and wait for the consumer's verdict (RpcRejected if refused)."""
-    mac = asyncio.ensure_future(mac_of(mac_key, b"bulk", token, payload))  # hashed while the bytes are sent
-    try:
-        async with _transfer(host, port, token, proof, deadline=deadline, what=what, tls=tls) as link:
-            await link.sendall(memoryview(payload))
-            await link.sendall(await mac)
-            counters.add_sent(peer, len(payload))
-            link.shutdown_write()
-            await _expect_ok(link, what)
-    finally:
-        await asyncio.wait({mac})  # never leave the hashing thread behind a failed transfer
+    async with _transfer(host, port, token, proof, deadline=deadline, what=what, tls=tls) as link:
+        digest = await _send_hashed(link, payload)
+        await link.sendall(_bulk_mac(mac_key, token, digest))
+        counters.add_sent(peer, len(payload))
+        link.shutdown_write()
+        await _expect_ok(link, what)
 
 
 async def download(host: str, port: int, token: bytes, proof: bytes, *, mac_key: bytes, size_bytes: int,
                    deadline: float, what: str, counters: ByteCounters, peer: str, pool: BufferPool,
-                   tls: ssl.SSLContext | None = None) -> memoryview:
-    """The `size_bytes` (from the ticket, checked by the caller) offered against a download ticket, in a
-    view from `pool` (give it back when done); RpcRejected if their MAC under `mac_key` is wrong."""
+                   tls: ssl.SSLContext | None = None) -> Downloaded:
+    """The `size_bytes` (from the ticket, checked by the caller) offered against a download ticket, in memory
+    lent by `pool` (the caller's: it goes back by itself), with their digest; RpcRejected if their MAC under
+    `mac_key` is wrong."""
     async with _transfer(host, port, token, proof, deadline=deadline, what=what, tls=tls) as link:
         (size,) = _SIZE.unpack(await _recv_exact(link, _SIZE.size))
         if size != size_bytes:
             raise RpcRejected("INVALID_REPLY", f"{what} declares {size} bytes, its ticket {size_bytes}")
-        view = pool.take(size)
-        try:
-            got = await _recv_into(link, view)
-            counters.add_received(peer, got)
-            if got < size:
-                raise _Eof(f"{what}: connection closed after {got} of {size} bytes")
-            mac = bytes(await _recv_exact(link, MAC_BYTES))
-            if await link.recv_into(memoryview(bytearray(1))):
-                raise RpcRejected("INVALID_REPLY", f"{what} exceeds its declared {size} bytes")
-            if not await mac_ok(mac_key, mac, b"bulk", token, view):
-                raise RpcRejected("INVALID_REPLY", f"{what}: its MAC is wrong (altered on the way?)")
-        except BaseException:
-            pool.give(view)
-            raise
-        return view
+        view = pool.lent(size)
+        got, digest = await _recv_hashed(link, view)
+        counters.add_received(peer, got)
+        if got < size:
+            raise _Eof(f"{what}: connection closed after {got} of {size} bytes")
+        mac = bytes(await _recv_exact(link, MAC_BYTES))
+        if await link.recv_into(memoryview(bytearray(1))):
+            raise RpcRejected("INVALID_REPLY", f"{what} exceeds its declared {size} bytes")
+        if not check_payload_mac(mac_key, mac, b"bulk", token, digest):
+            raise RpcRejected("INVALID_REPLY", f"{what}: its MAC is wrong (altered on the way?)")
+        return Downloaded(view, digest)

@@ -50,14 +50,16 @@ class FaultHook(Protocol):
     def __call__(self, site: FaultSite) -> Fault | None: ...
 
 
-def corrupt(payload: bytes) -> bytes:
-    """The payload with bytes in its middle overwritten (0xFF: a NaN in fp32, a bad checksum in any codec)."""
-    if not payload:
-        return payload
-    mid = len(payload) // 2
-    return payload[:mid] + b"\xff" * min(CORRUPT_BYTES, len(payload) - mid) + payload[mid + CORRUPT_BYTES:]
+def corrupt(payload: bytes | bytearray | memoryview) -> bytes:
+    """A copy of the payload with bytes in its middle overwritten (0xFF: a NaN in fp32, a bad checksum in any
+    codec)."""
+    data = bytes(payload)
+    if not data:
+        return data
+    mid = len(data) // 2
+    return data[:mid] + b"\xff" * min(CORRUPT_BYTES, len(data) - mid) + data[mid + CORRUPT_BYTES:]
 
 
-def truncate(payload: bytes) -> bytes:
-    """The payload missing its last quarter (the header still declares the full size)."""
-    return payload[: len(payload) * 3 // 4]
+def truncate(payload: bytes | bytearray | memoryview) -> bytes:
+    """A copy of the payload missing its last quarter (the header still declares the full size)."""
+    return bytes(payload[: len(payload) * 3 // 4])

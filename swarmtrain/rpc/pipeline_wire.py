@@ -206,13 +206,10 @@ class PipelineClient:
         if not t.port or not 1 <= t.total_bytes <= self.max_bytes:
             raise RpcRejected("INVALID_REPLY", f"{method} reply of {endpoint} for a bulk call offers {t.total_bytes} "
                                                f"bytes on port {t.port} (at most {self.max_bytes})")
-        view = await bulk.download(bulk.host_of(endpoint), t.port, t.token, self.node.ticket_proof(t.token),
-                                   mac_key=self.node.secret.payloads, size_bytes=t.total_bytes, deadline=deadline,
-                                   what=f"{method} reply of {call.microbatch[:64]}", counters=self.node.counters,
-                                   peer=endpoint, pool=self.node.buffers, tls=self.node.bulk_tls)
-        try:
-            reply.tensor = bytes(view)
-        finally:
-            self.node.buffers.give(view)
+        got = await bulk.download(bulk.host_of(endpoint), t.port, t.token, self.node.ticket_proof(t.token),
+                                  mac_key=self.node.secret.payloads, size_bytes=t.total_bytes, deadline=deadline,
+                                  what=f"{method} reply of {call.microbatch[:64]}", counters=self.node.counters,
+                                  peer=endpoint, pool=self.node.buffers, tls=self.node.bulk_tls)
+        reply.tensor = bytes(got.view)  # the pooled memory goes back once `got` is dropped
         reply.ClearField("ticket")
         return reply

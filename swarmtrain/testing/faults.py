@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from swarmtrain.averaging.network import NetworkAverager
-from swarmtrain.averaging.transport import ReduceTransport
+from swarmtrain.averaging.transport import Fetched, Payload, ReduceTransport
 from swarmtrain.round.ballots import Ballot, MaterialLayout, Value
 from swarmtrain.round.certificate import Certificate
 from swarmtrain.round.group import Member
@@ -132,7 +132,7 @@ class FaultyReduceTransport:
         self.faults = faults
         self.peer = peer
 
-    async def push(self, reducer: Member, header: PushHeader, payload: bytes, *, deadline: float) -> None:
+    async def push(self, reducer: Member, header: PushHeader, payload: Payload, *, deadline: float) -> None:
         fault = self.faults(FaultSite(self.peer, header.session.round, "push", reducer.peer_id))
         if fault is not None:
             log.warning("%s: fault %s on push of shard %d to %s", self.peer, fault.action, header.shard,
@@ -164,15 +164,12 @@ class FaultyReduceTransport:
         return names
 
     async def fetch(self, reducer: Member, key: SessionKey, shard: int, contributors: tuple[str, ...], *,
-                    max_bytes: int, deadline: float) -> bytes | bytearray | memoryview:
+                    max_bytes: int, deadline: float) -> Fetched:
         await self._reducer_fault(reducer, key.round, "mean", deadline)
         await self._reducer_fault(reducer, key.round, "mean_asked", deadline)  # a crash site, after mean's delay
         data = await self.inner.fetch(reducer, key, shard, contributors, max_bytes=max_bytes, deadline=deadline)
         self.faults(FaultSite(reducer.peer_id, key.round, "mean_served", self.peer))  # a crash site only
         return data
-
-    def release(self, data: bytes | bytearray | memoryview) -> None:
-        self.inner.release(data)
 
 
 class FaultyConsensusTransport:

@@ -86,7 +86,7 @@ def test_bad_pushes_are_refused_logged_and_the_round_still_commits(caplog, monke
                 async def forged_mac(*_args: object) -> bytes:
                     return bytes(32)
 
-                patched.setattr(bulk, "mac_of", forged_mac)  # the bulk port's upload
+                patched.setattr(bulk, "_bulk_mac", lambda *_args: bytes(32))  # the bulk port's upload
                 patched.setattr(averaging_client, "mac_of", forged_mac)  # the gRPC stream's push
                 err = _push(intruder, a.endpoint, header(), good)
             assert err.code == "INVALID_ARGUMENT" and "MAC" in err.details, err

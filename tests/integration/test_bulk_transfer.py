@@ -312,7 +312,7 @@ def test_a_thousand_junk_connections_leave_the_swarm_committing_with_bounded_mem
         try:
             for i in range(1000):  # idle, half a hello, or garbage: none of it can be a member's
                 sock = socket.create_connection(("127.0.0.1", target.port), timeout=IO_S)
-                sock.sendall([b"", b"STB2" + bytes(7), secrets.token_bytes(64)][i % 3])
+                sock.sendall([b"", bulk.MAGIC + bytes(7), secrets.token_bytes(64)][i % 3])
                 junk.append(sock)
             wait_until(lambda: target.refused_connections >= 1000 - target.max_unauthenticated, timeout_s=IO_S,
                        what="junk connections crowded out")
@@ -342,10 +342,10 @@ def test_means_altered_on_the_way_are_refused_by_their_mac(monkeypatch: pytest.M
     with Swarm(names, rpc=dict.fromkeys(names, rpc)) as swarm:
         monkeypatch.setattr(averaging_wire, "mac_of", forged_mac)  # the gRPC stream's serving side
         if transport == "tcp":
-            real = bulk.mac_of
+            real = bulk._bulk_mac
 
-            async def forge_means_only(key: bytes, kind: bytes, context: bytes, data: object) -> bytes:
-                return bytes(32) if kind == b"bulk" and context in served else await real(key, kind, context, data)
+            def forge_means_only(key: bytes, token: bytes, digest: bytes) -> bytes:
+                return bytes(32) if token in served else real(key, token, digest)
 
             served: set[bytes] = set()
             offer = bulk.BulkServer.offer_download
@@ -356,7 +356,7 @@ def test_means_altered_on_the_way_are_refused_by_their_mac(monkeypatch: pytest.M
                 return token
 
             monkeypatch.setattr(bulk.BulkServer, "offer_download", offer_and_note)
-            monkeypatch.setattr(bulk, "mac_of", forge_means_only)
+            monkeypatch.setattr(bulk, "_bulk_mac", forge_means_only)
         results = swarm.average(0, deltas_for(names, 20_000))
     assert not any(r.committed for r in results.values()), {n: r.reason for n, r in results.items()}
     assert all("MAC" in r.reason for r in results.values()), {n: r.reason for n, r in results.items()}

@@ -17,7 +17,7 @@ import pytest
 import torch
 from peer_harness import RUN, live_records, peer_config, peers_of, until
 
-from swarmtrain.averaging.transport import ReduceTransport
+from swarmtrain.averaging.transport import Fetched, Payload, ReduceTransport
 from swarmtrain.diloco.worker import InnerStats
 from swarmtrain.discovery import InMemoryDiscovery, PeerRecord
 from swarmtrain.roles import Peer
@@ -65,7 +65,7 @@ class _ExplodingPush:
         self.inner = inner
         self.exploded = False
 
-    async def push(self, reducer: Member, header: PushHeader, payload: bytes, *, deadline: float) -> None:
+    async def push(self, reducer: Member, header: PushHeader, payload: Payload, *, deadline: float) -> None:
         if header.session.round == BAD_ROUND and not self.exploded:
             self.exploded = True
             raise RuntimeError("codec exploded")
@@ -76,11 +76,8 @@ class _ExplodingPush:
         return await self.inner.contributors(reducer, key, shard, deadline=deadline)
 
     async def fetch(self, reducer: Member, key: SessionKey, shard: int, contributors: tuple[str, ...], *,
-                    max_bytes: int, deadline: float) -> bytes | bytearray | memoryview:
+                    max_bytes: int, deadline: float) -> Fetched:
         return await self.inner.fetch(reducer, key, shard, contributors, max_bytes=max_bytes, deadline=deadline)
-
-    def release(self, data: bytes | bytearray | memoryview) -> None:
-        self.inner.release(data)
 
 
 def _fail_average_once(peer: Peer) -> None:

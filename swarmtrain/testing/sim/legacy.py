@@ -18,7 +18,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from swarmtrain.averaging.transport import ReduceTransport
+from swarmtrain.averaging.transport import Fetched, Payload, ReduceTransport
 from swarmtrain.averaging.voting import VoterService
 from swarmtrain.round.ballots import Ballot, Value, Voter, grant_statement
 from swarmtrain.round.certificate import Certificate, Retirement, SignedGrant
@@ -36,7 +36,7 @@ class without_stand_ins:
     def __init__(self, inner: ReduceTransport) -> None:
         self.inner = inner
 
-    async def push(self, reducer: Member, header: PushHeader, payload: bytes, *, deadline: float) -> None:
+    async def push(self, reducer: Member, header: PushHeader, payload: Payload, *, deadline: float) -> None:
         await self.inner.push(reducer, header, payload, deadline=deadline)
 
     async def contributors(self, reducer: Member, key: SessionKey, shard: int, *,
@@ -44,13 +44,10 @@ class without_stand_ins:
         return await self.inner.contributors(reducer, key, shard, deadline=deadline)
 
     async def fetch(self, reducer: Member, key: SessionKey, shard: int, contributors: tuple[str, ...], *,
-                    max_bytes: int, deadline: float) -> bytes | bytearray | memoryview:
+                    max_bytes: int, deadline: float) -> Fetched:
         if not contributors or key.reducers[shard] != reducer.peer_id:
             raise RpcRejected("FAILED_PRECONDITION", "no stand-ins by the legacy rules")
         return await self.inner.fetch(reducer, key, shard, contributors, max_bytes=max_bytes, deadline=deadline)
-
-    def release(self, data: bytes | bytearray | memoryview) -> None:
-        self.inner.release(data)
 
 
 class LegacyVoter(VoterService):

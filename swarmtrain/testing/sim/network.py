@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from swarmtrain.averaging.transport import Fetched
 from swarmtrain.averaging.voting import VoterService
 from swarmtrain.driver.part import CommittedState
 from swarmtrain.round.ballots import Ballot, MaterialLayout, Value
@@ -170,7 +171,7 @@ class SimReduceTransport:
         self.peer_id = peer_id
         self.local = local
 
-    async def push(self, reducer: Member, header: PushHeader, payload: bytes, *, deadline: float) -> None:
+    async def push(self, reducer: Member, header: PushHeader, payload: Payload, *, deadline: float) -> None:
         async def handle(node: SimNode) -> None:
             assert node.reducer is not None
             await node.reducer.check_push(header, peer=self.peer_id)
@@ -187,7 +188,7 @@ class SimReduceTransport:
         return await self.net.call(self.peer_id, reducer.endpoint, handle, timeout_s=_left(deadline))
 
     async def fetch(self, reducer: Member, key: SessionKey, shard: int, contributors: tuple[str, ...], *,
-                    max_bytes: int, deadline: float) -> Payload:
+                    max_bytes: int, deadline: float) -> Fetched:
         async def handle(node: SimNode) -> Payload:
             assert node.reducer is not None
             data = await node.reducer.mean(key, shard, contributors, peer=self.peer_id)
@@ -198,10 +199,7 @@ class SimReduceTransport:
                                    tag=("mean", key.round))
         if len(data) > max_bytes:
             raise RpcRejected("INVALID_REPLY", f"mean of shard {shard}: {len(data)} bytes, max {max_bytes}")
-        return data
-
-    def release(self, data: Payload) -> None:
-        return None
+        return Fetched(data)
 
 
 class SimConsensusTransport:
