@@ -4,6 +4,7 @@ dying mid-transfer is an RpcUnavailable."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import secrets
@@ -360,3 +361,50 @@ def test_means_altered_on_the_way_are_refused_by_their_mac(monkeypatch: pytest.M
         results = swarm.average(0, deltas_for(names, 20_000))
     assert not any(r.committed for r in results.values()), {n: r.reason for n, r in results.items()}
     assert all("MAC" in r.reason for r in results.values()), {n: r.reason for n, r in results.items()}
+
+
+def test_a_mean_offered_to_several_members_is_digested_once_and_lands_in_their_own_pooled_memory(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three downloads of one offered payload: each gets the bytes and their BLAKE3 digest (checked against the
+    sender's MAC), the sender hashes them once for all three, and each copy lives in the client's pool memory,
+    which comes back once the caller drops it."""
+    from blake3 import blake3
+
+    hashed: list[int] = []
+    real = bulk.digest_of
+
+    async def counted(data: bytes | bytearray | memoryview) -> bytes:
+        hashed.append(len(data))
+        return await real(data)
+
+    monkeypatch.setattr(bulk, "digest_of", counted)
+    server, client = _serving_node(), RpcNode(RPC, peer_id="x", serve=False)
+    client.start()
+    try:
+        payload = secrets.token_bytes(3 * (1 << 20) + 5)
+
+        async def offer() -> list[bytes]:
+            assert server.bulk is not None
+            return [server.bulk.offer_download(peer="x", what="mean", data=payload,
+                                               deadline=time.monotonic() + IO_S) for _ in range(3)]
+
+        tokens = server.run(offer(), timeout_s=IO_S)
+        assert server.bulk is not None and len(server.bulk._digests) == 1
+
+        async def fetch_all() -> list[bulk.Downloaded]:
+            assert server.bulk is not None
+            return list(await asyncio.gather(*(
+                bulk.download("127.0.0.1", server.bulk.port, t, client.ticket_proof(t), mac_key=client.secret.payloads,
+                              size_bytes=len(payload), deadline=time.monotonic() + IO_S, what="mean",
+                              counters=client.counters, peer="r", pool=client.buffers) for t in tokens)))
+
+        got = client.run(fetch_all(), timeout_s=IO_S + 5)
+        assert all(bytes(g.view) == payload and g.digest == blake3(payload).digest() for g in got)
+        assert hashed == [len(payload)]  # the sender's one pass; the client hashed as the bytes came in
+        wait_until(lambda: not server.bulk._digests, timeout_s=IO_S, what="the digest forgotten with its tickets")
+        idle = client.buffers.idle_bytes
+        del got
+        assert client.buffers.idle_bytes >= idle + 3 * (4 << 20)  # three 4 MiB blocks back in the client's pool
+    finally:
+        client.close()
+        server.close()

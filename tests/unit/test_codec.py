@@ -314,3 +314,23 @@ def test_decode_pieces_of_checked_bytes_skips_the_checksum_and_nothing_else_chan
     codec.decode_accumulate(data, acc, checked=True)  # not hashed again
     with pytest.raises(CodecError, match="checksum"):
         codec.decode_accumulate(data, ref)
+
+
+@pytest.mark.parametrize("name,options", [
+    ("fp32", {}), ("fp16", {}), ("int8", {}), ("int4", {"block_size": 6}), ("int8", {"zstd_level": 3}),
+    ("sparse", {"chunk_size": 16, "density": 0.25}),
+])
+@pytest.mark.parametrize("numel", [0, 49, 1001])
+def test_encoding_into_given_memory_writes_the_same_bytes(name: str, options: dict[str, object], numel: int) -> None:
+    """`into=`: the message framed into memory the caller gives (pooled, reused every round) is the message."""
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
+    asked: list[int] = []
+
+    def into(size: int) -> memoryview:
+        asked.append(size)
+        return memoryview(bytearray(b"\xaa" * size))  # not zeroed: every byte must be written
+
+    whole = get_codec(name, **options).encode(x)
+    assert bytes(get_codec(name, **options).encode(x, into=into)) == whole
+    assert bytes(get_codec(name, **options).encode_from(lambda lo, hi: x[lo:hi], numel, piece=16, into=into)) == whole
+    assert asked == [len(whole)] * 2

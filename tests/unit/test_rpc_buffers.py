@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -76,3 +77,39 @@ def test_release_idle_frees_every_idle_block_and_keeps_lent_ones_working() -> No
     kept[:4] = b"abcd"  # a block still taken is untouched
     pool.give(kept)
     assert pool.idle_bytes == 2 * MB
+
+
+def test_threads_taking_giving_and_dropping_lent_memory_never_share_a_block() -> None:
+    """Codec threads frame into lent memory while the loop takes and gives receive buffers: no block is ever
+    handed to two holders at once (a lent block comes back only once its last reference is gone), and the pool
+    still serves afterwards."""
+    import threading
+
+    pool = BufferPool(max_bytes=64 * MB)
+    owners: dict[int, int] = {}
+    clash: list[str] = []
+    guard = threading.Lock()
+
+    def work(worker: int) -> None:
+        for i in range(200):
+            view = pool.take(MB) if i % 2 else pool.lent(MB)
+            block = np.frombuffer(view, dtype=np.uint8).__array_interface__["data"][0]  # where its memory is
+            with guard:
+                if block in owners:
+                    clash.append(f"worker {worker} got the block worker {owners[block]} holds")
+                owners[block] = worker
+            view[:8] = worker.to_bytes(8, "little")
+            with guard:
+                del owners[block]
+            if i % 2:
+                pool.give(view)
+            else:
+                del view  # a lent block comes back when its last reference goes
+
+    threads = [threading.Thread(target=work, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not clash and not any(t.is_alive() for t in threads)
+    assert pool.idle_bytes <= 64 * MB and pool.take(MB).nbytes == MB
