@@ -21,8 +21,6 @@ import contextlib
 import logging
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from swarmtrain.averaging.aggregate import Aggregation, encoded_aggregate, pack_bundle
 from swarmtrain.averaging.standin import StandIns
 from swarmtrain.compress import Codec, CodecError
@@ -74,12 +72,11 @@ class _Session:
     numel: int
     expected: frozenset[str]
     total: int  # values of the whole Δ (every shard's bounds follow from it and the session's reducers)
-    received: dict[str, memoryview] = field(default_factory=dict)  # sender -> its encoded shard, validated
+    received: dict[str, bytes | bytearray | memoryview] = field(default_factory=dict)  # sender -> its shard, checked
     rejected: dict[str, str] = field(default_factory=dict)
     closed: asyncio.Event = field(default_factory=asyncio.Event)
     contributors: tuple[str, ...] = ()
     means: dict[tuple[str, ...], bytes | memoryview] = field(default_factory=dict)
-    scratch: list[memoryview] = field(default_factory=list)  # pooled memory behind `received`
     fetched: set[str] = field(default_factory=set)  # members that pulled a mean: a leaving peer waits for them
     mean_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     timer: asyncio.TimerHandle | None = None
@@ -163,12 +160,7 @@ class ReducerRegistry:
             s.timer.cancel()
         s.dropped = True
         s.closed.set()  # its waiters wake and are refused
-        if s.mean_lock.locked():
-            return  # a straggler's mean is being computed from these tensors: let them be freed, not reused
-        s.received.clear()
-        for view in s.scratch:
-            self.buffers.give(view)
-        s.scratch.clear()
+        s.received.clear()  # lent pooled memory: back to the pool once nothing (a mean's thread) reads it
 
     def _session_or_open(self, key: SessionKey) -> _Session | None:
         """The session for `key`, opening it when this peer knows the round's group; None if unknown yet."""
@@ -269,22 +261,18 @@ class ReducerRegistry:
         s = await self._session(header.session)
         if header.sender in s.received:
             return  # a retried push whose first copy landed: idempotent
-        # Kept encoded (a quarter of fp32 with int8): decoded again, in group order, for each mean.
-        view = self.buffers.take(len(payload))
+        # Kept encoded as it came (a quarter of fp32 with int8): decoded again, in group order, for each mean.
         async with self._check_turn:
             try:
-                await asyncio.to_thread(_own_checked, self.codec, payload, view, s.numel)
+                await asyncio.to_thread(self.codec.validate, payload, numel=s.numel)
             except CodecError as e:
-                self.buffers.give(view)
                 s.rejected[header.sender] = str(e)
                 raise Rejected(f"shard {s.shard} from {header.sender}: {e}") from None
         if s.closed.is_set() or header.sender in s.received:
-            self.buffers.give(view)
             if header.sender in s.received:
                 return  # a retry raced its first copy
             raise Rejected(f"shard {s.shard}'s contribution window closed while decoding", kind="precondition")
-        s.received[header.sender] = view
-        s.scratch.append(view)
+        s.received[header.sender] = payload
         if s.expected <= set(s.received):
             self._close(s)
 
@@ -367,10 +355,3 @@ class ReducerRegistry:
                     await asyncio.wait_for(self.changed.wait(), timeout=remaining)
         return tuple(sorted(missing()))
 
-
-def _own_checked(codec: Codec, payload: bytes | bytearray | memoryview, own: memoryview, numel: int) -> None:
-    """Copy an encoded shard into `own` (our memory, never the transport's reused payload buffer) and
-    refuse it now if it is malformed or decodes to NaN or Inf (`Codec.validate`: from the block scales
-    or wire values where the codec can, without a decoded shard)."""
-    np.copyto(np.frombuffer(own, dtype=np.uint8), np.frombuffer(payload, dtype=np.uint8))  # without the GIL
-    codec.validate(own, numel=numel)

@@ -68,7 +68,7 @@ class GrpcReduceTransport:
             await asyncio.wait_for(self.local.check_push(header, peer=self.peer_id), timeout=_left(deadline))
             if len(payload) != header.total_bytes:
                 raise Rejected(f"truncated push: got {len(payload)} of {header.total_bytes} bytes")
-            await self.local.accept_push(header, payload, peer=self.peer_id)  # type: ignore[arg-type]
+            await self.local.accept_push(header, payload, peer=self.peer_id)
             return
         await self.client.push(reducer.endpoint, reducer.peer_id, header, payload,  # type: ignore[attr-defined]
                                deadline=_monotonic(deadline))

@@ -77,8 +77,9 @@ class ReducerSink(Protocol):
         """Validate a push header (may wait for the session to open); return the max payload bytes."""
         ...
 
-    async def accept_push(self, header: PushHeader, payload: bytearray | memoryview, *, peer: str) -> None:
-        """Take a checked push's bytes; `payload` may be reused once this returns: keep a copy, not a view."""
+    async def accept_push(self, header: PushHeader, payload: bytes | bytearray | memoryview, *, peer: str) -> None:
+        """Take a checked push's bytes: `payload` is the sink's to keep (memory nobody else writes; pooled memory
+        goes back by itself once dropped)."""
         ...
 
     async def contributors(self, key: SessionKey, shard: int, *, peer: str) -> tuple[str, ...]: ...

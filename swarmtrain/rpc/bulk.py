@@ -281,8 +281,8 @@ class BulkServer:
 
     def expect_upload(self, *, peer: str, what: str, size_bytes: int, deadline: float, consume: Consumer) -> bytes:
         """A token for `peer` to send exactly `size_bytes` (already checked against the caller's limit);
-        `consume(view)` takes them and may raise `Rejected`, which the uploader receives. The view's
-        memory is reused once `consume` returns: copy what you keep."""
+        `consume(view)` takes them and may raise `Rejected`, which the uploader receives. The view is the
+        consumer's: lent pooled memory that goes back once nothing refers to it."""
         return self._issue(_Ticket(peer, what, size_bytes, deadline, consume=consume))
 
     def offer_download(self, *, peer: str, what: str, data: bytes | bytearray | memoryview, deadline: float,
@@ -452,27 +452,23 @@ class BulkServer:
     async def _receive(self, link: Link, ticket: _Ticket) -> None:
         assert ticket.consume is not None
         await _send_status(link, "OK")
-        view = self.pool.take(ticket.size_bytes)
+        view = self.pool.lent(ticket.size_bytes)  # the consumer's once it is handed over
+        got, digest = await _recv_hashed(link, view)
+        self.counters.add_received(ticket.peer, got)
+        if got < ticket.size_bytes:
+            raise BulkRefused("INVALID_ARGUMENT", f"truncated {ticket.what}: got {got} of {ticket.size_bytes} bytes")
+        mac = bytearray(MAC_BYTES)
+        if await _recv_into(link, memoryview(mac)) < MAC_BYTES:
+            raise BulkRefused("INVALID_ARGUMENT", f"truncated {ticket.what}: its MAC is missing")
+        if await link.recv_into(memoryview(bytearray(1))):
+            raise BulkRefused("RESOURCE_EXHAUSTED", f"{ticket.what} carries more than the {ticket.size_bytes} "
+                                                    "bytes it declared")
+        if not check_payload_mac(self._payload_key, bytes(mac), b"bulk", ticket.token, digest):
+            raise BulkRefused("INVALID_ARGUMENT", f"{ticket.what}: its MAC is wrong (altered on the way?)")
         try:
-            got, digest = await _recv_hashed(link, view)
-            self.counters.add_received(ticket.peer, got)
-            if got < ticket.size_bytes:
-                raise BulkRefused("INVALID_ARGUMENT",
-                                  f"truncated {ticket.what}: got {got} of {ticket.size_bytes} bytes")
-            mac = bytearray(MAC_BYTES)
-            if await _recv_into(link, memoryview(mac)) < MAC_BYTES:
-                raise BulkRefused("INVALID_ARGUMENT", f"truncated {ticket.what}: its MAC is missing")
-            if await link.recv_into(memoryview(bytearray(1))):
-                raise BulkRefused("RESOURCE_EXHAUSTED", f"{ticket.what} carries more than the {ticket.size_bytes} "
-                                                        "bytes it declared")
-            if not check_payload_mac(self._payload_key, bytes(mac), b"bulk", ticket.token, digest):
-                raise BulkRefused("INVALID_ARGUMENT", f"{ticket.what}: its MAC is wrong (altered on the way?)")
-            try:
-                await ticket.consume(view)
-            except Rejected as e:
-                raise BulkRefused(status_name(e), str(e)) from None
-        finally:
-            self.pool.give(view)
+            await ticket.consume(view)
+        except Rejected as e:
+            raise BulkRefused(status_name(e), str(e)) from None
         await _send_status(link, "OK")
 
     async def _send(self, link: Link, ticket: _Ticket) -> None:
