@@ -121,7 +121,8 @@ class SimNetwork:
             raise RpcTimeout(f"DEADLINE_EXCEEDED: {endpoint}") from None
 
     async def _call(self, src: str, endpoint: str, fn: Callable[[SimNode], Awaitable[T]], tag: object) -> T:
-        await self.thawed(src)
+        if self.frozen:  # (`thawed` returns at once, without yielding, where nothing is frozen)
+            await self.thawed(src)
         node = self.nodes.get(endpoint)
         local = node is not None and node.peer_id == src
         if not local:
@@ -130,7 +131,8 @@ class SimNetwork:
             raise RpcUnavailable(f"UNAVAILABLE: {endpoint} unreachable")
         if not local and self.drop and self.rng.random() < self.drop:
             raise RpcUnavailable(f"UNAVAILABLE: the call to {endpoint} was lost")
-        await self.thawed(node.peer_id)
+        if self.frozen:
+            await self.thawed(node.peer_id)
         task = node.spawn(self._handle(node, fn))
         try:
             result = await asyncio.shield(task)

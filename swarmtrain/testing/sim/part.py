@@ -1,8 +1,13 @@
 """The simulation tester's part: a small θ_global with the real outer optimizer, a seeded Δ per round after a
 (virtual) stretch of inner steps (cut to end with the swarm's after a heal into a round under way, and announced
 in the record as a worker's), and real checkpoints in the peer's directory (every `checkpoint_every`
-rounds, as a worker writes them). Every commit and heal is written to the simulation's ledger, which the
-checker reads: one state per round, whoever holds it."""
+rounds, as a worker takes them). Every commit and heal is written to the simulation's ledger, which the
+checker reads: one state per round, whoever holds it.
+
+Only a restart reads a peer's directory, so the checkpoints it takes are written when its process dies
+(`flush`, from SimPeer.crash): the newest `CHECKPOINTS_KEPT` of them, oldest first, as they were taken, which
+leaves the directory holding what writing each at once would have left there. A swarm's every peer writing
+its checkpoint (certificates of every voter) at every round took 6-8% of a simulation's time."""
 
 from __future__ import annotations
 
@@ -25,7 +30,9 @@ from swarmtrain.round.ballots import Voter, voters_from_json, voters_to_json
 from swarmtrain.round.certificate import Certificate
 from swarmtrain.sync.checkpoint import load_latest_checkpoint, save_checkpoint
 
-__all__ = ["Ledger", "SimPart"]
+__all__ = ["CHECKPOINTS_KEPT", "Ledger", "SimPart"]
+
+CHECKPOINTS_KEPT = 2  # as a worker keeps them
 
 
 @dataclass
@@ -65,6 +72,8 @@ class SimPart:
         self._voters: tuple[Voter, ...] = ()
         self.certificates: list[Certificate] = []
         self.saved: list[int] = []
+        # Checkpoints taken and not written yet (`flush`), oldest first: tensors, round, voters, certificates.
+        self._unwritten: list[tuple[dict[str, torch.Tensor], int, tuple[Voter, ...], tuple[Certificate, ...]]] = []
         self.version = 0
         self.trained_rounds = 0
         self._digest = ""
@@ -90,12 +99,21 @@ class SimPart:
         self.ledger.held(self._round, self._digest)
 
     def _checkpoint(self) -> None:
+        """Take a checkpoint of the state now; it reaches the directory at `flush` (see the module docstring)."""
         tensors = {"theta": self.theta.clone(),
                    **{f"outer.{k}": v.clone() for k, v in self.outer.state_tensors().items()}}
-        meta = {"round": self._round, "voters": voters_to_json(self._voters),
-                "certificates": [c.to_json() for c in self.certificates[-4:]]}
-        save_checkpoint(self.directory, tensors=tensors, meta=json.loads(json.dumps(meta)), keep=2)
-        self.saved = [*self.saved[-1:], self._round]  # the rounds of the 2 checkpoints kept, oldest first
+        taken = (tensors, self._round, self._voters, tuple(self.certificates[-4:]))
+        self._unwritten = [*self._unwritten[1 - CHECKPOINTS_KEPT:], taken]
+        self.saved = [*self.saved[1 - CHECKPOINTS_KEPT:], self._round]  # the rounds of those kept, oldest first
+
+    def flush(self) -> None:
+        """Write the checkpoints taken since the last flush (the newest CHECKPOINTS_KEPT, oldest first)."""
+        unwritten, self._unwritten = self._unwritten, []
+        for tensors, round_index, voters, certificates in unwritten:
+            meta = {"round": round_index, "voters": voters_to_json(voters),
+                    "certificates": [c.to_json() for c in certificates]}
+            save_checkpoint(self.directory, tensors=tensors, meta=json.loads(json.dumps(meta)),
+                            keep=CHECKPOINTS_KEPT)
 
     def replay_from(self) -> int:
         return self.saved[0] if self.saved else self._round
