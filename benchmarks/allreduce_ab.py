@@ -1,6 +1,6 @@
 """The all-reduce benchmark of two checkouts side by side: `benchmarks/allreduce.py` run alternately from this
 tree and from another (`git worktree add /tmp/old <commit>`), A B A B ..., so that both see the same machine
-state; prints each run's seconds per arm, the medians and new / old.
+state; prints each run's seconds per arm (and each arm's CPU seconds per peer), the medians and new / old.
 
     git worktree add /tmp/old 84744cc
     python benchmarks/allreduce_ab.py --old /tmp/old --pairs 6 -- --numel 25000000 --peers 4 --arms ours
@@ -27,7 +27,10 @@ def _run(tree: Path, extra: list[str], out: Path) -> dict[str, float]:
     subprocess.run([sys.executable, "benchmarks/allreduce.py", *extra, "--out", str(out)], cwd=tree, env=env,
                    check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     results = json.loads(out.read_text())["results"]
-    return {f"{arm} {r['numel']} x{r['peers']}": a["median_s"] for r in results for arm, a in r["arms"].items()}
+    seconds = {f"{arm} {r['numel']} x{r['peers']}": a["median_s"] for r in results for arm, a in r["arms"].items()}
+    cpu = {f"{arm} {r['numel']} x{r['peers']} cpu/peer": a["cpu_s_per_peer"] for r in results
+           for arm, a in r["arms"].items() if a.get("cpu_s_per_peer") is not None}
+    return seconds | cpu
 
 
 def main() -> int:
