@@ -24,8 +24,10 @@ instance (docs/protocol.md#the-rounds-decision):
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -174,6 +176,15 @@ class MaterialLayout:
     def size_bytes(self) -> int:
         return sum(s.size_bytes for s in self.shards)
 
+    @functools.cached_property
+    def key(self) -> str:
+        """One key for the layout's material (the digest of its shard digests), taken once per layout: a round's
+        store and voters look material up by it, and the layout names every shard."""
+        h = hashlib.sha256(f"{self.numel}|{self.codec}|{int(self.gather)}|".encode())
+        for s in self.shards:
+            h.update(f"{s.lo}|{s.hi}|{s.size_bytes}|{s.digest};".encode())
+        return h.hexdigest()
+
     def to_json(self) -> dict[str, Any]:
         return {"numel": self.numel, "codec": self.codec, "gather": self.gather,
                 "shards": [[s.lo, s.hi, s.size_bytes, s.digest] for s in self.shards]}
@@ -251,9 +262,11 @@ class Value:
     def canonical(self) -> bytes:
         return json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
 
-    @property
+    @functools.cached_property
     def value_id(self) -> str:
-        """The value's identity: a sha256 of its canonical JSON (what voters sign)."""
+        """The value's identity: a sha256 of its canonical JSON (what voters sign). Taken once per value: the
+        value is frozen, and a round's voters look it up for every ask and grant, its JSON growing with the
+        contributors and shards it names."""
         return hashlib.sha256(b"swarmtrain/value\0" + self.canonical()).hexdigest()
 
 
@@ -262,10 +275,13 @@ def _is_count(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
+_LOWER_HEX = re.compile("[0-9a-f]*")
+
+
 def _is_hex(s: str, n: int, *, empty: bool = False) -> bool:
     if empty and s == "":
         return True
-    return len(s) == n and all(c in "0123456789abcdef" for c in s)
+    return len(s) == n and _LOWER_HEX.fullmatch(s) is not None
 
 
 # ---------------------------------------------------------------------------------------------- statements
