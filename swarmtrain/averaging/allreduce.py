@@ -148,10 +148,17 @@ class AllReduce:
         pushes = await asyncio.gather(*(encode_and_push(j, m, lo, hi) for j, (m, (lo, hi)) in enumerate(shards)),
                                       return_exceptions=True)
         dead = _unreachable(reducers, pushes, timeouts=False)  # a push timing out is late, not dead
-        if dead:
-            return _Attempt(dead=dead, reason=f"could not push to {sorted(dead)}")
         t_pushed = loop.time()
         agree_deadline = min(deadline, max(t0 + 2 * window_s, t_pushed + window_s))
+        if dead:
+            # A reducer that died while the members pushed took some pushes first: those members learn of its
+            # death only when they ask for its contributors, once the others' windows closed. Retrying at once
+            # would open the next attempt's windows a window before they come, and close them without them (a
+            # group split in two, neither half a majority). So this member waits for the same answers before it
+            # retries, and every member starts the next attempt together.
+            await asyncio.gather(*(self.transport.contributors(m, key, j, deadline=agree_deadline)
+                                   for j, m in enumerate(reducers) if m.peer_id not in dead), return_exceptions=True)
+            return _Attempt(dead=dead, reason=f"could not push to {sorted(dead)}")
         sets = await asyncio.gather(*(self.transport.contributors(m, key, j, deadline=agree_deadline)
                                       for j, m in enumerate(reducers)), return_exceptions=True)
         failed = _failures(reducers, sets)

@@ -45,6 +45,20 @@ def _whole_swarm_restart(rules: str) -> Schedule:
 CRASH_AT_S = 16.0  # round 10 committed by then, the newest checkpoint at round 9 (the premise is asserted)
 
 
+def test_a_reducer_dying_while_the_members_push_costs_a_retry_not_the_round() -> None:
+    """12 peers. Reducer p02 takes p00's push of round 3 and dies: the members whose pushes reached it before
+    learn of its death only when they ask for its contributors, the others at once. Those used to retry at once
+    and close the retry's windows before the first ones came (4 of 12 contributors: no majority, the round
+    aborted on every member and was matched again 6.7 s later); now every member retries together and the
+    round commits in the same matchmaking."""
+    crash = Fault(at=0.0, kind="push_crash", peer=2, to=0, round=3, down_s=30.0)
+    result = run_schedule(Schedule(seed=0, peers=12, skews_s=(0.0,) * 12, faults=(crash,), faults_until_s=30.0))
+    assert result.ok, result.summary()
+    assert result.notes and "p02 crashed right after serving p00 the push of round 3" in result.notes[0]
+    round3 = [(p, ok, why) for _, p, r, ok, why in result.ledger.attempts if r == 3 and p != "p02"]
+    assert len(round3) == 11 and all(ok and "p02" in why for _, ok, why in round3), round3
+
+
 def test_the_tester_finds_the_lone_committer_wedge_on_the_legacy_rules_and_none_on_the_shipped_ones() -> None:
     legacy = run_schedule(_lone_committer("legacy"))
     assert legacy.notes and "p02 crashed right after serving p00 its mean of round 2" in legacy.notes[0]

@@ -179,7 +179,8 @@ class SimReduceTransport:
             await node.reducer.check_push(header, peer=self.peer_id)
             await node.reducer.accept_push(header, bytearray(payload), peer=self.peer_id)
 
-        await self.net.call(self.peer_id, reducer.endpoint, handle, timeout_s=_left(deadline))
+        await self.net.call(self.peer_id, reducer.endpoint, handle, timeout_s=_left(deadline),
+                            tag=("push", header.session.round))
 
     async def contributors(self, reducer: Member, key: SessionKey, shard: int, *,
                            deadline: float) -> tuple[str, ...]:

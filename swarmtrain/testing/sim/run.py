@@ -59,7 +59,9 @@ class Fault:
     """At virtual time `at`: `kind` one of crash (restart `down_s` later), freeze (for `down_s`), partition
     (into `sides` until `down_s` later), stale (DHT reads stale with probability `rate` for `down_s`), or
     mean_crash: from `at` on, `peer` crashes as soon as its answer with a mean of round `round` reaches peer
-    `to` (restarting `down_s` later): a reducer dying between serving one member and the others; leave: `peer`
+    `to` (restarting `down_s` later): a reducer dying between serving one member and the others; push_crash: the
+    same once its answer to `to`'s push of round `round` reaches `to` (a reducer dying while the members push);
+    leave: `peer`
     leaves gracefully (its voter retires, its departure is announced) for good, at `at`, or (with `round` >= 0)
     as soon as it has promised a ballot of round `round`, after `at`."""
 
@@ -240,9 +242,9 @@ def _apply(f: Fault, on: bool, peers: Sequence[SimPeer], net: SimNetwork, regist
             peers[f.peer].leaving = asyncio.ensure_future(peers[f.peer].leave())
         elif on:
             _leave_after_promise(f, peers, net, notes)
-    elif f.kind == "mean_crash":
+    elif f.kind in ("mean_crash", "push_crash"):
         if on:
-            _crash_after_mean(f, peers, net, notes)
+            _crash_after(f, "mean" if f.kind == "mean_crash" else "push", peers, net, notes)
         elif not peers[f.peer].alive and not peers[f.peer].left:
             peers[f.peer].start()
     elif f.kind == "crash":
@@ -267,14 +269,15 @@ def _apply(f: Fault, on: bool, peers: Sequence[SimPeer], net: SimNetwork, regist
         registry.stale, registry.stale_s = (f.rate, 10.0) if on else (0.0, 0.0)
 
 
-def _crash_after_mean(f: Fault, peers: Sequence[SimPeer], net: SimNetwork, notes: list[str]) -> None:
+def _crash_after(f: Fault, call: str, peers: Sequence[SimPeer], net: SimNetwork, notes: list[str]) -> None:
     victim, to = peers[f.peer], peers[f.to].peer_id
 
     def answered(caller: str, node: SimNode, tag: object) -> None:
-        if caller == to and node.peer_id == victim.peer_id and tag == ("mean", f.round) and victim.alive:
+        if caller == to and node.peer_id == victim.peer_id and tag == (call, f.round) and victim.alive:
             net.answered.remove(answered)
             victim.crash()
-            notes.append(f"{victim.peer_id} crashed right after serving {to} its mean of round {f.round} at "
+            what = "its mean" if call == "mean" else "the push"
+            notes.append(f"{victim.peer_id} crashed right after serving {to} {what} of round {f.round} at "
                          f"t={asyncio.get_running_loop().time():.2f}")
 
     net.answered.append(answered)
