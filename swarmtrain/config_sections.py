@@ -432,9 +432,10 @@ class AveragingConfig:
     `min_peers`)."""
     allreduce_timeout_s: float = 60.0
     """Deadline in seconds of a round's all-reduce, retries included, from the moment its group is known."""
-    max_retries: int = 1
+    max_retries: int = 3
     """Further all-reduce attempts of a round after one that lost a reducer, each without the reducers that
-    failed."""
+    failed, all inside `allreduce_timeout_s`. With up to `max_reducers` reducers and peers that come and go, a
+    round may lose two of them (simulated at 128 peers with 1% churn per round: one retry was not enough)."""
     max_voters: int = 32
     """Most voters a round has: a commit names as the next round's voters at most this many of its serving
     contributors, drawn by a rank every member computes from the session (round/committee.py), so that a

@@ -41,8 +41,8 @@ __all__ = ["ScaleResult", "ScaleRun", "run_scale", "scale_config"]
 # several of them.
 SCALE_TIMING = (
     "averaging.matchmaking_timeout_s=5.0", "averaging.allreduce_timeout_s=20.0",
-    "averaging.contribution_window_s=3.0", "discovery.heartbeat_s=2.0", "discovery.record_ttl_s=30.0",
-    "rpc.call_timeout_s=4.0",
+    "averaging.contribution_window_s=3.0", "averaging.max_retries=3", "discovery.heartbeat_s=2.0",
+    "discovery.record_ttl_s=30.0", "rpc.call_timeout_s=4.0",
 )
 
 
