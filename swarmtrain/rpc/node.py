@@ -372,11 +372,16 @@ class RpcNode:
 
     async def retrying(self, call: Callable[[], Awaitable[T]], *, endpoint: str, deadline: float, what: str) -> T:
         """Await `call()` (a call to `endpoint`); on RpcUnavailable retry up to `rpc.retries` times with
-        jittered exponential backoff, never past `deadline` (time.monotonic()). Only for idempotent calls."""
+        jittered exponential backoff, never past `deadline` (time.monotonic()). Only for idempotent calls.
+        A call on a channel this node closed meanwhile (the node is shutting down, as a crashing peer's does
+        under its own round) is RpcUnavailable too, not a bug."""
         attempt = 0
         while True:
             try:
-                return await call()
+                try:
+                    return await call()
+                except aio.UsageError as e:  # grpc's "Channel is closed"
+                    raise RpcUnavailable(f"UNAVAILABLE: {what}: the channel to {endpoint} is closed ({e})") from None
             except RpcUnavailable as e:
                 delay_s = self.cfg.backoff_s * (2 ** attempt) * (0.5 + random.random())
                 if attempt >= self.cfg.retries or time.monotonic() + delay_s >= deadline:
