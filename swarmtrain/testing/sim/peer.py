@@ -26,7 +26,7 @@ from swarmtrain.averaging.transport import ReduceTransport
 from swarmtrain.averaging.voting import VoterService
 from swarmtrain.compress import get_codec
 from swarmtrain.config import RunConfig
-from swarmtrain.diloco.averager import AverageResult, Delta, ShardedMean
+from swarmtrain.diloco.averager import AverageResult, Delta
 from swarmtrain.diloco.flat import state_digest
 from swarmtrain.discovery import DiscoveryError, Heartbeat, PeerRecord
 from swarmtrain.driver.loop import (
@@ -59,9 +59,6 @@ from swarmtrain.trust.identity import verifier
 __all__ = ["SimPeer", "SimPlane"]
 
 log = logging.getLogger(__name__)
-
-MEANS_KEPT = 8  # the means of the materials a peer's voter checked lately, kept (SimPeer.start's check_result)
-
 
 class SimPlane:
     """The RoundPlane of a simulated peer (driver/part.py)."""
@@ -193,24 +190,10 @@ class SimPeer:
         fetcher = MaterialFetcher(transport=consensus, store=materials, scope="", self_id=self.peer_id,
                                   check=lambda layout, j, blob: check_shard(codec, layout, j, blob),
                                   max_bytes=max_encoded_bytes(self.numel) * 4)
-        # The mean of each material checked lately, by the material's identity (a voter is asked about one value
-        # by every proposer of its round): a complete material's blobs never change, and its mean is theirs.
-        means: dict[int, tuple[Material, ShardedMean]] = {}
-
-        def mean_of(material: Material) -> ShardedMean:
-            known = means.get(id(material))
-            if known is not None and known[0] is material:
-                return known[1]
-            mean = sharded_mean(material, codec)
-            if len(means) >= MEANS_KEPT:
-                del means[next(iter(means))]
-            means[id(material)] = (material, mean)
-            return mean
-
         async def check_result(value: Value, material: Material) -> str:
             if value.base != part.digest:
                 return ""  # not at the value's base: it cannot tell
-            mine = await part.preview(mean_of(material), value.next_voters)
+            mine = await part.preview(sharded_mean(material, codec), value.next_voters)
             return ("" if mine == value.result
                     else f"its outer step gives {mine[:12]}, the value names {value.result[:12]}")
 
