@@ -20,13 +20,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import blake3
 import torch
 
 from swarmtrain.averaging.aggregate import mean_of_gathered, unpack_bundle
 from swarmtrain.compress import Codec, CodecError
 from swarmtrain.diloco.averager import MeanShard, ShardedMean
 from swarmtrain.round.ballots import MaterialLayout, ShardDigest
+from swarmtrain.trust.payloads import payload_digest
 
 __all__ = ["Material", "MaterialError", "MaterialStore", "blob_digest", "check_shard", "layout_key", "layout_of",
            "sharded_mean"]
@@ -42,8 +42,9 @@ class MaterialError(ValueError):
 
 def blob_digest(blob: Blob) -> str:
     """BLAKE3 of a shard's bytes (hex): every member digests the whole material, once per round (about 4x the
-    speed of SHA-256 on one core)."""
-    return blake3.blake3(blob).hexdigest()
+    speed of SHA-256 on one core). The payload digest a bulk transfer's MAC covers (trust/payloads.py), so a
+    fetched mean's digest is the one its transfer took."""
+    return payload_digest(blob).hex()
 
 
 def layout_of(blobs: Sequence[Blob], bounds: Sequence[tuple[int, int]], *, numel: int, codec: str,

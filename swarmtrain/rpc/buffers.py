@@ -68,7 +68,7 @@ class BufferPool:
 
     def give(self, view: memoryview) -> None:
         """Return a view from `take`. The caller must hold no other reference into its memory (no tensor
-        over it: Python cannot tell us, so consumers copy what they keep; see reducer._own_checked)."""
+        over it: Python cannot tell us). Memory a caller keeps is lent instead (`lend`, `lent`)."""
         block = view.obj
         view.release()
         if not isinstance(block, (bytearray, mmap.mmap)) or len(block) < _SMALL_BYTES or len(block) > self.max_bytes:

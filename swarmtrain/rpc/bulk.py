@@ -269,7 +269,6 @@ class BulkServer:
         for ticket in self._tickets.values():
             if ticket.expiry is not None:
                 ticket.expiry.cancel()
-        for ticket in list(self._tickets.values()):
             self._forget_digest(ticket)
         self._tickets.clear()
         self._tickets_of.clear()
@@ -290,16 +289,13 @@ class BulkServer:
         """A token for `peer` to receive `data` once; `on_sent()` runs when the bytes are out. The same `data`
         offered to several peers at once is digested once."""
         token = self._issue(_Ticket(peer, what, len(data), deadline, data=data, on_sent=on_sent))
-        memo = self._digests.get(id(data))
-        if memo is None or memo.data is not data:
-            memo = self._digests[id(data)] = _Digest(data)
+        memo = self._digests.setdefault(id(data), _Digest(data))  # it holds `data`: the id names no other object
         memo.users += 1
         return token
 
     def _digest(self, data: bytes | bytearray | memoryview) -> asyncio.Task[bytes]:
-        memo = self._digests.get(id(data))
-        if memo is None or memo.data is not data:  # not offered through offer_download: digested on its own
-            return asyncio.get_running_loop().create_task(digest_of(data))
+        """The digest of an offered payload (held until its last ticket is done, `_forget_digest`)."""
+        memo = self._digests[id(data)]
         if memo.task is None:
             memo.task = asyncio.get_running_loop().create_task(digest_of(data))
         return memo.task
@@ -308,11 +304,10 @@ class BulkServer:
         """A download ticket is done (sent, failed or void): its payload's digest goes with its last ticket."""
         if ticket.data is None:
             return
-        memo = self._digests.get(id(ticket.data))
-        if memo is not None and memo.data is ticket.data:
-            memo.users -= 1
-            if memo.users <= 0:
-                del self._digests[id(ticket.data)]
+        memo = self._digests[id(ticket.data)]
+        memo.users -= 1
+        if memo.users == 0:
+            del self._digests[id(ticket.data)]
 
     def _issue(self, ticket: _Ticket) -> bytes:
         if self._listener is None:

@@ -12,10 +12,9 @@ import hmac
 
 from blake3 import blake3
 
-__all__ = ["DIGEST_BYTES", "MAC_BYTES", "check_payload_mac", "payload_digest", "payload_mac"]
+__all__ = ["MAC_BYTES", "check_payload_mac", "payload_digest", "payload_mac"]
 
 MAC_BYTES = 32
-DIGEST_BYTES = 32
 Part = bytes | bytearray | memoryview | str | int
 
 
