@@ -25,7 +25,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -75,6 +75,7 @@ class _Attempt:
     dead: set[str] = field(default_factory=set)  # reducers that could not be reached
     final: bool = False  # no point retrying
     reason: str = ""
+    heard: frozenset[str] = frozenset()  # members some live reducer of the attempt heard from (its contributors)
 
 
 class AllReduce:
@@ -98,6 +99,7 @@ class AllReduce:
         await self.registry.open_round(group, numel=delta.numel())
         dead: set[str] = set()
         outcome = _Attempt(reason="no attempt ran")
+        heard: frozenset[str] = frozenset()
         for attempt in range(self.cfg.max_retries + 1):
             reducers = drawn(tuple(m for m in group.reducers if m.peer_id not in dead), size=self.cfg.max_reducers,
                              seed=f"reducers\0{group.group_id}", name=lambda m: m.peer_id)
@@ -107,8 +109,9 @@ class AllReduce:
             key = SessionKey(group.run_id, group.round, group.group_id, attempt, tuple(m.peer_id for m in reducers))
             if on_session is not None:
                 on_session(key)
-            outcome = await self._attempt(group, me, key, reducers, delta, deadline)
+            outcome = await self._attempt(group, me, key, reducers, delta, deadline, heard - dead)
             dead |= outcome.dead - {self.peer_id}  # its own reducer is this process: never retried around
+            heard = outcome.heard
             if outcome.reduction is not None or outcome.final or loop.time() >= deadline:
                 break
             log.warning("%s: round %d attempt %d failed (%s); retrying without %s", self.peer_id, group.round,
@@ -121,12 +124,14 @@ class AllReduce:
         return Reduction(group, failed=tuple(sorted(dead)), reason=outcome.reason)
 
     async def _attempt(self, group: Group, me: Member, key: SessionKey, reducers: tuple[Member, ...],
-                       delta: Delta, deadline: float) -> _Attempt:
+                       delta: Delta, deadline: float, heard: frozenset[str]) -> _Attempt:
+        """One attempt; `heard`: the members the previous attempt's live reducers heard from (empty at the first),
+        whose pushes close this peer's reducer window early (`ReducerRegistry.open_session`)."""
         loop = asyncio.get_running_loop()
         bounds = shard_bounds(delta.numel(), tuple(m.bandwidth_bytes_per_s for m in reducers),
                               align=self.codec.alignment)
         if me.peer_id in key.reducers:
-            await self.registry.open_session(key)
+            await self.registry.open_session(key, awaited=heard)
         t0 = loop.time()
         # a reducer closes its window `contribution_window_s` after it opened; one that has not answered
         # for contributors by twice that is hung (e.g. SIGSTOP), and the next attempt goes on without it
@@ -156,15 +161,17 @@ class AllReduce:
             # would open the next attempt's windows a window before they come, and close them without them (a
             # group split in two, neither half a majority). So this member waits for the same answers before it
             # retries, and every member starts the next attempt together.
-            await asyncio.gather(*(self.transport.contributors(m, key, j, deadline=agree_deadline)
-                                   for j, m in enumerate(reducers) if m.peer_id not in dead), return_exceptions=True)
-            return _Attempt(dead=dead, reason=f"could not push to {sorted(dead)}")
+            # What they answer says who is still pushing: the retry's windows close once those pushed.
+            answers = await asyncio.gather(*(self.transport.contributors(m, key, j, deadline=agree_deadline)
+                                             for j, m in enumerate(reducers) if m.peer_id not in dead),
+                                           return_exceptions=True)
+            return _Attempt(dead=dead, reason=f"could not push to {sorted(dead)}", heard=_heard(answers))
         sets = await asyncio.gather(*(self.transport.contributors(m, key, j, deadline=agree_deadline)
                                       for j, m in enumerate(reducers)), return_exceptions=True)
         failed = _failures(reducers, sets)
         if failed:
             return _Attempt(dead=_unreachable(reducers, sets), final=not _unreachable(reducers, sets),
-                            reason=f"contributors unavailable from {failed}")
+                            reason=f"contributors unavailable from {failed}", heard=_heard(sets))
         agreed = tuple(m.peer_id for m in group.members if all(m.peer_id in s for s in sets))  # type: ignore[operator]
         if not has_quorum(len(agreed), group_size=len(group.members), min_peers=self.cfg.min_peers):
             return _Attempt(final=True, reason=f"only {len(agreed)} of {len(group.members)} delivered (min_peers "
@@ -172,7 +179,7 @@ class AllReduce:
         t_agreed = loop.time()
         pulled = await self._pull(key, shards, agreed, own, deadline)
         if isinstance(pulled, _Attempt):
-            return pulled
+            return replace(pulled, heard=frozenset(agreed))
         log.debug("%s round %d attempt %d: push %.3fs agree %.3fs pull %.3fs", self.peer_id, group.round,
                   key.attempt, t_pushed - t0, t_agreed - t_pushed, loop.time() - t_agreed)
         blobs, digests = pulled
@@ -298,6 +305,11 @@ def _all_finite(t: torch.Tensor) -> bool:
     if not t.numel():
         return True
     return bool(torch.isfinite(torch.stack(list(torch.aminmax(t)))).all())
+
+
+def _heard(answers: Sequence[object]) -> frozenset[str]:
+    """The members named by any of the reducers' contributor sets that came back."""
+    return frozenset(p for a in answers if isinstance(a, tuple) for p in a)
 
 
 def _failures(reducers: tuple[Member, ...], results: Sequence[object]) -> list[str]:

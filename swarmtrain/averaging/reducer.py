@@ -1,7 +1,8 @@
 """The reducer side of the all-reduce: per-attempt sessions that validate, hold and average one shard.
 
-A reducer accepts shard j of each member's encoded Δ until every member delivered or its
-contribution window closes; the set of members it accepted is then fixed (its *contributors*).
+A reducer accepts shard j of each member's encoded Δ until every member delivered (on a retry: every member
+the failed attempt's live reducers heard from) or its contribution window closes; the set of members it
+accepted is then fixed (its *contributors*).
 Members ask every reducer for that set, intersect them, and fetch each shard's mean over the
 intersection, which the reducer computes once per set: decoded contributions summed in fp32 in
 group order (so the result never depends on arrival order), divided by their number, encoded once.
@@ -70,7 +71,7 @@ class _Session:
     group: Group
     shard: int
     numel: int
-    expected: frozenset[str]
+    expected: frozenset[str]  # the group's members: whom it accepts pushes from
     total: int  # values of the whole Δ (every shard's bounds follow from it and the session's reducers)
     received: dict[str, bytes | bytearray | memoryview] = field(default_factory=dict)  # sender -> its shard, checked
     rejected: dict[str, str] = field(default_factory=dict)
@@ -81,6 +82,7 @@ class _Session:
     mean_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     timer: asyncio.TimerHandle | None = None
     dropped: bool = False  # forgotten (its round is stale): waiters wake and are refused
+    awaited: frozenset[str] = frozenset()  # whose pushes close the window early: `expected` unless narrowed
 
 
 class ReducerRegistry:
@@ -148,9 +150,19 @@ class ReducerRegistry:
             del self._rounds[group.round]
         self._abandoned.setdefault(group.round, set()).add(group.group_id)
 
-    async def open_session(self, key: SessionKey) -> None:
-        """Open this peer's reducer session for `key` (its own member is about to push)."""
-        self._session_or_open(key)
+    async def open_session(self, key: SessionKey, *, awaited: frozenset[str] = frozenset()) -> None:
+        """Open this peer's reducer session for `key` (its own member is about to push).
+
+        `awaited`: on a retry, the members that the failed attempt's live reducers heard from (this peer's member
+        asked them all before retrying). The window then closes as soon as they all pushed: a member that died
+        with the reducer the retry goes around would otherwise hold every window of the retry open to its end.
+        Others may still push until then. Ignored unless a majority of the group: a narrow set would close
+        windows on members that are merely slow."""
+        session = self._session_or_open(key)
+        if session is not None and awaited and 2 * len(awaited & session.expected) > len(session.expected):
+            session.awaited = awaited & session.expected
+            if not session.closed.is_set() and session.awaited <= set(session.received):
+                self._close(session)
         async with self.changed:
             self.changed.notify_all()
 
@@ -189,7 +201,8 @@ class ReducerRegistry:
             raise Rejected("the session's reducers are not reducers of the group, in group order", kind="invalid")
         shard = key.reducers.index(self.peer_id)
         lo, hi = self._bounds(rnd, key)[shard]
-        session = _Session(key, rnd.group, shard, hi - lo, frozenset(m.peer_id for m in rnd.group.members), rnd.numel)
+        members = frozenset(m.peer_id for m in rnd.group.members)
+        session = _Session(key, rnd.group, shard, hi - lo, members, rnd.numel, awaited=members)
         session.timer = asyncio.get_running_loop().call_later(self.window_s, self._close, session)
         self._sessions[key.session_id] = session
         log.debug("%s opened reducer session %s (round %d attempt %d, shard %d, %d values)", self.peer_id,
@@ -227,9 +240,9 @@ class ReducerRegistry:
         order = [m.peer_id for m in session.group.members]
         session.contributors = tuple(p for p in order if p in session.received)
         session.closed.set()
-        missing = sorted(session.expected - set(session.received))
+        missing = sorted(session.awaited - set(session.received))
         log.info("%s closed shard %d of round %d attempt %d: %d/%d contributors%s", self.peer_id, session.shard,
-                 session.key.round, session.key.attempt, len(session.contributors), len(session.expected),
+                 session.key.round, session.key.attempt, len(session.contributors), len(session.awaited),
                  f"; missing {missing}" if missing else "")
 
     # -- ReducerSink -----------------------------------------------------------------------
@@ -273,7 +286,7 @@ class ReducerRegistry:
                 return  # a retry raced its first copy
             raise Rejected(f"shard {s.shard}'s contribution window closed while decoding", kind="precondition")
         s.received[header.sender] = payload
-        if s.expected <= set(s.received):
+        if s.awaited <= set(s.received):
             self._close(s)
 
     async def _closed(self, s: _Session) -> None:
