@@ -77,6 +77,7 @@ class _Session:
     rejected: dict[str, str] = field(default_factory=dict)
     closed: asyncio.Event = field(default_factory=asyncio.Event)
     contributors: tuple[str, ...] = ()
+    contributor_set: frozenset[str] = frozenset()  # the same, for lookups (N fetches of N names each)
     means: dict[tuple[str, ...], bytes | memoryview] = field(default_factory=dict)
     fetched: set[str] = field(default_factory=set)  # members that pulled a mean: a leaving peer waits for them
     mean_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -239,6 +240,7 @@ class ReducerRegistry:
             session.timer.cancel()
         order = [m.peer_id for m in session.group.members]
         session.contributors = tuple(p for p in order if p in session.received)
+        session.contributor_set = frozenset(session.contributors)
         session.closed.set()
         missing = sorted(session.awaited - set(session.received))
         log.info("%s closed shard %d of round %d attempt %d: %d/%d contributors%s", self.peer_id, session.shard,
@@ -318,13 +320,13 @@ class ReducerRegistry:
             return await self.standins.serve(key, shard, contributors, caller=peer, group=s.group,
                                              numel=self._numel_of(s, shard))
         await self._closed(s)
-        if not contributors or not set(contributors) <= set(s.contributors) or len(set(contributors)) != len(
-                contributors):
+        wanted = frozenset(contributors)  # a set: with N members, tuple lookups cost N² per fetch
+        if not contributors or not wanted <= s.contributor_set or len(wanted) != len(contributors):
             raise Rejected(f"contributors {list(contributors)} are not a subset of shard {s.shard}'s "
                            f"{list(s.contributors)}", kind="precondition")
         if self._served is None or key.round >= self._served[0]:
             self._served = (key.round, key.session_id)
-        order = [p for p in s.contributors if p in contributors]
+        order = [p for p in s.contributors if p in wanted]
         if self.aggregation.gather:  # the contributions themselves, less the caller's own (aggregate.py)
             return pack_bundle([s.received[p] for p in order if p != peer])
         async with s.mean_lock:

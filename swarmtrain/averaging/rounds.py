@@ -152,7 +152,8 @@ def result_of(round_index: int, outcome: Outcome, codec: Codec, *, failed: tuple
         value = outcome.certificate.value
         steps = steps or {}
         members = value.contributors
-        left = tuple(p for p in group if p not in members)
+        contributed = frozenset(members)
+        left = tuple(p for p in group if p not in contributed)
         return AverageResult(round_index, True, sharded_mean(outcome.material, codec), members,
                              reason=f"worked around {list(left)}" if left else "", failed=left,
                              steps_per_s=tuple(steps.get(p, (0.0, 0.0))[0] for p in members),

@@ -108,8 +108,9 @@ class StandIns:
                     numel: int) -> Blob:
         """Shard `shard`'s mean (or bundle) over `contributors`, for `caller`, which missed its reducer."""
         order = [m.peer_id for m in group.members]
-        if (len(set(contributors)) != len(contributors) or not set(contributors) <= set(order)
-                or [p for p in order if p in contributors] != list(contributors)):
+        wanted = frozenset(contributors)
+        if (len(wanted) != len(contributors) or not wanted <= set(order)
+                or [p for p in order if p in wanted] != list(contributors)):
             raise Rejected(f"contributors {list(contributors)} are not members of the group in group order",
                            kind="invalid")
         copy = self._copies.get((key.session_id, shard))
