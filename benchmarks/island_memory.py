@@ -1,4 +1,4 @@
-"""Per-rank memory of a 2-rank island, DDP against FSDP (`train.parallel`), side by side in one run.
+"""Per-rank memory and step time of a 2-rank island, DDP against FSDP (`train.parallel`), side by side in one run.
 
     python benchmarks/island_memory.py                     # the `medium` preset, 2 gloo ranks on CPU
     python benchmarks/island_memory.py --preset base --steps 3
@@ -7,7 +7,9 @@ Each mode starts 2 ranks (real processes: rank 0 an IslandWorker, rank 1 an Isla
 `--steps` inner steps. Each rank then counts the bytes of the tensors it holds for the inner steps: the
 model's weights (its shards under FSDP) and the inner optimizer's state (AdamW's two moments), plus, on
 rank 0, what it keeps whole for the swarm (θ_local's whole copy under FSDP, θ_global, the outer momentum),
-and its peak RSS. Target: FSDP's per-rank weights + optimizer state about half of DDP's.
+and its peak RSS. Target: FSDP's per-rank weights + optimizer state about half of DDP's. Rank 0 also times
+`--steps` inner steps in one `train_inner` call after one warm-up step (what a round's steps cost, θ_local
+whole on rank 0 at the end).
 """
 
 from __future__ import annotations
@@ -67,7 +69,10 @@ def _child(rank: int, port: int, preset: str, parallel: str, steps: int) -> None
     row: dict[str, Any] = {"rank": rank, "parallel": parallel}
     if rank == 0:
         worker = IslandWorker(cfg, island=island, model=model, batches=batches)
+        worker.train_inner(1)  # warm-up: the first step allocates the optimizer's state
+        started = time.perf_counter()
         worker.train_inner(steps)
+        row["step_s"] = (time.perf_counter() - started) / steps
         row["weights_bytes"] = _bytes(worker.sharded if worker.fsdp else worker.params)
         row["optimizer_bytes"] = _optimizer_bytes(worker.inner)
         row["whole_copies_bytes"] = (_bytes(worker.params) if worker.fsdp else 0) + _bytes(
@@ -141,7 +146,10 @@ def main() -> int:
         print(f"{d['rank']} | {held_d * mb:.1f} | {held_f * mb:.1f} | {ratio:.3f} | "
               f"{d['whole_copies_bytes'] * mb:.1f} / {f['whole_copies_bytes'] * mb:.1f} | "
               f"{d['peak_rss_bytes'] * mb:.0f} / {f['peak_rss_bytes'] * mb:.0f}")
-    result = {"preset": args.preset, "steps": args.steps, "ranks": 2, "backend": "gloo",
+    step_s = {mode: runs[mode][0]["step_s"] for mode in runs}
+    print(f"rank 0's inner step: ddp {step_s['ddp']:.3f} s, fsdp {step_s['fsdp']:.3f} s "
+          f"(fsdp/ddp {step_s['fsdp'] / step_s['ddp']:.2f})")
+    result = {"preset": args.preset, "step_s": step_s, "steps": args.steps, "ranks": 2, "backend": "gloo",
               "machine": "2-core x86 CPU", "runs": runs, "summary": summary,
               "wall_s": round(time.perf_counter() - started, 1),
               "command": f"python benchmarks/island_memory.py --preset {args.preset} --steps {args.steps}"}

@@ -12,6 +12,11 @@ step, a heal, a resync, an overlapped landing) it first sends θ_local and its d
 the inner optimizer's state when that changed outside a step too (a resume, a reset after a non-finite
 step). Between rounds (matchmaking, the all-reduce, a heal) `keepalive()` pings the followers, so that a
 follower that waits for its next command waits at most the island's timeout for a live rank 0.
+
+With FSDP rank 0 gathers θ_local whole from the shards (a collective, the `gather` command) only where
+something reads it: at the end of each `train_inner` call and before its `between` hook (an overlapped
+landing), not after every step. A step's own all-gathers move the weights once each way already; gathering
+the whole model after each step too cost one more full all-gather per step.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import copy
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import torch
@@ -38,7 +43,9 @@ from swarmtrain.diloco.island_shards import (
     scatter_full,
     shard_model,
 )
+from swarmtrain.diloco.pace import RoundBudget
 from swarmtrain.diloco.precision import Precision, forward_backward
+from swarmtrain.diloco.steps import InnerStats
 from swarmtrain.diloco.worker import DilocoWorker
 
 __all__ = ["IslandFollower", "IslandWorker", "RankSlice"]
@@ -88,8 +95,8 @@ class IslandWorker(DilocoWorker):
 
     With FSDP the inner steps run on a sharded copy of `model` (its weights, gradients and the inner
     optimizer's moments 1/N per rank, island_shards.py), and `model` stays whole on this rank: what θ_local,
-    Δ, evaluations and checkpoints read, gathered after every step; a checkpoint holds the inner optimizer's
-    state whole, so it resumes on an island of any size or on one process."""
+    Δ, evaluations and checkpoints read, gathered where it is read (module docstring); a checkpoint holds the
+    inner optimizer's state whole, so it resumes on an island of any size or on one process."""
 
     batches: RankSlice
 
@@ -108,6 +115,7 @@ class IslandWorker(DilocoWorker):
         self._synced = -1 if self.fsdp else self._local_version
         self._inner_changed = False  # the inner optimizer's state changed outside a step
         self._full_inner: dict[str, Any] | None = None  # FSDP: a whole optimizer state to shard at the next sync
+        self._whole_behind = False  # FSDP: steps moved the shards since θ_local's whole copy was gathered
         self.sharded: list[torch.Tensor] = []
         if sharded is not None:
             self.sharded = list(sharded.parameters())
@@ -115,11 +123,54 @@ class IslandWorker(DilocoWorker):
         self._last_s = time.monotonic()
         self.stopped = False
 
+    def train_inner(self, num_steps: int | None = None, *, budget: RoundBudget | None = None,
+                    interrupt: threading.Event | None = None, between: Callable[[], bool] | None = None,
+                    ) -> InnerStats:
+        """As a DilocoWorker's; with FSDP θ_local's whole copy is gathered once the steps end and before each
+        `between` (which reads and may move θ_local), not after every step."""
+        if not self.fsdp:
+            return super().train_inner(num_steps, budget=budget, interrupt=interrupt, between=between)
+        hook = between
+
+        def gathered_first() -> bool:
+            assert hook is not None
+            self.gather_whole()
+            return hook()
+
+        stats = super().train_inner(num_steps, budget=budget, interrupt=interrupt,
+                                    between=None if hook is None else gathered_first)
+        self.gather_whole()
+        return stats
+
+    def gather_whole(self) -> None:
+        """FSDP: θ_local's whole copy from the shards when steps moved them since (a collective)."""
+        with self._lock:
+            self._gather_whole_locked()
+
+    def _gather_whole_locked(self) -> None:
+        if not self._whole_behind:
+            return
+        if self.stopped:
+            raise IslandLost("the island was stopped")
+        self._send(("gather",))
+        with self.island.collective("gathering θ_local"):
+            gather_full(self.sharded, self.params)
+        self._whole_behind = False
+        self._last_s = time.monotonic()
+
+    def _set_params(self, params: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
+        """As a DilocoWorker's; with FSDP the whole copy is brought up to the shards first (a fragment's write
+        leaves the rest of θ_local as the steps left it, and the next step scatters all of it)."""
+        if self.fsdp:
+            self.gather_whole()
+        super()._set_params(params, flat)
+
     def _inner_step(self, loss_sum: torch.Tensor) -> int:
         with self._lock:
             if self.stopped:
                 raise IslandLost("the island was stopped")
             if self._local_version != self._synced or self._inner_changed:
+                self._gather_whole_locked()  # a no-op: whatever set θ_local gathered it first (_set_params)
                 self._send_sync()
             lr = self.cfg.inner.lr * lr_factor(self.schedule_step(), cfg=self.cfg.inner,
                                                total_steps=self.total_inner_steps)
@@ -130,12 +181,12 @@ class IslandWorker(DilocoWorker):
             return tokens
 
     def _sharded_step(self, loss_sum: torch.Tensor, lr: float) -> int:
-        """One inner step on the shards (what the followers' `_step` does too), then θ_local gathered whole."""
+        """One inner step on the shards (what the followers' `_step` does too); θ_local's whole copy is behind."""
         x, y = next(self.batches)
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         loss = forward_backward(self.forward_module, x, y, pass_size=self.cfg.data.pass_size, precision=self.precision)
         _optimizer_step(self.cfg, self.inner, self.precision, self.sharded, lr)
-        gather_full(self.sharded, self.params)
+        self._whole_behind = True
         self._local_version += 1
         self.inner_step += 1
         self.round_step += 1
@@ -194,6 +245,7 @@ class IslandWorker(DilocoWorker):
         if not self.fsdp:
             return super().state_dict(copy=copy)
         with self._lock:
+            self._gather_whole_locked()
             self._send(("gather_inner",))
             with self.island.collective("gathering the inner optimizer's state"):
                 full = full_optimizer_state(self.inner)
@@ -256,6 +308,9 @@ class IslandFollower:
                 self._step(float(command[1]))
             elif kind == "sync":
                 self._sync(command[1])
+            elif kind == "gather":
+                with self.island.collective("gathering θ_local"):
+                    gather_full(self.params, None)  # rank 0 gathers θ_local whole: every rank takes part
             elif kind == "gather_inner":
                 with self.island.collective("gathering the inner optimizer's state"):
                     full_optimizer_state(self.inner)
@@ -273,8 +328,6 @@ class IslandFollower:
             forward_backward(self.module, x.to(device), y.to(device), pass_size=self.cfg.data.pass_size,
                              precision=self.precision)
             _optimizer_step(self.cfg, self.inner, self.precision, self.params, lr)
-            if self.fsdp:
-                gather_full(self.params, None)  # rank 0 gathers θ_local whole: every rank takes part
         self.steps += 1
 
     def _sync(self, info: dict[str, Any]) -> None:

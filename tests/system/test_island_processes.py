@@ -79,12 +79,14 @@ def test_two_islands_commit_together_and_one_that_loses_a_rank_leaves_as_a_whole
     assert all(len(h) == 1 for h in hashes.values()), dict(hashes)
 
 
-def test_an_island_runs_time_paced_overlapped_rounds_in_fragments(procs: ProcessSet) -> None:
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_an_island_runs_time_paced_overlapped_rounds_in_fragments(procs: ProcessSet, parallel: str) -> None:
     """What a single-process peer runs, an island runs: rank 0 decides when a time-paced round's steps end and
-    lands the overlapped mean of a fragment between two steps; the other rank follows and takes θ_local."""
+    lands the overlapped mean of a fragment between two steps; the other rank follows and takes θ_local. With
+    FSDP rank 0 gathers θ_local whole before the landing reads it (and at the end of the steps), not per step."""
     run = [*RUN, "model.n_layer=2", "diloco.pace=time", "diloco.overlap=true", "diloco.fragments=2", "diloco.rounds=4"]
     _, join = procs.coordinator(run, timeout_s=START_S)
-    a = procs.peer("a", join, "--nproc-per-node", "2")
+    a = procs.peer("a", join, "--nproc-per-node", "2", "--set", f"train.parallel={parallel}")
     a.wait_ready(timeout_s=START_S)
     _, leave = a.wait_for(lambda x: isinstance(x, LeaveEvent), timeout_s=ROUND_S * 2, what="a's rounds done")
     assert isinstance(leave, LeaveEvent) and leave.reason == "done", a.diagnostics()
