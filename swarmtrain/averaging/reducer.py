@@ -2,7 +2,11 @@
 
 A reducer accepts shard j of each member's encoded Δ until every member delivered (on a retry: every member
 the failed attempt's live reducers heard from) or its contribution window closes; the set of members it
-accepted is then fixed (its *contributors*).
+accepted is then fixed (its *contributors*). A member that crashed after its group formed would hold the
+window open to its end: once a majority pushed (and a quarter of the window passed), the reducer asks each
+serving member still missing for its shard (the fetch a stand-in makes). One that cannot be reached is not
+waited for; a live one answers that it is pushing the shard or has none yet (its group unread), and is waited
+for to the window's end as before.
 Members ask every reducer for that set, intersect them, and fetch each shard's mean over the
 intersection, which the reducer computes once per set: decoded contributions summed in fp32 in
 group order (so the result never depends on arrival order), divided by their number, encoded once.
@@ -25,9 +29,10 @@ from dataclasses import dataclass, field
 from swarmtrain.averaging.aggregate import Aggregation, encoded_aggregate, pack_bundle
 from swarmtrain.averaging.standin import StandIns
 from swarmtrain.compress import Codec, CodecError
-from swarmtrain.round.group import Group
+from swarmtrain.round.group import Group, Member
 from swarmtrain.rpc.averaging_wire import PushHeader, SessionKey
 from swarmtrain.rpc.buffers import BufferPool
+from swarmtrain.rpc.errors import RpcError, RpcUnavailable
 from swarmtrain.rpc.node import Rejected
 
 __all__ = ["ENCODED_SLACK_BYTES", "ReducerRegistry", "max_encoded_bytes", "shard_bounds"]
@@ -36,6 +41,7 @@ log = logging.getLogger(__name__)
 
 ENCODED_SLACK_BYTES = 64 << 10  # codec header + shape + block scales beyond 4 bytes per value
 MAX_MEANS_PER_SESSION = 4
+PROBE_AFTER = 0.25  # of the window: when a reducer first asks the members it has not heard from for their shard
 
 
 def max_encoded_bytes(numel: int) -> int:
@@ -84,6 +90,10 @@ class _Session:
     timer: asyncio.TimerHandle | None = None
     dropped: bool = False  # forgotten (its round is stale): waiters wake and are refused
     awaited: frozenset[str] = frozenset()  # whose pushes close the window early: `expected` unless narrowed
+    closes_at: float = 0.0  # loop time
+    probe: asyncio.TimerHandle | None = None
+    probed: set[str] = field(default_factory=set)  # members asked for their shard (once each)
+    pulls: set[asyncio.Task[None]] = field(default_factory=set)
 
 
 class ReducerRegistry:
@@ -171,6 +181,10 @@ class ReducerRegistry:
         s = self._sessions.pop(sid)
         if s.timer is not None:
             s.timer.cancel()
+        if s.probe is not None:
+            s.probe.cancel()
+        for task in list(s.pulls):
+            task.cancel()
         s.dropped = True
         s.closed.set()  # its waiters wake and are refused
         s.received.clear()  # lent pooled memory: back to the pool once nothing (a mean's thread) reads it
@@ -204,7 +218,11 @@ class ReducerRegistry:
         lo, hi = self._bounds(rnd, key)[shard]
         members = frozenset(m.peer_id for m in rnd.group.members)
         session = _Session(key, rnd.group, shard, hi - lo, members, rnd.numel, awaited=members)
-        session.timer = asyncio.get_running_loop().call_later(self.window_s, self._close, session)
+        loop = asyncio.get_running_loop()
+        session.timer = loop.call_later(self.window_s, self._close, session)
+        session.closes_at = loop.time() + self.window_s
+        if self.standins.fetch_contribution is not None:
+            session.probe = loop.call_later(PROBE_AFTER * self.window_s, self._probe_missing, session)
         self._sessions[key.session_id] = session
         log.debug("%s opened reducer session %s (round %d attempt %d, shard %d, %d values)", self.peer_id,
                   key.session_id, key.round, key.attempt, shard, hi - lo)
@@ -233,11 +251,48 @@ class ReducerRegistry:
                 except TimeoutError:
                     continue
 
+    def _probe_missing(self, s: _Session) -> None:
+        """Ask the serving members still missing for their shard, once a majority of the awaited pushed (before
+        that, look again a quarter of a window later)."""
+        if s.closed.is_set() or s.dropped:
+            return
+        loop = asyncio.get_running_loop()
+        if 2 * len(s.awaited & set(s.received)) <= len(s.awaited):
+            s.probe = loop.call_later(PROBE_AFTER * self.window_s, self._probe_missing, s)
+            return
+        for m in s.group.members:
+            p = m.peer_id
+            if (p in s.awaited and p not in s.received and p not in s.probed and p != self.peer_id
+                    and not m.client_mode and m.endpoint):  # a client-mode member cannot be called: only pushes
+                s.probed.add(p)
+                task = loop.create_task(self._pull(s, m))
+                s.pulls.add(task)
+                task.add_done_callback(s.pulls.discard)
+
+    async def _pull(self, s: _Session, member: Member) -> None:
+        assert self.standins.fetch_contribution is not None
+        try:
+            data = await self.standins.fetch_contribution(member, s.key, s.shard, s.numel, s.closes_at)
+        except RpcUnavailable as e:  # its process or its link is gone: its push cannot come either
+            if not s.closed.is_set():
+                s.awaited = s.awaited - {member.peer_id}
+                log.info("%s: shard %d of round %d attempt %d does not wait for %s: %s", self.peer_id, s.shard,
+                         s.key.round, s.key.attempt, member.peer_id, e)
+                if s.awaited <= set(s.received):
+                    self._close(s)
+            return
+        except (RpcError, Rejected, TimeoutError):  # alive without its shard yet (or slow): its push may come
+            return
+        with contextlib.suppress(Rejected):  # one it sent that does not check out: as a push, not taken
+            await self._take(s, member.peer_id, data)
+
     def _close(self, session: _Session) -> None:
         if session.closed.is_set():
             return
         if session.timer is not None:
             session.timer.cancel()
+        if session.probe is not None:
+            session.probe.cancel()
         order = [m.peer_id for m in session.group.members]
         session.contributors = tuple(p for p in order if p in session.received)
         session.contributor_set = frozenset(session.contributors)
@@ -274,20 +329,24 @@ class ReducerRegistry:
 
     async def accept_push(self, header: PushHeader, payload: bytes | bytearray | memoryview, *, peer: str) -> None:
         s = await self._session(header.session)
-        if header.sender in s.received:
-            return  # a retried push whose first copy landed: idempotent
+        await self._take(s, header.sender, payload)
+
+    async def _take(self, s: _Session, sender: str, payload: bytes | bytearray | memoryview) -> None:
+        """`sender`'s shard, pushed or pulled (`_pull`): checked, then kept."""
+        if sender in s.received:
+            return  # a retried push whose first copy landed, or a push its pull raced: idempotent
         # Kept encoded as it came (a quarter of fp32 with int8): decoded again, in group order, for each mean.
         async with self._check_turn:
             try:
                 await asyncio.to_thread(self.codec.validate, payload, numel=s.numel)
             except CodecError as e:
-                s.rejected[header.sender] = str(e)
-                raise Rejected(f"shard {s.shard} from {header.sender}: {e}") from None
-        if s.closed.is_set() or header.sender in s.received:
-            if header.sender in s.received:
+                s.rejected[sender] = str(e)
+                raise Rejected(f"shard {s.shard} from {sender}: {e}") from None
+        if s.closed.is_set() or sender in s.received:
+            if sender in s.received:
                 return  # a retry raced its first copy
             raise Rejected(f"shard {s.shard}'s contribution window closed while decoding", kind="precondition")
-        s.received[header.sender] = payload
+        s.received[sender] = payload
         if s.awaited <= set(s.received):
             self._close(s)
 

@@ -101,6 +101,10 @@ class StandIns:
         held = self._own.get(key.session_id)
         if held is None or shard not in held[1]:
             raise Rejected(f"no own shard {shard} of round {key.round} attempt {key.attempt} here", kind="not_found")
+        if 0 <= shard < len(key.reducers) and key.reducers[shard] == caller != self.peer_id:
+            # the shard's own reducer asking whether this member is still there (reducer.py): it is, and is
+            # pushing the shard to it (kept here once encoded, just before the push): not sent twice
+            raise Rejected(f"{self.peer_id} is pushing shard {shard} to {caller}", kind="precondition")
         return held[1][shard]
 
     # -- the stand-in -----------------------------------------------------------------------

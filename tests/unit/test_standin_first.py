@@ -53,3 +53,15 @@ def test_with_its_contribution_at_hand_the_shard_is_reduced_again_from_every_con
     assert asked[0] == "c" and sorted(asked) == ["a", "b", "c"]  # d's own is local
     mean = get_codec("int8").decode(blob).reshape(-1)
     assert torch.allclose(mean, torch.full((NUMEL,), (0 + 1 + 2 + 1) / 4), atol=0.02)  # d's own is ones
+
+
+def test_a_member_tells_the_shards_own_reducer_it_is_pushing_and_gives_its_shard_to_a_stand_in() -> None:
+    """The shard's own reducer asks a member for its shard only to learn whether it is there (reducer.py's probe):
+    the member is pushing it, and says so instead of sending it twice. A stand-in gets it."""
+    member = StandIns(peer_id="b", codec=get_codec("fp32"), aggregation=Aggregation(),
+                      buffers=BufferPool(max_bytes=1 << 20), timeout_s=5.0)
+    own = get_codec("fp32").encode(torch.ones(NUMEL))
+    member.keep_own(KEY, 2, own)
+    with pytest.raises(Rejected, match="b is pushing shard 2 to c"):
+        member.own_contribution(KEY, 2, caller="c")  # c reduces shard 2
+    assert member.own_contribution(KEY, 2, caller="d") == own  # d stands in for it
