@@ -22,7 +22,9 @@ one peer and round r (all times are unix seconds on the posting peer's clock):
    heartbeats has posted and they are at least `min_peers` (*early close*: a window costs nothing when
    the whole swarm is there, and a lone peer still gives newcomers the whole window); a peer still
    missing whose heartbeat has not moved for `OVERDUE_BEATS` heartbeats of the waiting peer's time is not
-   waited for (it died before posting); a leader that finds another leader's group for the attempt is late;
+   waited for (it died before posting), nor, once half of the expected peers posted, one that this peer
+   cannot reach when it asks it (`probe`: a call refused by no process); a leader that finds another
+   leader's group for the attempt is late;
 4. the leader publishes a GroupRecord (signed by it) with the members it sees, sorted; every
    other peer waits (until `decision_timeout_s` after its settle) for a GroupRecord from the
    leader *it* computed and adopts exactly that member list, or nothing.
@@ -56,14 +58,18 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from swarmtrain.config import AveragingConfig
 from swarmtrain.discovery import Discovery, DiscoveryError, GroupRecord, MatchEntry, PeerRecord
 from swarmtrain.round.group import Group, Member
 
-__all__ = ["OVERDUE_BEATS", "STALE_BEATS", "MatchOutcome", "Matchmaker", "overdue_after_s"]
+__all__ = ["OVERDUE_BEATS", "STALE_BEATS", "MatchOutcome", "Matchmaker", "Probe", "overdue_after_s"]
+
+# Whether a peer's process answers a call: True it did, False nothing is there (its process or its link is
+# gone), None it cannot tell (the call timed out: a frozen or slow peer).
+Probe = Callable[[PeerRecord], Awaitable[bool | None]]
 
 log = logging.getLogger(__name__)
 STALE_BEATS = 3.0  # heartbeats a record may miss before early close stops waiting for its peer
@@ -103,14 +109,16 @@ class Matchmaker:
                  decision_timeout_s: float | None = None, io_timeout_s: float | None = None,
                  poll_s: float | None = None, commit_timeout_s: float | None = None,
                  early_close: bool = True, role: str = "worker", stale_after_s: float | None = None,
-                 overdue_s: float | None = None, clock_margin_s: float = 0.0) -> None:
+                 overdue_s: float | None = None, clock_margin_s: float = 0.0, probe: Probe | None = None) -> None:
         """`role`: the peers (by their record's role) that average with this one: a round closes early
         once all of them posted. `stale_after_s`: a record whose last heartbeat is older than this is not waited
         for (its peer died or froze; its record lives until it expires), None: every live record is.
         `overdue_s`: an expected peer that has not posted, and whose record shows no new heartbeat for `overdue_s`
         of this peer's time, is not waited for (it died before posting); None: it is waited for until its record
         goes stale. `clock_margin_s`: how far two peers' corrected clocks may disagree (a peer whose announced end
-        of steps comes after the close by more is not waited for)."""
+        of steps comes after the close by more is not waited for). `probe`: asks an expected peer that has not
+        posted whether its process is there, once half of the expected posted; one that is not is not waited for
+        (a peer that crashed just before posting otherwise costs `overdue_s` or the window)."""
         if min_peers < 1:
             raise ValueError(f"min_peers must be >= 1, got {min_peers}")
         if window_s <= 0:
@@ -121,6 +129,7 @@ class Matchmaker:
         self.stale_after_s = stale_after_s
         self.overdue_s = overdue_s
         self.clock_margin_s = clock_margin_s
+        self.probe = probe
         self.min_peers = min_peers
         self.window_s = window_s
         self.settle_s = settle_s if settle_s is not None else 0.25 * window_s
@@ -235,7 +244,9 @@ class Matchmaker:
         peer's own time is not waited for (a live peer beats every heartbeat while it trains and while it
         posts). Both sides of that test are on one clock each (its stamps, this peer's timer): clock skew cannot
         make a live peer look silent. Whether a peer's steps end by the close compares two peers' clocks, which
-        agree within `clock_margin_s` once corrected (discovery/clock.py); the margin goes to the peer.
+        agree within `clock_margin_s` once corrected (discovery/clock.py); the margin goes to the peer. Faster
+        than the heartbeat: once half of the expected peers posted, each one still missing is asked once
+        (`probe`) whether its process is there; one that no process answers for is not waited for.
         """
         expected: dict[str, PeerRecord] = {}
         if self.early_close:
@@ -248,25 +259,57 @@ class Matchmaker:
         timer = asyncio.get_running_loop().time
         beats = {p: (r.heartbeat_at, timer()) for p, r in expected.items()}  # its last beat, and since when seen
         read_at = timer()
-        while True:
-            entries = await self._entries(round_index, attempt, own)
-            if self._now() >= close_at + self.settle_s:
-                return entries
-            missing = set(expected) - {e.member.peer_id for e in entries}
-            # Never early when the expected peers cannot make a group: the window is the time newcomers get.
-            if len(expected) >= self.min_peers and not missing:
-                log.debug("round %d attempt %d: all %d expected peers posted; closing early", round_index, attempt,
-                          len(expected))
-                return entries
-            if self.overdue_s is not None and timer() - read_at >= self.overdue_s / 3 and any(
-                    timer() - beats[p][1] >= self.overdue_s for p in missing):
-                read_at = timer()
-                for p in await self._silent(missing, beats, self.overdue_s):
-                    log.debug("round %d attempt %d: %s has not beaten for %.1f s; not waiting for it", round_index,
-                              attempt, p, self.overdue_s)
+        probes: dict[str, asyncio.Task[bool | None]] = {}
+        try:
+            while True:
+                entries = await self._entries(round_index, attempt, own)
+                if self._now() >= close_at + self.settle_s:
+                    return entries
+                missing = set(expected) - {e.member.peer_id for e in entries}
+                for p in [p for p in missing if p in probes and probes[p].done() and probes[p].result() is False]:
+                    log.debug("round %d attempt %d: %s cannot be reached; not waiting for it", round_index, attempt, p)
                     del expected[p]
-                continue
-            await asyncio.sleep(max(0.0, min(self.poll_s, close_at + self.settle_s - self._now())))
+                    missing.discard(p)
+                # Never early when the expected peers cannot make a group: the window is the time newcomers get.
+                if len(expected) >= self.min_peers and not missing:
+                    log.debug("round %d attempt %d: all %d expected peers posted; closing early", round_index,
+                              attempt, len(expected))
+                    return entries
+                if self.probe is not None and 2 * (len(expected) - len(missing)) >= len(expected):
+                    for p in missing - probes.keys():
+                        record = expected[p]
+                        if record.endpoint and not record.client_mode:  # a client-mode peer takes no calls
+                            probes[p] = asyncio.ensure_future(self._probe_one(record))
+                if await self._overdue(round_index, attempt, expected, missing, beats, read_at):
+                    read_at = timer()
+                    continue
+                await asyncio.sleep(max(0.0, min(self.poll_s, close_at + self.settle_s - self._now())))
+        finally:
+            for task in probes.values():
+                task.cancel()
+
+    async def _probe_one(self, record: PeerRecord) -> bool | None:
+        """`probe(record)`, bounded; None (cannot tell) when it fails otherwise: a probe only ever shortens a wait."""
+        assert self.probe is not None
+        try:
+            return await asyncio.wait_for(self.probe(record), timeout=self.io_timeout_s)
+        except Exception as e:
+            log.debug("asking %s whether it is there failed: %s", record.peer_id, e)
+            return None
+
+    async def _overdue(self, round_index: int, attempt: int, expected: dict[str, PeerRecord], missing: set[str],
+                       beats: dict[str, tuple[float, float]], read_at: float) -> bool:
+        """Drops from `expected` the missing peers whose heartbeat has not moved for `overdue_s` (checked every
+        third of it, once one may be); whether it looked."""
+        timer = asyncio.get_running_loop().time
+        if self.overdue_s is None or timer() - read_at < self.overdue_s / 3 or not any(
+                timer() - beats[p][1] >= self.overdue_s for p in missing):
+            return False
+        for p in await self._silent(missing, beats, self.overdue_s):
+            log.debug("round %d attempt %d: %s has not beaten for %.1f s; not waiting for it", round_index,
+                      attempt, p, self.overdue_s)
+            del expected[p]
+        return True
 
     async def _silent(self, missing: set[str], beats: dict[str, tuple[float, float]], overdue_s: float) -> set[str]:
         """Of the `missing` peers, those whose record, read again now, is gone or still shows the heartbeat first

@@ -29,12 +29,14 @@ from swarmtrain.averaging.voting import CheckResult, VoterService
 from swarmtrain.compress import Codec
 from swarmtrain.config import AveragingConfig
 from swarmtrain.diloco.averager import AverageResult, Delta
+from swarmtrain.discovery import PeerRecord
 from swarmtrain.round.ballots import Voter
 from swarmtrain.round.group import Group
-from swarmtrain.round.messages import Contact
+from swarmtrain.round.messages import ConsensusTransport, Contact
 from swarmtrain.rpc.averaging_client import AveragingClient
 from swarmtrain.rpc.averaging_wire import serve_averaging
 from swarmtrain.rpc.consensus_wire import GrpcConsensusTransport, serve_consensus
+from swarmtrain.rpc.errors import RpcError, RpcRejected, RpcUnavailable
 from swarmtrain.rpc.node import RpcNode
 from swarmtrain.sync.votes import FileVoteStore, MemoryVoteStore, VoteStore
 from swarmtrain.trust.identity import Identity, KeyBinding, verifier
@@ -85,6 +87,7 @@ class NetworkAverager:
         self.registry.standins.fetch_contribution = self.allreduce.fetch_contribution
         self.materials = MaterialStore(spill_dir=votes_dir, scope=scope)
         transport = GrpcConsensusTransport(node, local=lambda: {self.scope: self.voter})
+        self.consensus = transport
         self.fetcher = MaterialFetcher(transport=transport, store=self.materials, scope=scope, self_id=node.peer_id,
                                        check=lambda layout, j, blob: check_shard(codec, layout, j, blob),
                                        max_bytes=max_encoded_bytes(numel) + (numel // 1024 + 1) * 64
@@ -102,6 +105,10 @@ class NetworkAverager:
         if node.serve:
             serve_averaging(node, self.registry)
             serve_consensus(node, lambda: {self.scope: self.voter})
+
+    async def reachable(self, record: PeerRecord) -> bool | None:
+        """Matchmaking's `probe` (`reachable`)."""
+        return await reachable(self.consensus, record, scope=self.scope, timeout_s=self.node.cfg.call_timeout_s)
 
     def started(self) -> None:
         """The node listens: this peer's proposals name its endpoint as the holder of their material."""
@@ -183,3 +190,18 @@ class NetworkAverager:
                 self.node.run(self.voter.advanced(round_index + 1), timeout_s=self.node.cfg.call_timeout_s)
         sent, received = self.take_bytes()
         return dataclasses.replace(result, bytes_sent=sent, bytes_received=received)
+
+
+async def reachable(transport: ConsensusTransport, record: PeerRecord, *, scope: str, timeout_s: float) -> bool | None:
+    """Whether `record`'s process answers a call (matchmaking's `probe`): any reply to a Learn for the round before
+    the one it announces will do, a refusal too; False when no process is there, None when the call timed out."""
+    try:
+        await transport.learn(Contact(record.peer_id, record.endpoint), scope=scope,
+                              round_index=max(0, record.round - 1), timeout_s=timeout_s)
+    except RpcUnavailable:
+        return False
+    except RpcRejected:
+        return True
+    except (RpcError, TimeoutError):
+        return None
+    return True

@@ -105,6 +105,7 @@ class NetworkPlane:
                                         key_binding=discovery.key_binding, numel=self.numel, scope=scope,
                                         votes_dir=cfg.checkpoint.dir or None, round_now=round_now,
                                         check_result=self._check_result)
+        self.matchmaker.probe = self.averager.reachable
         self.codec = codec
         # A client-mode peer accepts no calls, so it cannot serve state either.
         self.states = None if self.client_mode else StateServer(self.node)

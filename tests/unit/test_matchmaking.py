@@ -443,3 +443,45 @@ def test_a_leader_that_died_after_posting_is_passed_over(stale_after_s: float | 
     groups = {o.group for o in outs}
     assert len(groups) == 1 and outs[0].group is not None, [o.reason for o in outs]
     assert [m.peer_id for m in outs[0].group.members] == ["bbb", "ccc", "ddd"] and outs[0].leader_id == "bbb"
+
+
+@pytest.mark.parametrize(("answers", "waits"), [(False, False), (True, True), (None, True)])
+def test_a_missing_peer_that_no_process_answers_for_does_not_hold_the_window(answers: bool | None,
+                                                                             waits: bool) -> None:
+    """c is expected at round 5 and its record still beats (its heartbeat rule would wait for it), but it never
+    posts. Once half the expected peers posted, a and b ask it whether it is there (`probe`): nobody answering
+    (its process gone) it is not waited for; answering, or timing out (frozen, or slow), it is."""
+    asked: list[str] = []
+
+    async def probe(record: PeerRecord) -> bool | None:
+        asked.append(record.peer_id)
+        return answers
+
+    async def main() -> tuple[list[MatchOutcome], float, str]:
+        _, (a, b, c) = _swarm(3)
+        for d in (a, b):
+            await _announce(d, 5)
+
+        async def beat() -> None:
+            while True:
+                await c.announce(PeerRecord(run_id=RUN, peer_id=c.peer_id, endpoint="127.0.0.1:1", round=5,
+                                            heartbeat_at=c.now()), timeout_s=1)
+                await asyncio.sleep(0.05)
+
+        beats = asyncio.ensure_future(beat())
+        await asyncio.sleep(0.01)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        try:
+            outs = await asyncio.gather(*(Matchmaker(d, min_peers=2, window_s=1.0, stale_after_s=30.0, overdue_s=0.3,
+                                                     probe=probe).form_group(5, _member(d, i))
+                                          for i, d in enumerate((a, b))))
+        finally:
+            beats.cancel()
+        return list(outs), loop.time() - t0, c.peer_id
+
+    outs, elapsed_s, missing = asyncio.run(main())
+    assert len({o.group for o in outs}) == 1 and outs[0].group is not None and len(outs[0].group.members) == 2
+    assert (elapsed_s >= 1.0) == waits, elapsed_s
+    assert asked and set(asked) == {missing}  # only the missing peer is asked, once by each of a and b
+    assert len(asked) == 2

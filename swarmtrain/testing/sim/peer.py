@@ -20,6 +20,7 @@ from swarmtrain.averaging.deciding import Decider
 from swarmtrain.averaging.fetching import MaterialFetcher
 from swarmtrain.averaging.matchmaking import STALE_BEATS, Matchmaker, MatchOutcome, overdue_after_s
 from swarmtrain.averaging.material import Material, MaterialStore, check_shard, sharded_mean
+from swarmtrain.averaging.network import reachable
 from swarmtrain.averaging.reducer import ReducerRegistry, max_encoded_bytes
 from swarmtrain.averaging.rounds import Electorate, Preview, RoundAverager, result_of
 from swarmtrain.averaging.transport import ReduceTransport
@@ -215,7 +216,9 @@ class SimPeer:
                                 commit_timeout_s=a.allreduce_timeout_s, poll_s=0.1,
                                 stale_after_s=STALE_BEATS * cfg.discovery.heartbeat_s,
                                 overdue_s=overdue_after_s(cfg.discovery.heartbeat_s),
-                                clock_margin_s=cfg.discovery.heartbeat_s)
+                                clock_margin_s=cfg.discovery.heartbeat_s,
+                                probe=None if self.rules == "legacy" else  # the rules before it, as stand-ins
+                                lambda r: reachable(consensus, r, scope="", timeout_s=cfg.rpc.call_timeout_s))
         plane = SimPlane(scope="", endpoint=self.endpoint, matchmaker=matchmaker, averager=averager, voter=voter,
                          states=SimStates(self.net, peer_id=self.peer_id), cfg=cfg)
         node = SimNode(self.peer_id, self.endpoint, reducer=reducer, voter=voter, state=part.committed)

@@ -5,8 +5,10 @@ Every peer has an access link whose one-way delay is drawn from `access_ms` (uni
 j takes access_i + access_j each way, so with the default 5-50 ms per access link a round trip takes 20-200 ms.
 A DHT operation takes `dht_rtts` mean round trips (Kademlia's iterative lookup: about log(N)/3 hops of
 alpha-parallel queries). Links have no rate limit: the simulation's Δ is a few thousand values, and bytes are
-what the testbed measures. Churn: after each `train_s` stretch of virtual time every live peer crashes with
-probability `churn` (its process gone, its disk kept) and restarts `down_s` later from its checkpoint. Each
+what the testbed measures. Churn: every live peer crashes with probability `churn` per `train_s` of virtual
+time (its process gone, its disk kept), at any moment: each virtual second with probability churn / train_s
+per second, so that crashes land in every phase of a round as they would among independent machines, not all
+at one instant; it restarts `down_s` later from its checkpoint. Each
 peer's record announces when its inner steps end, and a peer healed into a round under way ends its steps
 with the swarm's, as a worker does.
 
@@ -58,7 +60,8 @@ class ScaleRun:
     rounds: int = 20
     seed: int = 0
     access_ms: tuple[float, float] = (5.0, 50.0)
-    churn: float = 0.01  # probability per live peer per round of a crash
+    churn: float = 0.01  # probability per live peer per round (`train_s`) of a crash
+    tick_s: float = 1.0  # how often the crashes are drawn (virtual seconds)
     down_s: tuple[float, float] = (5.0, 30.0)
     train_s: float = 10.0  # a round's inner steps, virtual seconds
     numel: int = 0  # Δ's size; 0: 64 values per peer (every reducer has a shard)
@@ -138,15 +141,16 @@ async def _run(run: ScaleRun, root: Path) -> ScaleResult:
     horizon_s = run.rounds * (run.train_s + 10.0)  # the virtual time the run is given
     restarts: list[tuple[float, SimPeer]] = []
     try:
+        per_tick = run.churn * run.tick_s / run.train_s
         while loop.time() < horizon_s:
-            await asyncio.sleep(run.train_s)
+            await asyncio.sleep(run.tick_s)
             now = loop.time()
             for at, p in [r for r in restarts if r[0] <= now]:
                 restarts.remove((at, p))
                 if not p.alive:
                     p.start()
             for p in peers:
-                if p.alive and rng.random() < run.churn:
+                if p.alive and rng.random() < per_tick:
                     p.crash()
                     result.crashes += 1
                     restarts.append((now + rng.uniform(*run.down_s), p))
