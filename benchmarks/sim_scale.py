@@ -1,6 +1,6 @@
 """The round at a swarm's size in the simulator (swarmtrain/testing/sim/scale.py): N peers on access links of
-5-50 ms one way (round trips of 20-200 ms), each peer crashing with probability `--churn` per round (at any moment of it) and
-restarting from its checkpoint 5-30 s later, the production round code on virtual time.
+5-50 ms one way (round trips of 20-200 ms), each peer crashing with probability `--churn` per round (at any
+moment of it) and restarting from its checkpoint 5-30 s later, the production round code on virtual time.
 
 Per size: the rounds committed, the share of peers' round attempts that committed, the share of rounds that
 every peer present committed at its first attempt, each round's length outside compute (median, p90), the
