@@ -276,7 +276,7 @@ class Matchmaker:
                               attempt, len(expected))
                     return entries
                 if self.probe is not None and 2 * (len(expected) - len(missing)) >= len(expected):
-                    for p in missing - probes.keys():
+                    for p in sorted(missing - probes.keys()):  # in order: a replay schedules them alike
                         record = expected[p]
                         if record.endpoint and not record.client_mode:  # a client-mode peer takes no calls
                             probes[p] = asyncio.ensure_future(self._probe_one(record))
