@@ -162,9 +162,12 @@ class AllReduce:
             # group split in two, neither half a majority). So this member waits for the same answers before it
             # retries, and every member starts the next attempt together.
             # What they answer says who is still pushing: the retry's windows close once those pushed.
+            # A reducer that died after taking this member's push is found so here, as the members that pushed to
+            # every reducer find it (below): all of them then retry without the same reducers, in one session.
+            asked = [(j, m) for j, m in enumerate(reducers) if m.peer_id not in dead]
             answers = await asyncio.gather(*(self.transport.contributors(m, key, j, deadline=agree_deadline)
-                                             for j, m in enumerate(reducers) if m.peer_id not in dead),
-                                           return_exceptions=True)
+                                             for j, m in asked), return_exceptions=True)
+            dead |= _unreachable(tuple(m for _, m in asked), answers)
             return _Attempt(dead=dead, reason=f"could not push to {sorted(dead)}", heard=_heard(answers))
         sets = await asyncio.gather(*(self.transport.contributors(m, key, j, deadline=agree_deadline)
                                       for j, m in enumerate(reducers)), return_exceptions=True)

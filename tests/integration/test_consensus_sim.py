@@ -59,6 +59,22 @@ def test_a_reducer_dying_while_the_members_push_costs_a_retry_not_the_round() ->
     assert len(round3) == 11 and all(ok and "p02" in why for _, ok, why in round3), round3
 
 
+
+def test_two_reducers_dying_at_different_moments_of_the_push_cost_one_retry_for_everyone() -> None:
+    """12 peers. Reducer p02 dies right after taking p00's push of round 3, p05 right after taking p07's. Each
+    member used to retry without the reducers its own pushes found dead: some without p02, some without p05,
+    some without both, three sessions, none with a majority, and round 3 aborted on every member. A member whose
+    push found one dead now also counts the reducers that do not answer for their contributors: everyone
+    retries without both, in one session, and commits round 3 in that matchmaking (the same split lost a round
+    of a simulated 1,000-peer swarm)."""
+    faults = (Fault(at=0.0, kind="push_crash", peer=2, to=0, round=3, down_s=30.0),
+              Fault(at=0.0, kind="push_crash", peer=5, to=7, round=3, down_s=30.0))
+    result = run_schedule(Schedule(seed=0, peers=12, skews_s=(0.0,) * 12, faults=faults, faults_until_s=30.0))
+    assert result.ok and result.ledger is not None, result.summary()
+    assert len(result.notes) == 2, result.notes
+    round3 = [(p, ok, why) for _, p, r, ok, why in result.ledger.attempts if r == 3 and p not in ("p02", "p05")]
+    assert len(round3) == 10 and all(ok and "['p02', 'p05']" in why for _, ok, why in round3), round3
+
 def test_the_retry_around_a_dead_reducer_does_not_wait_for_it_as_a_member() -> None:
     """The same crash: p02 was a member too, so every window of the retry used to wait for its push to the
     end (0.5 s here), round 3 committing 1.11 s after the crash. The retry's windows now close once the members
