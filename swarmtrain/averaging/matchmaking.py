@@ -289,12 +289,12 @@ class Matchmaker:
                 task.cancel()
 
     async def _probe_one(self, record: PeerRecord) -> bool | None:
-        """`probe(record)`, bounded; None (cannot tell) when it fails otherwise: a probe only ever shortens a wait."""
+        """`probe(record)`, bounded by `io_timeout_s`: None (cannot tell) when it runs out. A probe maps the network's
+        errors itself (averaging/network.py `reachable`); anything else it raises is a bug and surfaces."""
         assert self.probe is not None
         try:
             return await asyncio.wait_for(self.probe(record), timeout=self.io_timeout_s)
-        except Exception as e:
-            log.debug("asking %s whether it is there failed: %s", record.peer_id, e)
+        except TimeoutError:
             return None
 
     async def _overdue(self, round_index: int, attempt: int, expected: dict[str, PeerRecord], missing: set[str],
