@@ -186,10 +186,14 @@ class Matchmaker:
             own = MatchEntry(run_id=self._d.run_id, round=round_index, member=member, posted_at=self._now(),
                              attempt=attempt)
             await self._d.post_entry(own, keep_s=self.keep_s, timeout_s=self.io_timeout_s)
-            close_at = _close_at(await self._entries(round_index, attempt, own), self.window_s)
+            # The entries (where the window closes) and the roster (who is expected) at once: one round trip.
+            entries, peers = await _both(self._entries(round_index, attempt, own),
+                                         self._d.live_peers(timeout_s=self.io_timeout_s) if self.early_close
+                                         else _nothing())
+            close_at = _close_at(entries, self.window_s)
             if own.posted_at > close_at:
                 return self._late(round_index, attempt, close_at, own.posted_at)
-            entries = await self._await_close(round_index, attempt, own, close_at)
+            entries = await self._await_close(round_index, attempt, own, close_at, entries, peers)
         except (DiscoveryError, TimeoutError) as e:
             return self._skip(round_index, "", f"control plane failed during matchmaking: {e}",
                               retry_at=self._now() + self.window_s + self.attempt_span_s)
@@ -224,9 +228,10 @@ class Matchmaker:
         beats = {p.peer_id: p.heartbeat_at for p in peers}
         return {p for p, at in beats.items() if at < since and p != self._d.peer_id}, beats
 
-    async def _await_close(self, round_index: int, attempt: int, own: MatchEntry,
-                           close_at: float) -> list[MatchEntry]:
-        """The attempt's entries after close + settle, or as soon as every peer expected at this round posted.
+    async def _await_close(self, round_index: int, attempt: int, own: MatchEntry, close_at: float,
+                           entries: list[MatchEntry], peers: Sequence[PeerRecord]) -> list[MatchEntry]:
+        """The attempt's entries after close + settle, or as soon as every peer expected at this round posted
+        (`entries` and `peers`: the attempt's entries and the live records as read right after posting).
 
         Expected: the live peers whose record says they are at `round_index` (they will average it), and
         those behind it whose record says their inner steps ended by the close (they hold trained steps and
@@ -246,41 +251,61 @@ class Matchmaker:
         make a live peer look silent. Whether a peer's steps end by the close compares two peers' clocks, which
         agree within `clock_margin_s` once corrected (discovery/clock.py); the margin goes to the peer. Faster
         than the heartbeat: once half of the expected peers posted, each one still missing is asked once
-        (`probe`) whether its process is there; one that no process answers for is not waited for.
+        (`probe`) whether its process is there; one that no process answers for is not waited for. One whose
+        process answers is read again at once: a peer that crashed and restarted while the window was open
+        beats again but announces that it cannot post in time (its steps start over, or it must heal), and is
+        not waited for either; so is any missing peer whose record, read again, no longer may post by the close.
         """
         expected: dict[str, PeerRecord] = {}
+
+        def may_post(p: PeerRecord) -> bool:
+            return p.role == self.role and p.round <= round_index and _may_post_by(
+                p, round_index, close_at + self.clock_margin_s)
+
         if self.early_close:
-            peers = await self._d.live_peers(timeout_s=self.io_timeout_s)
             # A crashed peer's record stays live until it expires: in a large swarm with churn there is nearly
             # always one, and waiting for it would cost every round its whole window.
             fresh_since = -float("inf") if self.stale_after_s is None else self._now() - self.stale_after_s
-            expected = {p.peer_id: p for p in peers if p.role == self.role and p.heartbeat_at >= fresh_since
-                        and p.round <= round_index and _may_post_by(p, round_index, close_at + self.clock_margin_s)}
+            expected = {p.peer_id: p for p in peers if p.heartbeat_at >= fresh_since and may_post(p)}
         timer = asyncio.get_running_loop().time
         beats = {p: (r.heartbeat_at, timer()) for p, r in expected.items()}  # its last beat, and since when seen
         read_at = timer()
         probes: dict[str, asyncio.Task[bool | None]] = {}
+        answered: set[str] = set()  # missing peers whose process answered a probe: their records are read again
+        first = True
         try:
             while True:
-                entries = await self._entries(round_index, attempt, own)
+                if not first:
+                    entries = await self._entries(round_index, attempt, own)
+                first = False
                 if self._now() >= close_at + self.settle_s:
+                    if log.isEnabledFor(logging.DEBUG):
+                        log.debug("round %d attempt %d: the window ran out waiting for %s", round_index, attempt,
+                                  sorted(set(expected) - {e.member.peer_id for e in entries}))
                     return entries
                 missing = set(expected) - {e.member.peer_id for e in entries}
-                for p in [p for p in missing if p in probes and probes[p].done() and probes[p].result() is False]:
-                    log.debug("round %d attempt %d: %s cannot be reached; not waiting for it", round_index, attempt, p)
-                    del expected[p]
-                    missing.discard(p)
+                for p in [p for p in sorted(missing) if p in probes and probes[p].done() and p not in answered]:
+                    if probes[p].result() is False:
+                        log.debug("round %d attempt %d: %s cannot be reached; not waiting for it", round_index,
+                                  attempt, p)
+                        del expected[p]
+                        missing.discard(p)
+                    else:
+                        answered.add(p)
+                        read_at = -float("inf")  # read its record again now
                 # Never early when the expected peers cannot make a group: the window is the time newcomers get.
                 if len(expected) >= self.min_peers and not missing:
                     log.debug("round %d attempt %d: all %d expected peers posted; closing early", round_index,
                               attempt, len(expected))
                     return entries
-                if self.probe is not None and 2 * (len(expected) - len(missing)) >= len(expected):
+                half_posted = 2 * (len(expected) - len(missing)) >= len(expected)
+                if self.probe is not None and half_posted:
                     for p in sorted(missing - probes.keys()):  # in order: a replay schedules them alike
                         record = expected[p]
                         if record.endpoint and not record.client_mode:  # a client-mode peer takes no calls
                             probes[p] = asyncio.ensure_future(self._probe_one(record))
-                if await self._overdue(round_index, attempt, expected, missing, beats, read_at):
+                if await self._overdue(round_index, attempt, expected, missing, beats, read_at, may_post,
+                                       half_posted=half_posted):
                     read_at = timer()
                     continue
                 await asyncio.sleep(max(0.0, min(self.poll_s, close_at + self.settle_s - self._now())))
@@ -298,36 +323,42 @@ class Matchmaker:
             return None
 
     async def _overdue(self, round_index: int, attempt: int, expected: dict[str, PeerRecord], missing: set[str],
-                       beats: dict[str, tuple[float, float]], read_at: float) -> bool:
-        """Drops from `expected` the missing peers whose heartbeat has not moved for `overdue_s` (checked every
-        third of it, once one may be); whether it looked."""
+                       beats: dict[str, tuple[float, float]], read_at: float,
+                       may_post: Callable[[PeerRecord], bool], *, half_posted: bool) -> bool:
+        """Drops from `expected` the missing peers whose heartbeat has not moved for `overdue_s`, or whose record no
+        longer may post by the close; whether it looked. The records are read every third of `overdue_s` once one
+        may be overdue or half of the expected posted (a missing peer's record may change: a restarted peer's
+        first beats may not announce its end of steps yet), and at once when `read_at` says so."""
         timer = asyncio.get_running_loop().time
-        if self.overdue_s is None or timer() - read_at < self.overdue_s / 3 or not any(
-                timer() - beats[p][1] >= self.overdue_s for p in missing):
+        if read_at > -float("inf") and (self.overdue_s is None or timer() - read_at < self.overdue_s / 3 or not (
+                half_posted or any(timer() - beats[p][1] >= self.overdue_s for p in missing))):
             return False
-        for p in await self._silent(missing, beats, self.overdue_s):
-            log.debug("round %d attempt %d: %s has not beaten for %.1f s; not waiting for it", round_index,
-                      attempt, p, self.overdue_s)
+        for p, why in sorted((await self._silent(missing, beats, self.overdue_s, may_post)).items()):
+            log.debug("round %d attempt %d: %s %s; not waiting for it", round_index, attempt, p, why)
             del expected[p]
         return True
 
-    async def _silent(self, missing: set[str], beats: dict[str, tuple[float, float]], overdue_s: float) -> set[str]:
-        """Of the `missing` peers, those whose record, read again now, is gone or still shows the heartbeat first
+    async def _silent(self, missing: set[str], beats: dict[str, tuple[float, float]], overdue_s: float | None,
+                      may_post: Callable[[PeerRecord], bool]) -> dict[str, str]:
+        """Of the `missing` peers, those whose record, read again now, is gone, still shows the heartbeat first
         seen `overdue_s` ago or more (`beats`: peer -> its last beat, the loop time it was first seen; updated
-        for those that beat since); none when the roster cannot be read."""
+        for those that beat since), or no longer may post by the close (`may_post`: it restarted, or moved its
+        end of steps past the close), each with why; none when the roster cannot be read."""
         try:
             read = {p.peer_id: p for p in await self._d.live_peers(timeout_s=self.io_timeout_s)}
         except (DiscoveryError, TimeoutError):
-            return set()
+            return {}
         now = asyncio.get_running_loop().time()
-        silent = set()
+        silent: dict[str, str] = {}
         for p in missing:
             if p not in read:
-                silent.add(p)
+                silent[p] = "has no record any more"
+            elif not may_post(read[p]):
+                silent[p] = f"announces round {read[p].round} ending at {read[p].round_ends_at:.3f}: too late to post"
             elif read[p].heartbeat_at != beats[p][0]:
                 beats[p] = (read[p].heartbeat_at, now)
-            elif now - beats[p][1] >= overdue_s:
-                silent.add(p)
+            elif overdue_s is not None and now - beats[p][1] >= overdue_s:
+                silent[p] = f"has not beaten for {overdue_s:.1f} s"
         return silent
 
     async def _find_attempt(self, round_index: int) -> int | MatchOutcome:
@@ -506,6 +537,21 @@ def _may_post_by(p: PeerRecord, round_index: int, close_at: float) -> bool:
     if p.round == round_index:
         return p.round_ends_at <= close_at
     return 0 < p.round_ends_at <= close_at
+
+
+async def _nothing() -> tuple[PeerRecord, ...]:
+    return ()
+
+
+async def _both(first: Awaitable[list[MatchEntry]], second: Awaitable[Sequence[PeerRecord]],
+                ) -> tuple[list[MatchEntry], Sequence[PeerRecord]]:
+    """Both reads at once; the first failure is raised once both ended (neither is left running unawaited)."""
+    a, b = await asyncio.gather(first, second, return_exceptions=True)
+    for r in (a, b):
+        if isinstance(r, BaseException):
+            raise r
+    assert not isinstance(a, BaseException) and not isinstance(b, BaseException)
+    return a, b
 
 
 def _close_at(entries: Sequence[MatchEntry], window_s: float) -> float:

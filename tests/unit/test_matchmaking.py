@@ -485,3 +485,44 @@ def test_a_missing_peer_that_no_process_answers_for_does_not_hold_the_window(ans
     assert (elapsed_s >= 1.0) == waits, elapsed_s
     assert asked and set(asked) == {missing}  # only the missing peer is asked, once by each of a and b
     assert len(asked) == 2
+
+
+@pytest.mark.parametrize(("announces_after_s", "waits"), [(0.1, False), (0.5, False), (None, True)])
+def test_a_missing_peer_that_restarted_does_not_hold_the_window(announces_after_s: float | None, waits: bool) -> None:
+    """c is expected at round 5 (its steps end before the close) and never posts. It answers the probe: alive. Read
+    again, its record announces steps ending long after the close (it crashed and restarted from its checkpoint
+    while the window was open, and trains the round again): it cannot post in time and is not waited for, also
+    when it announces that only some beats after the probe (a restarted peer times a step first). One whose record
+    still says it may post is waited for to the end of the window."""
+    async def probe(record: PeerRecord) -> bool | None:
+        return True
+
+    async def main() -> tuple[list[MatchOutcome], float]:
+        _, (a, b, c) = _swarm(3)
+        for d in (a, b):
+            await _announce(d, 5)
+        first_ends_at = c.now() + 0.05
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+
+        async def beat() -> None:  # it beats throughout: only its announced end of steps tells
+            while True:
+                late = announces_after_s is not None and loop.time() - t0 >= announces_after_s
+                await c.announce(PeerRecord(run_id=RUN, peer_id=c.peer_id, endpoint="127.0.0.1:1", round=5,
+                                            heartbeat_at=c.now(), round_ends_at=c.now() + 30.0 if late
+                                            else first_ends_at), timeout_s=1)
+                await asyncio.sleep(0.05)
+
+        beats = asyncio.ensure_future(beat())
+        await asyncio.sleep(0.01)
+        try:
+            outs = await asyncio.gather(*(Matchmaker(d, min_peers=2, window_s=1.0, stale_after_s=30.0, overdue_s=0.3,
+                                                     probe=probe).form_group(5, _member(d, i))
+                                          for i, d in enumerate((a, b))))
+        finally:
+            beats.cancel()
+        return list(outs), loop.time() - t0
+
+    outs, elapsed_s = asyncio.run(main())
+    assert len({o.group for o in outs}) == 1 and outs[0].group is not None and len(outs[0].group.members) == 2
+    assert (elapsed_s >= 1.0) == waits, elapsed_s
