@@ -59,13 +59,25 @@ class RoundBudget:
     compute_s: float = 0.0
     # (compute_s, call): `add` calls it once, on the training thread, when that much compute is spent
     alarm: tuple[float, Callable[[], None]] | None = field(default=None, repr=False)
+    # `add` calls it once, on the training thread, after the first step: the round's length is known then
+    first_step: Callable[[RoundBudget], None] | None = field(default=None, repr=False)
 
     def add(self, *, steps: int, compute_s: float) -> None:
         self.steps += steps
         self.compute_s += compute_s
+        if self.first_step is not None:
+            first, self.first_step = self.first_step, None
+            first(self)
         if self.alarm is not None and self.compute_s >= self.alarm[0]:
             call, self.alarm = self.alarm[1], None
             call()
+
+    def left_s(self) -> float:
+        """Compute seconds this round's steps should still take, at their mean step time so far (0 before one)."""
+        if not self.steps:
+            return 0.0
+        at_rate = self.steps_left() * self.compute_s / self.steps
+        return at_rate if self.span_s is None else min(at_rate, max(0.0, self.span_s - self.compute_s))
 
     def set_alarm(self, at_s: float, call: Callable[[], None]) -> None:
         """Have `add` call `call` once the round's compute reaches `at_s` (the step that crosses it calls

@@ -157,6 +157,8 @@ class WorkerPart:
         join, self.join_by = self.join_by, None
         if join is not None and join[0] == worker.round:  # healed into a round under way: end with the swarm
             budget.cut_to(max(0.0, join[1] - time.monotonic()))
+        if self.round_ends_at <= self.now():  # no end announced for these steps (the first round of this process,
+            budget.first_step = self._announce_end  # or one trained again): announced once a step was timed
         match_at = budget.match_at_s()
         if match_at is not None:
             budget.set_alarm(match_at, self.prematch_alarm(budget))
@@ -166,6 +168,12 @@ class WorkerPart:
             budget.alarm = None
             await self.prematch(worker.round, self.member(worker.round, self.pace.prematch_rate(budget)))
         return stats
+
+    def _announce_end(self, budget: RoundBudget) -> None:
+        """The record's end of this round's steps, from the first step's time (on the training thread): a peer
+        restarted from its checkpoint tells the others' matchmaking that it cannot post before their window closes,
+        instead of holding the window to its end."""
+        self.round_ends_at = self.now() + budget.left_s()
 
     def prematch_alarm(self, budget: RoundBudget, *, round_index: int | None = None,
                        loop: asyncio.AbstractEventLoop | None = None) -> Callable[[], None]:

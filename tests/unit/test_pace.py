@@ -3,6 +3,8 @@ sends up (diloco.pace_align), and train_inner under a budget."""
 
 from __future__ import annotations
 
+import asyncio
+import io
 import json
 import time
 
@@ -17,7 +19,9 @@ from swarmtrain.diloco.pace import PACE_MAX_STEPS_FACTOR, Pace, RoundBudget, ali
 from swarmtrain.discovery import GroupRecord, RecordError
 from swarmtrain.discovery.records import decode_record
 from swarmtrain.models import build_model
+from swarmtrain.peer.part import WorkerPart
 from swarmtrain.round.group import Group, Member
+from swarmtrain.telemetry.events import EventWriter
 
 pytestmark = pytest.mark.unit
 
@@ -181,3 +185,35 @@ def test_train_inner_ends_when_its_budget_is_spent_and_counts_every_step() -> No
     stats = worker.train_inner(20, budget=roomy)
     assert (stats.steps, roomy.steps, worker.inner_step) == (5, 5, 6)
     assert roomy.compute_s == pytest.approx(stats.compute_s, rel=0.5)
+
+
+def test_the_budget_tells_once_after_its_first_step_how_long_the_rest_should_take() -> None:
+    told: list[float] = []
+    b = RoundBudget(max_steps=5, first_step=lambda budget: told.append(budget.left_s()))
+    assert b.left_s() == 0.0, "nothing timed yet"
+    b.add(steps=1, compute_s=0.5)
+    b.add(steps=1, compute_s=0.5)
+    assert told == [pytest.approx(2.0)] and b.first_step is None, "4 steps left at 0.5 s, told once"
+    timed = RoundBudget(max_steps=100, span_s=3.0)
+    timed.add(steps=1, compute_s=0.5)
+    assert timed.left_s() == pytest.approx(2.5), "a span ends the round before its step cap"
+
+
+@pytest.mark.parametrize("announced", [False, True])
+def test_a_peer_announces_the_end_of_its_steps_once_the_first_one_is_timed(announced: bool) -> None:
+    """A peer with no end of steps announced (restarted from its checkpoint: its pace is not known yet) announces
+    one after its first step, so that the others' matchmaking does not hold its window open for a peer that
+    cannot post in time; one that announced its end (from its last round's pace) keeps it."""
+    worker = _worker()
+    clock = [1000.0]
+    part = WorkerPart(worker.cfg, worker=worker, writer=EventWriter(io.StringIO()), pace=Pace(worker.cfg.diloco),
+                      val_batches=[], peer_id=lambda: "p0", member=lambda r, rate: None,  # type: ignore[arg-type,return-value]
+                      prematch=lambda r, m: None, announce=lambda: None, now=lambda: clock[0], alone_s=lambda: 0.0)
+    if announced:
+        part.round_ends_at = 1005.0
+    stats = asyncio.run(part.train_steps(asyncio.Event()))
+    assert stats is not None and stats.steps == 4
+    if announced:
+        assert part.round_ends_at == 1005.0
+    else:  # the first step timed: 3 steps left at its time, from the clock as it read then
+        assert 1000.0 < part.round_ends_at < 1000.0 + 3 * stats.compute_s + 1.0, part.round_ends_at
