@@ -210,13 +210,21 @@ class RoundDriver:
         (without `apply`, the caller applies it and then calls `committed`: an overlapped round lands between
         two inner steps)."""
         started = self._loop_time()
-        outcome = await self.plane.match(trained.round, self.member(trained))
+        # The round's electorate (its voters' retirements: a DHT read) is read while the group forms, not after.
+        electing = asyncio.ensure_future(self.electorate(trained.round))
+        try:
+            outcome = await self.plane.match(trained.round, self.member(trained))
+        except BaseException:
+            electing.cancel()
+            raise
         if outcome.group is None:
+            electing.cancel()
             return AverageResult(trained.round, False, None, reason=f"no group: {outcome.reason}",
                                  retry_at=outcome.retry_at, heal_to_hash=outcome.heal_to_hash)
         self.machine.matched(group=f"attempt {outcome.group.attempt}, {len(outcome.group.members)} members, "
                                    f"group {outcome.group.group_id[:12]}")
-        electorate = await self.electorate(trained.round)
+        found = await electing
+        electorate = Electorate(found.voters, found.retired, self.contacts.all())  # the contacts as of now
         result = await self.plane.average(outcome, trained.delta, base=self.part.digest, electorate=electorate,
                                           preview=self.part.preview)
         if result.committed:
