@@ -159,10 +159,15 @@ class Decider:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         r = value.round
-        for _ in range(MAX_CARRIES + 1):
+        for tries_left in range(MAX_CARRIES, -1, -1):
             promised = prepared.promised_by()
             counted = counting(prepared.retired, r, prepared.ballot)
             if not is_quorum(promised, voters, counted):
+                outbid = prepared.highest_promise()
+                if tries_left and outbid > prepared.ballot:
+                    prepared = await self._outbid(prepared, outbid, r, voters=voters, contacts=contacts,
+                                                  timeout_s=max(0.0, deadline - loop.time()))
+                    continue
                 return NotChosen(_short(f"only {len(promised)} of {len(quorum_base(voters, counted))} "
                                         f"voters promised ballot {tuple(prepared.ballot)[:3]}", prepared.unanswered))
             grants = [prepared.replies[v] for v in promised]
@@ -199,9 +204,29 @@ class Decider:
                     prepared = await self.prepare(round_index=r, ballot=ballot, voters=voters, contacts=contacts,
                                                   retired=prepared.retired, timeout_s=max(0.0, deadline - loop.time()))
                     continue
-            return await self._accept(prepared, chosen, voters=voters, contacts=contacts,
-                                      timeout_s=max(0.0, deadline - loop.time()))
-        return NotChosen(f"round {r}: ballots kept being outbid while carrying a value forward")
+            outcome, outbid = await self._accept(prepared, chosen, voters=voters, contacts=contacts,
+                                                 timeout_s=max(0.0, deadline - loop.time()))
+            if not (isinstance(outcome, NotChosen) and outbid > prepared.ballot):
+                return outcome
+            if not tries_left:
+                return NotChosen(f"round {r}: outbid again after {MAX_CARRIES} higher ballots; {outcome.reason}")
+            prepared = await self._outbid(prepared, outbid, r, voters=voters, contacts=contacts,
+                                          timeout_s=max(0.0, deadline - loop.time()))
+        return NotChosen(f"round {r}: ballots kept being outbid")
+
+    async def _outbid(self, prepared: Prepared, above: Ballot, r: int, *, voters: Sequence[Voter],
+                      contacts: Mapping[str, Contact], timeout_s: float) -> Prepared:
+        """Phase 1 again, above `above`: voters promised a higher ballot (another session's, which may never reach
+        phase 2: a session that cannot complete its means still asked for promises as it formed) after this one's
+        phase 1, or before it. Paxos' answer: a higher ballot. A session's ballot stays the session's (every member
+        that was outbid by the same promise asks for the same one; it names the session's value only, and carrying
+        another value still takes a ballot of the proposer's own); a proposer's stays its own."""
+        mine = prepared.ballot
+        ballot = Ballot(above.attempt, above.retry, above.bump + 1, mine.session, mine.proposer)
+        log.info("round %d: voters promised ballot %s, above %s: asking again with %s", r, tuple(above)[:4],
+                 tuple(mine)[:3], tuple(ballot)[:3])
+        return await self.prepare(round_index=r, ballot=ballot, voters=voters, contacts=contacts,
+                                  retired=prepared.retired, timeout_s=timeout_s)
 
     def _unchosen(self, prepared: Prepared, voters: Sequence[Voter], r: int) -> bool:
         """Whether no value of round `r` can have been chosen below `prepared`'s ballot: the promises' reports and
@@ -213,10 +238,11 @@ class Decider:
         return nothing_chosen_below(prepared.ballot, r, voters, prepared.retired, known)
 
     async def _accept(self, prepared: Prepared, value: Value, *, voters: Sequence[Voter],
-                      contacts: Mapping[str, Contact], timeout_s: float) -> Outcome:
+                      contacts: Mapping[str, Contact], timeout_s: float) -> tuple[Outcome, Ballot]:
+        """Phase 2, and the highest ballot a refusing voter had promised (`ZERO_BALLOT`: none)."""
         material = self.materials.get(value.layout)
         if material is None or not material.complete:
-            return NotChosen("the proposed value's material is not held here")
+            return NotChosen("the proposed value's material is not held here"), ZERO_BALLOT
         ballot, retired = prepared.ballot, dict(prepared.retired)
         targets = [v for v in voters if v not in counting(retired, value.round, ballot)]
         holders = [self.me]
@@ -227,6 +253,7 @@ class Decider:
 
         grants: dict[Voter, SignedGrant] = {}
         refused: list[str] = []
+        outbid = ZERO_BALLOT
 
         def enough(done: list[tuple[Voter, object]]) -> bool:  # a quorum in: the stragglers are not waited for
             ok = {v for v, r in done if isinstance(r, AcceptReply) and r.granted and r.voter == v}
@@ -241,14 +268,16 @@ class Decider:
                 grants[v] = reply.grant
             elif not reply.granted:
                 refused.append(f"{v}: {reply.refusal} ({reply.reason[:80]})")
+                if reply.refusal == "promised":
+                    outbid = max(outbid, reply.promised)
         counted = counting(retired, value.round, ballot)
         grants = {v: g for v, g in grants.items() if v not in counted}
         if not is_quorum(grants, voters, counted):
             return NotChosen(_short(f"only {len(grants)} of {len(quorum_base(voters, counted))} voters accepted",
-                                    refused))
+                                    refused)), outbid
         cert = Certificate(self.run, ballot, value, tuple(grants[v] for v in sorted(grants)),
                            tuple(counted[v] for v in sorted(counted) if v in set(voters)))
-        return Chosen(cert, material)
+        return Chosen(cert, material), outbid
 
     def _grant_ok(self, grant: SignedGrant, voter: Voter, ballot: Ballot, value: Value) -> bool:
         if grant.voter != voter:
