@@ -182,14 +182,16 @@ class Matchmaker:
             found = await self._find_attempt(round_index)
             if isinstance(found, MatchOutcome):
                 return found
-            attempt = found
+            attempt, seen = found
             own = MatchEntry(run_id=self._d.run_id, round=round_index, member=member, posted_at=self._now(),
                              attempt=attempt)
-            await self._d.post_entry(own, keep_s=self.keep_s, timeout_s=self.io_timeout_s)
-            # The entries (where the window closes) and the roster (who is expected) at once: one round trip.
-            entries, peers = await _both(self._entries(round_index, attempt, own),
-                                         self._d.live_peers(timeout_s=self.io_timeout_s) if self.early_close
-                                         else _nothing())
+            # The roster (who is expected) is read while the entry is stored, and where the window closes comes
+            # from the entries just read: one round trip after the attempt was found, not two. The window's
+            # loop reads the entries again (an earlier anchor may surface: the close is computed again).
+            peers = await _beside(self._d.live_peers(timeout_s=self.io_timeout_s) if self.early_close
+                                  else _nothing(), self._d.post_entry(own, keep_s=self.keep_s,
+                                                                      timeout_s=self.io_timeout_s))
+            entries = sorted({e.member.peer_id: e for e in (*seen, own)}.values(), key=lambda e: e.member.peer_id)
             close_at = _close_at(entries, self.window_s)
             if own.posted_at > close_at:
                 return self._late(round_index, attempt, close_at, own.posted_at)
@@ -361,8 +363,9 @@ class Matchmaker:
                 silent[p] = f"has not beaten for {overdue_s:.1f} s"
         return silent
 
-    async def _find_attempt(self, round_index: int) -> int | MatchOutcome:
-        """The attempt of `round_index` to enter, or the outcome that says why none can be entered now."""
+    async def _find_attempt(self, round_index: int) -> tuple[int, list[MatchEntry]] | MatchOutcome:
+        """The attempt of `round_index` to enter and its entries as read, or the outcome that says why none can be
+        entered now."""
         attempt = self._first_open.get(round_index, 0)
         while True:
             entries = await self._entries(round_index, attempt)
@@ -370,7 +373,7 @@ class Matchmaker:
                 close_at = _close_at(entries, self.window_s)
                 arrived = self._now()
                 if arrived <= close_at:
-                    return attempt  # its window is open: join it
+                    return attempt, entries  # its window is open: join it
                 if not await self._attempt_over(round_index, attempt, entries, close_at):
                     return self._late(round_index, attempt, close_at, arrived)
                 self._mark_over(round_index, attempt)
@@ -379,7 +382,7 @@ class Matchmaker:
                 return MatchOutcome(round=round_index, group=None, late=True, attempt=attempt,
                                     reason=f"round {round_index} was committed without this peer; heal")
             if not entries:
-                return attempt  # nobody has opened it: this peer's entry anchors its window
+                return attempt, []  # nobody has opened it: this peer's entry anchors its window
 
     async def _attempt_over(self, round_index: int, attempt: int, entries: Sequence[MatchEntry],
                             close_at: float) -> bool:
@@ -543,15 +546,15 @@ async def _nothing() -> tuple[PeerRecord, ...]:
     return ()
 
 
-async def _both(first: Awaitable[list[MatchEntry]], second: Awaitable[Sequence[PeerRecord]],
-                ) -> tuple[list[MatchEntry], Sequence[PeerRecord]]:
-    """Both reads at once; the first failure is raised once both ended (neither is left running unawaited)."""
-    a, b = await asyncio.gather(first, second, return_exceptions=True)
-    for r in (a, b):
+async def _beside(read: Awaitable[Sequence[PeerRecord]], store: Awaitable[None]) -> Sequence[PeerRecord]:
+    """The read's result, with `store` done at the same time; the first failure is raised once both ended
+    (neither is left running unawaited)."""
+    got, stored = await asyncio.gather(read, store, return_exceptions=True)
+    for r in (got, stored):
         if isinstance(r, BaseException):
             raise r
-    assert not isinstance(a, BaseException) and not isinstance(b, BaseException)
-    return a, b
+    assert not isinstance(got, BaseException)
+    return got
 
 
 def _close_at(entries: Sequence[MatchEntry], window_s: float) -> float:
