@@ -279,6 +279,9 @@ class Matchmaker:
             while True:
                 if not first:
                     entries = await self._entries(round_index, attempt, own)
+                    # An earlier anchor that surfaced (its store was in flight at the first read) closes the window
+                    # earlier for this peer too: the waits and who may post by the close follow it.
+                    close_at = min(close_at, _close_at(entries, self.window_s))
                 first = False
                 if self._now() >= close_at + self.settle_s:
                     if log.isEnabledFor(logging.DEBUG):
