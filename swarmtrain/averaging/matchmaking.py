@@ -233,7 +233,8 @@ class Matchmaker:
     async def _await_close(self, round_index: int, attempt: int, own: MatchEntry, close_at: float,
                            entries: list[MatchEntry], peers: Sequence[PeerRecord]) -> list[MatchEntry]:
         """The attempt's entries after close + settle, or as soon as every peer expected at this round posted
-        (`entries` and `peers`: the attempt's entries and the live records as read right after posting).
+        (`entries`: the attempt's entries as read when it was found, with this peer's; `peers`: the live records
+        read while it posted).
 
         Expected: the live peers whose record says they are at `round_index` (they will average it), and
         those behind it whose record says their inner steps ended by the close (they hold trained steps and
