@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing
+import re
 from concurrent.futures import ProcessPoolExecutor
 
 import pytest
@@ -27,10 +28,11 @@ SUITE_FAULTS_UNTIL_S = 40.0
 
 
 def _lone_committer(rules: str) -> Schedule:
-    """4 peers. Reducer p02 serves its mean of round 2 to p00 and dies before the others fetch it: p00 holds every
-    mean and asks for the round; p01 and p03, retrying their all-reduce without p02, are 2 of 4 and cannot.
-    p02 restarts 20 s later."""
-    crash = Fault(at=0.0, kind="mean_crash", peer=2, to=0, round=2, down_s=20.0)
+    """4 peers. Reducer p02 serves its mean of round 2 to the first member that fetches it and dies before the
+    others fetch it: that member holds every mean and asks for the round; the two others, retrying their
+    all-reduce without p02, are 2 of 4 and cannot. p02 restarts 20 s later. (Which member fetches first depends
+    on the round's timing: the fault names none.)"""
+    crash = Fault(at=0.0, kind="mean_crash", peer=2, to=-1, round=2, down_s=20.0)
     return Schedule(seed=0, peers=4, skews_s=(0.0,) * 4, faults=(crash,), faults_until_s=40.0, rules=rules)
 
 
@@ -61,14 +63,14 @@ def test_a_reducer_dying_while_the_members_push_costs_a_retry_not_the_round() ->
 
 
 def test_two_reducers_dying_at_different_moments_of_the_push_cost_one_retry_for_everyone() -> None:
-    """12 peers. Reducer p02 dies right after taking p00's push of round 3, p05 right after taking p07's. Each
+    """12 peers. Reducer p02 dies right after taking p00's push of round 3, p05 right after taking p09's. Each
     member used to retry without the reducers its own pushes found dead: some without p02, some without p05,
     some without both, three sessions, none with a majority, and round 3 aborted on every member. A member whose
     push found one dead now also counts the reducers that do not answer for their contributors: everyone
     retries without both, in one session, and commits round 3 in that matchmaking (the same split lost a round
     of a simulated 1,000-peer swarm)."""
     faults = (Fault(at=0.0, kind="push_crash", peer=2, to=0, round=3, down_s=30.0),
-              Fault(at=0.0, kind="push_crash", peer=5, to=7, round=3, down_s=30.0))
+              Fault(at=0.0, kind="push_crash", peer=5, to=9, round=3, down_s=30.0))
     result = run_schedule(Schedule(seed=0, peers=12, skews_s=(0.0,) * 12, faults=faults, faults_until_s=30.0))
     assert result.ok and result.ledger is not None, result.summary()
     assert len(result.notes) == 2, result.notes
@@ -92,15 +94,18 @@ def test_the_retry_around_a_dead_reducer_does_not_wait_for_it_as_a_member() -> N
 
 def test_the_tester_finds_the_lone_committer_wedge_on_the_legacy_rules_and_none_on_the_shipped_ones() -> None:
     legacy = run_schedule(_lone_committer("legacy"))
-    assert legacy.notes and "p02 crashed right after serving p00 its mean of round 2" in legacy.notes[0]
+    served = re.fullmatch(r"p02 crashed right after serving (p0[013]) its mean of round 2 at t=.*", legacy.notes[0])
+    assert served is not None, legacy.notes
     assert not legacy.safety and legacy.liveness, legacy.summary()
     assert legacy.ledger is not None
     final = {p: max((r for _, q, r, _, _ in legacy.ledger.commits if q == p), default=-1) for p in ("p00", "p01",
                                                                                                       "p03")}
-    assert final == {"p00": 2, "p01": 1, "p03": 1}, final  # p00 committed round 2 alone; nobody ever again
+    lone = served.group(1)
+    assert final == {p: 2 if p == lone else 1 for p in final}, final  # it committed round 2 alone; nobody again
 
     paxos = run_schedule(_lone_committer("paxos"))
-    assert paxos.notes and "p02 crashed right after serving p00 its mean of round 2" in paxos.notes[0]
+    assert paxos.notes and re.fullmatch(r"p02 crashed right after serving p0[013] its mean of round 2 at t=.*",
+                                        paxos.notes[0]), paxos.notes
     assert paxos.ok, paxos.summary()
     assert paxos.ledger is not None
     assert {p for _, p, r, _, _ in paxos.ledger.commits if r == 2} >= {"p00", "p01", "p03"}  # learned, not healed

@@ -59,10 +59,10 @@ class Fault:
     """At virtual time `at`: `kind` one of crash (restart `down_s` later), freeze (for `down_s`), partition
     (into `sides` until `down_s` later), stale (DHT reads stale with probability `rate` for `down_s`), or
     mean_crash: from `at` on, `peer` crashes as soon as its answer with a mean of round `round` reaches peer
-    `to` (restarting `down_s` later): a reducer dying between serving one member and the others; push_crash: the
-    same once its answer to `to`'s push of round `round` reaches `to` (a reducer dying while the members push);
-    leave: `peer`
-    leaves gracefully (its voter retires, its departure is announced) for good, at `at`, or (with `round` >= 0)
+    `to` (with `to` < 0: any other peer, the first it serves; restarting `down_s` later): a reducer dying between
+    serving one member and the others; push_crash: the same once its answer to `to`'s push of round `round`
+    reaches `to` (a reducer dying while the members push); leave: `peer` leaves gracefully (its voter retires,
+    its departure is announced) for good, at `at`, or (with `round` >= 0)
     as soon as it has promised a ballot of round `round`, after `at`."""
 
     at: float
@@ -270,14 +270,15 @@ def _apply(f: Fault, on: bool, peers: Sequence[SimPeer], net: SimNetwork, regist
 
 
 def _crash_after(f: Fault, call: str, peers: Sequence[SimPeer], net: SimNetwork, notes: list[str]) -> None:
-    victim, to = peers[f.peer], peers[f.to].peer_id
+    victim, to = peers[f.peer], None if f.to < 0 else peers[f.to].peer_id
 
     def answered(caller: str, node: SimNode, tag: object) -> None:
-        if caller == to and node.peer_id == victim.peer_id and tag == (call, f.round) and victim.alive:
+        if (caller == to or (to is None and caller != victim.peer_id)) and node.peer_id == victim.peer_id \
+                and tag == (call, f.round) and victim.alive:
             net.answered.remove(answered)
             victim.crash()
             what = "its mean" if call == "mean" else "the push"
-            notes.append(f"{victim.peer_id} crashed right after serving {to} {what} of round {f.round} at "
+            notes.append(f"{victim.peer_id} crashed right after serving {caller} {what} of round {f.round} at "
                          f"t={asyncio.get_running_loop().time():.2f}")
 
     net.answered.append(answered)
