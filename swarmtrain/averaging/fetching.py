@@ -14,11 +14,9 @@ from swarmtrain.round.ballots import MaterialLayout
 from swarmtrain.round.messages import ConsensusTransport, Contact
 from swarmtrain.rpc.errors import RpcError
 
-__all__ = ["FETCHES_AT_ONCE", "MaterialFetcher"]
+__all__ = ["MaterialFetcher"]
 
 log = logging.getLogger(__name__)
-
-FETCHES_AT_ONCE = 8  # shards of one value's material fetched at the same time
 
 CheckShard = Callable[[MaterialLayout, int, bytes | bytearray | memoryview], None]
 """Raise (CodecError, MaterialError) unless a shard's blob decodes, to finite values, as `layout` says."""
@@ -55,30 +53,13 @@ class MaterialFetcher:
                 async with lock:
                     held = self.store.get(layout)
                     material = held if held is not None else Material(layout)
-                    await self._missing(material, holders, deadline)
+                    for shard in material.missing():
+                        blob = await self._one(layout, shard, holders, deadline)
+                        material.put(shard, blob)
                     self.store.put(round_index, material)
                     return material
         except TimeoutError:
             raise MaterialError(f"no holder served the material in {timeout_s:.1f}s") from None
-
-    async def _missing(self, material: Material, holders: Sequence[Contact], deadline: float) -> None:
-        """The shards `material` misses, `FETCHES_AT_ONCE` at a time (one after another would cost a round trip per
-        shard, and a value has one shard per reducer), shard i asking the holders from the i-th on (the load
-        spread over them). The first failure is raised once the fetches under way ended."""
-        layout = material.layout
-        slots = asyncio.Semaphore(FETCHES_AT_ONCE)
-        usable = [h for h in holders if h.peer_id != self.self_id and h.endpoint]
-
-        async def fetch(i: int, shard: int) -> None:
-            order = usable[i % len(usable):] + usable[:i % len(usable)] if usable else []
-            async with slots:
-                material.put(shard, await self._one(layout, shard, order, deadline))
-
-        done = await asyncio.gather(*(fetch(i, shard) for i, shard in enumerate(material.missing())),
-                                    return_exceptions=True)
-        for result in done:
-            if isinstance(result, BaseException):
-                raise result
 
     async def _one(self, layout: MaterialLayout, shard: int, holders: Sequence[Contact],
                    deadline: float) -> bytes | bytearray | memoryview:
