@@ -64,6 +64,17 @@ class Direct:
                                                     holders=holders, caller="proposer", deadline_s=timeout_s)
 
 
+def _electorate(n: int) -> tuple[list[str], dict[str, VoterService], tuple[Voter, ...], dict[str, Contact],
+                                  MaterialStore, Material]:
+    """n voters holding the value's material, their contacts, and a proposer's store holding it too."""
+    names = [f"v{i}" for i in range(n)]
+    store = MaterialStore()
+    material = _material()
+    store.put(ROUND, material)
+    return (names, {v: _voter(v) for v in names}, tuple(Voter(v, 0) for v in names),
+            {v: Contact(v, f"10.0.0.{i}:7000") for i, v in enumerate(names)}, store, material)
+
+
 def _verify(peer_id: str, public_key: bytes, message: bytes, signature: bytes) -> bool:
     return verify_signature(public_key, message, signature)
 
@@ -75,13 +86,7 @@ def test_a_proposer_outbid_by_a_session_that_never_proposes_asks_again_above_it(
     before "s" proposes (or before "s" prepares at all) and never proposes. "s" is chosen under a ballot above
     "t"'s, which names "s"'s own value (a session's ballot: every member of "s" outbid alike asks for the same)."""
     async def main() -> tuple[object, dict[str, VoterService]]:
-        names = [f"v{i}" for i in range(5)]
-        voters = {n: _voter(n) for n in names}
-        electorate = tuple(Voter(n, 0) for n in names)
-        contacts = {n: Contact(n, f"10.0.0.{i}:7000") for i, n in enumerate(names)}
-        store = MaterialStore()
-        material = _material()
-        store.put(ROUND, material)
+        names, voters, electorate, contacts, store, material = _electorate(5)
         decider = Decider(transport=Direct(voters), run=RUN, scope="",  # type: ignore[arg-type]  # phases 1 and 2
                           me=Contact("m1", "10.0.1.1:7000"),
                           verify=_verify, materials=store, fetcher=_fetcher(store, "m1"))
@@ -118,13 +123,7 @@ def test_outbidding_is_bounded() -> None:
     """Voters that keep promising higher ballots (a session outbidding this one each time) end the attempt after
     MAX_CARRIES ballots, as carrying a value forward does."""
     async def main() -> object:
-        names = [f"v{i}" for i in range(3)]
-        voters = {n: _voter(n) for n in names}
-        electorate = tuple(Voter(n, 0) for n in names)
-        contacts = {n: Contact(n, f"10.0.0.{i}:7000") for i, n in enumerate(names)}
-        store = MaterialStore()
-        material = _material()
-        store.put(ROUND, material)
+        names, voters, electorate, contacts, store, material = _electorate(3)
         transport = Direct(voters)
         asked: list[Ballot] = []
         prepare = transport.prepare
