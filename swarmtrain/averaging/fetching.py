@@ -14,9 +14,11 @@ from swarmtrain.round.ballots import MaterialLayout
 from swarmtrain.round.messages import ConsensusTransport, Contact
 from swarmtrain.rpc.errors import RpcError
 
-__all__ = ["MaterialFetcher"]
+__all__ = ["FETCHES_AT_ONCE", "MaterialFetcher"]
 
 log = logging.getLogger(__name__)
+
+FETCHES_AT_ONCE = 8  # shards of one value's material fetched at the same time
 
 CheckShard = Callable[[MaterialLayout, int, bytes | bytearray | memoryview], None]
 """Raise (CodecError, MaterialError) unless a shard's blob decodes, to finite values, as `layout` says."""
@@ -53,24 +55,48 @@ class MaterialFetcher:
                 async with lock:
                     held = self.store.get(layout)
                     material = held if held is not None else Material(layout)
-                    for shard in material.missing():
-                        blob = await self._one(layout, shard, holders, deadline)
-                        material.put(shard, blob)
+                    await self._missing(material, holders, deadline)
                     self.store.put(round_index, material)
                     return material
         except TimeoutError:
             raise MaterialError(f"no holder served the material in {timeout_s:.1f}s") from None
 
-    async def _one(self, layout: MaterialLayout, shard: int, holders: Sequence[Contact],
-                   deadline: float) -> bytes | bytearray | memoryview:
+    async def _missing(self, material: Material, holders: Sequence[Contact], deadline: float) -> None:
+        """The shards `material` misses, `FETCHES_AT_ONCE` at a time (one after another would cost a round trip per
+        shard, and a value has one shard per reducer), spread over the holders: each shard asks first the holder
+        with the fewest of these calls in flight (from the i-th on for shard i where they tie), so a holder that
+        does not answer stops being asked once its calls pile up, and one that failed is asked last (a dead or
+        stopped holder costs the fetch the shards that were waiting on it, not one timeout per shard). The first
+        failure is raised once the fetches under way ended."""
+        layout = material.layout
+        slots = asyncio.Semaphore(FETCHES_AT_ONCE)
+        usable = [h for h in holders if h.peer_id != self.self_id and h.endpoint]
+        asking = _Asking()
+
+        async def fetch(i: int, shard: int) -> None:
+            order = usable[i % len(usable):] + usable[:i % len(usable)] if usable else []
+            async with slots:
+                material.put(shard, await self._one(layout, shard, order, deadline, asking))
+
+        done = await asyncio.gather(*(fetch(i, shard) for i, shard in enumerate(material.missing())),
+                                    return_exceptions=True)
+        for result in done:
+            if isinstance(result, BaseException):
+                raise result
+
+    async def _one(self, layout: MaterialLayout, shard: int, holders: Sequence[Contact], deadline: float,
+                   asking: _Asking) -> bytes | bytearray | memoryview:
+        """Shard `shard` from one of `holders` that serves it, asked in `asking`'s order."""
         loop = asyncio.get_running_loop()
         problems: list[str] = []
-        for holder in holders:
-            if holder.peer_id == self.self_id or not holder.endpoint:
-                continue
+        left_to_ask = list(holders)
+        while left_to_ask:
+            holder = asking.pick(left_to_ask)
+            left_to_ask.remove(holder)
             left = deadline - loop.time()
             if left <= 0:
                 break
+            asking.in_flight[holder.peer_id] = asking.in_flight.get(holder.peer_id, 0) + 1
             try:
                 blob = await self.transport.material(holder, scope=self.scope, layout=layout, shard=shard,
                                                      timeout_s=left)
@@ -80,5 +106,20 @@ class MaterialFetcher:
                 await asyncio.to_thread(self.check, layout, shard, blob)
                 return blob
             except (RpcError, ValueError, TimeoutError) as e:  # dead, refused, or bytes that do not check out
+                asking.failed.add(holder.peer_id)
                 problems.append(f"{holder.peer_id}: {type(e).__name__}: {e}")
+            finally:
+                asking.in_flight[holder.peer_id] -= 1
         raise MaterialError(f"shard {shard} of the value: no holder served it ({'; '.join(problems) or 'none asked'})")
+
+
+class _Asking:
+    """The holders' state across the shard fetches of one value: calls in flight to each, and those that failed."""
+
+    def __init__(self) -> None:
+        self.in_flight: dict[str, int] = {}
+        self.failed: set[str] = set()
+
+    def pick(self, holders: Sequence[Contact]) -> Contact:
+        """The holder to ask next: not failed before failed, then the fewest calls in flight, then `holders`' order."""
+        return min(holders, key=lambda h: (h.peer_id in self.failed, self.in_flight.get(h.peer_id, 0)))
