@@ -81,6 +81,10 @@ def test_killed_and_stalled_stage_servers_cost_no_microbatch(procs: ProcessSet, 
     # waits in, and both leave it at one θ_global. The run is long enough that this is waited for, not hoped for.
     resumed_step = max(s.step for s in _steps(trainers[0]))
     assert resumed_step < STEPS - 120, f"the stall ended at step {resumed_step}: make the run longer"
+    # Where the trainers were when s1a was back (read now: the stage-0 waits below may take the run to its end).
+    back.wait_ready(timeout_s=START_S)
+    back_at = max(s.step for s in _steps(trainers[0]))
+    assert back_at < STEPS - 40, f"s1a was back at step {back_at}: too late to serve before the run ends"
     after: dict[str, tuple[int, str]] = {}  # each server's first commit after the stall: (round, hash)
     for name in ("s0a", "s0b"):
         try:
@@ -93,9 +97,6 @@ def test_killed_and_stalled_stage_servers_cost_no_microbatch(procs: ProcessSet, 
                                  f"{servers[name].diagnostics()}") from None
         assert isinstance(line, StageRoundEvent)
         after[name] = (line.round, line.hash)
-    back.wait_ready(timeout_s=START_S)
-    back_at = max(s.step for s in _steps(trainers[0]))
-    assert back_at < STEPS - 40, f"s1a was back at step {back_at}: too late to serve before the run ends"
     back.wait_for(lambda x: isinstance(x, StageStepEvent) and x.backwards > 0, timeout_s=120,
                   what="the restarted server's first served backward")
     for t in trainers:
