@@ -32,9 +32,10 @@ from swarmtrain.diloco.averager import AverageResult
 from swarmtrain.discovery import Discovery, DiscoveryError, PeerRecord
 from swarmtrain.driver.contacts import ContactBook
 from swarmtrain.driver.departures import announce_departure, announce_stored_retirements, departure_record
+from swarmtrain.driver.downloads import Newer, StateDownloads
 from swarmtrain.driver.part import CommittedState, Part, RoundPlane, Trained, contacts_of
 from swarmtrain.driver.presence import Presence
-from swarmtrain.round import Average, Finish, Heal, RoundMachine, Train, Wait, keeps_progress, plan_heal
+from swarmtrain.round import Average, Finish, Heal, RoundMachine, Train, Wait
 from swarmtrain.round.ballots import Genesis, Voter, quorum_base
 from swarmtrain.round.certificate import (
     CertificateError,
@@ -45,7 +46,7 @@ from swarmtrain.round.certificate import (
     successors_of,
 )
 from swarmtrain.round.group import Member
-from swarmtrain.round.heal import PeerView, donor_order, swarm_round_end
+from swarmtrain.round.heal import donor_order, swarm_round_end
 from swarmtrain.round.messages import Contact
 from swarmtrain.telemetry import HealEvent
 
@@ -56,18 +57,6 @@ log = logging.getLogger(__name__)
 MAX_CHAIN_DONORS = 3  # peers ahead asked for their certificates in one heal check
 MAX_SUCCESSIONS = 8  # voter sets of one round followed through their successors (each named by a retirement)
 MAX_SUCCESSORS = 64  # voters a retirement names for its round (a quorum of them decides it)
-KEPT_CERTIFICATES = 16  # a healed peer asks its donor for this many rounds' certificates
-REPLANS = 2  # heals by the majority's state planned again in one heal check after the swarm moved past the plan
-
-
-@dataclasses.dataclass(frozen=True)
-class _Newer:
-    """A state a donor served for a round past the one planned: the swarm committed on while this peer healed."""
-
-    state: CommittedState
-    donors: tuple[PeerView, ...]
-    source: str
-    transfer_s: float
 
 
 class Behind(RuntimeError):
@@ -103,6 +92,8 @@ class RoundDriver:
         self.peers: tuple[PeerRecord, ...] = ()  # the scope's live records, as last read
         self.contacts = ContactBook()  # every endpoint read in the scope's records (a read can miss some)
         self._verified: dict[tuple[Voter, int], Retirement] = {}  # retirements checked once
+        self.downloads = StateDownloads(part=part, plane=plane, cfg=cfg, role=role, self_id=discovery.peer_id,
+                                        peers=lambda: self.peers, reread=self._reread_peers, adopted=self._adopted)
 
     def _new_machine(self) -> RoundMachine:
         return RoundMachine(round_index=self.part.round, rounds=self.cfg.diloco.rounds, clock=self.discovery.now,
@@ -351,15 +342,15 @@ class RoundDriver:
         ahead = self._ahead()
         target = await self._chain_target(ahead) if ahead else None
         keep = action.keep_progress_rounds
-        held: _Newer | None = None
+        held: Newer | None = None
         if target is not None:
-            adopted = await self._transfer(target[0], target[1], target[2], keep_progress_rounds=keep)
-            if isinstance(adopted, _Newer):
+            adopted = await self.downloads.transfer(target[0], target[1], target[2], keep_progress_rounds=keep)
+            if isinstance(adopted, Newer):
                 held, adopted = adopted, ""
             source = adopted or source
         if self._ahead() or (action.want_hash and not source):
-            source = await self._heal_by_majority(want_hash="" if source else action.want_hash, keep=keep,
-                                                  held=held) or source
+            source = await self.downloads.majority(want_hash="" if source else action.want_hash, keep=keep,
+                                                   held=held) or source
         if self.part.round == start_round and not source:
             if self._ahead():  # behind, and no way to catch up yet: not another attempt at a past round at once
                 await asyncio.sleep(self.cfg.discovery.heartbeat_s)
@@ -368,6 +359,15 @@ class RoundDriver:
         self.part.joined(self.part.round, swarm_round_end(self.peers, self.part.round))
         self.machine.healed(round_index=self.part.round, source=source)
         return True
+
+    async def _reread_peers(self) -> bool:
+        return await self.read_peers(why="; not healing this round") is not None
+
+    def _adopted(self, event: HealEvent) -> None:
+        """A downloaded state was adopted: nothing trained before it is pending, and its heal line goes out."""
+        self.pending = None
+        self.changed()
+        self.emit(event)
 
     def _ahead(self) -> list[PeerRecord]:
         return sorted((p for p in self.peers if p.round > self.part.round and p.endpoint and p.role == self.role),
@@ -408,100 +408,6 @@ class RoundDriver:
             if donors:
                 return round_index, digest, list(donors)
         return None
-
-    async def _heal_by_majority(self, *, want_hash: str, keep: int, held: _Newer | None) -> str:
-        """The state a strict majority of the serving peers ahead announce (round/heal.py `plan_heal`), from its
-        donors; the source, or "".
-
-        A donor that serves a round past the plan's means the swarm committed on since the roster was read:
-        every other donor of the plan would serve the newer state too, each a whole download to be refused. So
-        the roster is read again and the heal planned again (at most REPLANS times), and a state in hand that
-        the new plan names (its round and digest: the digest checks the bytes) is adopted without downloading
-        it again. A donor whose newer round the new roster does not bear out (the plan did not move) is not
-        asked again in this heal check, nor is one that served another state for the planned round."""
-        refused: set[str] = set()
-        for replan in range(REPLANS + 1):
-            plan = plan_heal(self.peers, own_round=self.part.round, self_id=self.peer_id, want_hash=want_hash,
-                             min_support=self.cfg.averaging.min_peers, role=self.role)
-            if plan is None:
-                return ""
-            if held is not None and (held.state.round, held.state.digest) == (plan.round, plan.state_hash):
-                return await self._adopt_state(held.state, held.donors, held.source, keep_progress_rounds=keep,
-                                               want_hash=want_hash, transfer_s=held.transfer_s)
-            donors = [d for d in plan.donors if d.peer_id not in refused]
-            if not donors:
-                log.warning("behind the swarm but not healing this round: %s", plan.problem or
-                            f"every peer announcing round {plan.round}'s state {plan.state_hash[:12]} was refused")
-                return ""
-            got = await self._transfer(plan.round, plan.state_hash, donors, keep_progress_rounds=keep,
-                                       want_hash=want_hash, refused=refused)
-            if not isinstance(got, _Newer):
-                return got
-            if replan == REPLANS:
-                break
-            log.info("%s served round %d, past the planned round %d: the swarm committed on; reading the live "
-                     "peers again", got.source, got.state.round, plan.round)
-            if await self.read_peers(why="; not healing this round") is None:
-                return ""
-            again = plan_heal(self.peers, own_round=self.part.round, self_id=self.peer_id, want_hash=want_hash,
-                              min_support=self.cfg.averaging.min_peers, role=self.role)
-            if again is not None and (again.round, again.state_hash) == (plan.round, plan.state_hash):
-                refused.update(d.peer_id for d in got.donors)  # its newer round is not the swarm's
-            held = got
-        log.warning("behind the swarm (round %d) but it committed past every plan of this heal check; the next "
-                    "check plans again", self.part.round)
-        return ""
-
-    async def _transfer(self, round_index: int, digest: str, donors: Sequence[PeerView], *,
-                        keep_progress_rounds: int = 0, want_hash: str = "",
-                        refused: set[str] | None = None) -> str | _Newer:
-        """Download `round_index`'s state (digest `digest`) from the first donors that deliver; the source, or
-        the first state served for a later round (the plan is behind the swarm: `_heal_by_majority`). An
-        overlapped part at most `keep_progress_rounds` late keeps its unsent steps (round/heal.py). Donors that
-        serve another state for `round_index` join `refused`."""
-        width = min(self.cfg.rpc.state_donors, len(donors))
-        tries = ([list(donors[:width])] if width > 1 else []) + [[d] for d in donors]
-        for group in tries:
-            started = self._loop_time()
-            names = ",".join(d.peer_id for d in group)
-            try:
-                state, served = await self.plane.fetch_state([d.endpoint for d in group])
-            except Exception as e:  # a dead donor, a refusal, a state that does not check out: the next one
-                log.warning("state download from %s failed: %s", names, e)
-                continue
-            source = ",".join(d.peer_id for d in group if d.endpoint in served)
-            if state.round > round_index:
-                return _Newer(state=state, donors=tuple(group), source=source,
-                              transfer_s=round(self._loop_time() - started, 4))
-            if state.round != round_index or state.digest != digest:
-                log.warning("%s served round %d with digest %s, not round %d with the %s the swarm announces: "
-                            "refused", source, state.round, state.digest[:12], round_index, digest[:12])
-                if refused is not None:
-                    refused.update(d.peer_id for d in group if d.endpoint in served)
-                continue
-            return await self._adopt_state(state, tuple(group), source, keep_progress_rounds=keep_progress_rounds,
-                                           want_hash=want_hash, transfer_s=round(self._loop_time() - started, 4))
-        log.warning("behind the swarm (round %d < %d) but no donor delivered the state %s", self.part.round,
-                    round_index, digest[:12])
-        return ""
-
-    async def _adopt_state(self, state: CommittedState, donors: Sequence[PeerView], source: str, *,
-                           keep_progress_rounds: int, want_hash: str, transfer_s: float) -> str:
-        """Adopt a downloaded state whose round and digest a plan named; the source."""
-        before = self.part.round
-        keep = keeps_progress(own_round=before, donor_round=state.round, keep_progress_rounds=keep_progress_rounds,
-                              want_hash=want_hash) and keep_progress_rounds > 0
-        certificates = state.certificates or await self.plane.certificates(
-            Contact(donors[0].peer_id, donors[0].endpoint), from_round=max(0, state.round - KEPT_CERTIFICATES))
-        await self.part.adopt(dataclasses.replace(state, certificates=tuple(certificates)), keep_progress=keep)
-        self.pending = None
-        await self.plane.advanced(self.part.round, keep_from=self.part.replay_from())
-        for cert in certificates:
-            await self.plane.keep_certificate(cert)
-        self.changed()
-        self.emit(HealEvent(from_round=before, to_round=state.round, source=source, hash=state.digest,
-                            peer=self.peer_id, transfer_s=transfer_s))
-        return source
 
     # ------------------------------------------------------------------ waits
 

@@ -1,4 +1,4 @@
-"""A heal by the majority's state whose plan the swarm overtook (driver/loop.py `heal`): the live
+"""A heal by the majority's state whose plan the swarm overtook (driver/loop.py `heal`, driver/downloads.py): the live
 peers read when the heal began still announce round 1, but the donors, asked, already serve round 2. The peer
 reads the roster again and adopts the round-2 state it downloaded once; it does not download the state from
 every donor of the old plan to refuse each. A donor whose newer round the roster does not bear out is refused."""
